@@ -1,0 +1,21 @@
+# Quick start: `make demo` (serve the model repository and answer an image question), `make test`.
+PY := .venv/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+export HTTP_PORT GRPC_PORT METRICS_PORT
+
+.PHONY: setup serve demo test
+
+setup:
+	@bash scripts/setup.sh
+
+# tritonserver in the foreground on 127.0.0.1 with the environment the Python backend needs.
+serve: setup
+	$(PY) -m clients.local_server --model-repository model_repository
+
+demo: setup
+	$(PY) -m clients.demo
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)

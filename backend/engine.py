@@ -1,0 +1,159 @@
+"""Hosting one in-process vLLM ``AsyncLLM`` inside a Triton Python model (or any process).
+
+Who calls it: a generating model's ``initialize`` calls ``EngineHost.start(engine_args)``; ``execute``
+schedules coroutines with ``submit``; ``finalize`` calls ``shutdown``. The engine lives on a private
+asyncio loop in a daemon thread, because the Triton stub's ``execute`` must return at once for a
+decoupled model while responses keep streaming.
+
+Engine arguments come from a ``model.json`` beside ``config.pbtxt`` and go straight to
+``AsyncEngineArgs`` (like Triton's vllm_backend); relative paths in it are resolved against its folder.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import locale
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Coroutine
+
+from backend.errors import InvalidInput, Unavailable
+from backend.request import GenerateRequest
+
+PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
+
+# Measured on 2 cores (see RECIPES): more OpenMP threads per engine made a 16-token request 50x slower,
+# and the default binds every engine to core 0. Set before vLLM/torch are imported; the operator's
+# environment wins.
+PROCESS_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+}
+
+
+def load_engine_args(path: Path) -> dict[str, Any]:
+    """Read a model.json; relative paths are resolved against its folder."""
+    args = json.loads(Path(path).read_text())
+    if not isinstance(args, dict) or "model" not in args:
+        raise ValueError(f"{path}: expected a JSON object with at least a 'model' key")
+    for key in PATH_KEYS:
+        value = args.get(key)
+        if isinstance(value, str) and value and not os.path.isabs(value) and value.startswith("."):
+            args[key] = str((Path(path).parent / value).resolve())
+    return args
+
+
+def prepare_process() -> None:
+    """Process-wide settings vLLM needs inside the Triton stub (whose locale is ASCII)."""
+    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    for key, value in PROCESS_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """What one engine step added: new text, cumulative counts, and the finish reason when done."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineHost:
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine, tokenizer):
+        self._loop, self._thread, self._engine, self._tokenizer = loop, thread, engine, tokenizer
+
+    @classmethod
+    def start(cls, engine_args: dict[str, Any]) -> "EngineHost":
+        prepare_process()
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="vllm-engine-loop", daemon=True)
+        thread.start()
+
+        async def create():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+        try:
+            engine = asyncio.run_coroutine_threadsafe(create(), loop).result()
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            raise
+        tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
+        return cls(loop, thread, engine, tokenizer)
+
+    def submit(self, coro: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def render_chat(self, conversation: list[dict[str, Any]]) -> str:
+        return self._tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput("sampling_parameters", str(exc)) from None
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        produced = 0
+        try:
+            async for out in self._engine.generate(prompt, params, request_id):
+                completion = out.outputs[0]
+                produced += len(completion.token_ids)
+                yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
+                                      completion.finish_reason if out.finished else None)
+        except ValueError as exc:  # vLLM's input validation (prompt too long, bad multimodal data, ...)
+            raise InvalidInput("text_input" if produced == 0 else "request", str(exc)) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                raise Unavailable(f"engine is not running: {exc}") from exc
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its EngineCore child) and the loop thread; safe to call twice."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            # Stop the output handler first, or it logs the engine's exit as an EngineDeadError.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None:
+                self.submit(_cancel_and_wait(handler)).result(timeout=10)
+            engine.shutdown()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
+        del engine
+        gc.collect()
+
+
+async def _cancel_and_wait(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,104 @@
+"""Streaming one generate request from an engine to a response sink.
+
+Who calls it: a generating model schedules ``stream_generation`` on its engine loop for each request
+it has parsed. The sink is the Triton response sender behind an adapter (``backend.triton_io``) or a
+fake in unit tests. Contract, whatever happens: the sink gets exactly one final signal (a final
+chunk, an error, or a bare close after a client cancel), and a cancelled request is aborted in the
+engine so it stops generating and frees its KV.
+"""
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from backend.engine import GenerationDelta
+from backend.request import GenerateRequest
+
+
+@dataclass(frozen=True)
+class ResponseChunk:
+    text_output: str
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+
+class ResponseSink(Protocol):
+    def is_cancelled(self) -> bool: ...
+    def send(self, chunk: ResponseChunk, final: bool) -> None: ...
+    def send_error(self, exc: BaseException) -> None:
+        """Send ``exc`` as the request's final response."""
+    def close(self) -> None:
+        """Send the final flag with no response (after a client cancel)."""
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestObserver(Protocol):
+    def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None: ...
+
+
+class GenerationEngine(Protocol):
+    def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]: ...
+    async def abort(self, request_id: str) -> None: ...
+
+
+async def stream_generation(engine: GenerationEngine, request: GenerateRequest, sink: ResponseSink,
+                            observer: RequestObserver | None = None, request_id: str | None = None) -> Outcome:
+    request_id = request_id or uuid.uuid4().hex
+    pieces: list[str] = []
+    last: GenerationDelta | None = None
+    outcome = Outcome.ERROR
+    try:
+        async for delta in engine.generate(request, request_id):
+            last = delta
+            if sink.is_cancelled():
+                await engine.abort(request_id)
+                sink.close()
+                outcome = Outcome.CANCELLED
+                return outcome
+            if request.stream:
+                if delta.text or delta.finished:
+                    sink.send(_chunk(request, delta, delta.text), final=delta.finished)
+            else:
+                pieces.append(delta.text)
+                if delta.finished:
+                    prefix = "" if request.exclude_input_in_output else request.prompt
+                    sink.send(_chunk(request, delta, prefix + "".join(pieces)), final=True)
+            if delta.finished:
+                outcome = Outcome.OK
+                return outcome
+        raise RuntimeError("engine stream ended without a finished output")
+    except BaseException as exc:
+        outcome = Outcome.ERROR
+        await _abort_quietly(engine, request_id)
+        sink.send_error(exc)
+        if not isinstance(exc, Exception):
+            raise
+        return outcome
+    finally:
+        if observer is not None:
+            observer.request_finished(outcome, last.num_output_tokens if last else 0)
+
+
+def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> ResponseChunk:
+    if not delta.finished:
+        return ResponseChunk(text)
+    return ResponseChunk(
+        text, finish_reason=delta.finish_reason,
+        num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
+        num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
+    )
+
+
+async def _abort_quietly(engine: GenerationEngine, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:  # the engine may already be gone; the request's error is what matters
+        pass

@@ -1,0 +1,184 @@
+"""Build a tiny random-weight Qwen2-VL checkpoint locally and deterministically.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a fixed built-in
+corpus, the config is written here, and the weights are drawn from a seeded generator.
+HF's default init (std 0.02) gives a model whose output ignores the image, which would
+make every equality test vacuous; so matrices are re-drawn with std 1/sqrt(fan_in) and
+token embeddings with std 1, which makes different images give different tokens.
+
+CLI: ``python -m backend.tiny_model --out models/tiny-qwen2-vl``. The output directory
+holds a ``BUILD_INFO.json`` fingerprint; a second run with the same recipe is a no-op.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+RECIPE_VERSION = 1
+SEED = 1234
+IMAGE_MIN_PIXELS = 28 * 28
+IMAGE_MAX_PIXELS = 112 * 112
+VOCAB_SIZE = 1024
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+# Qwen2-VL's chat template, reduced to what the tiny model needs: text and image/video parts.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS_WORDS = (
+    "the a an is are was what which who where when how why describe image picture photo "
+    "color red green blue yellow black white left right top bottom cat dog car tree sky "
+    "house person people one two three four many small large bright dark shape circle "
+    "square line pattern there this that it of in on at with and or not answer question "
+    "please tell me about you assistant user system helpful shows contains see look"
+).split()
+
+
+def _corpus() -> list[str]:
+    """A fixed pseudo-random corpus (no RNG state shared with anything else)."""
+    lines = []
+    n = len(_CORPUS_WORDS)
+    for i in range(4000):
+        words = [_CORPUS_WORDS[(i * 7 + j * j * 13 + j) % n] for j in range(3 + i % 11)]
+        lines.append(" ".join(words) + (" ?" if i % 3 == 0 else " ."))
+    lines.append(CHAT_TEMPLATE)
+    return lines
+
+
+def recipe_fingerprint() -> str:
+    doc = json.dumps({
+        "v": RECIPE_VERSION, "seed": SEED, "vocab": VOCAB_SIZE, "special": SPECIAL_TOKENS,
+        "template": CHAT_TEMPLATE, "pixels": [IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS],
+        "config": _config_dict(0), "corpus": hashlib.sha256("\n".join(_corpus()).encode()).hexdigest(),
+    }, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def _build_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, model_max_length=4096, chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def _config_dict(vocab_size: int) -> dict:
+    return {
+        "text": dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=4096, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "mrope_section": [4, 6, 6]}),
+        "vision": dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+    }
+
+
+def _build_model(out: Path, tokenizer) -> None:
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    cfg = _config_dict(len(tokenizer))
+    text = dict(cfg["text"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=cfg["vision"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False, dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(param[0].numel())
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                param.zero_()
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _build_processor(out: Path) -> None:
+    from transformers import Qwen2VLImageProcessor
+
+    proc = Qwen2VLImageProcessor(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS,
+                                 patch_size=14, merge_size=2, temporal_patch_size=2)
+    proc.save_pretrained(out)
+    # Qwen2VLProcessor (what vLLM loads for this architecture) is found through this file.
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+
+
+def build(out: Path, force: bool = False) -> bool:
+    """Build the checkpoint at ``out``. Returns False when an identical one already exists."""
+    fingerprint = recipe_fingerprint()
+    info = out / "BUILD_INFO.json"
+    if not force and info.exists() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
+    try:
+        tokenizer = _build_tokenizer(tmp)
+        _build_model(tmp, tokenizer)
+        _build_processor(tmp)
+        (tmp / "BUILD_INFO.json").write_text(json.dumps({"fingerprint": fingerprint, "seed": SEED}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("models/tiny-qwen2-vl"))
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    args = parser.parse_args(argv)
+    built = build(args.out, force=args.force)
+    print(f"{'built' if built else 'up to date'}: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The Triton boundary: tensors <-> typed values, response sending, error codes, metrics.
+
+The only module under ``backend/`` that imports ``triton_python_backend_utils``; it is imported by the
+``model.py`` adapters only, so everything else stays testable without tritonserver. Domain errors are
+mapped to ``TritonError`` codes here, once.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.errors import ErrorCode, EpdError, InvalidInput, error_code
+from backend.request import RawGenerateInputs
+from backend.serving import Outcome, ResponseChunk
+
+log = logging.getLogger(__name__)
+
+
+
+def to_triton_error(exc: BaseException):
+    code = error_code(exc)
+    message = str(exc) if isinstance(exc, EpdError) else f"internal error: {type(exc).__name__}: {exc}"
+    if code is ErrorCode.INTERNAL:
+        log.error("request failed: %s", message, exc_info=exc)
+    # Looked up per call: the stub adds TritonError to pb_utils after importing model.py.
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value))
+
+
+def _array(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _text(request, name: str) -> str | None:
+    arr = _array(request, name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise InvalidInput(name, f"expected one element, got {arr.size}")
+    value = arr.reshape(-1)[0]
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(name, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _bool(request, name: str) -> bool:
+    arr = _array(request, name)
+    if arr is None:
+        return False
+    if arr.size != 1:
+        raise InvalidInput(name, f"expected one element, got {arr.size}")
+    return bool(arr.reshape(-1)[0])
+
+
+def read_generate_inputs(request) -> RawGenerateInputs:
+    images = _array(request, "image")
+    return RawGenerateInputs(
+        text_input=_text(request, "text_input"),
+        messages=_text(request, "messages"),
+        images=tuple(bytes(x) for x in images.reshape(-1)) if images is not None else (),
+        stream=_bool(request, "stream"),
+        sampling_parameters=_text(request, "sampling_parameters"),
+        exclude_input_in_output=_bool(request, "exclude_input_in_output"),
+        return_num_input_tokens=_bool(request, "return_num_input_tokens"),
+        return_num_output_tokens=_bool(request, "return_num_output_tokens"),
+    )
+
+
+class TritonSink:
+    """``backend.serving.ResponseSink`` over a decoupled model's response sender."""
+
+    def __init__(self, sender):
+        self._sender = sender
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        outputs = [pb_utils.Tensor("text_output", np.array([chunk.text_output.encode("utf-8")], dtype=np.object_))]
+        if chunk.finish_reason is not None:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=np.object_)))
+        if chunk.num_input_tokens is not None:
+            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
+        if chunk.num_output_tokens is not None:
+            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([chunk.num_output_tokens], dtype=np.uint32)))
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def send_error(self, exc: BaseException) -> None:
+        send_error(self._sender, exc)
+
+    def close(self) -> None:
+        self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def send_error(sender, exc: BaseException) -> None:
+    sender.send(pb_utils.InferenceResponse(error=to_triton_error(exc)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class RequestMetrics:
+    """``backend.serving.RequestObserver`` as Triton custom metrics on the metrics port.
+
+    ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
+    ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
+    """
+
+    def __init__(self, model_name: str):
+        requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
+                                         description="Finished generate requests by outcome")
+        tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
+                                       description="Tokens generated, including those of cancelled requests")
+        self._families = (requests, tokens)  # a family must outlive its metrics
+        self._requests = {o: requests.Metric(labels={"model": model_name, "outcome": o.value}) for o in Outcome}
+        self._tokens = tokens.Metric(labels={"model": model_name})
+
+    def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
+        self._requests[outcome].increment(1)
+        if num_output_tokens:
+            self._tokens.increment(num_output_tokens)

@@ -1,0 +1,169 @@
+"""Start and stop a real ``tritonserver`` on 127.0.0.1 with the environment the Python backend needs.
+
+Used by ``make serve`` (foreground), ``make demo``, the e2e tests and the benchmarks. The binary and
+the Python backend come from the ``nvidia-pytriton`` wheel in the project venv (see scripts/setup.sh).
+
+    python -m clients.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+DEFAULT_REPOSITORY = ROOT / "model_repository"
+
+
+def _site_packages() -> Path:
+    return VENV / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def triton_home() -> Path:
+    home = _site_packages() / "pytriton" / "tritonserver"
+    if not (home / "bin" / "tritonserver").exists():
+        raise FileNotFoundError(f"tritonserver not found under {home}; run `make setup`")
+    return home
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The venv's python first on PATH (the stub finds its environment through it), libpython on the
+    loader path, UCX kept on loopback, and a UTF-8 locale for child processes."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = f"{VENV / 'bin'}:{env.get('PATH', '')}"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    env.setdefault("LC_ALL", "C.UTF-8")
+    return env
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+    @classmethod
+    def free(cls) -> "Ports":
+        socks = [socket.socket() for _ in range(3)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return cls(*(s.getsockname()[1] for s in socks))
+        finally:
+            for s in socks:
+                s.close()
+
+    @classmethod
+    def from_env(cls) -> "Ports":
+        return cls(int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
+                   int(os.environ.get("METRICS_PORT", 8002)))
+
+
+def command(repository: Path, ports: Ports, extra: list[str] = ()) -> list[str]:
+    home = triton_home()
+    return [
+        str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
+        f"--backend-directory={home / 'backends'}", f"--cache-directory={home / 'caches'}",
+        "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
+        # No GPU, no GPU metrics: without this, NVML/DCGM failures are logged at every start.
+        *([] if Path("/dev/nvidia0").exists() else ["--allow-gpu-metrics=false"]),
+        *extra,
+    ]
+
+
+class TritonServer:
+    """A tritonserver child process; ``with TritonServer(...) as s:`` waits for ready and always stops it."""
+
+    def __init__(self, repository: Path = DEFAULT_REPOSITORY, ports: Ports | None = None,
+                 log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None):
+        self.repository = Path(repository)
+        self.ports = ports or Ports.free()
+        self.log_path = log_path
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.ready_seconds: float | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        started = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(command(self.repository, self.ports, self.extra_args), stdout=out,
+                                         stderr=subprocess.STDOUT, env=server_env(self.env), start_new_session=True)
+        finally:
+            if self.log_path:
+                out.close()
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
+            if self.is_ready():
+                self.ready_seconds = time.monotonic() - started
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM the server (it unloads models and stops their stubs), SIGKILL its process group if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        try:  # stubs or engine processes that outlived the server would leak memory and /dev/shm
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run tritonserver in the foreground on 127.0.0.1.")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
+    args = parser.parse_args(argv)
+    cmd = command(args.model_repository.resolve(), Ports.from_env(), args.extra)
+    os.execve(cmd[0], cmd, server_env())
+
+
+if __name__ == "__main__":
+    main()

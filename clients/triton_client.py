@@ -1,0 +1,196 @@
+"""A small client library for the generating models' shared Triton interface.
+
+``generate(...)`` sends one request (text prompt or chat ``messages``, plus image bytes) over gRPC
+streaming or HTTP ``/generate_stream`` and returns a ``GenerateResult`` with the text, finish reason,
+token counts, time to first token and total time. The CLI (``clients.chat``), the demo, the tests and
+the benchmarks all use it.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@dataclass
+class GenerateResult:
+    text: str = ""
+    chunks: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    ttft: float | None = None   # seconds from send to the first non-empty text chunk
+    total: float = 0.0          # seconds from send to the final response
+    cancelled: bool = False
+
+
+class GenerateError(RuntimeError):
+    """The server answered with an error. ``status`` is gRPC's code name or the HTTP status."""
+
+    def __init__(self, status: str, message: str):
+        self.status, self.message = status, message
+        super().__init__(f"[{status}] {message}")
+
+
+@dataclass
+class GenerateInputs:
+    prompt: str | None = None
+    messages: list[dict] | str | None = None
+    images: Sequence[bytes] = ()
+    sampling: dict[str, Any] | None = None
+    stream: bool = True
+    exclude_input_in_output: bool = True
+    return_counts: bool = True
+
+    def as_values(self) -> dict[str, Any]:
+        """Input name -> value for the shared interface; absent inputs are left out."""
+        values: dict[str, Any] = {"stream": self.stream, "exclude_input_in_output": self.exclude_input_in_output,
+                                  "return_num_input_tokens": self.return_counts,
+                                  "return_num_output_tokens": self.return_counts}
+        if self.prompt is not None:
+            values["text_input"] = self.prompt
+        if self.messages is not None:
+            values["messages"] = self.messages if isinstance(self.messages, str) else json.dumps(self.messages)
+        if self.images:
+            values["image"] = list(self.images)
+        if self.sampling is not None:
+            values["sampling_parameters"] = json.dumps(self.sampling)
+        return values
+
+
+def _grpc_inputs(values: dict[str, Any]):
+    import tritonclient.grpc as grpcclient
+
+    tensors = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            arr, dtype = np.array([value], dtype=bool), "BOOL"
+        elif isinstance(value, list):
+            arr, dtype = np.array(value, dtype=np.object_), "BYTES"
+        else:
+            arr, dtype = np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_), "BYTES"
+        tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+        tensor.set_data_from_numpy(arr)
+        tensors.append(tensor)
+    return tensors
+
+
+def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], started: float,
+            on_text: Callable[[str], None] | None) -> None:
+    if text:
+        if result.ttft is None:
+            result.ttft = time.perf_counter() - started
+        result.chunks.append(text)
+        if on_text:
+            on_text(text)
+    for key in ("finish_reason", "num_input_tokens", "num_output_tokens"):
+        if fields.get(key) is not None:
+            setattr(result, key, fields[key])
+
+
+def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
+                  timeout: float = 300.0, cancel_after_chunks: int | None = None) -> GenerateResult:
+    """One request over a gRPC bidirectional stream. With ``cancel_after_chunks`` the client cancels
+    the request once that many text chunks have arrived (as a user closing the stream would)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    result = GenerateResult()
+    started = time.perf_counter()
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, _grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
+                                  enable_empty_final_response=True)
+        while True:
+            try:
+                res, err = responses.get(timeout=max(0.0, timeout - (time.perf_counter() - started)))
+            except queue.Empty:
+                raise TimeoutError(f"no final response from {model} within {timeout} s") from None
+            if err is not None:
+                if isinstance(err, InferenceServerException):
+                    # gRPC stream errors carry only a message (ModelStreamInferResponse.error_message).
+                    raise GenerateError(str(err.status() or "STREAM_ERROR").replace("StatusCode.", ""),
+                                        err.message())
+                raise err
+            fields = {k: _scalar(res.as_numpy(k)) for k in ("text_output", "finish_reason",
+                                                             "num_input_tokens", "num_output_tokens")}
+            _absorb(result, fields.pop("text_output"), fields, started, on_text)
+            params = res.get_response().parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                break
+            if cancel_after_chunks is not None and len(result.chunks) >= cancel_after_chunks:
+                client.stop_stream(cancel_requests=True)
+                result.cancelled = True
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    result.total = time.perf_counter() - started
+    result.text = "".join(result.chunks)
+    return result
+
+
+def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
+                  timeout: float = 300.0) -> GenerateResult:
+    """One request to Triton's HTTP generate extension (``/generate_stream``, server-sent events).
+    Image bytes travel base64-encoded in the JSON body."""
+    import urllib.error
+    import urllib.request
+
+    values = inputs.as_values()
+    if "image" in values:
+        values["image"] = [base64.b64encode(b).decode() for b in values["image"]]
+    endpoint = "generate_stream" if inputs.stream else "generate"
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(values).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    result = GenerateResult()
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            lines = resp if inputs.stream else [b"data: " + resp.read()]
+            for raw in lines:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                doc = json.loads(line[5:])
+                if "error" in doc:
+                    raise GenerateError("HTTP", doc["error"])
+                _absorb(result, _first(doc.get("text_output")), {k: _first(doc.get(k)) for k in
+                        ("finish_reason", "num_input_tokens", "num_output_tokens")}, started, on_text)
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode("utf-8", "replace").strip()
+        try:  # generate_stream sends its error as one SSE event
+            body = json.loads(body.removeprefix("data:")).get("error", body)
+        except ValueError:
+            pass
+        raise GenerateError(str(exc.code), body) from None
+    result.total = time.perf_counter() - started
+    result.text = "".join(result.chunks)
+    return result
+
+
+def generate(url: str, model: str, inputs: GenerateInputs, protocol: str = "grpc", **kwargs) -> GenerateResult:
+    if protocol == "grpc":
+        return generate_grpc(url, model, inputs, **kwargs)
+    if protocol == "http":
+        return generate_http(url, model, inputs, **kwargs)
+    raise ValueError(f"unknown protocol {protocol!r}; use grpc or http")
+
+
+def _scalar(arr):
+    if arr is None or arr.size == 0:
+        return None
+    value = arr.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) else value
