@@ -74,6 +74,22 @@ class GenerationDelta:
         return self.finish_reason is not None
 
 
+def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
+    """Map vLLM's exceptions to domain errors: request faults (its VLLMClientError family, and the
+    ValueErrors its input processing raises) -> InvalidInput naming the field; overload and a dead
+    engine -> Unavailable; anything else stays internal."""
+    from vllm.exceptions import GracefulHTTPError, RetryableRequestError, VLLMClientError
+
+    if type(exc).__name__ == "EngineDeadError" or isinstance(exc, (GracefulHTTPError, RetryableRequestError)):
+        return Unavailable(f"engine unavailable: {exc}")
+    if isinstance(exc, (VLLMClientError, ValueError)):
+        parameter = getattr(exc, "parameter", None)
+        field = (request.prompt_field if parameter in (None, "input_tokens", "prompt")
+                 else f"sampling_parameters.{parameter}")
+        return InvalidInput(field, str(exc))
+    return exc
+
+
 class EngineHost:
     def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine, tokenizer):
         self._loop, self._thread, self._engine, self._tokenizer = loop, thread, engine, tokenizer
@@ -125,14 +141,10 @@ class EngineHost:
                 produced += len(completion.token_ids)
                 yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
                                       completion.finish_reason if out.finished else None)
-        except ValueError as exc:  # vLLM's input validation (prompt too long, bad multimodal data, ...)
-            raise InvalidInput("text_input" if produced == 0 else "request", str(exc)) from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if type(exc).__name__ == "EngineDeadError":
-                raise Unavailable(f"engine is not running: {exc}") from exc
-            raise
+            raise _domain_error(exc, request) from exc
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

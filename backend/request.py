@@ -63,6 +63,7 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    prompt_field: str = "text_input"  # the input the prompt came from, for error messages
 
 
 class ChatRenderer(Protocol):
@@ -93,6 +94,7 @@ def parse_generate_request(raw: RawGenerateInputs, render_chat: ChatRenderer,
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens,
+        prompt_field="text_input" if has_text else "messages",
     )
 
 

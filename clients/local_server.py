@@ -83,6 +83,20 @@ def command(repository: Path, ports: Ports, extra: list[str] = ()) -> list[str]:
     ]
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (the server started its own session)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
 class TritonServer:
     """A tritonserver child process; ``with TritonServer(...) as s:`` waits for ready and always stops it."""
 
@@ -95,6 +109,7 @@ class TritonServer:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
+        self.stragglers: list[int] = []
 
     @property
     def http_url(self) -> str:
@@ -144,10 +159,17 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        try:  # stubs or engine processes that outlived the server would leak memory and /dev/shm
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # Stubs and engine processes should exit with the server; give them a moment, record any that
+        # did not (tests assert there are none), then kill them so nothing leaks either way.
+        deadline = time.monotonic() + 10
+        while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.stragglers = left
+        if left:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "TritonServer":
         return self.start()

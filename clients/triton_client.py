@@ -43,7 +43,7 @@ class GenerateInputs:
     prompt: str | None = None
     messages: list[dict] | str | None = None
     images: Sequence[bytes] = ()
-    sampling: dict[str, Any] | None = None
+    sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
     stream: bool = True
     exclude_input_in_output: bool = True
     return_counts: bool = True
@@ -60,7 +60,7 @@ class GenerateInputs:
         if self.images:
             values["image"] = list(self.images)
         if self.sampling is not None:
-            values["sampling_parameters"] = json.dumps(self.sampling)
+            values["sampling_parameters"] = self.sampling if isinstance(self.sampling, str) else json.dumps(self.sampling)
         return values
 
 

@@ -1,0 +1,59 @@
+"""E2E fixtures: one real tritonserver (free ports on 127.0.0.1) for the session, always stopped, and
+checked for leaked /dev/shm files and processes afterwards; reference outputs from in-process vLLM."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clients.local_server import ROOT, TritonServer
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    before = _shm()
+    srv = TritonServer(log_path=log)
+    try:
+        srv.start(timeout=300)
+    except Exception:
+        print(log.read_text()[-5000:] if log.exists() else "(no log)")
+        raise
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        print(f"\ntritonserver ready in {srv.ready_seconds:.1f} s; log {log}")
+    assert not srv.stragglers, f"processes outlived tritonserver: {srv.stragglers}"
+    leaked = _shm() - before
+    assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
+
+
+class Reference:
+    """Runs cases through ``tests.vllm_reference`` in one subprocess and caches the outputs."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+
+    def run(self, cases: list[dict]) -> list[dict]:
+        cases_path, out_path = self.workdir / "cases.json", self.workdir / "out.json"
+        cases_path.write_text(json.dumps([{**c, "images": [base64.b64encode(b).decode() for b in c.get("images", [])]}
+                                          for c in cases]))
+        proc = subprocess.run([sys.executable, "-m", "tests.vllm_reference", str(cases_path), str(out_path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    return Reference(tmp_path_factory.mktemp("reference"))

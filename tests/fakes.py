@@ -1,0 +1,79 @@
+"""Fakes shared by the unit tests (never copied between test files)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from backend.engine import GenerationDelta
+from backend.request import GenerateRequest
+from backend.serving import Outcome, ResponseChunk
+
+
+def render_chat(conversation) -> str:
+    """A stand-in chat template: role, then text, with <image> for image parts."""
+    out = []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, list):
+            content = "".join("<image>" if p["type"] == "image" else p["text"] for p in content)
+        out.append(f"{message['role']}: {content}\n")
+    return "".join(out) + "assistant: "
+
+
+class FakeEngine:
+    """Yields the given text pieces one per step; records aborts. ``fail_with`` raises after ``fail_after`` steps."""
+
+    def __init__(self, pieces=("Hel", "lo", "!"), finish_reason="stop", num_input_tokens=7,
+                 fail_with: BaseException | None = None, fail_after: int = 0, step_delay: float = 0.0):
+        self.pieces, self.finish_reason, self.num_input_tokens = list(pieces), finish_reason, num_input_tokens
+        self.fail_with, self.fail_after, self.step_delay = fail_with, fail_after, step_delay
+        self.aborted: list[str] = []
+        self.steps_run = 0
+
+    async def generate(self, request: GenerateRequest, request_id: str):
+        for i, piece in enumerate(self.pieces):
+            if self.fail_with is not None and i == self.fail_after:
+                raise self.fail_with
+            if request_id in self.aborted:
+                return
+            await asyncio.sleep(self.step_delay)
+            self.steps_run += 1
+            last = i == len(self.pieces) - 1
+            yield GenerationDelta(piece, self.num_input_tokens, i + 1, self.finish_reason if last else None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+@dataclass
+class FakeSink:
+    """Records what a Triton response sender would have been sent; cancels after ``cancel_after`` sends."""
+
+    cancel_after: int | None = None
+    chunks: list[tuple[ResponseChunk, bool]] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    closed: int = 0
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.chunks) >= self.cancel_after
+
+    def send(self, chunk: ResponseChunk, final: bool) -> None:
+        self.chunks.append((chunk, final))
+
+    def send_error(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    @property
+    def finals(self) -> int:
+        return sum(final for _, final in self.chunks) + len(self.errors) + self.closed
+
+
+@dataclass
+class RecordingObserver:
+    finished: list[tuple[Outcome, int]] = field(default_factory=list)
+
+    def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
+        self.finished.append((outcome, num_output_tokens))

@@ -1,0 +1,40 @@
+import json
+from pathlib import Path
+
+from backend.engine import load_engine_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_relative_paths_resolve_against_the_json_folder(tmp_path):
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / "model.json"
+    path.write_text(json.dumps({"model": "../weights", "tokenizer": "org/name", "dtype": "float32"}))
+    args = load_engine_args(path)
+    assert args["model"] == str(tmp_path / "weights")
+    assert args["tokenizer"] == "org/name"  # a hub-style id is left alone
+    assert args["dtype"] == "float32"
+
+
+def test_committed_llm_engine_args_point_at_the_tiny_model():
+    args = load_engine_args(ROOT / "model_repository" / "llm" / "model.json")
+    assert Path(args["model"]) == ROOT / "models" / "tiny-qwen2-vl"
+    assert args["limit_mm_per_prompt"]["image"] >= 1
+
+
+def test_vllm_errors_map_to_domain_errors():
+    from vllm.exceptions import QueueOverflowError, VLLMValidationError
+
+    from backend.engine import _domain_error
+    from backend.errors import ErrorCode
+    from backend.request import GenerateRequest
+
+    req = GenerateRequest(prompt="p", images=(), sampling={}, prompt_field="messages")
+    too_long = _domain_error(VLLMValidationError("too long", parameter="input_tokens", value=5000), req)
+    assert too_long.code is ErrorCode.INVALID_ARG and too_long.field == "messages"
+    bad_param = _domain_error(VLLMValidationError("bad", parameter="max_tokens", value=-1), req)
+    assert bad_param.field == "sampling_parameters.max_tokens"
+    assert _domain_error(ValueError("bad image"), req).code is ErrorCode.INVALID_ARG
+    assert _domain_error(QueueOverflowError(), req).code is ErrorCode.UNAVAILABLE
+    other = RuntimeError("boom")
+    assert _domain_error(other, req) is other

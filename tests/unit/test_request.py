@@ -1,0 +1,85 @@
+import base64
+import json
+
+import pytest
+
+from backend.errors import InvalidInput
+from backend.request import PromptFormat, RawGenerateInputs, RequestLimits, parse_generate_request
+from tests.fakes import render_chat
+from tests.images import image_bytes
+
+PH = PromptFormat().image_placeholder
+
+
+def parse(**kwargs):
+    return parse_generate_request(RawGenerateInputs(**kwargs), render_chat, RequestLimits(max_images=3))
+
+
+def test_text_prompt_with_placeholders_and_images():
+    req = parse(text_input=f"{PH}{PH} compare", images=(image_bytes(8, 8, 1), image_bytes(16, 8, 2)),
+                sampling_parameters='{"max_tokens": 4}', stream=True, return_num_output_tokens=True)
+    assert req.prompt == f"{PH}{PH} compare"
+    assert [im.size for im in req.images] == [(8, 8), (16, 8)]
+    assert req.sampling == {"max_tokens": 4} and req.stream and req.return_num_output_tokens
+
+
+def test_placeholders_are_added_when_the_prompt_has_none():
+    req = parse(text_input="what is this?", images=(image_bytes(8, 8), image_bytes(8, 8, 1)))
+    assert req.prompt == PH + PH + "what is this?"
+
+
+def test_text_only_request_has_no_images():
+    req = parse(text_input="hello")
+    assert req.prompt == "hello" and req.images == ()
+
+
+@pytest.mark.parametrize("kwargs, field, fragment", [
+    (dict(), "text_input", "got neither"),
+    (dict(text_input="a", messages="[]"), "text_input", "not both"),
+    (dict(text_input="  "), "text_input", "empty prompt"),
+    (dict(text_input=f"{PH}{PH}x", images=(image_bytes(8, 8),)), "image", "2 image placeholder(s)"),
+    (dict(text_input=f"{PH}x"), "text_input", "but 0 image(s)"),
+    (dict(text_input="x", images=(image_bytes(8, 8),) * 4), "image", "per-request limit of 3"),
+    (dict(text_input="x", images=(b"\x89PNG broken",)), "image[0]", "cannot decode"),
+    (dict(text_input="x", sampling_parameters="{"), "sampling_parameters", "not valid JSON"),
+])
+def test_text_prompt_errors(kwargs, field, fragment):
+    with pytest.raises(InvalidInput) as info:
+        parse(**kwargs)
+    assert info.value.field == field
+    assert fragment in str(info.value)
+
+
+def test_messages_with_data_url_and_tensor_images():
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(12, 8)).decode()
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "and"}, {"type": "image"}]},
+        {"role": "assistant", "content": "two pictures"},
+        {"role": "user", "content": [{"type": "text", "text": "which is larger?"}]},
+    ]
+    req = parse(messages=json.dumps(messages), images=(image_bytes(20, 10),))
+    assert req.prompt == ("system: be brief\nuser: <image>and<image>\nassistant: two pictures\n"
+                          "user: which is larger?\nassistant: ")
+    assert [im.size for im in req.images] == [(12, 8), (20, 10)]
+
+
+@pytest.mark.parametrize("messages, images, field, fragment", [
+    ("[{", (), "messages", "not valid JSON"),
+    ("[]", (), "messages", "non-empty JSON list"),
+    ('["hi"]', (), "messages[0]", "object with 'role'"),
+    ('[{"role": "robot", "content": "x"}]', (), "messages[0].role", "robot"),
+    ('[{"role": "user", "content": 3}]', (), "messages[0].content", "string or a list"),
+    ('[{"role": "user", "content": [{"type": "audio_url"}]}]', (), "messages[0].content[0].type", "audio_url"),
+    ('[{"role": "user", "content": [{"type": "text"}]}]', (), "messages[0].content[0].text", "string"),
+    ('[{"role": "user", "content": [{"type": "image"}]}]', (), "messages[0].content[0]", "none is left"),
+    ('[{"role": "user", "content": "hi"}]', (image_bytes(8, 8),), "image", "not referenced"),
+    ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]', (),
+     "messages[0].content[0].image_url", "unsupported URL scheme"),
+])
+def test_messages_errors(messages, images, field, fragment):
+    with pytest.raises(InvalidInput) as info:
+        parse(messages=messages, images=images)
+    assert info.value.field == field
+    assert fragment in str(info.value)

@@ -1,0 +1,41 @@
+import pytest
+
+from backend.errors import ErrorCode, InvalidInput
+from backend.sampling import parse_sampling_parameters
+
+
+def test_valid_parameters_are_typed():
+    out = parse_sampling_parameters('{"temperature": "0.5", "max_tokens": "16", "top_p": 0.9, "seed": 3,'
+                                    ' "ignore_eos": "true", "stop": "x", "stop_token_ids": [2]}')
+    assert out == {"temperature": 0.5, "max_tokens": 16, "top_p": 0.9, "seed": 3, "ignore_eos": True,
+                   "stop": ["x"], "stop_token_ids": [2]}
+
+
+@pytest.mark.parametrize("text", [None, "", "   "])
+def test_absent_parameters_mean_engine_defaults(text):
+    assert parse_sampling_parameters(text) == {}
+
+
+@pytest.mark.parametrize("text, field, fragment", [
+    ('{"max_tokens": -1}', "sampling_parameters.max_tokens", ">= 1"),
+    ('{"max_tokens": 0}', "sampling_parameters.max_tokens", ">= 1"),
+    ('{"max_tokens": 2.5}', "sampling_parameters.max_tokens", "integer"),
+    ('{"max_tokens": true}', "sampling_parameters.max_tokens", "number"),
+    ('{"temperature": -0.1}', "sampling_parameters.temperature", ">= 0"),
+    ('{"temperature": "hot"}', "sampling_parameters.temperature", "number"),
+    ('{"temperature": NaN}', "sampling_parameters.temperature", "finite"),
+    ('{"top_p": 0}', "sampling_parameters.top_p", "> 0"),
+    ('{"top_p": 1.5}', "sampling_parameters.top_p", "<= 1"),
+    ('{"ignore_eos": 1}', "sampling_parameters.ignore_eos", "true or false"),
+    ('{"stop": [1]}', "sampling_parameters.stop", "string"),
+    ('{"max_tokens": 4, "min_tokens": 5}', "sampling_parameters.min_tokens", "max_tokens"),
+    ('{"best_of": 2}', "sampling_parameters.best_of", "unknown parameter"),
+    ('{"max_tokens": 16', "sampling_parameters", "not valid JSON"),
+    ('[1, 2]', "sampling_parameters", "JSON object"),
+])
+def test_bad_parameters_name_the_field(text, field, fragment):
+    with pytest.raises(InvalidInput) as info:
+        parse_sampling_parameters(text)
+    assert info.value.field == field
+    assert fragment in str(info.value)
+    assert info.value.code is ErrorCode.INVALID_ARG
