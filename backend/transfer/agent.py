@@ -1,0 +1,36 @@
+"""Creating NIXL agents that do not spin a core while idle.
+
+NIXL's Python API builds the agent config itself and hard-codes the progress thread's poll delay to 0,
+so an idle agent busy-polls (measured: 25-72% of a core here). ``create_agent`` hands the C++ agent a
+config with ``pthrDelay`` set (1 ms by default), by wrapping the binding's constructor for the duration
+of one construction. Nothing else of NIXL's behaviour changes.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+_construct_lock = threading.Lock()
+
+DEFAULT_POLL_DELAY_US = 1000
+
+
+def create_agent(role: str, poll_delay_us: int = DEFAULT_POLL_DELAY_US):
+    """A UCX-backed ``nixl_agent`` named ``<role>-<pid>-<random>`` (names must be unique per peer set)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from nixl import _api
+
+    name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    real = _api.nixlBind.nixlAgent
+
+    def construct(agent_name, config):
+        config.pthrDelay = poll_delay_us
+        return real(agent_name, config)
+
+    with _construct_lock:
+        _api.nixlBind.nixlAgent = construct
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            _api.nixlBind.nixlAgent = real

@@ -1,0 +1,92 @@
+"""The consumer side: pull a lease's embeddings with one NIXL READ and tell the producer it is done.
+
+Who calls it: a consumer model (``pd``) before it submits a request to vLLM: ``pull(layout)`` returns a
+tensor of the layout's dtype and shape, or raises ``Unavailable`` (lease expired or released, producer
+gone, transfer failed); the request then fails, never the engine. The READ carries the notification
+``release:<lease_id>``, delivered to the producer when the data has arrived.
+
+A failed transfer drops the producer from the agent's peers, so the next pull reconnects (a producer
+restart makes a new agent name anyway). Not thread-safe: callers serialise pulls (one executor thread).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backend.errors import Unavailable
+from backend.layout import LayoutMetadata
+from backend.transfer.agent import create_agent
+from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EmbeddingConsumer:
+    def __init__(self, role: str = "consumer", timeout: float = 10.0, expiry_margin: float = 0.05):
+        self.agent = create_agent(role)
+        self.timeout, self.expiry_margin = timeout, expiry_margin
+        self._peers: set[str] = set()
+        self.bytes_pulled = 0
+        self.items_pulled = 0
+
+    def pull(self, layout: LayoutMetadata) -> torch.Tensor:
+        handle = layout.handle
+        if time.time() > handle.expires_at - self.expiry_margin:
+            raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
+        peer = self._peer(handle)
+        region = torch.empty(HEADER + handle.nbytes + TRAILER, dtype=torch.uint8)
+        reg = self.agent.register_memory(region)
+        xfer = None
+        try:
+            remote = self.agent.deserialize_descs(handle.descriptors)
+            local = self.agent.get_xfer_descs(region)
+            xfer = self.agent.initialize_xfer("READ", local, remote, peer, RELEASE_PREFIX + handle.lease_id.encode())
+            state = self.agent.transfer(xfer)
+            deadline = time.monotonic() + self.timeout
+            spins = 0
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"embedding transfer from {peer} timed out after {self.timeout} s")
+                spins += 1
+                if spins > 1000:
+                    time.sleep(0.0002)
+                state = self.agent.check_xfer_state(xfer)
+            if state == "ERR":
+                raise Unavailable(f"embedding transfer from {peer} failed")
+        except Unavailable:
+            self._forget(peer)
+            raise
+        except Exception as exc:  # NIXL raises its own errors (e.g. nixlRemoteDisconnectError)
+            self._forget(peer)
+            raise Unavailable(f"embedding transfer from {peer} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if xfer is not None:
+                self.agent.release_xfer_handle(xfer)
+            self.agent.deregister_memory(reg)
+        tags = region[:8].view(torch.int64)[0], region[HEADER + handle.nbytes:].view(torch.int64)[0]
+        expected = int(handle.lease_id, 16)
+        if int(tags[0]) != expected or int(tags[1]) != expected:
+            raise Unavailable(f"embedding lease {handle.lease_id} was released or expired before the read")
+        self.bytes_pulled += handle.nbytes
+        self.items_pulled += 1
+        payload = region[HEADER: HEADER + handle.nbytes]
+        return payload.view(_DTYPES[layout.dtype]).reshape(layout.shape)
+
+    def _peer(self, handle) -> str:
+        if handle.agent_name not in self._peers:
+            try:
+                name = self.agent.add_remote_agent(handle.agent_metadata)
+            except Exception as exc:
+                raise Unavailable(f"cannot reach embedding producer {handle.agent_name}: {exc}") from exc
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers.add(name)
+        return handle.agent_name
+
+    def _forget(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception:
+                pass

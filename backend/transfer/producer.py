@@ -1,0 +1,180 @@
+"""The producer side: a pool of NIXL-registered host memory, handed out as leases.
+
+Lease lifecycle (``LeaseState``)::
+
+    ALLOCATED --write--> PUBLISHED --consumer READ + notif--> READ --> RELEASED
+                             \\--------- expires_at passes --------> EXPIRED
+
+A region is laid out as ``[tag u64 | nbytes u64 | payload | tag u64]``. The tag is the lease id; it is
+zeroed when the lease ends, before the region can be reused, so a consumer that reads after the end
+sees a mismatch and fails the item instead of using someone else's bytes (NIXL itself enforces no lease).
+
+Who calls it: the ``encoder`` model: ``publish`` per item (blocks up to ``alloc_timeout`` for space, then
+``Unavailable``), ``stats`` for metrics, ``close`` in ``finalize``. A service thread drains NIXL
+notifications (``release:<lease_id>`` from consumers) and reclaims expired leases every ``poll_interval``.
+"""
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from backend.errors import Unavailable
+from backend.layout import TransferHandle
+from backend.transfer.agent import create_agent
+
+HEADER = 16
+TRAILER = 8
+ALIGN = 64
+RELEASE_PREFIX = b"release:"
+
+
+class LeaseState(enum.Enum):
+    ALLOCATED = "allocated"
+    PUBLISHED = "published"
+    READ = "read"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass
+class _Lease:
+    lease_id: str
+    offset: int
+    size: int
+    expires_at: float
+    state: LeaseState = LeaseState.ALLOCATED
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    capacity_bytes: int
+    used_bytes: int
+    open_leases: int
+    released_total: int
+    expired_total: int
+
+
+class EmbeddingPool:
+    def __init__(self, pool_bytes: int = 64 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 1.0,
+                 poll_interval: float = 0.005, role: str = "encoder"):
+        self.lease_seconds, self.alloc_timeout, self.poll_interval = lease_seconds, alloc_timeout, poll_interval
+        self.agent = create_agent(role)
+        self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8)
+        self._base = self.buffer.data_ptr()
+        self._reg = self.agent.register_memory(self.buffer)
+        self.agent_metadata = self.agent.get_agent_metadata()
+        self._free: list[tuple[int, int]] = [(0, pool_bytes)]  # sorted (offset, size)
+        self._leases: dict[str, _Lease] = {}
+        self._released = self._expired = 0
+        self._cond = threading.Condition()
+        self._agent_lock = threading.Lock()  # the agent is created without NIXL's own thread sync
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._service, name="embedding-pool", daemon=True)
+        self._thread.start()
+
+    # -- producer API -------------------------------------------------------------------------
+    def publish(self, tensor: torch.Tensor) -> TransferHandle:
+        """Copy ``tensor`` into a new lease and return its handle; ``Unavailable`` if the pool stays full."""
+        payload = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        nbytes = payload.numel()
+        size = -(-(HEADER + nbytes + TRAILER) // ALIGN) * ALIGN
+        lease = self._allocate(size)
+        tag = int(lease.lease_id, 16)
+        region = self.buffer[lease.offset: lease.offset + size]
+        header = torch.tensor([tag, nbytes], dtype=torch.int64).view(torch.uint8)
+        region[HEADER: HEADER + nbytes].copy_(payload)
+        region[HEADER + nbytes: HEADER + nbytes + TRAILER].copy_(header[:8])
+        region[:HEADER].copy_(header)
+        with self._agent_lock:
+            descs = self.agent.get_xfer_descs([(self._base + lease.offset, HEADER + nbytes + TRAILER, 0)], "DRAM")
+            serialized = self.agent.get_serialized_descs(descs)
+        with self._cond:
+            lease.state = LeaseState.PUBLISHED
+        return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=serialized,
+                              lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at)
+
+    def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
+        """End a lease (idempotent). Returns False if it was not open."""
+        with self._cond:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            lease.state = state
+            self.buffer[lease.offset: lease.offset + 8].zero_()
+            nbytes = int(self.buffer[lease.offset + 8: lease.offset + 16].view(torch.int64)[0])
+            self.buffer[lease.offset + HEADER + nbytes: lease.offset + HEADER + nbytes + TRAILER].zero_()
+            self._give_back(lease.offset, lease.size)
+            if state is LeaseState.EXPIRED:
+                self._expired += 1
+            else:
+                self._released += 1
+            self._cond.notify_all()
+            return True
+
+    def lease_state(self, lease_id: str) -> LeaseState | None:
+        with self._cond:
+            lease = self._leases.get(lease_id)
+            return lease.state if lease else None
+
+    def stats(self) -> PoolStats:
+        with self._cond:
+            used = sum(lease.size for lease in self._leases.values())
+            return PoolStats(self.buffer.numel(), used, len(self._leases), self._released, self._expired)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._agent_lock:
+            self.agent.deregister_memory(self._reg)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _allocate(self, size: int) -> _Lease:
+        deadline = time.monotonic() + self.alloc_timeout
+        with self._cond:
+            while True:
+                for i, (offset, free) in enumerate(self._free):
+                    if free >= size:
+                        self._free[i: i + 1] = [(offset + size, free - size)] if free > size else []
+                        lease = _Lease(secrets.token_hex(7), offset, size, time.time() + self.lease_seconds)
+                        self._leases[lease.lease_id] = lease
+                        return lease
+                left = deadline - time.monotonic()
+                if size > self.buffer.numel() or left <= 0:
+                    raise Unavailable(f"embedding pool full: {size} bytes wanted, "
+                                      f"{self.buffer.numel() - sum(l.size for l in self._leases.values())} of "
+                                      f"{self.buffer.numel()} free in pieces; try again later")
+                self._cond.wait(left)
+
+    def _give_back(self, offset: int, size: int) -> None:
+        free = sorted(self._free + [(offset, size)])
+        merged: list[tuple[int, int]] = []
+        for off, sz in free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+            else:
+                merged.append((off, sz))
+        self._free = merged
+
+    # -- service thread -------------------------------------------------------------------------
+    def _service(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            with self._agent_lock:
+                notifs = self.agent.get_new_notifs()
+            for messages in notifs.values():
+                for message in messages:
+                    if message.startswith(RELEASE_PREFIX):
+                        lease_id = message[len(RELEASE_PREFIX):].decode()
+                        with self._cond:
+                            if lease_id in self._leases:
+                                self._leases[lease_id].state = LeaseState.READ
+                        self.release(lease_id)
+            now = time.time()
+            with self._cond:
+                expired = [l.lease_id for l in self._leases.values() if l.expires_at <= now]
+            for lease_id in expired:
+                self.release(lease_id, LeaseState.EXPIRED)

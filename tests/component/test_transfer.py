@@ -1,0 +1,108 @@
+"""Component tests: real NIXL transfers between two processes (no Triton)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from backend.errors import Unavailable
+from backend.layout import LayoutMetadata
+from backend.transfer.consumer import EmbeddingConsumer
+from backend.transfer.producer import EmbeddingPool, LeaseState
+from tests.component.producer_process import ProducerProcess, make_layout
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    return EmbeddingConsumer()
+
+
+def test_pull_returns_the_producer_tensor_and_releases_the_lease(consumer):
+    tensor = torch.randn(37, 128)
+    with ProducerProcess() as producer:
+        layout = make_layout(producer.call("publish", tensor), tensor)
+        layout = LayoutMetadata.from_json(layout.to_json(), "image_layouts[0]", expected_model="m")  # wire round trip
+        assert producer.call("state", layout.handle.lease_id) == "published"
+        pulled = consumer.pull(layout)
+        assert torch.equal(pulled, tensor)
+        assert producer.wait_state(layout.handle.lease_id, None) is None  # released on the notification
+        stats = producer.call("stats")
+        assert stats.open_leases == 0 and stats.released_total == 1 and stats.used_bytes == 0
+
+
+def test_bfloat16_round_trip(consumer):
+    tensor = torch.randn(5, 64).to(torch.bfloat16)
+    with ProducerProcess() as producer:
+        assert torch.equal(consumer.pull(make_layout(producer.call("publish", tensor), tensor)), tensor)
+
+
+def test_read_after_release_is_detected(consumer):
+    tensor = torch.randn(8, 128)
+    with ProducerProcess() as producer:
+        layout = make_layout(producer.call("publish", tensor), tensor)
+        assert producer.call("release", layout.handle.lease_id) is True
+        with pytest.raises(Unavailable, match="released or expired before the read"):
+            consumer.pull(layout)
+
+
+def test_expired_lease_is_reclaimed_and_refused(consumer):
+    tensor = torch.randn(8, 128)
+    with ProducerProcess(lease_seconds=0.2) as producer:
+        layout = make_layout(producer.call("publish", tensor), tensor)
+        assert producer.wait_state(layout.handle.lease_id, None) is None
+        assert producer.call("stats").expired_total == 1
+        with pytest.raises(Unavailable, match="expired"):
+            consumer.pull(layout)  # refused by the consumer's expiry check
+        late = EmbeddingConsumer(expiry_margin=-3600)  # skip that check: the producer's tag check still holds
+        with pytest.raises(Unavailable, match="released or expired"):
+            late.pull(layout)
+
+
+def test_corrupting_the_producer_buffer_changes_what_is_pulled(consumer):
+    tensor = torch.randn(16, 128)
+    with ProducerProcess() as producer:
+        layout = make_layout(producer.call("publish", tensor), tensor)
+        producer.call("corrupt", layout.handle.lease_id)
+        assert not torch.equal(consumer.pull(layout), tensor)
+
+
+def test_dead_producer_fails_the_pull_and_a_new_producer_works(consumer):
+    tensor = torch.randn(8, 128)
+    producer = ProducerProcess()
+    layout = make_layout(producer.call("publish", tensor), tensor)
+    producer.proc.kill()
+    producer.proc.join(5)
+    with pytest.raises(Unavailable):
+        consumer.pull(layout)
+    with ProducerProcess() as again:  # a restarted producer: the consumer connects afresh
+        assert torch.equal(consumer.pull(make_layout(again.call("publish", tensor), tensor)), tensor)
+
+
+def test_full_pool_applies_backpressure_then_fails_unavailable():
+    pool = EmbeddingPool(pool_bytes=4096, alloc_timeout=0.1)
+    try:
+        first = pool.publish(torch.zeros(700, dtype=torch.float32))  # 2800 B + header: most of the pool
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="embedding pool full"):
+            pool.publish(torch.zeros(700, dtype=torch.float32))
+        assert 0.09 <= time.monotonic() - started < 1.0
+        assert pool.release(first.lease_id)
+        pool.publish(torch.zeros(700, dtype=torch.float32))  # space is back
+        with pytest.raises(Unavailable):
+            pool.publish(torch.zeros(2000, dtype=torch.float32))  # larger than the whole pool
+        assert pool.stats().open_leases == 1
+    finally:
+        pool.close()
+
+
+def test_idle_agents_do_not_spin(consumer):
+    tensor = torch.randn(64, 128)
+    with ProducerProcess() as producer:
+        consumer.pull(make_layout(producer.call("publish", tensor), tensor))  # progress threads now active
+        before = producer.call("cpu")
+        time.sleep(2.0)
+        used = producer.call("cpu") - before
+        assert used < 0.2, f"idle producer used {used / 2.0:.0%} of a core"  # a spinning agent uses ~100%
