@@ -120,8 +120,11 @@ class EngineHost:
     def submit(self, coro: Coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def render_chat(self, conversation: list[dict[str, Any]]) -> str:
-        return self._tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    def prompt_text(self, request: GenerateRequest) -> str:
+        """The prompt the engine sees: ``text_input`` as is, or the conversation through the chat template."""
+        if request.prompt is not None:
+            return request.prompt
+        return self._tokenizer.apply_chat_template(request.conversation, tokenize=False, add_generation_prompt=True)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]:
         from vllm import SamplingParams
@@ -131,8 +134,11 @@ class EngineHost:
             params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
         except (TypeError, ValueError) as exc:
             raise InvalidInput("sampling_parameters", str(exc)) from None
-        prompt: dict[str, Any] = {"prompt": request.prompt}
-        if request.images:
+        prompt: dict[str, Any] = {"prompt": self.prompt_text(request)}
+        if request.image_embeds is not None:
+            embeds, grid_thw = request.image_embeds
+            prompt["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid_thw}}
+        elif request.images:
             prompt["multi_modal_data"] = {"image": list(request.images)}
         produced = 0
         try:

@@ -30,8 +30,18 @@ class MediaLimits:
     allowed_local_media_path: str = ""
 
 
+class _DecodeCounter:
+    """Media decodes performed in this process (models export it as ``epd_media_decodes_total``)."""
+
+    count = 0
+
+
+decode_counter = _DecodeCounter()
+
+
 def decode_image(data: bytes, field: str, limits: MediaLimits) -> Image.Image:
     """Decode encoded image bytes (or their base64 text) into an RGB PIL image."""
+    decode_counter.count += 1
     if not data:
         raise InvalidInput(field, "empty image")
     if len(data) > limits.max_item_bytes:
@@ -58,6 +68,11 @@ def decode_image(data: bytes, field: str, limits: MediaLimits) -> Image.Image:
 
 def load_image_url(url: str, field: str, limits: MediaLimits) -> Image.Image:
     """Load an image named by a ``data:`` URL or an allowed ``file://`` path."""
+    return decode_image(read_image_url(url, field, limits), field, limits)
+
+
+def read_image_url(url: str, field: str, limits: MediaLimits) -> bytes:
+    """The encoded bytes named by a ``data:`` URL or an allowed ``file://`` path (not decoded)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         header, sep, payload = url.partition(",")
@@ -69,9 +84,11 @@ def load_image_url(url: str, field: str, limits: MediaLimits) -> Image.Image:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidInput(field, "data URL payload is not valid base64") from None
-        return decode_image(raw, field, limits)
+        if not raw:
+            raise InvalidInput(field, "empty image")
+        return raw
     if scheme == "file":
-        return decode_image(_read_local_file(url, field, limits), field, limits)
+        return _read_local_file(url, field, limits)
     raise InvalidInput(field, f"unsupported URL scheme {scheme!r}; use data: or file://")
 
 
@@ -95,4 +112,4 @@ def _read_local_file(url: str, field: str, limits: MediaLimits) -> bytes:
         raise InvalidInput(field, f"cannot read {str(path)!r} ({exc.strerror or exc})") from None
 
 
-__all__ = ["MediaLimits", "decode_image", "load_image_url"]
+__all__ = ["MediaLimits", "decode_image", "load_image_url", "read_image_url"]

@@ -45,6 +45,7 @@ class RequestObserver(Protocol):
 
 
 class GenerationEngine(Protocol):
+    def prompt_text(self, request: GenerateRequest) -> str: ...
     def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]: ...
     async def abort(self, request_id: str) -> None: ...
 
@@ -69,7 +70,7 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
             else:
                 pieces.append(delta.text)
                 if delta.finished:
-                    prefix = "" if request.exclude_input_in_output else request.prompt
+                    prefix = "" if request.exclude_input_in_output else engine.prompt_text(request)
                     sink.send(_chunk(request, delta, prefix + "".join(pieces)), final=True)
             if delta.finished:
                 outcome = Outcome.OK

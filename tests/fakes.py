@@ -30,6 +30,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps_run = 0
 
+    def prompt_text(self, request: GenerateRequest) -> str:
+        return request.prompt if request.prompt is not None else render_chat(request.conversation)
+
     async def generate(self, request: GenerateRequest, request_id: str):
         for i, piece in enumerate(self.pieces):
             if self.fail_with is not None and i == self.fail_after:

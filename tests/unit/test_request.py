@@ -4,15 +4,16 @@ import json
 import pytest
 
 from backend.errors import InvalidInput
-from backend.request import PromptFormat, RawGenerateInputs, RequestLimits, parse_generate_request
+from backend.request import (DecodeMedia, EncodedMedia, LayoutMedia, PromptFormat, RawGenerateInputs, RequestLimits,
+                             parse_generate_request)
 from tests.fakes import render_chat
 from tests.images import image_bytes
 
 PH = PromptFormat().image_placeholder
 
 
-def parse(**kwargs):
-    return parse_generate_request(RawGenerateInputs(**kwargs), render_chat, RequestLimits(max_images=3))
+def parse(resolver=None, **kwargs):
+    return parse_generate_request(RawGenerateInputs(**kwargs), resolver or DecodeMedia(), RequestLimits(max_images=3))
 
 
 def test_text_prompt_with_placeholders_and_images():
@@ -40,6 +41,7 @@ def test_text_only_request_has_no_images():
     (dict(text_input=f"{PH}{PH}x", images=(image_bytes(8, 8),)), "image", "2 image placeholder(s)"),
     (dict(text_input=f"{PH}x"), "text_input", "but 0 image(s)"),
     (dict(text_input="x", images=(image_bytes(8, 8),) * 4), "image", "per-request limit of 3"),
+    (dict(text_input="x", images=(image_bytes(8, 8),), image_layouts=("{}",)), "image_layouts", "not both"),
     (dict(text_input="x", images=(b"\x89PNG broken",)), "image[0]", "cannot decode"),
     (dict(text_input="x", sampling_parameters="{"), "sampling_parameters", "not valid JSON"),
 ])
@@ -60,8 +62,9 @@ def test_messages_with_data_url_and_tensor_images():
         {"role": "user", "content": [{"type": "text", "text": "which is larger?"}]},
     ]
     req = parse(messages=json.dumps(messages), images=(image_bytes(20, 10),))
-    assert req.prompt == ("system: be brief\nuser: <image>and<image>\nassistant: two pictures\n"
-                          "user: which is larger?\nassistant: ")
+    assert req.prompt is None and req.prompt_field == "messages"
+    assert render_chat(req.conversation) == ("system: be brief\nuser: <image>and<image>\nassistant: two pictures\n"
+                                             "user: which is larger?\nassistant: ")
     assert [im.size for im in req.images] == [(12, 8), (20, 10)]
 
 
@@ -83,3 +86,27 @@ def test_messages_errors(messages, images, field, fragment):
         parse(messages=messages, images=images)
     assert info.value.field == field
     assert fragment in str(info.value)
+
+
+def test_encoded_media_keeps_bytes_and_rewrites_image_parts():
+    png = image_bytes(12, 8)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"},
+                                             {"type": "text", "text": "same?"}]}]
+    req = parse(EncodedMedia(), messages=json.dumps(messages), images=(b"tensor-bytes",))
+    assert req.images == (png, b"tensor-bytes")  # prompt order; nothing decoded
+    assert req.conversation == [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                              {"type": "text", "text": "same?"}]}]
+
+
+def test_layout_media_refuses_media_and_checks_layouts():
+    resolver = LayoutMedia("qwen2_vl:abc")
+    with pytest.raises(InvalidInput, match="metadata-only") as info:
+        parse(resolver, text_input="x", images=(image_bytes(8, 8),))
+    assert info.value.field == "image[0]"
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(8, 8)).decode()
+    with pytest.raises(InvalidInput, match="metadata-only"):
+        parse(resolver, messages=json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]))
+    with pytest.raises(InvalidInput) as info:
+        parse(resolver, text_input="x", image_layouts=('{"version": 99}',))
+    assert info.value.field == "image_layouts[0].version"

@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine import EngineHost, load_engine_args
 from backend.media import MediaLimits
-from backend.request import RequestLimits, parse_generate_request
+from backend.request import DecodeMedia, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
 from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error
 
@@ -34,6 +34,7 @@ class TritonPythonModel:
                 allowed_local_media_path=engine_args.get("allowed_local_media_path", ""),
             ),
         )
+        self.media = DecodeMedia(self.limits.media)
         self.metrics = RequestMetrics(args["model_name"])
         self.host = EngineHost.start(engine_args)
 
@@ -41,7 +42,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_generate_request(read_generate_inputs(request), self.host.render_chat, self.limits)
+                parsed = parse_generate_request(read_generate_inputs(request), self.media, self.limits)
             except Exception as exc:
                 send_error(sender, exc)
                 continue
