@@ -106,3 +106,80 @@ def _tower_class(model_type: str):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         return Qwen2_5_VisionTransformerPretrainedModel
     raise ValueError(f"no vision tower known for model_type {model_type!r}")
+
+
+def processing_options(model_dir: str | Path) -> str:
+    """The image processor settings that change an item's embeddings, as canonical JSON (part of the content key)."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One media item of one Triton request in a batch."""
+
+    request_index: int
+    data: bytes
+    content_key: str
+
+
+class EncoderService:
+    """Decode -> one batched tower forward -> publish, for the items of several requests at once.
+
+    Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
+    ``run`` returns, per request index, the layout JSON documents of its items or the exception that
+    failed it; a bad item fails only its own request.
+    """
+
+    def __init__(self, encoder: VisionEncoder, pool, limits):
+        from backend.media import decode_image
+
+        self.encoder, self.pool, self.limits, self._decode = encoder, pool, limits, decode_image
+        self.items_encoded = 0
+        self.encode_seconds = 0.0
+
+    def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
+        from backend.layout import LayoutMetadata
+
+        results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
+        images, ok_jobs = [], []
+        for job in jobs:
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            try:
+                images.append(self._decode(job.data, "image", self.limits))
+                ok_jobs.append(job)
+            except Exception as exc:
+                results[job.request_index] = exc
+        # a request with one bad item fails whole; its other items are not encoded
+        ok_jobs_images = [(j, im) for j, im in zip(ok_jobs, images) if not isinstance(results[j.request_index], BaseException)]
+        if not ok_jobs_images:
+            return results
+        started = time.perf_counter()
+        try:
+            encoded = self.encoder.encode([im for _, im in ok_jobs_images])
+        except Exception as exc:
+            for job, _ in ok_jobs_images:
+                results[job.request_index] = exc
+            return results
+        self.encode_seconds += time.perf_counter() - started
+        self.items_encoded += len(encoded)
+        leases: dict[int, list[str]] = {}
+        for (job, _), item in zip(ok_jobs_images, encoded):
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            try:
+                handle = self.pool.publish(item.embeddings)
+            except Exception as exc:
+                results[job.request_index] = exc
+                for lease_id in leases.pop(job.request_index, []):  # the request failed: free what it got
+                    self.pool.release(lease_id)
+                continue
+            leases.setdefault(job.request_index, []).append(handle.lease_id)
+            layout = LayoutMetadata(content_key=job.content_key, modality="image", model=self.encoder.identity,
+                                    dtype=str(item.embeddings.dtype).removeprefix("torch."),
+                                    shape=tuple(item.embeddings.shape), image_grid_thw=item.image_grid_thw,
+                                    handle=handle)
+            results[job.request_index].append(layout.to_json())
+        return results

@@ -15,13 +15,13 @@ import gc
 import json
 import locale
 import os
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
 from backend.errors import InvalidInput, Unavailable
+from backend.loop import LoopThread
 from backend.request import GenerateRequest
 
 PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
@@ -91,8 +91,8 @@ def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
 
 
 class EngineHost:
-    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine, tokenizer):
-        self._loop, self._thread, self._engine, self._tokenizer = loop, thread, engine, tokenizer
+    def __init__(self, loop: LoopThread, engine, tokenizer):
+        self._loop, self._engine, self._tokenizer = loop, engine, tokenizer
 
     @classmethod
     def start(cls, engine_args: dict[str, Any]) -> "EngineHost":
@@ -101,24 +101,21 @@ class EngineHost:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="vllm-engine-loop", daemon=True)
-        thread.start()
+        loop = LoopThread("vllm-engine-loop")
 
         async def create():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
 
         try:
-            engine = asyncio.run_coroutine_threadsafe(create(), loop).result()
+            engine = loop.submit(create()).result()
         except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
+            loop.stop()
             raise
         tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
-        return cls(loop, thread, engine, tokenizer)
+        return cls(loop, engine, tokenizer)
 
     def submit(self, coro: Coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._loop.submit(coro)
 
     def prompt_text(self, request: GenerateRequest) -> str:
         """The prompt the engine sees: ``text_input`` as is, or the conversation through the chat template."""
@@ -164,9 +161,7 @@ class EngineHost:
             if handler is not None:
                 self.submit(_cancel_and_wait(handler)).result(timeout=10)
             engine.shutdown()
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
         del engine
         gc.collect()

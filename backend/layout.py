@@ -105,3 +105,14 @@ class LayoutMetadata:
         itemsize = 4 if self.dtype == "float32" else 2
         if self.handle.nbytes != self.shape[0] * self.shape[1] * itemsize:
             raise InvalidInput(f"{field}.handle.nbytes", "does not match shape and dtype")
+
+
+def content_key(data: bytes, processing: str, model: str) -> str:
+    """The identity of one encoded item: its bytes, the processing options applied to it, and the model
+    (the same picture through another processor config or model is another item)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in (model.encode(), b"\x00", processing.encode(), b"\x00", data):
+        h.update(part)
+    return h.hexdigest()[:32]

@@ -77,6 +77,14 @@ class GenerateRequest:
         return "text_input" if self.prompt is not None else "messages"
 
 
+@dataclass(frozen=True)
+class MediaBytes:
+    """An encoded media item and the request field it came from (``image[1]``, ``messages[0].content[2]...``)."""
+
+    data: bytes
+    field: str
+
+
 class MediaResolver(Protocol):
     def from_tensor(self, data: bytes, field: str) -> Any: ...
     def from_url(self, url: str, field: str) -> Any: ...
@@ -107,10 +115,10 @@ class EncodedMedia(DecodeMedia):
             raise InvalidInput(field, "empty image")
         if len(data) > self.limits.max_item_bytes:
             raise InvalidInput(field, f"image is {len(data)} bytes, over the {self.limits.max_item_bytes}-byte limit")
-        return bytes(data)
+        return MediaBytes(bytes(data), field)
 
     def from_url(self, url, field):
-        return read_image_url(url, field, self.limits)
+        return MediaBytes(read_image_url(url, field, self.limits), field)
 
 
 class LayoutMedia:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from backend.engine import GenerationDelta
 from backend.request import GenerateRequest
@@ -23,6 +23,7 @@ class ResponseChunk:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    timings: dict | None = None  # stage breakdown on an orchestrator's final response
 
 
 class ResponseSink(Protocol):
@@ -51,12 +52,17 @@ class GenerationEngine(Protocol):
 
 
 async def stream_generation(engine: GenerationEngine, request: GenerateRequest, sink: ResponseSink,
-                            observer: RequestObserver | None = None, request_id: str | None = None) -> Outcome:
+                            observer: RequestObserver | None = None, request_id: str | None = None,
+                            prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None) -> Outcome:
+    """Run one request to its end. ``prepare`` (e.g. pulling embeddings) runs first; its failure is
+    the request's error, and nothing is submitted to the engine."""
     request_id = request_id or uuid.uuid4().hex
     pieces: list[str] = []
     last: GenerationDelta | None = None
     outcome = Outcome.ERROR
     try:
+        if prepare is not None:
+            request = await prepare(request)
         async for delta in engine.generate(request, request_id):
             last = delta
             if sink.is_cancelled():

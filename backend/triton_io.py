@@ -6,12 +6,13 @@ mapped to ``TritonError`` codes here, once.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.errors import ErrorCode, EpdError, InvalidInput, error_code
+from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code
 from backend.request import RawGenerateInputs
 from backend.serving import Outcome, ResponseChunk
 
@@ -19,9 +20,41 @@ log = logging.getLogger(__name__)
 
 
 
-def to_triton_error(exc: BaseException):
+# Triton 2.51 turns every error of a BLS response into INTERNAL. Orchestrators therefore ask their stages
+# (request parameter ERROR_CODES_PARAMETER) to put the code in front of the message: "[UNAVAILABLE] ...".
+ERROR_CODES_PARAMETER = "epd_error_codes"
+
+
+def wants_error_codes(request) -> bool:
+    try:
+        return bool(json.loads(request.parameters() or "{}").get(ERROR_CODES_PARAMETER))
+    except (ValueError, AttributeError):
+        return False
+
+
+def from_triton_error(error) -> EpdError:
+    """A stage's TritonError (from a BLS response) as a domain error with the same code and message."""
+    message = error.message()
+    kind = ErrorCode.INTERNAL
+    if message.startswith("["):
+        tag, _, rest = message[1:].partition("] ")
+        if tag in ErrorCode.__members__:
+            kind, message = ErrorCode[tag], rest
+    if kind is ErrorCode.INVALID_ARG:
+        field, _, problem = message.partition(": ")
+        return InvalidInput(field, problem) if problem else InvalidInput("request", message)
+    if kind is ErrorCode.UNAVAILABLE:
+        return Unavailable(message)
+    if kind is ErrorCode.CANCELLED:
+        return Cancelled(message)
+    return EpdError(message)
+
+
+def to_triton_error(exc: BaseException, tag_code: bool = False):
     code = error_code(exc)
     message = str(exc) if isinstance(exc, EpdError) else f"internal error: {type(exc).__name__}: {exc}"
+    if tag_code:
+        message = f"[{code.value}] {message}"
     if code is ErrorCode.INTERNAL:
         log.error("request failed: %s", message, exc_info=exc)
     # Looked up per call: the stub adds TritonError to pb_utils after importing model.py.
@@ -46,6 +79,16 @@ def _text(request, name: str) -> str | None:
         raise InvalidInput(name, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+def _texts(request, name: str) -> list[str]:
+    arr = _array(request, name)
+    if arr is None:
+        return []
+    try:
+        return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(name, f"not valid UTF-8 ({exc.reason})") from None
+
+
 def _bool(request, name: str) -> bool:
     arr = _array(request, name)
     if arr is None:
@@ -61,6 +104,7 @@ def read_generate_inputs(request) -> RawGenerateInputs:
         text_input=_text(request, "text_input"),
         messages=_text(request, "messages"),
         images=tuple(bytes(x) for x in images.reshape(-1)) if images is not None else (),
+        image_layouts=tuple(_texts(request, "image_layouts")),
         stream=_bool(request, "stream"),
         sampling_parameters=_text(request, "sampling_parameters"),
         exclude_input_in_output=_bool(request, "exclude_input_in_output"),
@@ -72,8 +116,9 @@ def read_generate_inputs(request) -> RawGenerateInputs:
 class TritonSink:
     """``backend.serving.ResponseSink`` over a decoupled model's response sender."""
 
-    def __init__(self, sender):
+    def __init__(self, sender, tag_error_codes: bool = False):
         self._sender = sender
+        self._tag = tag_error_codes
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled()
@@ -86,18 +131,20 @@ class TritonSink:
             outputs.append(pb_utils.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
         if chunk.num_output_tokens is not None:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array([chunk.num_output_tokens], dtype=np.uint32)))
+        if chunk.timings is not None:
+            outputs.append(pb_utils.Tensor("timings", np.array([json.dumps(chunk.timings).encode()], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
     def send_error(self, exc: BaseException) -> None:
-        send_error(self._sender, exc)
+        send_error(self._sender, exc, self._tag)
 
     def close(self) -> None:
         self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def send_error(sender, exc: BaseException) -> None:
-    sender.send(pb_utils.InferenceResponse(error=to_triton_error(exc)),
+def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:
+    sender.send(pb_utils.InferenceResponse(error=to_triton_error(exc, tag_code)),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
@@ -106,6 +153,7 @@ class RequestMetrics:
 
     ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
     ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
+    ``epd_media_decodes_total{model}``: media items decoded in the model's process (0 for ``pd``).
     """
 
     def __init__(self, model_name: str):
@@ -113,9 +161,19 @@ class RequestMetrics:
                                          description="Finished generate requests by outcome")
         tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
                                        description="Tokens generated, including those of cancelled requests")
-        self._families = (requests, tokens)  # a family must outlive its metrics
+        decodes = pb_utils.MetricFamily(name="epd_media_decodes_total", kind=pb_utils.MetricFamily.COUNTER,
+                                        description="Media items decoded (PIL) in the model's process")
+        self._families = (requests, tokens, decodes)  # a family must outlive its metrics
         self._requests = {o: requests.Metric(labels={"model": model_name, "outcome": o.value}) for o in Outcome}
         self._tokens = tokens.Metric(labels={"model": model_name})
+        self._decodes = decodes.Metric(labels={"model": model_name})
+        self._decodes_seen = 0
+
+    def media_decodes(self, total: int) -> None:
+        """Report the process's decode counter (``backend.media.decode_counter``)."""
+        if total > self._decodes_seen:
+            self._decodes.increment(total - self._decodes_seen)
+            self._decodes_seen = total
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._requests[outcome].increment(1)

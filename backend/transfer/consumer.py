@@ -90,3 +90,11 @@ class EmbeddingConsumer:
                 self.agent.remove_remote_agent(peer)
             except Exception:
                 pass
+
+
+def pull_image_embeds(consumer: EmbeddingConsumer, layouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pull every item of a request, in prompt order: (embeddings concatenated [tokens, hidden],
+    image_grid_thw [items, 3]) as vLLM's ``image_embeds`` input wants them."""
+    embeds = [consumer.pull(layout) for layout in layouts]
+    grid = torch.tensor([list(layout.image_grid_thw) for layout in layouts], dtype=torch.int64)
+    return torch.cat(embeds) if len(embeds) > 1 else embeds[0], grid

@@ -94,7 +94,8 @@ def test_encoded_media_keeps_bytes_and_rewrites_image_parts():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"},
                                              {"type": "text", "text": "same?"}]}]
     req = parse(EncodedMedia(), messages=json.dumps(messages), images=(b"tensor-bytes",))
-    assert req.images == (png, b"tensor-bytes")  # prompt order; nothing decoded
+    assert [(m.data, m.field) for m in req.images] == [  # prompt order; nothing decoded
+        (png, "messages[0].content[0].image_url"), (b"tensor-bytes", "image[0]")]
     assert req.conversation == [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                               {"type": "text", "text": "same?"}]}]
 

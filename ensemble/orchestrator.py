@@ -1,0 +1,109 @@
+"""The ``epd`` orchestration: validate, encode every media item concurrently, rewrite the request to
+metadata-only, stream the generator's output back.
+
+Request lifecycle::
+
+    RECEIVED -> VALIDATED (parse with EncodedMedia: media stay bytes, nothing decoded here)
+             -> ENCODING  (one StageClient.encode per item, all at once; text-only requests skip it)
+             -> REWRITTEN (image tensor removed, messages' image parts -> {"type": "image"},
+                           image_layouts = the encoders' layout metadata, in prompt order;
+                           text_input / sampling settings untouched)
+             -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
+
+Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
+Triton BLS in the ``epd`` model (``ensemble.triton_stages``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Protocol
+
+from backend.errors import EpdError, InvalidInput
+from backend.layout import content_key
+from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
+from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
+
+
+class StageClient(Protocol):
+    async def encode(self, item: MediaBytes, key: str) -> str:
+        """Encode one item; returns its layout metadata JSON. Raises ``EpdError``s."""
+
+    def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
+        """Stream the generator's chunks; the one carrying ``finish_reason`` is the last."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What makes a content key: the model and its processing options."""
+
+    model: str
+    processing: str
+
+
+class Orchestrator:
+    def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits):
+        self.stages, self.identity, self.limits = stages, identity, limits
+        self.media = EncodedMedia(limits.media)
+
+    def validate(self, raw: RawGenerateInputs):
+        """Cheap checks before anything is scheduled (errors are INVALID_ARG naming the field)."""
+        return parse_generate_request(raw, self.media, self.limits)
+
+    async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None) -> Outcome:
+        started = time.perf_counter()
+        outcome, tokens = Outcome.ERROR, 0
+        timings = {"items": 0, "encode_ms": 0.0}
+        try:
+            request = self.validate(raw)
+            layouts = await self._encode_all(request.images)
+            timings.update(items=len(layouts), encode_ms=_ms(started))
+            rewritten = replace(
+                raw, images=(), image_layouts=tuple(layouts),
+                messages=json.dumps(request.conversation) if request.conversation is not None else None)
+            generate_started = time.perf_counter()
+            async for chunk in self.stages.generate(rewritten):
+                if sink.is_cancelled():
+                    sink.close()
+                    outcome = Outcome.CANCELLED
+                    return outcome
+                final = chunk.finish_reason is not None
+                if final:
+                    tokens = chunk.num_output_tokens or 0
+                    timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
+                    chunk = replace(chunk, timings=dict(timings))
+                elif "first_chunk_ms" not in timings:
+                    timings["first_chunk_ms"] = _ms(started)
+                sink.send(chunk, final=final)
+                if final:
+                    outcome = Outcome.OK
+                    return outcome
+            raise RuntimeError("the generator's stream ended without a final response")
+        except Exception as exc:
+            sink.send_error(exc)
+            return outcome
+        finally:
+            if observer is not None:
+                observer.request_finished(outcome, tokens)
+
+    async def _encode_all(self, items: tuple[MediaBytes, ...]) -> list[str]:
+        if not items:
+            return []
+        keys = [content_key(item.data, self.identity.processing, self.identity.model) for item in items]
+        results = await asyncio.gather(*(self.stages.encode(item, key) for item, key in zip(items, keys)),
+                                       return_exceptions=True)
+        for item, result in zip(items, results):
+            if isinstance(result, InvalidInput):  # the encoder names "image"; the client sent it as item.field
+                raise InvalidInput(item.field, result.problem)
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 3)
+
+
+__all__ = ["Orchestrator", "StageClient", "Identity", "EpdError"]

@@ -1,0 +1,92 @@
+"""``StageClient`` over Triton BLS, for the ``epd`` model (imports ``pb_utils``: adapter code).
+
+``encode`` is one async BLS call to the encoder model per item (Triton's dynamic batcher gathers items
+of concurrent requests). ``generate`` is a decoupled BLS call to the generator model; Triton 2.51 hands
+back a blocking iterator, so a worker thread drains it into the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.request import MediaBytes, RawGenerateInputs
+from backend.serving import ResponseChunk
+from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
+
+GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+_END = object()
+_TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
+
+
+def _bytes_tensor(name: str, values: list[bytes], shape) -> "pb_utils.Tensor":
+    return pb_utils.Tensor(name, np.array(values, dtype=np.object_).reshape(shape))
+
+
+def generate_tensors(raw: RawGenerateInputs) -> list:
+    tensors = []
+    for name in ("text_input", "messages", "sampling_parameters"):
+        value = getattr(raw, name)
+        if value is not None:
+            tensors.append(_bytes_tensor(name, [value.encode("utf-8")], [1]))
+    if raw.image_layouts:
+        tensors.append(_bytes_tensor("image_layouts", [s.encode() for s in raw.image_layouts], [len(raw.image_layouts)]))
+    for name in ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens"):
+        tensors.append(pb_utils.Tensor(name, np.array([getattr(raw, name)], dtype=bool)))
+    return tensors
+
+
+def _chunk(response) -> ResponseChunk:
+    def value(name):
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            return None
+        item = tensor.as_numpy().reshape(-1)[0]
+        return item.decode("utf-8") if isinstance(item, bytes) else int(item)
+    return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
+                         value("num_output_tokens"))
+
+
+class TritonStages:
+    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", max_streams: int = 64):
+        self.encoder_model, self.generator_model = encoder_model, generator_model
+        self._streams = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="bls-stream")
+
+    async def encode(self, item: MediaBytes, key: str) -> str:
+        request = pb_utils.InferenceRequest(
+            model_name=self.encoder_model, requested_output_names=["layout"], parameters=_TAGGED,
+            inputs=[_bytes_tensor("image", [item.data], [1, 1]), _bytes_tensor("content_key", [key.encode()], [1, 1])])
+        response = await request.async_exec()
+        if response.has_error():
+            raise from_triton_error(response.error())
+        return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
+
+    async def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request = pb_utils.InferenceRequest(model_name=self.generator_model, inputs=generate_tensors(inputs),
+                                            requested_output_names=GENERATE_OUTPUTS, parameters=_TAGGED)
+
+        def drain():
+            try:
+                for response in request.exec(decoupled=True):
+                    loop.call_soon_threadsafe(queue.put_nowait, response)
+            except Exception as exc:  # noqa: BLE001 - handed to the request's coroutine
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+        loop.run_in_executor(self._streams, drain)
+        while (response := await queue.get()) is not _END:
+            if isinstance(response, Exception):
+                raise response
+            if response.has_error():
+                raise from_triton_error(response.error())
+            chunk = _chunk(response)
+            if chunk.text_output or chunk.finish_reason is not None:
+                yield chunk
+
+    def close(self) -> None:
+        self._streams.shutdown(wait=False)
