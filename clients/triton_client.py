@@ -43,6 +43,7 @@ class GenerateInputs:
     prompt: str | None = None
     messages: list[dict] | str | None = None
     images: Sequence[bytes] = ()
+    image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd)
     sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
     stream: bool = True
     exclude_input_in_output: bool = True
@@ -59,6 +60,8 @@ class GenerateInputs:
             values["messages"] = self.messages if isinstance(self.messages, str) else json.dumps(self.messages)
         if self.images:
             values["image"] = list(self.images)
+        if self.image_layouts:
+            values["image_layouts"] = list(self.image_layouts)
         if self.sampling is not None:
             values["sampling_parameters"] = self.sampling if isinstance(self.sampling, str) else json.dumps(self.sampling)
         return values

@@ -80,3 +80,37 @@ class RecordingObserver:
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self.finished.append((outcome, num_output_tokens))
+
+
+class FakeStages:
+    """A ``StageClient``: encode returns a layout stand-in per item after ``encode_delay`` (recording the
+    peak number of concurrent encodes); generate records what it was sent and streams ``pieces``."""
+
+    def __init__(self, pieces=("a", "b"), encode_delay: float = 0.01, encode_error: BaseException | None = None,
+                 fail_item: int | None = None):
+        self.pieces, self.encode_delay = list(pieces), encode_delay
+        self.encode_error, self.fail_item = encode_error, fail_item
+        self.encoded: list[tuple[bytes, str]] = []
+        self.generated = []
+        self.active = self.peak = 0
+
+    async def encode(self, item, key):
+        index = len(self.encoded)
+        self.encoded.append((item.data, key))
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.encode_delay)
+            if self.encode_error is not None and index == self.fail_item:
+                raise self.encode_error
+            return f'{{"layout": {index}}}'
+        finally:
+            self.active -= 1
+
+    async def generate(self, inputs):
+        from backend.serving import ResponseChunk
+
+        self.generated.append(inputs)
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None)

@@ -152,7 +152,7 @@ def test_bad_input_is_invalid_arg_naming_the_field(server, protocol, name, input
         ask(server, protocol, **inputs)
     assert info.value.message.startswith(field), info.value.message
     if protocol == "http":
-        assert info.value.status == "400"  # INVALID_ARG (gRPC stream errors carry no code)
+        assert info.value.status == "400"
 
 
 def test_server_keeps_serving_after_bad_input(server, expected):

@@ -1,0 +1,158 @@
+"""E2E: E+PD (``epd`` -> ``encoder`` + ``pd``) in a real tritonserver, against the ``llm`` baseline."""
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+
+import pytest
+import tritonclient.http as httpclient
+
+from backend.request import PromptFormat
+from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.e2e
+
+PH = PromptFormat().image_placeholder
+CHAT = "<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+
+SIZES = [(64, 48), (48, 64), (112, 112), (200, 150), (30, 90), (160, 40), (28, 28), (300, 300)]
+
+
+def img(i: int, fmt: str = "PNG") -> bytes:
+    w, h = SIZES[i % len(SIZES)]
+    return image_bytes(w, h, seed=100 + i, fmt=fmt)
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(text: str, *items: bytes) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image"} for _ in items), {"type": "text", "text": text}]}]
+
+
+# 24 varied requests: 0-4 images of different sizes and aspect ratios, text_input and messages,
+# multi-turn, data URLs, JPEG, streaming and not.
+CASES = {
+    "one_image_landscape": dict(prompt=CHAT.format(images=PH, text="What is this?"), images=[img(0)]),
+    "one_image_portrait": dict(prompt=CHAT.format(images=PH, text="What is this?"), images=[img(1)]),
+    "one_image_square": dict(prompt=CHAT.format(images=PH, text="Describe."), images=[img(2)], stream=False),
+    "one_image_large_jpeg": dict(prompt=CHAT.format(images=PH, text="Colours?"), images=[img(3, "JPEG")]),
+    "one_image_tall_thin": dict(prompt=CHAT.format(images=PH, text="Shape?"), images=[img(4)]),
+    "one_image_wide_thin": dict(prompt=CHAT.format(images=PH, text="Shape?"), images=[img(5)], stream=False),
+    "one_image_minimum": dict(prompt=CHAT.format(images=PH, text="Tiny?"), images=[img(6)]),
+    "one_image_resized_down": dict(prompt=CHAT.format(images=PH, text="Big?"), images=[img(7)]),
+    "auto_placeholder": dict(prompt="What is in the picture?", images=[img(8)]),
+    "two_images": dict(prompt=CHAT.format(images=PH + PH, text="Compare."), images=[img(0), img(2)]),
+    "two_images_same": dict(prompt=CHAT.format(images=PH + PH, text="Same?"), images=[img(1), img(1)], stream=False),
+    "three_images": dict(prompt=CHAT.format(images=PH * 3, text="Which?"), images=[img(3), img(4), img(5)]),
+    "four_images": dict(prompt=CHAT.format(images=PH * 4, text="All four."), images=[img(i) for i in (0, 5, 6, 7)]),
+    "text_only": dict(prompt=CHAT.format(images="", text="Tell me a story.")),
+    "text_only_plain": dict(prompt="Once upon a time", stream=False),
+    "chat_one_image": dict(messages=chat("What is in the image?", img(2)), images=[img(2)]),
+    "chat_two_images": dict(messages=chat("Compare them.", img(0), img(4)), images=[img(0), img(4)], stream=False),
+    "chat_text_only": dict(messages=[{"role": "user", "content": "Hello, who are you?"}]),
+    "chat_data_url": dict(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(img(9))}}, {"type": "text", "text": "Describe."}]}]),
+    "chat_data_url_and_tensor": dict(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(img(10))}}, {"type": "image"},
+        {"type": "text", "text": "Both?"}]}], images=[img(11)]),
+    "chat_multi_turn": dict(messages=[
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}]},
+        {"role": "assistant", "content": "I see it."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}],
+        images=[img(12), img(13)]),
+    "chat_multi_turn_text_after_image": dict(messages=[
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "First."}]},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Now say more."}], images=[img(14)], stream=False),
+    "longer_output": dict(prompt=CHAT.format(images=PH, text="Go on."), images=[img(15)],
+                          sampling={"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}),
+    "stop_string_and_seed": dict(prompt=CHAT.format(images=PH, text="Stop?"), images=[img(16)],
+                                 sampling={"temperature": 0.0, "max_tokens": 24, "seed": 7, "stop": ["e"]}),
+}
+
+
+def ask(server, model: str, protocol: str = "grpc", **inputs) -> GenerateResult:
+    inputs.setdefault("sampling", GREEDY)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    return {name: ask(server, "llm", **inputs) for name, inputs in CASES.items()}
+
+
+def test_epd_models_are_ready(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    for model in ("encoder", "pd", "epd"):
+        assert client.is_model_ready(model), model
+
+
+def test_baseline_depends_on_the_image(baseline):
+    assert baseline["one_image_landscape"].text != baseline["auto_placeholder"].text
+    assert baseline["two_images"].text != baseline["two_images_same"].text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_epd_returns_the_baseline_tokens(server, baseline, name):
+    got = ask(server, "epd", **CASES[name])
+    want = baseline[name]
+    assert got.text == want.text
+    assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
+        want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+
+
+def test_a_different_image_changes_the_epd_output(server):
+    a = ask(server, "epd", prompt="Describe it.", images=[image_bytes(64, 48, seed=1)])
+    b = ask(server, "epd", prompt="Describe it.", images=[image_bytes(64, 48, seed=2)])
+    assert a.text != b.text
+
+
+def test_http_streaming_through_epd(server, baseline):
+    got = ask(server, "epd", "http", **CASES["one_image_landscape"])
+    assert got.text == baseline["one_image_landscape"].text and len(got.chunks) > 1
+
+
+def _metric(server, name: str, model: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="{model}"') or (line.startswith(name + "{") and f'model="{model}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {model} not found")
+
+
+def test_pd_is_metadata_only(server):
+    """What reaches pd has no media: pd's interface has no media input, pd refuses media URLs, and
+    after many epd requests with images pd has decoded nothing (while llm decodes every image)."""
+    meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata("pd")
+    names = {i["name"] for i in meta["inputs"]}
+    assert "image" not in names and "image_layouts" in names
+    with pytest.raises(GenerateError) as info:
+        ask(server, "pd", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img(0))}}]}])
+    assert "metadata-only" in info.value.message
+    before = _metric(server, "epd_media_decodes_total", "llm")
+    ask(server, "epd", **CASES["four_images"])
+    ask(server, "llm", **CASES["four_images"])
+    assert _metric(server, "epd_media_decodes_total", "pd") == 0
+    assert _metric(server, "epd_media_decodes_total", "epd") == 0
+    assert _metric(server, "epd_media_decodes_total", "llm") == before + 4
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_bad_media_through_epd_names_the_field(server, protocol):
+    with pytest.raises(GenerateError) as info:
+        ask(server, "epd", protocol, prompt="x", images=[img(0), b"\x89PNG\r\n\x1a\n broken"])
+    assert info.value.message.startswith("image[1]: cannot decode image"), info.value.message
+    if protocol == "http":
+        assert info.value.status == "400"
+    with pytest.raises(GenerateError) as info:
+        ask(server, "epd", protocol, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}]}])
+    assert info.value.message.startswith("messages[0].content[0].image_url: cannot decode image"), info.value.message
+    assert ask(server, "epd", **CASES["one_image_landscape"]).finish_reason is not None  # still serving

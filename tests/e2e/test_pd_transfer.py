@@ -1,0 +1,93 @@
+"""E2E: ``pd`` pulls embeddings through NIXL from a producer it has never seen: this test process.
+
+The test runs the project's real encoder runner and a real NIXL producer pool, hands ``pd`` only the
+layout metadata, and checks that ``pd``'s output is the baseline's for that image (so the embeddings
+did arrive), that corrupting the producer's buffer before the pull changes the output (so they came
+through the NIXL read, not from anywhere else), and that a released lease fails only that request.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from backend.encoder import VisionEncoder
+from backend.layout import LayoutMetadata
+from backend.transfer.producer import HEADER, EmbeddingPool
+from clients.local_server import ROOT
+from clients.triton_client import GenerateError, GenerateInputs, generate
+from tests.images import image_bytes, make_image
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+SIZE, SEED = (72, 56), 7
+
+
+@pytest.fixture(scope="module")
+def producer():
+    encoder = VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl")
+    pool = EmbeddingPool(8 << 20, lease_seconds=60)
+    yield encoder, pool
+    pool.close()
+
+
+def publish(producer, seed: int = SEED) -> LayoutMetadata:
+    encoder, pool = producer
+    item = encoder.encode([make_image(*SIZE, seed=seed)])[0]
+    return LayoutMetadata(content_key=f"test-{seed}", modality="image", model=encoder.identity, dtype="float32",
+                          shape=tuple(item.embeddings.shape), image_grid_thw=item.image_grid_thw,
+                          handle=pool.publish(item.embeddings))
+
+
+def ask(server, model, protocol="grpc", **inputs):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    return generate(url, model, GenerateInputs(sampling=GREEDY, **inputs), protocol=protocol, timeout=120)
+
+
+def ask_pd(server, layout: LayoutMetadata, protocol="grpc"):
+    return ask(server, "pd", protocol, prompt=PROMPT, image_layouts=[layout.to_json()])
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    return ask(server, "llm", prompt=PROMPT, images=[image_bytes(*SIZE, seed=SEED)]).text
+
+
+def test_pd_output_comes_from_the_pulled_embeddings(server, producer, baseline):
+    layout = publish(producer)
+    assert ask_pd(server, layout).text == baseline
+    assert ask_pd(server, publish(producer, seed=SEED + 1)).text != baseline  # sensitivity
+
+
+def test_corrupting_the_producer_buffer_before_the_pull_changes_the_output(server, producer, baseline):
+    layout = publish(producer)
+    _, pool = producer
+    lease = pool._leases[layout.handle.lease_id]
+    pool.buffer[lease.offset + HEADER: lease.offset + HEADER + layout.handle.nbytes].bitwise_xor_(0x21)
+    assert ask_pd(server, layout).text != baseline
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_released_lease_fails_that_request_only(server, producer, baseline, protocol):
+    layout = publish(producer)
+    assert producer[1].release(layout.handle.lease_id)
+    with pytest.raises(GenerateError) as info:
+        ask_pd(server, layout, protocol)
+    assert "released or expired before the read" in info.value.message  # sent as UNAVAILABLE (see README)
+    assert ask_pd(server, publish(producer)).text == baseline  # pd keeps serving
+
+
+def test_an_expired_lease_is_refused_before_any_read(server, producer):
+    layout = publish(producer)
+    expired = replace(layout, handle=replace(layout.handle, expires_at=layout.handle.expires_at - 3600))
+    with pytest.raises(GenerateError, match="expired before it was read"):
+        ask_pd(server, expired)
+
+
+def test_layouts_of_another_model_are_invalid(server, producer):
+    layout = replace(publish(producer), model="qwen2_vl:someothermodel")
+    with pytest.raises(GenerateError) as info:
+        ask_pd(server, layout, "http")
+    assert info.value.message.startswith("image_layouts[0].model:")

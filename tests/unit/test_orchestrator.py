@@ -1,0 +1,90 @@
+import asyncio
+import base64
+import json
+
+import pytest
+
+from backend.errors import InvalidInput, Unavailable
+from backend.request import RawGenerateInputs, RequestLimits
+from backend.serving import Outcome
+from ensemble.orchestrator import Identity, Orchestrator
+from tests.fakes import FakeSink, FakeStages, RecordingObserver
+
+IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
+
+
+def run(stages, raw, sink=None, observer=None):
+    sink = sink or FakeSink()
+    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(max_images=4)).run(raw, sink, observer))
+    return outcome, sink
+
+
+def test_media_are_encoded_concurrently_and_replaced_by_layouts():
+    stages = FakeStages(encode_delay=0.05)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="<|image_pad|> and <|image_pad|>?", images=(b"A", b"B"),
+                                                  sampling_parameters='{"max_tokens": 3}', stream=True))
+    assert outcome is Outcome.OK and stages.peak == 2
+    [sent] = stages.generated
+    assert sent.images == () and sent.image_layouts == ('{"layout": 0}', '{"layout": 1}')
+    assert sent.text_input == "<|image_pad|> and <|image_pad|>?" and sent.sampling_parameters == '{"max_tokens": 3}'
+    keys = [key for _, key in stages.encoded]
+    assert len(set(keys)) == 2  # content keys differ with the bytes
+    assert [(c.text_output, final) for c, final in sink.chunks] == [("a", False), ("b", True)]
+    assert sink.chunks[-1][0].timings["items"] == 2
+
+
+def test_content_key_depends_on_bytes_processing_and_model():
+    keys = []
+    for identity in (IDENTITY, Identity("qwen2_vl:other", IDENTITY.processing), Identity(IDENTITY.model, "{}")):
+        stages = FakeStages()
+        asyncio.run(Orchestrator(stages, identity, RequestLimits()).run(
+            RawGenerateInputs(text_input="x", images=(b"same",)), FakeSink()))
+        keys.append(stages.encoded[0][1])
+    assert len(set(keys)) == 3
+
+
+def test_messages_are_rewritten_metadata_only():
+    url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "hi"}, {"type": "image"}]}]
+    stages = FakeStages()
+    run(stages, RawGenerateInputs(messages=json.dumps(messages), images=(b"TENSOR",)))
+    assert [data for data, _ in stages.encoded] == [b"PNGDATA", b"TENSOR"]
+    [sent] = stages.generated
+    assert "base64" not in sent.messages and sent.images == ()
+    assert json.loads(sent.messages) == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"},
+                                                                       {"type": "image"}]}]
+
+
+def test_text_only_skips_the_encoder():
+    stages = FakeStages()
+    outcome, _ = run(stages, RawGenerateInputs(text_input="hello"))
+    assert outcome is Outcome.OK and stages.encoded == [] and stages.generated[0].image_layouts == ()
+
+
+def test_encoder_invalid_input_is_reported_under_the_clients_field():
+    stages = FakeStages(encode_error=InvalidInput("image", "cannot decode image"), fail_item=1)
+    observer = RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"ok", b"bad")), observer=observer)
+    assert outcome is Outcome.ERROR and stages.generated == []
+    [error] = sink.errors
+    assert isinstance(error, InvalidInput) and str(error) == "image[1]: cannot decode image"
+    assert observer.finished == [(Outcome.ERROR, 0)] and sink.finals == 1
+
+
+def test_unavailable_encoder_fails_the_request_unavailable():
+    stages = FakeStages(encode_error=Unavailable("embedding pool full"), fail_item=0)
+    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)))
+    assert isinstance(sink.errors[0], Unavailable) and stages.generated == []
+
+
+def test_validation_errors_happen_before_any_stage_is_called():
+    stages = FakeStages()
+    _, sink = run(stages, RawGenerateInputs(text_input="x", sampling_parameters='{"max_tokens": -1}', images=(b"a",)))
+    assert sink.errors[0].field == "sampling_parameters.max_tokens" and stages.encoded == []
+
+
+def test_client_cancel_stops_forwarding():
+    stages = FakeStages(pieces=["t"] * 10)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
