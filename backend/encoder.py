@@ -79,6 +79,10 @@ class VisionEncoder:
         if not state:
             raise ValueError(f"{model_dir}: no vision-tower tensors (prefixes {TOWER_PREFIXES})")
         tower.load_state_dict(state, strict=True)
+        if torch.device(device).type == "cuda" and dtype == torch.float32:
+            # fp32 means fp32: TF32 convolutions/matmuls (cuDNN's default) move embeddings by ~1e-3
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         tower = tower.to(device=device, dtype=dtype).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))

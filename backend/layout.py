@@ -21,6 +21,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODALITIES = ("image",)
 
 
+def host_identity() -> str:
+    """This host as seen by a peer: the kernel boot id and the network namespace. Processes in other
+    network namespaces count as other hosts (that is how tests model a second machine)."""
+    import os
+
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        boot = fh.read().strip()
+    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+
+
 @dataclass(frozen=True)
 class TransferHandle:
     """Where the embeddings are and for how long: a lease on a producer's NIXL-registered buffer."""
@@ -31,6 +41,9 @@ class TransferHandle:
     lease_id: str
     nbytes: int
     expires_at: float         # unix time; the producer reclaims the lease after it
+    host: str = ""            # producer's host identity (boot id + network namespace)
+    shm_path: str = ""        # same-host fast path: the producer's pool memfd, as /proc/<pid>/fd/<n>
+    offset: int = 0           # the lease's region within that pool
 
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -43,7 +56,8 @@ class TransferHandle:
         try:
             return cls(agent_name=str(doc["agent_name"]), agent_metadata=base64.b64decode(doc["agent_metadata"]),
                        descriptors=base64.b64decode(doc["descriptors"]), lease_id=str(doc["lease_id"]),
-                       nbytes=int(doc["nbytes"]), expires_at=float(doc["expires_at"]))
+                       nbytes=int(doc["nbytes"]), expires_at=float(doc["expires_at"]), host=str(doc.get("host", "")),
+                       shm_path=str(doc.get("shm_path", "")), offset=int(doc.get("offset", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"{field}.handle", f"malformed transfer handle ({exc})") from None
 

@@ -5,6 +5,10 @@ Lease lifecycle (``LeaseState``)::
     ALLOCATED --write--> PUBLISHED --consumer READ + notif--> READ --> RELEASED
                              \\--------- expires_at passes --------> EXPIRED
 
+The pool is one memfd-backed mapping registered with NIXL: consumers on other hosts READ it through
+NIXL; a consumer on the same host maps the memfd (``/proc/<pid>/fd/<n>``, gone with the process, so
+nothing can leak) and copies the region itself, which is ~3x faster than UCX's cross-memory attach here.
+
 A region is laid out as ``[tag u64 | nbytes u64 | payload | tag u64]``. The tag is the lease id; it is
 zeroed when the lease ends, before the region can be reused, so a consumer that reads after the end
 sees a mismatch and fails the item instead of using someone else's bytes (NIXL itself enforces no lease).
@@ -16,6 +20,8 @@ notifications (``release:<lease_id>`` from consumers) and reclaims expired lease
 from __future__ import annotations
 
 import enum
+import mmap
+import os
 import secrets
 import threading
 import time
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.errors import Unavailable
-from backend.layout import TransferHandle
+from backend.layout import TransferHandle, host_identity
 from backend.transfer.agent import create_agent
 
 HEADER = 16
@@ -61,10 +67,24 @@ class PoolStats:
 
 class EmbeddingPool:
     def __init__(self, pool_bytes: int = 64 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 1.0,
-                 poll_interval: float = 0.005, role: str = "encoder"):
+                 poll_interval: float = 0.02, role: str = "encoder", poll_delay_us: int | None = None,
+                 device: str = "cpu"):
         self.lease_seconds, self.alloc_timeout, self.poll_interval = lease_seconds, alloc_timeout, poll_interval
-        self.agent = create_agent(role)
-        self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8)
+        self.agent = create_agent(role, poll_delay_us)
+        self.device = torch.device(device)
+        self.host = host_identity()
+        if self.device.type == "cuda":  # VRAM: consumers READ it through NIXL (UCX cuda transports)
+            self._fd, self._map, self.shm_path = None, None, ""
+            self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8, device=self.device)
+            self._mem, self._dev_id = "VRAM", self.device.index or 0
+        else:
+            self._fd = os.memfd_create(f"epd-{role}-pool", 0)
+            os.ftruncate(self._fd, pool_bytes)
+            os.posix_fallocate(self._fd, 0, pool_bytes)  # pages exist up front: no faults per publish or per pull
+            self._map = mmap.mmap(self._fd, pool_bytes)
+            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.shm_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+            self._mem, self._dev_id = "DRAM", 0
         self._base = self.buffer.data_ptr()
         self._reg = self.agent.register_memory(self.buffer)
         self.agent_metadata = self.agent.get_agent_metadata()
@@ -80,23 +100,27 @@ class EmbeddingPool:
     # -- producer API -------------------------------------------------------------------------
     def publish(self, tensor: torch.Tensor) -> TransferHandle:
         """Copy ``tensor`` into a new lease and return its handle; ``Unavailable`` if the pool stays full."""
-        payload = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
         nbytes = payload.numel()
         size = -(-(HEADER + nbytes + TRAILER) // ALIGN) * ALIGN
         lease = self._allocate(size)
         tag = int(lease.lease_id, 16)
         region = self.buffer[lease.offset: lease.offset + size]
-        header = torch.tensor([tag, nbytes], dtype=torch.int64).view(torch.uint8)
+        header = torch.tensor([tag, nbytes], dtype=torch.int64).view(torch.uint8).to(self.device)
         region[HEADER: HEADER + nbytes].copy_(payload)
         region[HEADER + nbytes: HEADER + nbytes + TRAILER].copy_(header[:8])
         region[:HEADER].copy_(header)
         with self._agent_lock:
-            descs = self.agent.get_xfer_descs([(self._base + lease.offset, HEADER + nbytes + TRAILER, 0)], "DRAM")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the bytes must be in place before anyone can READ them
+            descs = self.agent.get_xfer_descs([(self._base + lease.offset, HEADER + nbytes + TRAILER, self._dev_id)],
+                                              self._mem)
             serialized = self.agent.get_serialized_descs(descs)
         with self._cond:
             lease.state = LeaseState.PUBLISHED
         return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=serialized,
-                              lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at)
+                              lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at,
+                              host=self.host, shm_path=self.shm_path, offset=lease.offset)
 
     def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
         """End a lease (idempotent). Returns False if it was not open."""
@@ -108,6 +132,8 @@ class EmbeddingPool:
             self.buffer[lease.offset: lease.offset + 8].zero_()
             nbytes = int(self.buffer[lease.offset + 8: lease.offset + 16].view(torch.int64)[0])
             self.buffer[lease.offset + HEADER + nbytes: lease.offset + HEADER + nbytes + TRAILER].zero_()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # tags gone before the region can be reused or read
             self._give_back(lease.offset, lease.size)
             if state is LeaseState.EXPIRED:
                 self._expired += 1
@@ -131,6 +157,13 @@ class EmbeddingPool:
         self._thread.join(timeout=5)
         with self._agent_lock:
             self.agent.deregister_memory(self._reg)
+        del self.buffer
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a tensor view still exists; the mapping goes with it
+                pass
+            os.close(self._fd)
 
     # -- allocation -----------------------------------------------------------------------------
     def _allocate(self, size: int) -> _Lease:

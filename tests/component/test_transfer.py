@@ -10,14 +10,15 @@ from backend.errors import Unavailable
 from backend.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.producer import EmbeddingPool, LeaseState
-from tests.component.producer_process import ProducerProcess, make_layout
+from backend.transfer.process import ProducerProcess, make_layout
 
 pytestmark = pytest.mark.component
 
 
-@pytest.fixture(scope="module")
-def consumer():
-    return EmbeddingConsumer()
+@pytest.fixture(scope="module", params=["same_host_copy", "nixl_read"])
+def consumer(request):
+    """Both data paths: the same-host copy out of the producer's memfd, and a NIXL READ."""
+    return EmbeddingConsumer(same_host_copy=request.param == "same_host_copy")
 
 
 def test_pull_returns_the_producer_tensor_and_releases_the_lease(consumer):
@@ -56,7 +57,7 @@ def test_expired_lease_is_reclaimed_and_refused(consumer):
         assert producer.call("stats").expired_total == 1
         with pytest.raises(Unavailable, match="expired"):
             consumer.pull(layout)  # refused by the consumer's expiry check
-        late = EmbeddingConsumer(expiry_margin=-3600)  # skip that check: the producer's tag check still holds
+        late = EmbeddingConsumer(expiry_margin=-3600, same_host_copy=consumer.same_host_copy)  # skip that check
         with pytest.raises(Unavailable, match="released or expired"):
             late.pull(layout)
 
@@ -96,6 +97,22 @@ def test_full_pool_applies_backpressure_then_fails_unavailable():
         assert pool.stats().open_leases == 1
     finally:
         pool.close()
+
+
+def test_same_host_copy_is_chosen_only_on_the_same_host():
+    tensor = torch.randn(4, 128)
+    with ProducerProcess() as producer:
+        doc = producer.call("publish", tensor)
+        local = EmbeddingConsumer()
+        assert torch.equal(local.pull(make_layout(doc, tensor)), tensor) and len(local._maps) == 1
+        remote_doc = dict(producer.call("publish", tensor), host="another-host")
+        other = EmbeddingConsumer()
+        assert torch.equal(other.pull(make_layout(remote_doc, tensor)), tensor) and other._maps == {}
+    # the first producer is gone: its mapping is dropped on the next pull
+    with ProducerProcess() as again:
+        doc = again.call("publish", tensor)
+        assert torch.equal(local.pull(make_layout(doc, tensor)), tensor)
+        assert len(local._maps) == 1  # only the live producer's mapping is held
 
 
 def test_idle_agents_do_not_spin(consumer):

@@ -1,5 +1,5 @@
-"""A real EmbeddingPool in a child process, driven over a pipe (shared by the component tests and the
-transfer benchmark). Commands: ("publish", tensor) -> handle doc; ("state", lease_id); ("release",
+"""A real EmbeddingPool in a child process, driven over a pipe: the producer side of the component
+tests and of the transfer benchmark (clients/bench_transfer.py). Commands: ("publish", tensor) -> handle doc; ("state", lease_id); ("release",
 lease_id); ("corrupt", lease_id); ("stats",); ("cpu",) -> process CPU seconds; ("stop",)."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import time
 import torch
 
 
-def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float) -> None:
+def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float, device: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from backend.transfer.producer import HEADER, EmbeddingPool
 
-    pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout)
+    pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout, device=device)
     try:
         while True:
             cmd, *args = conn.recv()
@@ -25,6 +26,8 @@ def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float) ->
                     conn.send(("ok", state.value if state else None))
                 elif cmd == "release":
                     conn.send(("ok", pool.release(args[0])))
+                elif cmd == "publish_many":  # benchmark: (tensor, n) -> n handle docs, the tensor sent once
+                    conn.send(("ok", [pool.publish(args[0]).to_doc() for _ in range(args[1])]))
                 elif cmd == "corrupt":  # flip the payload bytes of a published lease (tests only)
                     lease = pool._leases[args[0]]
                     nbytes = int(pool.buffer[lease.offset + 8: lease.offset + 16].view(torch.int64)[0])
@@ -45,10 +48,12 @@ def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float) ->
 
 
 class ProducerProcess:
-    def __init__(self, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2):
+    def __init__(self, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2,
+                 device: str = "cpu"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, pool_bytes, lease_seconds, alloc_timeout), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, pool_bytes, lease_seconds, alloc_timeout, device),
+                                daemon=True)
         self.proc.start()
 
     def call(self, *cmd):
