@@ -70,6 +70,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     image_embeds: Any = None                    # set by a consumer once pulled: (embeds, grid_thw)
+    timings: dict | None = None                 # stage timings to report on the final response
 
     @property
     def prompt_field(self) -> str:

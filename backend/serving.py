@@ -101,6 +101,7 @@ def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> Respo
         text, finish_reason=delta.finish_reason,
         num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
         num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
+        timings=request.timings,
     )
 
 

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ttft = f"{result.ttft * 1000:.1f} ms" if result.ttft is not None else "n/a"
     print(f"\n--\nfinish_reason={result.finish_reason} input_tokens={result.num_input_tokens} "
           f"output_tokens={result.num_output_tokens} TTFT={ttft} total={result.total * 1000:.1f} ms")
+    if result.timings:
+        print("stages: " + " ".join(f"{k}={v}" for k, v in result.timings.items()))
     return 0
 
 

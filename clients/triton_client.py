@@ -28,6 +28,7 @@ class GenerateResult:
     ttft: float | None = None   # seconds from send to the first non-empty text chunk
     total: float = 0.0          # seconds from send to the final response
     cancelled: bool = False
+    timings: dict | None = None  # stage breakdown from an orchestrator (epd): encode_ms, transfer_ms, ...
 
 
 class GenerateError(RuntimeError):
@@ -95,6 +96,8 @@ def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], st
     for key in ("finish_reason", "num_input_tokens", "num_output_tokens"):
         if fields.get(key) is not None:
             setattr(result, key, fields[key])
+    if fields.get("timings"):
+        result.timings = json.loads(fields["timings"])
 
 
 def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
@@ -123,8 +126,8 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                     raise GenerateError(str(err.status() or "STREAM_ERROR").replace("StatusCode.", ""),
                                         err.message())
                 raise err
-            fields = {k: _scalar(res.as_numpy(k)) for k in ("text_output", "finish_reason",
-                                                             "num_input_tokens", "num_output_tokens")}
+            fields = {k: _scalar(res.as_numpy(k)) for k in ("text_output", "finish_reason", "num_input_tokens",
+                                                             "num_output_tokens", "timings")}
             _absorb(result, fields.pop("text_output"), fields, started, on_text)
             params = res.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
@@ -167,7 +170,7 @@ def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                 if "error" in doc:
                     raise GenerateError("HTTP", doc["error"])
                 _absorb(result, _first(doc.get("text_output")), {k: _first(doc.get(k)) for k in
-                        ("finish_reason", "num_input_tokens", "num_output_tokens")}, started, on_text)
+                        ("finish_reason", "num_input_tokens", "num_output_tokens", "timings")}, started, on_text)
     except urllib.error.HTTPError as exc:
         body = exc.read().decode("utf-8", "replace").strip()
         try:  # generate_stream sends its error as one SSE event

@@ -72,6 +72,7 @@ class Orchestrator:
                 final = chunk.finish_reason is not None
                 if final:
                     tokens = chunk.num_output_tokens or 0
+                    timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
                     timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
                     chunk = replace(chunk, timings=dict(timings))
                 elif "first_chunk_ms" not in timings:

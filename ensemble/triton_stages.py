@@ -7,6 +7,7 @@ back a blocking iterator, so a worker thread drains it into the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
@@ -17,7 +18,7 @@ from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
 
-GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 _END = object()
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
 
@@ -46,8 +47,9 @@ def _chunk(response) -> ResponseChunk:
             return None
         item = tensor.as_numpy().reshape(-1)[0]
         return item.decode("utf-8") if isinstance(item, bytes) else int(item)
+    timings = value("timings")
     return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
-                         value("num_output_tokens"))
+                         value("num_output_tokens"), json.loads(timings) if timings else None)
 
 
 class TritonStages:

@@ -156,3 +156,36 @@ def test_bad_media_through_epd_names_the_field(server, protocol):
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}]}])
     assert info.value.message.startswith("messages[0].content[0].image_url: cannot decode image"), info.value.message
     assert ask(server, "epd", **CASES["one_image_landscape"]).finish_reason is not None  # still serving
+
+
+def test_timing_breakdown(server):
+    got = ask(server, "epd", **CASES["two_images"])
+    t = got.timings
+    assert t["items"] == 2 and t["transfer_bytes"] > 0
+    assert 0 < t["encode_ms"] < t["total_ms"] and 0 < t["transfer_ms"] < t["generate_ms"] <= t["total_ms"]
+    assert ask(server, "epd", **CASES["text_only"]).timings["items"] == 0
+
+
+def _encoder_counts(server) -> tuple[float, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("nv_inference_count", "nv_inference_exec_count"):
+            if line.startswith(name + "{") and 'model="encoder"' in line:
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["nv_inference_count"], values["nv_inference_exec_count"]
+
+
+def test_encoder_batches_items_of_concurrent_requests(server, baseline):
+    """Triton's dynamic batcher hands the encoder items of several requests in one execute (one
+    tower forward): inferences grow faster than executions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ["four_images", "three_images", "two_images", "chat_two_images"] * 2
+    before = _encoder_counts(server)
+    with ThreadPoolExecutor(len(names)) as pool:
+        results = list(pool.map(lambda n: ask(server, "epd", **CASES[n]), names))
+    assert [r.text for r in results] == [baseline[n].text for n in names]
+    items = _encoder_counts(server)[0] - before[0]
+    executions = _encoder_counts(server)[1] - before[1]
+    assert items == 22 and executions < items, (items, executions)

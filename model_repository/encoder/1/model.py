@@ -28,7 +28,8 @@ class TritonPythonModel:
         self.processing = processing_options(model_dir)
         self.pool = EmbeddingPool(int(parameter(config, "pool_bytes", str(64 << 20))),
                                   lease_seconds=float(parameter(config, "lease_seconds", "30")),
-                                  alloc_timeout=float(parameter(config, "alloc_timeout_seconds", "1.0")))
+                                  alloc_timeout=float(parameter(config, "alloc_timeout_seconds", "1.0")),
+                                  device=device)  # on KIND_GPU the leases live in the instance's VRAM
         limits = MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
         self.service = EncoderService(self.encoder, self.pool, limits)

@@ -5,6 +5,7 @@ embeddings are pulled from the encoder's NIXL buffer (``prepare``). A failed or 
 request with UNAVAILABLE and nothing reaches vLLM. This model never receives or decodes media.
 """
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -29,9 +30,12 @@ class TritonPythonModel(GenerateModel):
     async def prepare(self, request):
         if not request.images:
             return request
+        started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
             self.pulls, pull_image_embeds, self.consumer, request.images)
-        return replace(request, images=(), image_embeds=embeds)
+        timings = {"transfer_ms": round((time.perf_counter() - started) * 1000, 3),
+                   "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        return replace(request, images=(), image_embeds=embeds, timings=timings)
 
     def finalize(self):
         super().finalize()
