@@ -25,11 +25,23 @@ log = logging.getLogger(__name__)
 ERROR_CODES_PARAMETER = "epd_error_codes"
 
 
-def wants_error_codes(request) -> bool:
+# Triton 2.51 cannot cancel a BLS request. An orchestrator names its stage request with
+# STAGE_REQUEST_ID_PARAMETER and, when its client cancels, sends the stage a request whose
+# ABORT_PARAMETER names it; the stage aborts that engine request.
+STAGE_REQUEST_ID_PARAMETER = "epd_request_id"
+ABORT_PARAMETER = "epd_abort"
+
+
+def request_parameters(request) -> dict:
     try:
-        return bool(json.loads(request.parameters() or "{}").get(ERROR_CODES_PARAMETER))
+        doc = json.loads(request.parameters() or "{}")
     except (ValueError, AttributeError):
-        return False
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def wants_error_codes(request) -> bool:
+    return bool(request_parameters(request).get(ERROR_CODES_PARAMETER))
 
 
 def from_triton_error(error) -> EpdError:

@@ -32,7 +32,8 @@ class StageClient(Protocol):
         """Encode one item; returns its layout metadata JSON. Raises ``EpdError``s."""
 
     def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
-        """Stream the generator's chunks; the one carrying ``finish_reason`` is the last."""
+        """Stream the generator's chunks; the one carrying ``finish_reason`` is the last. Closing the
+        stream before that (``aclose``) must stop the stage's work for this request."""
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,27 @@ class Orchestrator:
                 raw, images=(), image_layouts=tuple(layouts),
                 messages=json.dumps(request.conversation) if request.conversation is not None else None)
             generate_started = time.perf_counter()
-            async for chunk in self.stages.generate(rewritten):
-                if sink.is_cancelled():
-                    sink.close()
-                    outcome = Outcome.CANCELLED
-                    return outcome
-                final = chunk.finish_reason is not None
-                if final:
-                    tokens = chunk.num_output_tokens or 0
-                    timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
-                    timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
-                    chunk = replace(chunk, timings=dict(timings))
-                elif "first_chunk_ms" not in timings:
-                    timings["first_chunk_ms"] = _ms(started)
-                sink.send(chunk, final=final)
-                if final:
-                    outcome = Outcome.OK
-                    return outcome
+            stream = self.stages.generate(rewritten)
+            try:
+                async for chunk in stream:
+                    if sink.is_cancelled():
+                        sink.close()
+                        outcome = Outcome.CANCELLED
+                        return outcome
+                    final = chunk.finish_reason is not None
+                    if final:
+                        tokens = chunk.num_output_tokens or 0
+                        timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
+                        timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
+                        chunk = replace(chunk, timings=dict(timings))
+                    elif "first_chunk_ms" not in timings:
+                        timings["first_chunk_ms"] = _ms(started)
+                    sink.send(chunk, final=final)
+                    if final:
+                        outcome = Outcome.OK
+                        return outcome
+            finally:
+                await stream.aclose()  # an unfinished stream tells its stage to abort
             raise RuntimeError("the generator's stream ended without a final response")
         except Exception as exc:
             sink.send_error(exc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
@@ -16,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
-from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
+from backend.triton_io import ABORT_PARAMETER, ERROR_CODES_PARAMETER, STAGE_REQUEST_ID_PARAMETER, from_triton_error
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 _END = object()
@@ -67,10 +68,14 @@ class TritonStages:
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
 
     async def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
+        """Stream the generator's chunks. If the consumer stops early (``aclose``: its client cancelled),
+        the generator is told to abort the request, since Triton 2.51 cannot cancel a BLS request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        stage_id = uuid.uuid4().hex
         request = pb_utils.InferenceRequest(model_name=self.generator_model, inputs=generate_tensors(inputs),
-                                            requested_output_names=GENERATE_OUTPUTS, parameters=_TAGGED)
+                                            requested_output_names=GENERATE_OUTPUTS,
+                                            parameters={**_TAGGED, STAGE_REQUEST_ID_PARAMETER: stage_id})
 
         def drain():
             try:
@@ -81,14 +86,27 @@ class TritonStages:
             loop.call_soon_threadsafe(queue.put_nowait, _END)
 
         loop.run_in_executor(self._streams, drain)
-        while (response := await queue.get()) is not _END:
-            if isinstance(response, Exception):
-                raise response
-            if response.has_error():
-                raise from_triton_error(response.error())
-            chunk = _chunk(response)
-            if chunk.text_output or chunk.finish_reason is not None:
-                yield chunk
+        finished = False
+        try:
+            while (response := await queue.get()) is not _END:
+                if isinstance(response, Exception):
+                    raise response
+                if response.has_error():
+                    finished = True
+                    raise from_triton_error(response.error())
+                chunk = _chunk(response)
+                finished = chunk.finish_reason is not None
+                if chunk.text_output or finished:
+                    yield chunk
+            finished = True
+        finally:
+            if not finished:
+                await self._abort(stage_id)
+
+    async def _abort(self, stage_id: str) -> None:
+        request = pb_utils.InferenceRequest(model_name=self.generator_model, inputs=[], requested_output_names=[],
+                                            parameters={ABORT_PARAMETER: stage_id})
+        await asyncio.get_running_loop().run_in_executor(self._streams, lambda: list(request.exec(decoupled=True)))
 
     def close(self) -> None:
         self._streams.shutdown(wait=False)

@@ -92,6 +92,7 @@ class FakeStages:
         self.encode_error, self.fail_item = encode_error, fail_item
         self.encoded: list[tuple[bytes, str]] = []
         self.generated = []
+        self.aborted = 0
         self.active = self.peak = 0
 
     async def encode(self, item, key):
@@ -111,6 +112,12 @@ class FakeStages:
         from backend.serving import ResponseChunk
 
         self.generated.append(inputs)
-        for i, piece in enumerate(self.pieces):
-            last = i == len(self.pieces) - 1
-            yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None)
+        done = False
+        try:
+            for i, piece in enumerate(self.pieces):
+                last = i == len(self.pieces) - 1
+                done = last
+                yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None)
+        finally:
+            if not done:
+                self.aborted += 1  # a real stage aborts its engine request here

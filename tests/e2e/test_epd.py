@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import urllib.request
 
 import pytest
@@ -77,10 +78,11 @@ CASES = {
 }
 
 
-def ask(server, model: str, protocol: str = "grpc", **inputs) -> GenerateResult:
+def ask(server, model: str, protocol: str = "grpc", cancel_after_chunks=None, **inputs) -> GenerateResult:
     inputs.setdefault("sampling", GREEDY)
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=120)
+    extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks}
+    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=120, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +191,19 @@ def test_encoder_batches_items_of_concurrent_requests(server, baseline):
     items = _encoder_counts(server)[0] - before[0]
     executions = _encoder_counts(server)[1] - before[1]
     assert items == 22 and executions < items, (items, executions)
+
+
+def test_cancelling_epd_aborts_the_pd_request(server):
+    before = _metric(server, "epd_generated_tokens_total", "pd")
+    result = ask(server, "epd", prompt="Count.", images=[img(0)], sampling={"max_tokens": 3000, "ignore_eos": True},
+                 stream=True, cancel_after_chunks=3)
+    assert result.cancelled
+    deadline = time.monotonic() + 30
+    generated = None
+    while time.monotonic() < deadline:  # pd's request ends (aborted) and its tokens are counted
+        now = _metric(server, "epd_generated_tokens_total", "pd")
+        if now > before and now == generated:
+            break
+        generated = now
+        time.sleep(0.5)
+    assert 3 <= generated - before < 1000, f"pd generated {generated - before} tokens for a request cancelled after 3"

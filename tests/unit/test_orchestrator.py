@@ -88,3 +88,10 @@ def test_client_cancel_stops_forwarding():
     stages = FakeStages(pieces=["t"] * 10)
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
     assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
+    assert stages.aborted == 1  # the stage was told to stop
+
+
+def test_finished_streams_are_not_aborted():
+    stages = FakeStages()
+    run(stages, RawGenerateInputs(text_input="x"))
+    assert stages.aborted == 0
