@@ -1,5 +1,5 @@
-"""``make demo``: start tritonserver, ask the ``llm`` model about one real image, print the streamed
-answer with time to first token and total time, stop the server.
+"""``make demo``: start tritonserver, ask ``llm`` (one engine) and ``epd`` (encoder + pd, metadata-only)
+about one real image, print each streamed answer with time to first token and total time, stop the server.
 
 The image is a PNG drawn here (no downloads): a few coloured shapes, written to ``.cache/demo.png``
 and sent as a file, exactly as a user of ``clients.chat`` would send one.
@@ -30,7 +30,7 @@ def draw_demo_image(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llm")
+    parser.add_argument("--model", action="append", help="model to ask (repeatable; default: llm and epd)")
     parser.add_argument("--question", default="What shapes and colours are in this picture?")
     args = parser.parse_args(argv)
     image = draw_demo_image(ROOT / ".cache" / "demo.png")
@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with TritonServer(ports=ports, log_path=log) as server:
         print(f"[demo] server ready in {server.ready_seconds:.1f} s; gRPC {server.grpc_url}", flush=True)
-        print(f"[demo] {args.model} <- {image.name} + {args.question!r}\n", flush=True)
-        code = chat.main(["--url", server.grpc_url, "--model", args.model, "--image", str(image), args.question])
+        code = 0
+        for model in args.model or ["llm", "epd"]:
+            print(f"\n[demo] {model} <- {image.name} + {args.question!r}", flush=True)
+            code |= chat.main(["--url", server.grpc_url, "--model", model, "--image", str(image), args.question])
     print(f"[demo] server stopped; demo took {time.monotonic() - started:.1f} s")
     return code
 
