@@ -68,6 +68,7 @@ class GenerationDelta:
     num_input_tokens: int
     num_output_tokens: int
     finish_reason: str | None
+    kv_transfer_params: dict | None = None  # from a KV producer's final output (prefill)
 
     @property
     def finished(self) -> bool:
@@ -103,8 +104,13 @@ class EngineHost:
 
         loop = LoopThread("vllm-engine-loop")
 
+        args = dict(engine_args)
+        if isinstance(args.get("kv_transfer_config"), dict):
+            from vllm.config import KVTransferConfig
+            args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+
         async def create():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         try:
             engine = loop.submit(create()).result()
@@ -127,14 +133,17 @@ class EngineHost:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
         try:
-            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA, extra_args=extra)
         except (TypeError, ValueError) as exc:
             raise InvalidInput("sampling_parameters", str(exc)) from None
         prompt: dict[str, Any] = {"prompt": self.prompt_text(request)}
         if request.image_embeds is not None:
             embeds, grid_thw = request.image_embeds
-            prompt["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid_thw}}
+            # embeds None: layout only (a KV consumer whose KV already covers the media positions)
+            item = {"image_grid_thw": grid_thw} if embeds is None else {"image_embeds": embeds, "image_grid_thw": grid_thw}
+            prompt["multi_modal_data"] = {"image": item}
         elif request.images:
             prompt["multi_modal_data"] = {"image": list(request.images)}
         produced = 0
@@ -142,8 +151,12 @@ class EngineHost:
             async for out in self._engine.generate(prompt, params, request_id):
                 completion = out.outputs[0]
                 produced += len(completion.token_ids)
+                if out.finished and completion.finish_reason == "error":  # e.g. the KV could not be loaded
+                    raise Unavailable(f"the engine failed this request (finish_reason=error"
+                                      f"{', a KV transfer' if request.kv_transfer_params else ''})")
                 yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
-                                      completion.finish_reason if out.finished else None)
+                                      completion.finish_reason if out.finished else None,
+                                      getattr(out, "kv_transfer_params", None) if out.finished else None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

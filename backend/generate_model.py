@@ -6,7 +6,13 @@ Imported by ``model.py`` files only (it imports ``triton_io``, hence ``pb_utils`
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +52,17 @@ class GenerateModel:
         )
         self.resolver = self.make_resolver()
         self.metrics = RequestMetrics(self.name)
+        for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
+            os.environ[key] = value
         self.host = EngineHost.start(self.engine_args)
 
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
 
     def extra_engine_args(self) -> dict[str, Any]:
+        return {}
+
+    def process_env(self) -> dict[str, str]:
         return {}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
@@ -82,3 +93,70 @@ class GenerateModel:
         self.host.shutdown()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit).
         del self.metrics
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MetadataOnlyModel(GenerateModel):
+    """A vLLM model fed metadata-only media (``image_layouts``): ``pd`` and ``prefill`` pull each item's
+    embeddings before submitting (``PULL_EMBEDDINGS``); ``decode`` submits the layout alone, since the KV
+    it receives already covers the media positions. Nothing is submitted whose embeddings are not here:
+    a failed pull fails that request with UNAVAILABLE."""
+
+    PULL_EMBEDDINGS = True
+    KV_ROLE: str | None = None  # "kv_producer" (prefill) / "kv_consumer" (decode): vLLM's NixlConnector
+
+    def initialize(self, args):
+        super().initialize(args)
+        if self.PULL_EMBEDDINGS:
+            from backend.transfer.consumer import EmbeddingConsumer
+
+            self.consumer = EmbeddingConsumer(role=self.name)
+            self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user
+
+    def make_resolver(self):
+        from backend.encoder import model_identity
+        from backend.request import LayoutMedia
+
+        return LayoutMedia(model_identity(self.engine_args["model"]))
+
+    def extra_engine_args(self):
+        extra: dict[str, Any] = {"enable_mm_embeds": True}
+        if self.KV_ROLE:
+            extra["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": self.KV_ROLE,
+                                           "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
+        return extra
+
+    def process_env(self):
+        if not self.KV_ROLE:
+            return {}
+        port = parameter(self.config, "nixl_side_channel_port", "") or str(free_port())
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "EPD_NIXL_POLL_DELAY_US": parameter(self.config, "nixl_poll_delay_us", "5000"),
+                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        if not request.images:
+            return request
+        import torch
+
+        grid = torch.tensor([list(layout.image_grid_thw) for layout in request.images], dtype=torch.int64)
+        if not self.PULL_EMBEDDINGS:
+            return replace(request, images=(), image_embeds=(None, grid))
+        from backend.transfer.consumer import pull_image_embeds
+
+        started = time.perf_counter()
+        embeds = await asyncio.get_running_loop().run_in_executor(
+            self.pulls, pull_image_embeds, self.consumer, request.images)
+        timings = {"transfer_ms": round((time.perf_counter() - started) * 1000, 3),
+                   "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        return replace(request, images=(), image_embeds=embeds, timings=timings)
+
+    def finalize(self):
+        super().finalize()
+        if self.PULL_EMBEDDINGS:
+            self.pulls.shutdown(wait=True)

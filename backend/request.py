@@ -57,6 +57,7 @@ class RawGenerateInputs:
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    kv_transfer_params: str | None = None      # JSON, between prefill and decode stages
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class GenerateRequest:
     return_num_output_tokens: bool = False
     image_embeds: Any = None                    # set by a consumer once pulled: (embeds, grid_thw)
     timings: dict | None = None                 # stage timings to report on the final response
+    kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
 
     @property
     def prompt_field(self) -> str:
@@ -150,6 +152,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
     if given > limits.max_images:
         raise InvalidInput("image", f"{given} images, over the per-request limit of {limits.max_images}")
     sampling = parse_sampling_parameters(raw.sampling_parameters)
+    kv_params = _kv_transfer_params(raw.kv_transfer_params)
     items = ([resolver.from_tensor(data, f"image[{i}]") for i, data in enumerate(raw.images)] +
              [resolver.from_layout(text, f"image_layouts[{i}]") for i, text in enumerate(raw.image_layouts)])
     prompt = conversation = None
@@ -163,8 +166,20 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         prompt=prompt, conversation=conversation, images=tuple(items), sampling=sampling, stream=raw.stream,
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
-        return_num_output_tokens=raw.return_num_output_tokens,
+        return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
     )
+
+
+def _kv_transfer_params(text: str | None) -> dict | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput("kv_transfer_params", f"not valid JSON ({exc.msg})") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("kv_transfer_params", "expected a JSON object")
+    return doc
 
 
 def _text_prompt(text: str, count: int, fmt: PromptFormat, media_field: str) -> str:

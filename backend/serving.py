@@ -24,6 +24,7 @@ class ResponseChunk:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     timings: dict | None = None  # stage breakdown on an orchestrator's final response
+    kv_transfer_params: dict | None = None  # a prefill stage's handle to its KV, for decode
 
 
 class ResponseSink(Protocol):
@@ -101,7 +102,7 @@ def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> Respo
         text, finish_reason=delta.finish_reason,
         num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
         num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
-        timings=request.timings,
+        timings=request.timings, kv_transfer_params=delta.kv_transfer_params,
     )
 
 

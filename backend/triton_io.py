@@ -122,6 +122,7 @@ def read_generate_inputs(request) -> RawGenerateInputs:
         exclude_input_in_output=_bool(request, "exclude_input_in_output"),
         return_num_input_tokens=_bool(request, "return_num_input_tokens"),
         return_num_output_tokens=_bool(request, "return_num_output_tokens"),
+        kv_transfer_params=_text(request, "kv_transfer_params"),
     )
 
 
@@ -143,6 +144,9 @@ class TritonSink:
             outputs.append(pb_utils.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
         if chunk.num_output_tokens is not None:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array([chunk.num_output_tokens], dtype=np.uint32)))
+        if chunk.kv_transfer_params is not None:
+            outputs.append(pb_utils.Tensor("kv_transfer_params",
+                                           np.array([json.dumps(chunk.kv_transfer_params).encode()], dtype=np.object_)))
         if chunk.timings is not None:
             outputs.append(pb_utils.Tensor("timings", np.array([json.dumps(chunk.timings).encode()], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0

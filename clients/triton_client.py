@@ -29,6 +29,7 @@ class GenerateResult:
     total: float = 0.0          # seconds from send to the final response
     cancelled: bool = False
     timings: dict | None = None  # stage breakdown from an orchestrator (epd): encode_ms, transfer_ms, ...
+    kv_transfer_params: dict | None = None  # from a prefill stage
 
 
 class GenerateError(RuntimeError):
@@ -44,7 +45,8 @@ class GenerateInputs:
     prompt: str | None = None
     messages: list[dict] | str | None = None
     images: Sequence[bytes] = ()
-    image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd)
+    image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd, prefill, decode)
+    kv_transfer_params: dict | None = None  # prefill / decode stages: vLLM KV connector parameters
     sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
     stream: bool = True
     exclude_input_in_output: bool = True
@@ -63,6 +65,8 @@ class GenerateInputs:
             values["image"] = list(self.images)
         if self.image_layouts:
             values["image_layouts"] = list(self.image_layouts)
+        if self.kv_transfer_params is not None:
+            values["kv_transfer_params"] = json.dumps(self.kv_transfer_params)
         if self.sampling is not None:
             values["sampling_parameters"] = self.sampling if isinstance(self.sampling, str) else json.dumps(self.sampling)
         return values
@@ -96,8 +100,9 @@ def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], st
     for key in ("finish_reason", "num_input_tokens", "num_output_tokens"):
         if fields.get(key) is not None:
             setattr(result, key, fields[key])
-    if fields.get("timings"):
-        result.timings = json.loads(fields["timings"])
+    for key in ("timings", "kv_transfer_params"):
+        if fields.get(key):
+            setattr(result, key, json.loads(fields[key]))
 
 
 def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
@@ -127,7 +132,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                                         err.message())
                 raise err
             fields = {k: _scalar(res.as_numpy(k)) for k in ("text_output", "finish_reason", "num_input_tokens",
-                                                             "num_output_tokens", "timings")}
+                                                             "num_output_tokens", "timings", "kv_transfer_params")}
             _absorb(result, fields.pop("text_output"), fields, started, on_text)
             params = res.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
@@ -170,7 +175,8 @@ def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                 if "error" in doc:
                     raise GenerateError("HTTP", doc["error"])
                 _absorb(result, _first(doc.get("text_output")), {k: _first(doc.get(k)) for k in
-                        ("finish_reason", "num_input_tokens", "num_output_tokens", "timings")}, started, on_text)
+                        ("finish_reason", "num_input_tokens", "num_output_tokens", "timings", "kv_transfer_params")},
+                        started, on_text)
     except urllib.error.HTTPError as exc:
         body = exc.read().decode("utf-8", "replace").strip()
         try:  # generate_stream sends its error as one SSE event

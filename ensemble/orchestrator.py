@@ -1,6 +1,11 @@
 """The ``epd`` orchestration: validate, encode every media item concurrently, rewrite the request to
 metadata-only, stream the generator's output back.
 
+Topologies (``Topology``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
+to ``prefill`` with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then to
+``decode`` with the ``kv_transfer_params`` prefill returned (decode pulls the KV through NIXL and needs
+only the media layouts), and streams decode's output.
+
 Request lifecycle::
 
     RECEIVED -> VALIDATED (parse with EncodedMedia: media stay bytes, nothing decoded here)
@@ -8,6 +13,7 @@ Request lifecycle::
              -> REWRITTEN (image tensor removed, messages' image parts -> {"type": "image"},
                            image_layouts = the encoders' layout metadata, in prompt order;
                            text_input / sampling settings untouched)
+             -> [E/P/D: PREFILLING -> kv_transfer_params]
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
 Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
@@ -16,22 +22,34 @@ Triton BLS in the ``epd`` model (``ensemble.triton_stages``).
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
-from backend.errors import EpdError, InvalidInput
+from backend.errors import EpdError, InvalidInput, Unavailable
 from backend.layout import content_key
 from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
+
+
+class Topology(enum.Enum):
+    E_PD = "E+PD"
+    E_P_D = "E/P/D"
+
+
+class Stage(enum.Enum):
+    GENERATE = "generate"  # prefill + decode in one engine (pd)
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 class StageClient(Protocol):
     async def encode(self, item: MediaBytes, key: str) -> str:
         """Encode one item; returns its layout metadata JSON. Raises ``EpdError``s."""
 
-    def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
+    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
         """Stream the generator's chunks; the one carrying ``finish_reason`` is the last. Closing the
         stream before that (``aclose``) must stop the stage's work for this request."""
 
@@ -45,8 +63,9 @@ class Identity:
 
 
 class Orchestrator:
-    def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits):
-        self.stages, self.identity, self.limits = stages, identity, limits
+    def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
+                 topology: Topology = Topology.E_PD):
+        self.stages, self.identity, self.limits, self.topology = stages, identity, limits, topology
         self.media = EncodedMedia(limits.media)
 
     def validate(self, raw: RawGenerateInputs):
@@ -64,8 +83,10 @@ class Orchestrator:
             rewritten = replace(
                 raw, images=(), image_layouts=tuple(layouts),
                 messages=json.dumps(request.conversation) if request.conversation is not None else None)
+            if self.topology is Topology.E_P_D:
+                rewritten = await self._prefill(rewritten, timings)
             generate_started = time.perf_counter()
-            stream = self.stages.generate(rewritten)
+            stream = self.stages.generate(rewritten, Stage.DECODE if self.topology is Topology.E_P_D else Stage.GENERATE)
             try:
                 async for chunk in stream:
                     if sink.is_cancelled():
@@ -94,6 +115,25 @@ class Orchestrator:
             if observer is not None:
                 observer.request_finished(outcome, tokens)
 
+    async def _prefill(self, rewritten: RawGenerateInputs, timings: dict) -> RawGenerateInputs:
+        """Run prefill for one token; return the request for decode, carrying prefill's KV handle."""
+        started = time.perf_counter()
+        sampling = json.loads(rewritten.sampling_parameters) if rewritten.sampling_parameters else {}
+        sampling = {k: v for k, v in sampling.items() if k not in ("min_tokens",)}
+        prefill_inputs = replace(
+            rewritten, stream=False, sampling_parameters=json.dumps({**sampling, "max_tokens": 1}),
+            kv_transfer_params=json.dumps({"do_remote_decode": True}), exclude_input_in_output=True,
+            return_num_input_tokens=False, return_num_output_tokens=False)
+        params = None
+        async for chunk in self.stages.generate(prefill_inputs, Stage.PREFILL):
+            if chunk.finish_reason is not None:
+                params = chunk.kv_transfer_params
+                timings.update(chunk.timings or {})  # prefill's embedding pull (transfer_ms)
+        if not params:
+            raise Unavailable("prefill returned no kv_transfer_params")
+        timings["prefill_ms"] = _ms(started)
+        return replace(rewritten, kv_transfer_params=json.dumps(params))
+
     async def _encode_all(self, items: tuple[MediaBytes, ...]) -> list[str]:
         if not items:
             return []
@@ -112,4 +152,4 @@ def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
 
-__all__ = ["Orchestrator", "StageClient", "Identity", "EpdError"]
+__all__ = ["Orchestrator", "StageClient", "Identity", "Stage", "Topology", "EpdError"]

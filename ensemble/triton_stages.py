@@ -18,8 +18,10 @@ import triton_python_backend_utils as pb_utils
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ABORT_PARAMETER, ERROR_CODES_PARAMETER, STAGE_REQUEST_ID_PARAMETER, from_triton_error
+from ensemble.orchestrator import Stage
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
+KV_OUTPUT = "kv_transfer_params"
 _END = object()
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
 
@@ -30,7 +32,7 @@ def _bytes_tensor(name: str, values: list[bytes], shape) -> "pb_utils.Tensor":
 
 def generate_tensors(raw: RawGenerateInputs) -> list:
     tensors = []
-    for name in ("text_input", "messages", "sampling_parameters"):
+    for name in ("text_input", "messages", "sampling_parameters", "kv_transfer_params"):
         value = getattr(raw, name)
         if value is not None:
             tensors.append(_bytes_tensor(name, [value.encode("utf-8")], [1]))
@@ -48,14 +50,17 @@ def _chunk(response) -> ResponseChunk:
             return None
         item = tensor.as_numpy().reshape(-1)[0]
         return item.decode("utf-8") if isinstance(item, bytes) else int(item)
-    timings = value("timings")
+    timings, kv_params = value("timings"), value(KV_OUTPUT)
     return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
-                         value("num_output_tokens"), json.loads(timings) if timings else None)
+                         value("num_output_tokens"), json.loads(timings) if timings else None,
+                         json.loads(kv_params) if kv_params else None)
 
 
 class TritonStages:
-    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", max_streams: int = 64):
-        self.encoder_model, self.generator_model = encoder_model, generator_model
+    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", prefill_model: str = "prefill",
+                 decode_model: str = "decode", max_streams: int = 64):
+        self.encoder_model = encoder_model
+        self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
         self._streams = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="bls-stream")
 
     async def encode(self, item: MediaBytes, key: str) -> str:
@@ -67,14 +72,16 @@ class TritonStages:
             raise from_triton_error(response.error())
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
 
-    async def generate(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
+    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
         """Stream the generator's chunks. If the consumer stops early (``aclose``: its client cancelled),
         the generator is told to abort the request, since Triton 2.51 cannot cancel a BLS request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stage_id = uuid.uuid4().hex
-        request = pb_utils.InferenceRequest(model_name=self.generator_model, inputs=generate_tensors(inputs),
-                                            requested_output_names=GENERATE_OUTPUTS,
+        model = self.models[stage]
+        outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
+        request = pb_utils.InferenceRequest(model_name=model, inputs=generate_tensors(inputs),
+                                            requested_output_names=outputs,
                                             parameters={**_TAGGED, STAGE_REQUEST_ID_PARAMETER: stage_id})
 
         def drain():
@@ -101,10 +108,10 @@ class TritonStages:
             finished = True
         finally:
             if not finished:
-                await self._abort(stage_id)
+                await self._abort(model, stage_id)
 
-    async def _abort(self, stage_id: str) -> None:
-        request = pb_utils.InferenceRequest(model_name=self.generator_model, inputs=[], requested_output_names=[],
+    async def _abort(self, model: str, stage_id: str) -> None:
+        request = pb_utils.InferenceRequest(model_name=model, inputs=[], requested_output_names=[],
                                             parameters={ABORT_PARAMETER: stage_id})
         await asyncio.get_running_loop().run_in_executor(self._streams, lambda: list(request.exec(decoupled=True)))
 

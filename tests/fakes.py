@@ -92,6 +92,7 @@ class FakeStages:
         self.encode_error, self.fail_item = encode_error, fail_item
         self.encoded: list[tuple[bytes, str]] = []
         self.generated = []
+        self.stages_called = []
         self.aborted = 0
         self.active = self.peak = 0
 
@@ -108,10 +109,16 @@ class FakeStages:
         finally:
             self.active -= 1
 
-    async def generate(self, inputs):
+    async def generate(self, inputs, stage=None):
         from backend.serving import ResponseChunk
+        from ensemble.orchestrator import Stage
 
         self.generated.append(inputs)
+        self.stages_called.append(stage)
+        if stage is Stage.PREFILL:
+            yield ResponseChunk("", "length", kv_transfer_params={"remote_block_ids": [[1]], "do_remote_prefill": True},
+                                timings={"transfer_ms": 1.0})
+            return
         done = False
         try:
             for i, piece in enumerate(self.pieces):

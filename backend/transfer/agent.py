@@ -34,3 +34,25 @@ def create_agent(role: str, poll_delay_us: int | None = None):
             return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
         finally:
             _api.nixlBind.nixlAgent = real
+
+
+POLL_DELAY_ENV = "EPD_NIXL_POLL_DELAY_US"
+
+
+def patch_process_agents(poll_delay_us: int = DEFAULT_POLL_DELAY_US) -> None:
+    """Process-wide: every NIXL agent created from now on polls with ``poll_delay_us``. For processes
+    whose agents others create, such as vLLM's NixlConnector in an EngineCore process (through the
+    vLLM plugin ``backend.vllm_plugin``). Idempotent."""
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # what vLLM sets when it imports NIXL first
+    from nixl import _api
+
+    real = _api.nixlBind.nixlAgent
+    if getattr(real, "epd_poll_delay_us", None) is not None:
+        return
+
+    def construct(agent_name, config):
+        config.pthrDelay = poll_delay_us
+        return real(agent_name, config)
+
+    construct.epd_poll_delay_us = poll_delay_us
+    _api.nixlBind.nixlAgent = construct

@@ -92,7 +92,7 @@ def baseline(server):
 
 def test_epd_models_are_ready(server):
     client = httpclient.InferenceServerClient(server.http_url)
-    for model in ("encoder", "pd", "epd"):
+    for model in ("encoder", "pd", "epd", "prefill", "decode", "epd_disagg"):
         assert client.is_model_ready(model), model
 
 
@@ -101,9 +101,10 @@ def test_baseline_depends_on_the_image(baseline):
     assert baseline["two_images"].text != baseline["two_images_same"].text
 
 
+@pytest.mark.parametrize("model", ["epd", "epd_disagg"])  # E+PD, and E/P/D (prefill -> NIXL KV -> decode)
 @pytest.mark.parametrize("name", list(CASES))
-def test_epd_returns_the_baseline_tokens(server, baseline, name):
-    got = ask(server, "epd", **CASES[name])
+def test_epd_returns_the_baseline_tokens(server, baseline, name, model):
+    got = ask(server, model, **CASES[name])
     want = baseline[name]
     assert got.text == want.text
     assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (

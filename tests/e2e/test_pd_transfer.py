@@ -43,7 +43,7 @@ def publish(producer, seed: int = SEED) -> LayoutMetadata:
 
 def ask(server, model, protocol="grpc", **inputs):
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    return generate(url, model, GenerateInputs(sampling=GREEDY, **inputs), protocol=protocol, timeout=120)
+    return generate(url, model, GenerateInputs(**{"sampling": GREEDY, **inputs}), protocol=protocol, timeout=120)
 
 
 def ask_pd(server, layout: LayoutMetadata, protocol="grpc"):
@@ -91,3 +91,20 @@ def test_layouts_of_another_model_are_invalid(server, producer):
     with pytest.raises(GenerateError) as info:
         ask_pd(server, layout, "http")
     assert info.value.message.startswith("image_layouts[0].model:")
+
+
+def test_decode_needs_only_the_layout_when_the_kv_covers_the_media(server, producer, baseline):
+    """prefill gets image A's embeddings (by handle) and hands its KV to decode through NIXL; decode gets
+    image B's layout (same size, different pixels) and pulls no embeddings: the output is still A's."""
+    layout_a, layout_b = publish(producer), publish(producer, seed=SEED + 1)
+    assert layout_a.image_grid_thw == layout_b.image_grid_thw and layout_a.content_key != layout_b.content_key
+    first = ask(server, "prefill", prompt=PROMPT, image_layouts=[layout_a.to_json()], stream=False,
+                sampling={"temperature": 0.0, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True})
+    params = first.kv_transfer_params
+    assert params and params["do_remote_prefill"] and params["remote_block_ids"]
+    assert producer[1].release(layout_b.handle.lease_id)  # decode must not need B's embeddings at all
+    got = ask(server, "decode", prompt=PROMPT, image_layouts=[layout_b.to_json()], kv_transfer_params=params)
+    assert got.text == baseline
+    assert got.timings is None  # decode pulled no embeddings (pd/prefill report transfer_ms)
+    without_kv = ask(server, "pd", prompt=PROMPT, image_layouts=[publish(producer, seed=SEED + 1).to_json()])
+    assert without_kv.text != baseline  # B's own output differs: the KV made the difference

@@ -95,3 +95,22 @@ def test_finished_streams_are_not_aborted():
     stages = FakeStages()
     run(stages, RawGenerateInputs(text_input="x"))
     assert stages.aborted == 0
+
+
+def test_e_p_d_prefills_one_token_then_decodes_with_the_kv_handle():
+    from ensemble.orchestrator import Stage, Topology
+
+    stages = FakeStages()
+    raw = RawGenerateInputs(text_input="x", images=(b"A",), stream=True,
+                            sampling_parameters='{"max_tokens": 9, "min_tokens": 2, "temperature": 0}')
+    sink = FakeSink()
+    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), Topology.E_P_D).run(raw, sink))
+    assert outcome is Outcome.OK and stages.stages_called == [Stage.PREFILL, Stage.DECODE]
+    prefill, decode = stages.generated
+    assert json.loads(prefill.sampling_parameters) == {"max_tokens": 1, "temperature": 0}
+    assert json.loads(prefill.kv_transfer_params) == {"do_remote_decode": True} and prefill.stream is False
+    assert decode.sampling_parameters == raw.sampling_parameters and decode.stream  # the client's own settings
+    assert json.loads(decode.kv_transfer_params)["remote_block_ids"] == [[1]]
+    assert prefill.image_layouts == decode.image_layouts == ('{"layout": 0}',)
+    timings = sink.chunks[-1][0].timings
+    assert timings["prefill_ms"] > 0 and timings["transfer_ms"] == 1.0

@@ -1,5 +1,6 @@
 """``epd``: the orchestrator (BLS, decoupled). Same Triton interface as ``llm``; media go to the
-``encoder`` model, the metadata-only request goes to ``pd``, whose stream comes back to the client.
+``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
+``decode`` (topology E/P/D), whose stream comes back to the client.
 Adapter only: the logic is ``ensemble.orchestrator``.
 """
 import json
@@ -14,7 +15,7 @@ from backend.loop import LoopThread
 from backend.media import MediaLimits
 from backend.request import RequestLimits
 from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error
-from ensemble.orchestrator import Identity, Orchestrator
+from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import TritonStages
 
 
@@ -30,8 +31,10 @@ class TritonPythonModel:
             media=MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
                               max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))),
                               allowed_local_media_path=parameter(config, "allowed_local_media_path", "")))
-        self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"))
-        self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)), limits)
+        self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
+                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"))
+        self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
+                                         limits, Topology(parameter(config, "topology", "E+PD")))
         self.metrics = RequestMetrics(args["model_name"])
         self.loop = LoopThread("epd-loop")
 
