@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
     args = parser.parse_args(argv)
-    from tests.images import image_bytes  # the same synthetic images as the tests
+    from clients.images import image_bytes
 
     with TritonServer(args.model_repository, log_path=ROOT / ".cache" / "idle-cpu-server.log") as server:
         for seed in range(4):

@@ -72,7 +72,8 @@ class GenerateInputs:
         return values
 
 
-def _grpc_inputs(values: dict[str, Any]):
+def grpc_inputs(values: dict[str, Any]):
+    """Triton gRPC input tensors for the shared interface's values (see ``GenerateInputs.as_values``)."""
     import tritonclient.grpc as grpcclient
 
     tensors = []
@@ -118,7 +119,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     started = time.perf_counter()
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, _grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
+        client.async_stream_infer(model, grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
                                   enable_empty_final_response=True)
         while True:
             try:
