@@ -79,7 +79,7 @@ class Orchestrator:
         try:
             request = self.validate(raw)
             layouts = await self._encode_all(request.images)
-            timings.update(items=len(layouts), encode_ms=_ms(started))
+            timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
             rewritten = replace(
                 raw, images=(), image_layouts=tuple(layouts),
                 messages=json.dumps(request.conversation) if request.conversation is not None else None)
@@ -146,6 +146,17 @@ class Orchestrator:
             if isinstance(result, BaseException):
                 raise result
         return list(results)
+
+
+def _producers(layouts: list[str]) -> list[str]:
+    """The encoder instances (NIXL producer agent names) that served this request's items."""
+    names = set()
+    for text in layouts:
+        try:
+            names.add(json.loads(text)["handle"]["agent_name"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return sorted(names)
 
 
 def _ms(since: float) -> float:

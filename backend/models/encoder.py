@@ -1,0 +1,62 @@
+"""``encoder``: decode, preprocess and encode images; publish embeddings as NIXL leases.
+
+Adapter only: ``backend.encoder.EncoderService`` does the work for all items Triton batched together.
+On ``KIND_GPU`` the tower runs on the instance's GPU.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.encoder import EncodeJob, EncoderService, VisionEncoder, processing_options
+from backend.engine import prepare_process
+from backend.generate_model import parameter
+from backend.layout import content_key
+from backend.media import MediaLimits
+from backend.transfer.producer import EmbeddingPool
+from backend.triton_io import to_triton_error, wants_error_codes
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        prepare_process()
+        config = json.loads(args["model_config"])
+        model_dir = Path(args["model_repository"]) / parameter(config, "model", "")
+        device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
+        self.encoder = VisionEncoder.load(model_dir.resolve(), device=device)
+        self.processing = processing_options(model_dir)
+        self.pool = EmbeddingPool(int(parameter(config, "pool_bytes", str(64 << 20))),
+                                  lease_seconds=float(parameter(config, "lease_seconds", "30")),
+                                  alloc_timeout=float(parameter(config, "alloc_timeout_seconds", "1.0")),
+                                  device=device)  # on KIND_GPU the leases live in the instance's VRAM
+        limits = MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
+                             max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
+        self.service = EncoderService(self.encoder, self.pool, limits)
+        report = self.encoder.load_report
+        pb_utils.Logger.log_info(
+            f"encoder: tower loaded in {report.seconds * 1000:.0f} ms, read {report.bytes_read} of "
+            f"{report.checkpoint_bytes} checkpoint bytes; model {self.encoder.identity}")
+
+    def execute(self, requests):
+        jobs, shapes = [], []
+        for index, request in enumerate(requests):
+            images = pb_utils.get_input_tensor_by_name(request, "image").as_numpy()
+            keys = pb_utils.get_input_tensor_by_name(request, "content_key")
+            keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * images.shape[0]
+            shapes.append(images.shape)
+            for data, key in zip(images.reshape(-1), keys):
+                data = bytes(data)
+                key = key.decode() if isinstance(key, bytes) and key else content_key(data, self.processing, self.encoder.identity)
+                jobs.append(EncodeJob(index, data, key))
+        responses = []
+        for request, shape, result in zip(requests, shapes, self.service.run(jobs, len(requests))):
+            if isinstance(result, BaseException):
+                responses.append(pb_utils.InferenceResponse(error=to_triton_error(result, wants_error_codes(request))))
+            else:
+                layouts = np.array([s.encode() for s in result], dtype=np.object_).reshape(shape)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("layout", layouts)]))
+        return responses
+
+    def finalize(self):
+        self.pool.close()

@@ -1,0 +1,300 @@
+"""Deployment topologies: a YAML file names what to serve; ``render`` writes the model repository.
+
+A topology says which deployments run side by side (``serve``: ``baseline`` -> model ``llm``; ``E+PD``
+-> ``epd`` + ``encoder`` + ``pd``; ``E/P/D`` -> ``epd`` (``epd_disagg`` when E+PD is served too) +
+``encoder`` + ``prefill`` + ``decode``), how many instances each stage has and on which device, the
+checkpoint, the shared vLLM engine arguments, and the transfer pool and request limits. Example::
+
+    checkpoint: ../models/tiny-qwen2-vl      # relative to this file
+    serve: [E/P/D]
+    stages:
+      encoder: {instances: 2, device: cpu}
+      prefill: {instances: 1, device: cpu}
+      decode:  {instances: 1, device: cpu}
+      epd:     {instances: 1}
+    engine_args: {dtype: float32, enforce_eager: true, max_model_len: 4096}
+    transfer: {pool_bytes: 67108864, lease_seconds: 30}
+
+    python -m backend.topology render topologies/cpu-e-p-d.yaml --out /tmp/repo
+    python -m backend.topology check topologies/gpu-e-p-d.yaml --machine gpu
+
+Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
+for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
+``topologies/default.yaml`` (a test checks they agree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS = {"baseline": ("llm",), "E+PD": ("encoder", "pd", "epd"), "E/P/D": ("encoder", "prefill", "decode", "epd")}
+ENGINE_STAGES = ("llm", "pd", "prefill", "decode")
+GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
+MAX_INSTANCES = 16
+TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits"}
+STAGE_KEYS = {"instances", "device", "gpus"}
+TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
+LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20}
+ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
+                   "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
+                   "disable_log_stats": True}
+
+
+class TopologyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    instances: int = 1
+    device: str = "cpu"
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    checkpoint: Path
+    serve: tuple[str, ...]
+    stages: dict[str, StageSpec]
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    transfer: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+
+    def models(self) -> dict[str, str]:
+        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D)."""
+        out: dict[str, str] = {}
+        for mode in self.serve:
+            for stage in DEPLOYMENTS[mode]:
+                if stage == "epd":
+                    name = "epd" if "epd" not in out else "epd_disagg"
+                    out[name] = f"epd:{mode}"
+                else:
+                    out[stage] = stage
+        return out
+
+
+def _check_keys(doc: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise TopologyError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def load(path: Path, machine: str | None = None) -> Topology:
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{path}: expected a mapping at the top level")
+    _check_keys(doc, TOP_KEYS, str(path))
+    machine = machine or ("gpu" if Path("/dev/nvidia0").exists() else "cpu")
+    serve = doc.get("serve")
+    if not isinstance(serve, list) or not serve or any(mode not in DEPLOYMENTS for mode in serve) or len(set(serve)) != len(serve):
+        raise TopologyError(f"{path}: serve must list distinct deployments out of {', '.join(DEPLOYMENTS)}; got {serve!r}")
+    checkpoint = doc.get("checkpoint")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise TopologyError(f"{path}: checkpoint: expected the path of the model checkpoint")
+    needed = {stage for mode in serve for stage in DEPLOYMENTS[mode]}
+    stages_doc = doc.get("stages") or {}
+    if not isinstance(stages_doc, dict):
+        raise TopologyError(f"{path}: stages: expected a mapping of stage -> settings")
+    unused = sorted(set(stages_doc) - needed)
+    if unused:
+        raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} (uses {', '.join(sorted(needed))})")
+    stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
+    sections = {}
+    for key, defaults in (("transfer", TRANSFER_DEFAULTS), ("limits", LIMIT_DEFAULTS)):
+        section = doc.get(key) or {}
+        if not isinstance(section, dict):
+            raise TopologyError(f"{path}: {key}: expected a mapping")
+        _check_keys(section, set(defaults), f"{path}: {key}")
+        for k, v in section.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise TopologyError(f"{path}: {key}.{k}: expected a positive number, got {v!r}")
+        sections[key] = {**defaults, **section}
+    engine_args = doc.get("engine_args") or {}
+    if not isinstance(engine_args, dict) or "model" in engine_args:
+        raise TopologyError(f"{path}: engine_args: expected a mapping of vLLM engine arguments (the model is 'checkpoint')")
+    return Topology(name=str(doc.get("name") or path.stem), checkpoint=(path.parent / checkpoint),
+                    serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
+                    transfer=sections["transfer"], limits=sections["limits"])
+
+
+def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{where}: expected a mapping with instances / device / gpus")
+    _check_keys(doc, STAGE_KEYS, where)
+    instances = doc.get("instances", 1)
+    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= MAX_INSTANCES:
+        raise TopologyError(f"{where}.instances: expected an integer from 1 to {MAX_INSTANCES}, got {instances!r}")
+    device = doc.get("device", "cpu")
+    if device not in ("cpu", "gpu"):
+        raise TopologyError(f"{where}.device: expected cpu or gpu, got {device!r}")
+    if device == "gpu" and stage not in GPU_STAGES:
+        raise TopologyError(f"{where}.device: the {stage} stage runs on CPU only")
+    if device == "gpu" and machine != "gpu":
+        raise TopologyError(f"{where}.device: gpu asked for, but this machine kind is {machine} (no GPU); "
+                            f"use device: cpu or render with --machine gpu for a GPU machine")
+    gpus = doc.get("gpus", [0] if device == "gpu" else [])
+    if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
+        raise TopologyError(f"{where}.gpus: expected a list of GPU ids")
+    if gpus and device != "gpu":
+        raise TopologyError(f"{where}.gpus: only for device: gpu")
+    return StageSpec(instances, device, tuple(gpus))
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+_GEN_INPUTS = [("text_input", "TYPE_STRING", 1), ("messages", "TYPE_STRING", 1), ("image", "TYPE_STRING", -1),
+               ("stream", "TYPE_BOOL", 1), ("sampling_parameters", "TYPE_STRING", 1),
+               ("exclude_input_in_output", "TYPE_BOOL", 1), ("return_num_input_tokens", "TYPE_BOOL", 1),
+               ("return_num_output_tokens", "TYPE_BOOL", 1)]
+_GEN_OUTPUTS = [("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"),
+                ("num_input_tokens", "TYPE_UINT32"), ("num_output_tokens", "TYPE_UINT32")]
+_HEADERS = {
+    "llm": "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
+           "Its inputs/outputs are the interface every generating model shares (llm, epd, pd, ...).",
+    "pd": "E+PD consumer: one vLLM AsyncLLM (prefill + decode) fed metadata-only media (image_layouts); it pulls\n"
+          "the embeddings through NIXL and never receives media. Engine arguments in model.json (+ enable_mm_embeds).",
+    "prefill": "E/P/D prefill: vLLM with NixlConnector (kv_producer) fed metadata-only media (image_layouts); it pulls\n"
+               "the embeddings, prefills, and returns kv_transfer_params for decode. Engine arguments in model.json.",
+    "decode": "E/P/D decode: vLLM with NixlConnector (kv_consumer). It pulls prefill's KV by kv_transfer_params and\n"
+              "takes media as layout metadata only (no embeddings): the KV covers the media positions.",
+    "encoder": "Encoder stage: image processor + vision tower of the checkpoint (tower weights only). Each item's\n"
+               "embeddings go into a NIXL-registered lease; the response is the item's layout metadata (JSON).\n"
+               "Triton's dynamic batcher gathers items of concurrent requests into one tower forward.",
+    "epd:E+PD": "E+PD orchestrator (BLS, decoupled): the same interface as llm. Media items go to `encoder` concurrently;\n"
+                "the request goes on to `pd` metadata-only (image_layouts); pd's stream comes back with a timing breakdown.",
+    "epd:E/P/D": "E/P/D orchestrator (BLS, decoupled): media items go to `encoder` concurrently; the metadata-only\n"
+                 "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
+                 "kv_transfer_params; decode's stream comes back with a timing breakdown.",
+}
+_MODULES = {"llm": "backend.models.llm", "pd": "backend.models.pd", "prefill": "backend.models.prefill",
+            "decode": "backend.models.decode", "encoder": "backend.models.encoder"}
+
+
+def _io(kind: str, items) -> str:
+    lines = []
+    for item in items:
+        name, dtype, dims = item if len(item) == 3 else (*item, -1)
+        optional = " optional: true" if kind == "input" else ""
+        lines.append(f'  {{ name: "{name}" data_type: {dtype} dims: [ {dims} ]{optional} }}')
+    return f"{kind} [\n" + ",\n".join(lines) + "\n]\n"
+
+
+def _params(params: dict[str, Any]) -> str:
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items())
+
+
+def _instances(spec: StageSpec) -> str:
+    if spec.device == "gpu":
+        return f"instance_group [ {{ count: {spec.instances} kind: KIND_GPU gpus: [ {', '.join(map(str, spec.gpus))} ] }} ]\n"
+    return f"instance_group [ {{ count: {spec.instances} kind: KIND_CPU }} ]\n"
+
+
+def _fmt(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> str:
+    checkpoint = os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve())
+    limits = {k: _fmt(v) for k, v in topology.limits.items() if k != "max_images"}
+    header = "".join(f"# {line}\n" for line in _HEADERS[kind].splitlines())
+    body = f'name: "{name}"\nbackend: "python"\n'
+    if kind == "encoder":
+        spec = topology.stages["encoder"]
+        body += "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n\n"
+        body += _io("input", [("image", "TYPE_STRING", 1)]).replace(
+            "dims: [ 1 ] optional: true", "dims: [ 1 ]").replace("\n]", ',\n  { name: "content_key" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n]')
+        body += _io("output", [("layout", "TYPE_STRING", 1)]) + "\n" + _instances(spec) + "\n"
+        transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
+        return header + body + _params({"model": checkpoint, **transfer, **limits})
+    body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
+    if kind.startswith("epd:"):
+        mode = kind.split(":", 1)[1]
+        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
+        body += "\n" + _instances(topology.stages["epd"]) + "\n"
+        names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
+        names.update({"generator_model": "pd"} if mode == "E+PD" else {"prefill_model": "prefill", "decode_model": "decode"})
+        return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits})
+    inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
+    if kind != "llm":
+        inputs[2] = ("image_layouts", "TYPE_STRING", -1)
+        outputs.append(("timings", "TYPE_STRING"))
+    if kind in ("prefill", "decode"):
+        inputs.append(("kv_transfer_params", "TYPE_STRING", 1))
+        outputs.append(("kv_transfer_params", "TYPE_STRING"))
+    body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind]) + "\n"
+    params = {"engine_args": "model.json", **limits}
+    if kind in ("prefill", "decode"):
+        params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
+    return header + body + _params(params)
+
+
+def render_engine_args(topology: Topology, kind: str, model_dir: Path) -> str:
+    args = {"model": os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve()), **topology.engine_args,
+            "limit_mm_per_prompt": {"image": topology.limits["max_images"]}}
+    if topology.stages[kind].device == "gpu":
+        args.pop("distributed_executor_backend", None)
+    return json.dumps(args, indent=2) + "\n"
+
+
+def render_files(topology: Topology, out: Path) -> dict[str, str]:
+    """The model repository for ``topology`` as it would be written at ``out``: relative path -> text."""
+    files = {}
+    for name, kind in topology.models().items():
+        model_dir = Path(out) / name
+        files[f"{name}/config.pbtxt"] = render_config(topology, name, kind, model_dir)
+        module = "ensemble.epd_model" if kind.startswith("epd:") else _MODULES[kind]
+        files[f"{name}/1/model.py"] = (f'"""Triton Python-backend entry point of `{name}`: the model class lives in '
+                                       f'{module}."""\nfrom {module} import TritonPythonModel  # noqa: F401\n')
+        if kind in ENGINE_STAGES:
+            files[f"{name}/model.json"] = render_engine_args(topology, kind, model_dir)
+    return files
+
+
+def render(topology: Topology, out: Path) -> list[str]:
+    """Write the model repository for ``topology`` into ``out`` (replacing what is there)."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    for relative, text in render_files(topology, out).items():
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        (out / relative).write_text(text)
+    return list(topology.models())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Validate a deployment topology and render its model repository.")
+    parser.add_argument("command", choices=("render", "check"))
+    parser.add_argument("topology", type=Path)
+    parser.add_argument("--out", type=Path, help="model repository to write (render)")
+    parser.add_argument("--machine", choices=("cpu", "gpu"), help="the machine kind it is for (default: this one)")
+    args = parser.parse_args(argv)
+    try:
+        topology = load(args.topology, args.machine)
+    except TopologyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"{args.topology}: ok; models: {', '.join(topology.models())}")
+        return 0
+    if args.out is None:
+        parser.error("render needs --out")
+    names = render(topology, args.out)
+    print(f"rendered {', '.join(names)} into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

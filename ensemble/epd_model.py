@@ -1,0 +1,55 @@
+"""``epd``: the orchestrator (BLS, decoupled). Same Triton interface as ``llm``; media go to the
+``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
+``decode`` (topology E/P/D), whose stream comes back to the client.
+Adapter only: the logic is ``ensemble.orchestrator``.
+"""
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from backend.encoder import model_identity, processing_options
+from backend.engine import prepare_process
+from backend.generate_model import parameter
+from backend.loop import LoopThread
+from backend.media import MediaLimits
+from backend.request import RequestLimits
+from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error
+from ensemble.orchestrator import Identity, Orchestrator, Topology
+from ensemble.triton_stages import TritonStages
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        prepare_process()
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("epd must use the decoupled transaction policy")
+        model_dir = (Path(args["model_repository"]) / parameter(config, "model", "")).resolve()
+        limits = RequestLimits(
+            max_images=int(parameter(config, "max_images", "4")),
+            media=MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
+                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))),
+                              allowed_local_media_path=parameter(config, "allowed_local_media_path", "")))
+        self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
+                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"))
+        self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
+                                         limits, Topology(parameter(config, "topology", "E+PD")))
+        self.metrics = RequestMetrics(args["model_name"])
+        self.loop = LoopThread("epd-loop")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                raw = read_generate_inputs(request)
+            except Exception as exc:
+                send_error(sender, exc)
+                continue
+            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender), self.metrics))
+        return None
+
+    def finalize(self):
+        self.loop.stop()
+        self.stages.close()
+        del self.metrics

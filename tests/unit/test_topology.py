@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from backend.topology import TopologyError, load, render_files
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "topologies" / "default.yaml"
+
+
+def test_committed_repository_is_the_rendering_of_the_default_topology():
+    repo = ROOT / "model_repository"
+    expected = render_files(load(DEFAULT, "cpu"), repo)
+    on_disk = {str(p.relative_to(repo)): p.read_text() for p in repo.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert on_disk == expected, "re-render: python -m backend.topology render topologies/default.yaml --out model_repository"
+
+
+@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d"])
+def test_cpu_topologies_validate(name):
+    load(ROOT / "topologies" / f"{name}.yaml", "cpu")
+
+
+def test_two_encoder_e_p_d_rendering():
+    topology = load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu")
+    assert topology.models() == {"encoder": "encoder", "prefill": "prefill", "decode": "decode", "epd": "epd:E/P/D"}
+    files = render_files(topology, Path("/r"))
+    assert "count: 2 kind: KIND_CPU" in files["encoder/config.pbtxt"]
+    assert 'key: "topology" value: { string_value: "E/P/D" }' in files["epd/config.pbtxt"]
+
+
+def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
+    path = ROOT / "topologies" / "gpu-e-p-d.yaml"
+    files = render_files(load(path, "gpu"), Path("/r"))
+    assert "kind: KIND_GPU gpus: [ 1 ]" in files["prefill/config.pbtxt"]
+    with pytest.raises(TopologyError, match="gpu asked for, but this machine kind is cpu"):
+        load(path, "cpu")
+
+
+def _write(tmp_path, doc) -> Path:
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances": 1}, "pd": {}, "epd": {}}}
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"colour": "red"}, "unknown key(s) colour"),
+    ({"serve": ["E+P+D"]}, "serve must list distinct deployments"),
+    ({"serve": []}, "serve must list"),
+    ({"checkpoint": ""}, "checkpoint"),
+    ({"stages": {"encoder": {"instances": 0}}}, "stages.encoder.instances: expected an integer from 1 to 16"),
+    ({"stages": {"encoder": {"instances": 99}}}, "from 1 to 16"),
+    ({"stages": {"encoder": {"instances": "two"}}}, "expected an integer"),
+    ({"stages": {"encoder": {"replicas": 2}}}, "stages.encoder: unknown key(s) replicas"),
+    ({"stages": {"prefill": {}}}, "stages: prefill not used by serve"),
+    ({"stages": {"encoder": {"device": "tpu"}}}, "device: expected cpu or gpu"),
+    ({"stages": {"encoder": {"device": "gpu"}}}, "gpu asked for, but this machine kind is cpu"),
+    ({"stages": {"epd": {"device": "gpu"}}}, "runs on CPU only"),
+    ({"stages": {"encoder": {"gpus": [0]}}}, "only for device: gpu"),
+    ({"transfer": {"pool_bytes": -1}}, "transfer.pool_bytes: expected a positive number"),
+    ({"transfer": {"pool": 1}}, "transfer: unknown key(s) pool"),
+    ({"engine_args": {"model": "x"}}, "the model is 'checkpoint'"),
+])
+def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragment):
+    doc = {**BASE, **change}
+    with pytest.raises(TopologyError) as info:
+        load(_write(tmp_path, doc), "cpu")
+    assert fragment in str(info.value)
