@@ -161,7 +161,7 @@ class TritonServer:
             self.proc.wait(timeout=10)
         # Stubs and engine processes should exit with the server; give them a moment, record any that
         # did not (tests assert there are none), then kill them so nothing leaks either way.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.stragglers = left

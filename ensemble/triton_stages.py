@@ -2,14 +2,15 @@
 
 ``encode`` is one async BLS call to the encoder model per item (Triton's dynamic batcher gathers items
 of concurrent requests). ``generate`` is a decoupled BLS call to the generator model; Triton 2.51 hands
-back a blocking iterator, so a worker thread drains it into the event loop.
+back a blocking iterator, so a daemon thread per stream drains it into the event loop (daemon: a stream
+whose stage went away must not keep the stub from exiting at unload).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import numpy as np
@@ -58,10 +59,9 @@ def _chunk(response) -> ResponseChunk:
 
 class TritonStages:
     def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", prefill_model: str = "prefill",
-                 decode_model: str = "decode", max_streams: int = 64):
+                 decode_model: str = "decode"):
         self.encoder_model = encoder_model
         self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self._streams = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="bls-stream")
 
     async def encode(self, item: MediaBytes, key: str) -> str:
         request = pb_utils.InferenceRequest(
@@ -92,7 +92,7 @@ class TritonStages:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             loop.call_soon_threadsafe(queue.put_nowait, _END)
 
-        loop.run_in_executor(self._streams, drain)
+        threading.Thread(target=drain, name=f"bls-stream-{model}", daemon=True).start()
         finished = False
         try:
             while (response := await queue.get()) is not _END:
@@ -113,7 +113,16 @@ class TritonStages:
     async def _abort(self, model: str, stage_id: str) -> None:
         request = pb_utils.InferenceRequest(model_name=model, inputs=[], requested_output_names=[],
                                             parameters={ABORT_PARAMETER: stage_id})
-        await asyncio.get_running_loop().run_in_executor(self._streams, lambda: list(request.exec(decoupled=True)))
+        done = asyncio.get_running_loop().create_future()
+
+        def send():
+            try:
+                list(request.exec(decoupled=True))
+            finally:
+                done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        threading.Thread(target=send, name=f"bls-abort-{model}", daemon=True).start()
+        await done
 
     def close(self) -> None:
-        self._streams.shutdown(wait=False)
+        """Nothing to release: stream threads are daemons and end with their streams."""
