@@ -117,6 +117,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     client = grpcclient.InferenceServerClient(url)
     result = GenerateResult()
     started = time.perf_counter()
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
@@ -137,13 +138,15 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
             _absorb(result, fields.pop("text_output"), fields, started, on_text)
             params = res.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                finished = True
                 break
             if cancel_after_chunks is not None and len(result.chunks) >= cancel_after_chunks:
                 client.stop_stream(cancel_requests=True)
                 result.cancelled = True
                 break
     finally:
-        client.stop_stream()
+        # Unfinished (timeout, error, cancel): cancel the stream, or stop_stream waits for the server forever.
+        client.stop_stream(cancel_requests=not finished and not result.cancelled)
         client.close()
     result.total = time.perf_counter() - started
     result.text = "".join(result.chunks)
