@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
-from backend.errors import EpdError, InvalidInput, Unavailable
+from backend.errors import InvalidInput, Unavailable
 from backend.layout import content_key
 from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
@@ -163,4 +163,4 @@ def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
 
-__all__ = ["Orchestrator", "StageClient", "Identity", "Stage", "Topology", "EpdError"]
+__all__ = ["Orchestrator", "StageClient", "Identity", "Stage", "Topology"]
