@@ -208,3 +208,19 @@ def test_cancelling_epd_aborts_the_pd_request(server):
         generated = now
         time.sleep(0.5)
     assert 3 <= generated - before < 1000, f"pd generated {generated - before} tokens for a request cancelled after 3"
+
+
+def test_cancelling_e_p_d_aborts_the_decode_request(server):
+    before = _metric(server, "epd_generated_tokens_total", "decode")
+    result = ask(server, "epd_disagg", prompt="Count.", images=[img(1)], stream=True, cancel_after_chunks=3,
+                 sampling={"max_tokens": 3000, "ignore_eos": True})
+    assert result.cancelled
+    deadline, generated = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        now = _metric(server, "epd_generated_tokens_total", "decode")
+        if now > before and now == generated:
+            break
+        generated = now
+        time.sleep(0.5)
+    assert 3 <= generated - before < 1000, f"decode generated {generated - before} tokens for a request cancelled after 3"
+    assert ask(server, "epd_disagg", **CASES["one_image_landscape"]).finish_reason is not None

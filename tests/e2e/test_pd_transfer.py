@@ -108,3 +108,18 @@ def test_decode_needs_only_the_layout_when_the_kv_covers_the_media(server, produ
     assert got.timings is None  # decode pulled no embeddings (pd/prefill report transfer_ms)
     without_kv = ask(server, "pd", prompt=PROMPT, image_layouts=[publish(producer, seed=SEED + 1).to_json()])
     assert without_kv.text != baseline  # B's own output differs: the KV made the difference
+
+
+def test_a_decode_whose_kv_cannot_be_loaded_fails_that_request_only(server, producer, baseline):
+    """decode handed KV parameters that point nowhere: that request fails (UNAVAILABLE, never a
+    recompute without embeddings), and decode keeps serving the next one."""
+    layout = publish(producer)
+    first = ask(server, "prefill", prompt=PROMPT, image_layouts=[layout.to_json()], stream=False,
+                sampling={"temperature": 0.0, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True})
+    bogus = dict(first.kv_transfer_params, remote_engine_id="no-such-engine", remote_port=1,
+                 remote_request_id="no-such-request")
+    with pytest.raises(GenerateError) as info:
+        ask(server, "decode", prompt=PROMPT, image_layouts=[layout.to_json()], kv_transfer_params=bogus)
+    assert "finish_reason=error" in info.value.message, info.value.message
+    assert ask(server, "decode", prompt=PROMPT, image_layouts=[layout.to_json()],
+               kv_transfer_params=first.kv_transfer_params).text == baseline
