@@ -9,7 +9,7 @@ import torch
 from backend.errors import Unavailable
 from backend.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
-from backend.transfer.producer import EmbeddingPool, LeaseState
+from backend.transfer.producer import EmbeddingPool
 from backend.transfer.process import ProducerProcess, make_layout
 
 pytestmark = pytest.mark.component

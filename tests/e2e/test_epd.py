@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import time
 import urllib.request
 
@@ -194,33 +193,29 @@ def test_encoder_batches_items_of_concurrent_requests(server, baseline):
     assert items == 22 and executions < items, (items, executions)
 
 
-def test_cancelling_epd_aborts_the_pd_request(server):
-    before = _metric(server, "epd_generated_tokens_total", "pd")
-    result = ask(server, "epd", prompt="Count.", images=[img(0)], sampling={"max_tokens": 3000, "ignore_eos": True},
-                 stream=True, cancel_after_chunks=3)
-    assert result.cancelled
-    deadline = time.monotonic() + 30
-    generated = None
-    while time.monotonic() < deadline:  # pd's request ends (aborted) and its tokens are counted
-        now = _metric(server, "epd_generated_tokens_total", "pd")
-        if now > before and now == generated:
-            break
-        generated = now
-        time.sleep(0.5)
-    assert 3 <= generated - before < 1000, f"pd generated {generated - before} tokens for a request cancelled after 3"
-
-
-def test_cancelling_e_p_d_aborts_the_decode_request(server):
-    before = _metric(server, "epd_generated_tokens_total", "decode")
-    result = ask(server, "epd_disagg", prompt="Count.", images=[img(1)], stream=True, cancel_after_chunks=3,
+def _tokens_after_cancel(server, orchestrator: str, stage: str, image: bytes) -> float:
+    """Cancel a 3000-token request through ``orchestrator`` after 3 chunks; return the tokens ``stage``
+    generated for it, once its request has ended (aborted) and the count has settled."""
+    before = _metric(server, "epd_generated_tokens_total", stage)
+    result = ask(server, orchestrator, prompt="Count.", images=[image], stream=True, cancel_after_chunks=3,
                  sampling={"max_tokens": 3000, "ignore_eos": True})
     assert result.cancelled
     deadline, generated = time.monotonic() + 30, None
     while time.monotonic() < deadline:
-        now = _metric(server, "epd_generated_tokens_total", "decode")
+        now = _metric(server, "epd_generated_tokens_total", stage)
         if now > before and now == generated:
             break
         generated = now
         time.sleep(0.5)
-    assert 3 <= generated - before < 1000, f"decode generated {generated - before} tokens for a request cancelled after 3"
+    return generated - before
+
+
+def test_cancelling_epd_aborts_the_pd_request(server):
+    generated = _tokens_after_cancel(server, "epd", "pd", img(0))
+    assert 3 <= generated < 1000, f"pd generated {generated} tokens for a request cancelled after 3"
+
+
+def test_cancelling_e_p_d_aborts_the_decode_request(server):
+    generated = _tokens_after_cancel(server, "epd_disagg", "decode", img(1))
+    assert 3 <= generated < 1000, f"decode generated {generated} tokens for a request cancelled after 3"
     assert ask(server, "epd_disagg", **CASES["one_image_landscape"]).finish_reason is not None

@@ -2,8 +2,6 @@ import asyncio
 import base64
 import json
 
-import pytest
-
 from backend.errors import InvalidInput, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
