@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,17 @@ class Topology:
     engine_args: dict[str, Any] = field(default_factory=dict)
     transfer: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
+
+    def only(self, mode: str, engine_args: dict[str, Any] | None = None) -> "Topology":
+        """This topology serving ``mode`` alone (its stages only), with ``engine_args`` laid over its own."""
+        if mode not in DEPLOYMENTS:
+            raise TopologyError(f"unknown deployment {mode!r}; known: {', '.join(DEPLOYMENTS)}")
+        missing = [stage for stage in DEPLOYMENTS[mode] if stage not in self.stages]
+        if missing:
+            raise TopologyError(f"{self.name}: cannot serve {mode} alone, no settings for {', '.join(missing)}")
+        return replace(self, name=f"{self.name}-{mode}", serve=(mode,), checkpoint=self.checkpoint.resolve(),
+                       stages={s: self.stages[s] for s in DEPLOYMENTS[mode]},
+                       engine_args={**self.engine_args, **(engine_args or {})})
 
     def models(self) -> dict[str, str]:
         """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D)."""

@@ -4,13 +4,24 @@
 of concurrent requests). ``generate`` is a decoupled BLS call to the generator model; Triton 2.51 hands
 back a blocking iterator, so a daemon thread per stream drains it into the event loop (daemon: a stream
 whose stage went away must not keep the stub from exiting at unload).
+
+Finished response iterators are kept alive for ``RETIRE_SECONDS`` before this module drops them (on the
+event loop, holding the GIL). Measured and traced to the stub's source: in Triton 2.51's Python backend
+(r24.10) the stub's message thread erases a finished iterator from its map *without the GIL*; when that
+erase drops the last reference, the iterator's responses and their numpy arrays are freed without the
+GIL (fixed upstream in python_backend b771f4f, r25.01). Under load that corrupted the heap: refcount
+errors on ``np.dtype(object)`` and segfaults in ``obmalloc`` of the ``epd`` stub (exit signal 11, found
+with ``dmesg``), which left the generator stage blocked sending to a dead caller. Holding our own
+reference until well after the erase makes the last release ours.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 import uuid
+from collections import deque
 from typing import AsyncIterator
 
 import numpy as np
@@ -24,6 +35,7 @@ from ensemble.orchestrator import Stage
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 KV_OUTPUT = "kv_transfer_params"
 _END = object()
+RETIRE_SECONDS = 5.0  # the stub erases a finished iterator within milliseconds; keep ours far longer
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
 
 
@@ -62,6 +74,30 @@ class TritonStages:
                  decode_model: str = "decode"):
         self.encoder_model = encoder_model
         self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
+        self._retired: deque = deque()  # (monotonic time, finished BLS response iterator), event-loop owned
+
+    def _retire(self, iterator) -> None:
+        """Keep a finished iterator for RETIRE_SECONDS, then drop it here, on the loop (see module doc)."""
+        now = time.monotonic()
+        if iterator is not None:
+            self._retired.append((now, iterator))
+        while self._retired and now - self._retired[0][0] > RETIRE_SECONDS:
+            self._retired.popleft()
+
+    def _stream(self, request, loop: asyncio.AbstractEventLoop, deliver) -> None:
+        """Run in a daemon thread: drain a decoupled BLS call, handing each response (or the exception)
+        to ``deliver`` on the loop, then ``_END``; the finished iterator goes to ``_retire``."""
+        iterator = None
+        try:
+            iterator = request.exec(decoupled=True)
+            for response in iterator:
+                loop.call_soon_threadsafe(deliver, response)
+        except Exception as exc:  # noqa: BLE001 - handed to the request's coroutine
+            loop.call_soon_threadsafe(deliver, exc)
+        finally:
+            loop.call_soon_threadsafe(self._retire, iterator)
+            del iterator
+            loop.call_soon_threadsafe(deliver, _END)
 
     async def encode(self, item: MediaBytes, key: str) -> str:
         request = pb_utils.InferenceRequest(
@@ -84,15 +120,8 @@ class TritonStages:
                                             requested_output_names=outputs,
                                             parameters={**_TAGGED, STAGE_REQUEST_ID_PARAMETER: stage_id})
 
-        def drain():
-            try:
-                for response in request.exec(decoupled=True):
-                    loop.call_soon_threadsafe(queue.put_nowait, response)
-            except Exception as exc:  # noqa: BLE001 - handed to the request's coroutine
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            loop.call_soon_threadsafe(queue.put_nowait, _END)
-
-        threading.Thread(target=drain, name=f"bls-stream-{model}", daemon=True).start()
+        threading.Thread(target=self._stream, args=(request, loop, queue.put_nowait), name=f"bls-stream-{model}",
+                         daemon=True).start()
         finished = False
         try:
             while (response := await queue.get()) is not _END:
@@ -115,14 +144,13 @@ class TritonStages:
                                             parameters={ABORT_PARAMETER: stage_id})
         done = asyncio.get_running_loop().create_future()
 
-        def send():
-            try:
-                list(request.exec(decoupled=True))
-            finally:
-                done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        def deliver(item):
+            if item is _END and not done.done():
+                done.set_result(None)
 
-        threading.Thread(target=send, name=f"bls-abort-{model}", daemon=True).start()
+        threading.Thread(target=self._stream, args=(request, done.get_loop(), deliver), name=f"bls-abort-{model}",
+                         daemon=True).start()
         await done
 
     def close(self) -> None:
-        """Nothing to release: stream threads are daemons and end with their streams."""
+        """Stream threads are daemons and end with their streams; retired iterators go with the stub."""

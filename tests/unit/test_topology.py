@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,18 @@ def test_two_encoder_e_p_d_rendering():
     files = render_files(topology, Path("/r"))
     assert "count: 2 kind: KIND_CPU" in files["encoder/config.pbtxt"]
     assert 'key: "topology" value: { string_value: "E/P/D" }' in files["epd/config.pbtxt"]
+
+
+def test_one_deployment_alone_with_engine_overrides(tmp_path):
+    topology = load(DEFAULT, "cpu").only("E/P/D", {"enforce_eager": False})
+    assert topology.models() == {"encoder": "encoder", "prefill": "prefill", "decode": "decode", "epd": "epd:E/P/D"}
+    files = render_files(topology, tmp_path / "repo")
+    assert '"enforce_eager": false' in files["decode/model.json"]
+    assert (tmp_path / "repo" / "decode" / json.loads(files["decode/model.json"])["model"]).resolve() == \
+        (ROOT / "models" / "tiny-qwen2-vl").resolve()
+    assert load(DEFAULT, "cpu").only("baseline").models() == {"llm": "llm"}
+    with pytest.raises(TopologyError, match="no settings for llm"):
+        load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("baseline")
 
 
 def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
