@@ -56,7 +56,7 @@ def load_engine_args(path: Path) -> dict[str, Any]:
 
 def prepare_process() -> None:
     """Process-wide settings for a Triton stub: the UTF-8 locale vLLM/torch need (the stub's is ASCII),
-    the environment defaults above, torch's intra-op threads, and a pinned numpy object dtype (below).
+    the environment defaults above, and torch's intra-op threads.
 
     Threads: the model files import torch before ``initialize`` runs, so ``OMP_NUM_THREADS`` set here
     comes too late for this process's pool; it is applied with ``torch.set_num_threads``. Measured on
@@ -68,24 +68,6 @@ def prepare_process() -> None:
         os.environ.setdefault(key, value)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    pin_object_dtype()
-
-
-def pin_object_dtype() -> None:
-    """Make numpy's object dtype immortal in this process.
-
-    Measured: in an orchestrator stub (BLS streams, BYTES tensors made and read on several threads),
-    Triton 2.51's Python backend with numpy 1.26 occasionally drops a reference to ``np.dtype(object)``,
-    whose count there is only ~3-5; numpy then prints "Reference count error detected: an attempt was
-    made to deallocate the dtype 17 (O)" and the stub died soon after. A large count keeps it alive.
-    """
-    import ctypes
-
-    import numpy as np
-
-    count = ctypes.c_ssize_t.from_address(id(np.dtype(object)))
-    if count.value < 1 << 40:
-        count.value += 1 << 40
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from backend.engine import EngineHost, load_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
-from backend.triton_io import (ABORT_PARAMETER, ERROR_CODES_PARAMETER, STAGE_REQUEST_ID_PARAMETER, RequestMetrics,
-                               TritonSink, read_generate_inputs, request_parameters, send_error)
+from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, TritonSink, read_generate_inputs,
+                               request_parameters, send_error)
 
 
 def parameter(config: dict, key: str, default: str) -> str:
@@ -73,10 +73,6 @@ class GenerateModel:
             sender = request.get_response_sender()
             params = request_parameters(request)
             tag = bool(params.get(ERROR_CODES_PARAMETER))
-            if params.get(ABORT_PARAMETER):  # an orchestrator's client went away: stop that request
-                self.host.submit(self.host.abort(str(params[ABORT_PARAMETER])))
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
             try:
                 parsed = parse_generate_request(read_generate_inputs(request), self.resolver, self.limits)
             except Exception as exc:
@@ -84,9 +80,8 @@ class GenerateModel:
                 continue
             finally:
                 self.metrics.media_decodes(decode_counter.count)
-            request_id = params.get(STAGE_REQUEST_ID_PARAMETER)
             self.host.submit(stream_generation(self.host, parsed, TritonSink(sender, tag), self.metrics,
-                                               request_id=str(request_id) if request_id else None, prepare=self.prepare))
+                                               prepare=self.prepare))
         return None
 
     def finalize(self) -> None:

@@ -26,11 +26,6 @@ log = logging.getLogger(__name__)
 ERROR_CODES_PARAMETER = "epd_error_codes"
 
 
-# Triton 2.51 cannot cancel a BLS request. An orchestrator names its stage request with
-# STAGE_REQUEST_ID_PARAMETER and, when its client cancels, sends the stage a request whose
-# ABORT_PARAMETER names it; the stage aborts that engine request.
-STAGE_REQUEST_ID_PARAMETER = "epd_request_id"
-ABORT_PARAMETER = "epd_abort"
 
 
 def request_parameters(request) -> dict:

@@ -127,8 +127,10 @@ class TritonServer:
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
         try:
+            env = server_env(self.env)
+            env.setdefault("EPD_TRITON_GRPC_URL", self.grpc_url)  # where `epd` reaches its generator stages
             self.proc = subprocess.Popen(command(self.repository, self.ports, self.extra_args), stdout=out,
-                                         stderr=subprocess.STDOUT, env=server_env(self.env), start_new_session=True)
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if self.log_path:
                 out.close()

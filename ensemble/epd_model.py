@@ -16,7 +16,7 @@ from backend.media import MediaLimits
 from backend.request import RequestLimits
 from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error
 from ensemble.orchestrator import Identity, Orchestrator, Topology
-from ensemble.triton_stages import TritonStages
+from ensemble.triton_stages import TritonStages, grpc_url
 
 
 class TritonPythonModel:
@@ -32,7 +32,8 @@ class TritonPythonModel:
                               max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))),
                               allowed_local_media_path=parameter(config, "allowed_local_media_path", "")))
         self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
-                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"))
+                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"),
+                                   grpc_url(parameter(config, "grpc_url", "")))
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, Topology(parameter(config, "topology", "E+PD")))
         self.metrics = RequestMetrics(args["model_name"])
@@ -50,6 +51,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        try:
+            self.loop.submit(self.stages.aclose()).result(timeout=5)
+        except Exception as exc:  # noqa: BLE001 - unloading anyway
+            pb_utils.Logger.log_warn(f"epd: closing the stage client: {exc}")
         self.loop.stop()
-        self.stages.close()
         del self.metrics
