@@ -184,9 +184,10 @@ _HEADERS = {
     "encoder": "Encoder stage: image processor + vision tower of the checkpoint (tower weights only). Each item's\n"
                "embeddings go into a NIXL-registered lease; the response is the item's layout metadata (JSON).\n"
                "Triton's dynamic batcher gathers items of concurrent requests into one tower forward.",
-    "epd:E+PD": "E+PD orchestrator (BLS, decoupled): the same interface as llm. Media items go to `encoder` concurrently;\n"
-                "the request goes on to `pd` metadata-only (image_layouts); pd's stream comes back with a timing breakdown.",
-    "epd:E/P/D": "E/P/D orchestrator (BLS, decoupled): media items go to `encoder` concurrently; the metadata-only\n"
+    "epd:E+PD": "E+PD orchestrator (decoupled): the same interface as llm. Media items go to `encoder` concurrently (BLS);\n"
+                "the request goes on to `pd` metadata-only (image_layouts, over the server's gRPC endpoint); pd's stream\n"
+                "comes back with a timing breakdown.",
+    "epd:E/P/D": "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
                  "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
                  "kv_transfer_params; decode's stream comes back with a timing breakdown.",
 }

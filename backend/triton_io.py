@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 
-# Triton 2.51 turns every error of a BLS response into INTERNAL. Orchestrators therefore ask their stages
-# (request parameter ERROR_CODES_PARAMETER) to put the code in front of the message: "[UNAVAILABLE] ...".
+# Triton 2.51 turns every error of a BLS response into INTERNAL, and its gRPC stream errors carry no code.
+# Orchestrators therefore ask their stages (request parameter ERROR_CODES_PARAMETER) to put the code in
+# front of the message: "[UNAVAILABLE] ...".
 ERROR_CODES_PARAMETER = "epd_error_codes"
 
 
@@ -41,7 +42,8 @@ def wants_error_codes(request) -> bool:
 
 
 def from_triton_error(error) -> EpdError:
-    """A stage's TritonError (from a BLS response) as a domain error with the same code and message."""
+    """A stage's error (a BLS response's TritonError or a gRPC InferenceServerException: both have
+    ``message()``) as a domain error with the same code and message."""
     message = error.message()
     kind = ErrorCode.INTERNAL
     if message.startswith("["):

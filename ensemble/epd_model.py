@@ -1,4 +1,4 @@
-"""``epd``: the orchestrator (BLS, decoupled). Same Triton interface as ``llm``; media go to the
+"""``epd``: the orchestrator (decoupled). Same Triton interface as ``llm``; media go to the
 ``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
 ``decode`` (topology E/P/D), whose stream comes back to the client.
 Adapter only: the logic is ``ensemble.orchestrator``.

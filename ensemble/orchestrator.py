@@ -17,7 +17,7 @@ Request lifecycle::
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
 Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
-Triton BLS in the ``epd`` model (``ensemble.triton_stages``).
+Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model (``ensemble.triton_stages``).
 """
 from __future__ import annotations
 
