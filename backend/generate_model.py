@@ -50,6 +50,7 @@ class GenerateModel:
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
             ),
         )
+        self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation
         self.resolver = self.make_resolver()
         self.metrics = RequestMetrics(self.name)
         for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
@@ -81,7 +82,7 @@ class GenerateModel:
             finally:
                 self.metrics.media_decodes(decode_counter.count)
             self.host.submit(stream_generation(self.host, parsed, TritonSink(sender, tag), self.metrics,
-                                               prepare=self.prepare))
+                                               prepare=self.prepare, interval=self.stream_interval))
         return None
 
     def finalize(self) -> None:

@@ -9,6 +9,7 @@ engine so it stops generating and frees its KV.
 from __future__ import annotations
 
 import enum
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
@@ -54,11 +55,17 @@ class GenerationEngine(Protocol):
 
 async def stream_generation(engine: GenerationEngine, request: GenerateRequest, sink: ResponseSink,
                             observer: RequestObserver | None = None, request_id: str | None = None,
-                            prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None) -> Outcome:
+                            prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
+                            interval: float = 0.0) -> Outcome:
     """Run one request to its end. ``prepare`` (e.g. pulling embeddings) runs first; its failure is
-    the request's error, and nothing is submitted to the engine."""
+    the request's error, and nothing is submitted to the engine.
+
+    Streaming sends the first text at once, then at most one response per ``interval`` seconds: text of
+    the steps in between waits for the next step at least ``interval`` after the last send (or the end).
+    0 sends every step's text (vLLM itself merges steps a slow reader has not taken yet)."""
     request_id = request_id or uuid.uuid4().hex
     pieces: list[str] = []
+    last_sent = float("-inf")
     last: GenerationDelta | None = None
     outcome = Outcome.ERROR
     try:
@@ -72,8 +79,12 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
                 outcome = Outcome.CANCELLED
                 return outcome
             if request.stream:
-                if delta.text or delta.finished:
-                    sink.send(_chunk(request, delta, delta.text), final=delta.finished)
+                pieces.append(delta.text)
+                now = time.monotonic()
+                if delta.finished or (any(pieces) and now - last_sent >= interval):
+                    sink.send(_chunk(request, delta, "".join(pieces)), final=delta.finished)
+                    pieces.clear()
+                    last_sent = now
             else:
                 pieces.append(delta.text)
                 if delta.finished:

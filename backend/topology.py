@@ -40,7 +40,7 @@ DEPLOYMENTS = {"baseline": ("llm",), "E+PD": ("encoder", "pd", "epd"), "E/P/D": 
 ENGINE_STAGES = ("llm", "pd", "prefill", "decode")
 GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
 MAX_INSTANCES = 16
-TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits"}
+TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
 STAGE_KEYS = {"instances", "device", "gpus"}
 TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
 LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20}
@@ -69,9 +69,11 @@ class Topology:
     engine_args: dict[str, Any] = field(default_factory=dict)
     transfer: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
+    stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
 
-    def only(self, mode: str, engine_args: dict[str, Any] | None = None) -> "Topology":
-        """This topology serving ``mode`` alone (its stages only), with ``engine_args`` laid over its own."""
+    def only(self, mode: str, engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
+        """This topology serving ``mode`` alone (its stages only), with ``engine_args`` laid over its own
+        and other fields replaced by ``changes``."""
         if mode not in DEPLOYMENTS:
             raise TopologyError(f"unknown deployment {mode!r}; known: {', '.join(DEPLOYMENTS)}")
         missing = [stage for stage in DEPLOYMENTS[mode] if stage not in self.stages]
@@ -79,7 +81,7 @@ class Topology:
             raise TopologyError(f"{self.name}: cannot serve {mode} alone, no settings for {', '.join(missing)}")
         return replace(self, name=f"{self.name}-{mode}", serve=(mode,), checkpoint=self.checkpoint.resolve(),
                        stages={s: self.stages[s] for s in DEPLOYMENTS[mode]},
-                       engine_args={**self.engine_args, **(engine_args or {})})
+                       engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
     def models(self) -> dict[str, str]:
         """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D)."""
@@ -137,9 +139,12 @@ def load(path: Path, machine: str | None = None) -> Topology:
     engine_args = doc.get("engine_args") or {}
     if not isinstance(engine_args, dict) or "model" in engine_args:
         raise TopologyError(f"{path}: engine_args: expected a mapping of vLLM engine arguments (the model is 'checkpoint')")
+    interval = doc.get("stream_interval_ms", 0)
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
+        raise TopologyError(f"{path}: stream_interval_ms: expected a number >= 0, got {interval!r}")
     return Topology(name=str(doc.get("name") or path.stem), checkpoint=(path.parent / checkpoint),
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
-                    transfer=sections["transfer"], limits=sections["limits"])
+                    transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval))
 
 
 def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
@@ -248,6 +253,8 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         outputs.append(("kv_transfer_params", "TYPE_STRING"))
     body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind]) + "\n"
     params = {"engine_args": "model.json", **limits}
+    if topology.stream_interval_ms and kind != "prefill":
+        params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
     if kind in ("prefill", "decode"):
         params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
     return header + body + _params(params)

@@ -160,7 +160,8 @@ async def bench(url: str, models: list[str], levels: list[int], count: int, imag
     return rows
 
 
-def bench_isolated(topology_path: Path, models: list[str], compile_engines: bool, run) -> list[dict]:
+def bench_isolated(topology_path: Path, models: list[str], compile_engines: bool, run,
+                   stream_interval_ms: float | None = None) -> list[dict]:
     """One server per deployment, rendered from ``topology_path``, started and stopped in turn."""
     import tempfile
 
@@ -169,7 +170,8 @@ def bench_isolated(topology_path: Path, models: list[str], compile_engines: bool
 
     base, rows = load(topology_path), []
     for model in models:
-        topology = base.only(DEPLOYMENT_OF[model], {"enforce_eager": False} if compile_engines else None)
+        changes = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
+        topology = base.only(DEPLOYMENT_OF[model], {"enforce_eager": False} if compile_engines else None, **changes)
         with tempfile.TemporaryDirectory(prefix=f"bench-{model}-") as repo:
             served = render(topology, Path(repo))
             target = "llm" if "llm" in served else "epd"
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parent.parent / "topologies" / "default.yaml",
                         help="topology the per-deployment servers are rendered from")
     parser.add_argument("--compile", action="store_true", help="engines with torch.compile (enforce_eager: false)")
+    parser.add_argument("--stream-interval-ms", type=float, help="the topology's stream_interval_ms for the servers started here")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     args = parser.parse_args(argv)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.url:
         rows = run(args.url)
     elif not args.shared:
-        rows = bench_isolated(args.topology, models, args.compile, run)
+        rows = bench_isolated(args.topology, models, args.compile, run, args.stream_interval_ms)
     else:
         from clients.local_server import ROOT, TritonServer
 
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     servers = "given server" if args.url else "one shared server" if args.shared else "one server per deployment"
     print(f"\n{args.requests} streaming requests per row, {args.images} image(s) of {args.image_sizes}, "
           f"{args.max_tokens} greedy tokens (ignore_eos); {servers}; engines "
-          f"{'compiled' if args.compile and not args.url else 'as configured'}\n")
+          f"{'compiled' if args.compile and not args.url else 'as configured'}"
+          + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -27,6 +27,16 @@ def test_streaming_sends_each_delta_and_one_final_with_counts():
     assert sink.finals == 1 and observer.finished == [(Outcome.OK, 3)]
 
 
+def test_stream_interval_merges_steps_but_sends_the_first_text_at_once():
+    sink = FakeSink()
+    engine = FakeEngine(pieces=["a", "b", "c", "d", "e", "f"], step_delay=0.01)
+    asyncio.run(stream_generation(engine, request(stream=True), sink, request_id="r1", interval=0.025))
+    texts = [c.text_output for c, _ in sink.chunks]
+    assert texts[0] == "a" and "".join(texts) == "abcdef"
+    assert 2 <= len(texts) < 6, texts  # ~every third step after the first, plus the final
+    assert [final for _, final in sink.chunks] == [False] * (len(texts) - 1) + [True]
+
+
 @pytest.mark.parametrize("exclude, expected", [(False, "Q: Hello!"), (True, "Hello!")])
 def test_non_streaming_sends_one_response(exclude, expected):
     sink = FakeSink()
