@@ -45,6 +45,7 @@ class Outcome(enum.Enum):
 
 class RequestObserver(Protocol):
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None: ...
+    def request_retried(self, what: str) -> None: ...  # orchestrators: "encode" (one item) or "request"
 
 
 class GenerationEngine(Protocol):

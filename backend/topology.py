@@ -43,7 +43,8 @@ MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
 STAGE_KEYS = {"instances", "device", "gpus"}
 TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
-LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20}
+LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20,
+                  "request_timeout_seconds": 300}  # the last: epd's deadline per request (encode to last token)
 ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
                    "disable_log_stats": True}
@@ -225,7 +226,7 @@ def _fmt(value: Any) -> str:
 
 def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> str:
     checkpoint = os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve())
-    limits = {k: _fmt(v) for k, v in topology.limits.items() if k != "max_images"}
+    limits = {k: _fmt(v) for k, v in topology.limits.items() if k not in ("max_images", "request_timeout_seconds")}
     header = "".join(f"# {line}\n" for line in _HEADERS[kind].splitlines())
     body = f'name: "{name}"\nbackend: "python"\n'
     if kind == "encoder":
@@ -243,7 +244,8 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         body += "\n" + _instances(topology.stages["epd"]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
         names.update({"generator_model": "pd"} if mode == "E+PD" else {"prefill_model": "prefill", "decode_model": "decode"})
-        return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits})
+        return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
+                                        "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
     if kind != "llm":
         inputs[2] = ("image_layouts", "TYPE_STRING", -1)

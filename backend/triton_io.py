@@ -180,6 +180,8 @@ class RequestMetrics:
     ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
     ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
     ``epd_media_decodes_total{model}``: media items decoded in the model's process (0 for ``pd``).
+    ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
+    encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
     """
 
     def __init__(self, model_name: str):
@@ -189,7 +191,10 @@ class RequestMetrics:
                                        description="Tokens generated, including those of cancelled requests")
         decodes = pb_utils.MetricFamily(name="epd_media_decodes_total", kind=pb_utils.MetricFamily.COUNTER,
                                         description="Media items decoded (PIL) in the model's process")
-        self._families = (requests, tokens, decodes)  # a family must outlive its metrics
+        retries = pb_utils.MetricFamily(name="epd_retries_total", kind=pb_utils.MetricFamily.COUNTER,
+                                        description="Orchestrator retries (encode: one item; request: all items and the stages)")
+        self._families = (requests, tokens, decodes, retries)  # a family must outlive its metrics
+        self._retries = {w: retries.Metric(labels={"model": model_name, "what": w}) for w in ("encode", "request")}
         self._requests = {o: requests.Metric(labels={"model": model_name, "outcome": o.value}) for o in Outcome}
         self._tokens = tokens.Metric(labels={"model": model_name})
         self._decodes = decodes.Metric(labels={"model": model_name})
@@ -200,6 +205,9 @@ class RequestMetrics:
         if total > self._decodes_seen:
             self._decodes.increment(total - self._decodes_seen)
             self._decodes_seen = total
+
+    def request_retried(self, what: str) -> None:
+        self._retries[what].increment(1)
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._requests[outcome].increment(1)

@@ -35,7 +35,8 @@ class TritonPythonModel:
                                    parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"),
                                    grpc_url(parameter(config, "grpc_url", "")))
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
-                                         limits, Topology(parameter(config, "topology", "E+PD")))
+                                         limits, Topology(parameter(config, "topology", "E+PD")),
+                                         deadline=float(parameter(config, "request_timeout_seconds", "300")))
         self.metrics = RequestMetrics(args["model_name"])
         self.loop = LoopThread("epd-loop")
 

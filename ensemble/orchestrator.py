@@ -16,6 +16,14 @@ Request lifecycle::
              -> [E/P/D: PREFILLING -> kv_transfer_params]
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
+Recovery: the orchestrator keeps the original media until the request is done. An item whose encode fails
+(anything but INVALID_ARG, e.g. an encoder instance that died) is encoded once more. If a generator stage
+answers UNAVAILABLE before anything reached the client (an embedding or KV that could not be pulled, a lease
+that expired or was released, a stage that restarted), every item is encoded again (fresh leases) and the
+stages are asked once more. Both count in ``timings["retries"]`` and ``RequestObserver.request_retried``.
+A ``deadline`` (seconds, 0: none) bounds the whole request; past it the request fails with UNAVAILABLE
+naming the phase it was in, and the stage streams still open are closed (their requests cancelled).
+
 Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
 Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model (``ensemble.triton_stages``).
 """
@@ -63,9 +71,12 @@ class Identity:
 
 
 class Orchestrator:
+    RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
+
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 topology: Topology = Topology.E_PD):
+                 topology: Topology = Topology.E_PD, deadline: float = 0.0):
         self.stages, self.identity, self.limits, self.topology = stages, identity, limits, topology
+        self.deadline = deadline
         self.media = EncodedMedia(limits.media)
 
     def validate(self, raw: RawGenerateInputs):
@@ -74,46 +85,67 @@ class Orchestrator:
 
     async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None) -> Outcome:
         started = time.perf_counter()
-        outcome, tokens = Outcome.ERROR, 0
-        timings = {"items": 0, "encode_ms": 0.0}
+        state = _State(observer)
         try:
-            request = self.validate(raw)
-            layouts = await self._encode_all(request.images)
+            async with asyncio.timeout(self.deadline or None):
+                await self._run(raw, sink, state, started)
+        except TimeoutError:
+            sink.send_error(Unavailable(f"request: deadline of {self.deadline:g} s exceeded while {state.phase}"))
+        except Exception as exc:
+            sink.send_error(exc)
+        finally:
+            if observer is not None:
+                observer.request_finished(state.outcome, state.tokens)
+        return state.outcome
+
+    async def _run(self, raw: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
+        timings = state.timings
+        request = self.validate(raw)
+        while True:
+            state.phase = "encoding"
+            layouts = await self._encode_all(request.images, state)
             timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
             rewritten = replace(
                 raw, images=(), image_layouts=tuple(layouts),
                 messages=json.dumps(request.conversation) if request.conversation is not None else None)
-            if self.topology is Topology.E_P_D:
-                rewritten = await self._prefill(rewritten, timings)
-            generate_started = time.perf_counter()
-            stream = self.stages.generate(rewritten, Stage.DECODE if self.topology is Topology.E_P_D else Stage.GENERATE)
             try:
-                async for chunk in stream:
-                    if sink.is_cancelled():
-                        sink.close()
-                        outcome = Outcome.CANCELLED
-                        return outcome
-                    final = chunk.finish_reason is not None
-                    if final:
-                        tokens = chunk.num_output_tokens or 0
-                        timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
-                        timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
-                        chunk = replace(chunk, timings=dict(timings))
-                    elif "first_chunk_ms" not in timings:
-                        timings["first_chunk_ms"] = _ms(started)
-                    sink.send(chunk, final=final)
-                    if final:
-                        outcome = Outcome.OK
-                        return outcome
-            finally:
-                await stream.aclose()  # an unfinished stream tells its stage to abort
-            raise RuntimeError("the generator's stream ended without a final response")
-        except Exception as exc:
-            sink.send_error(exc)
-            return outcome
+                await self._generate(rewritten, sink, state, started)
+                return
+            except Unavailable as exc:
+                if state.sent or state.request_retries >= self.RETRIES:
+                    raise _in_client_terms(exc, request.images) from None
+                state.retried("request")  # nothing reached the client: encode again, ask the stages again
+
+    async def _generate(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
+        timings = state.timings
+        if self.topology is Topology.E_P_D:
+            state.phase = "prefilling"
+            rewritten = await self._prefill(rewritten, timings)
+        state.phase = "generating"
+        generate_started = time.perf_counter()
+        stream = self.stages.generate(rewritten, Stage.DECODE if self.topology is Topology.E_P_D else Stage.GENERATE)
+        try:
+            async for chunk in stream:
+                if sink.is_cancelled():
+                    sink.close()
+                    state.outcome = Outcome.CANCELLED
+                    return
+                final = chunk.finish_reason is not None
+                if final:
+                    state.tokens = chunk.num_output_tokens or 0
+                    timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
+                    timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
+                    chunk = replace(chunk, timings=dict(timings))
+                elif "first_chunk_ms" not in timings:
+                    timings["first_chunk_ms"] = _ms(started)
+                sink.send(chunk, final=final)
+                state.sent = True
+                if final:
+                    state.outcome = Outcome.OK
+                    return
         finally:
-            if observer is not None:
-                observer.request_finished(outcome, tokens)
+            await stream.aclose()  # an unfinished stream tells its stage to abort
+        raise RuntimeError("the generator's stream ended without a final response")
 
     async def _prefill(self, rewritten: RawGenerateInputs, timings: dict) -> RawGenerateInputs:
         """Run prefill for one token; return the request for decode, carrying prefill's KV handle."""
@@ -134,18 +166,51 @@ class Orchestrator:
         timings["prefill_ms"] = _ms(started)
         return replace(rewritten, kv_transfer_params=json.dumps(params))
 
-    async def _encode_all(self, items: tuple[MediaBytes, ...]) -> list[str]:
+    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list[str]:
         if not items:
             return []
         keys = [content_key(item.data, self.identity.processing, self.identity.model) for item in items]
-        results = await asyncio.gather(*(self.stages.encode(item, key) for item, key in zip(items, keys)),
-                                       return_exceptions=True)
-        for item, result in zip(items, results):
-            if isinstance(result, InvalidInput):  # the encoder names "image"; the client sent it as item.field
-                raise InvalidInput(item.field, result.problem)
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)
+        return list(await asyncio.gather(*(self._encode(item, key, state) for item, key in zip(items, keys))))
+
+    async def _encode(self, item: MediaBytes, key: str, state: "_State") -> str:
+        for attempt in range(self.RETRIES + 1):
+            try:
+                return await self.stages.encode(item, key)
+            except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
+                raise InvalidInput(item.field, exc.problem) from None
+            except Exception:
+                if attempt == self.RETRIES:
+                    raise
+                state.retried("encode")
+        raise AssertionError("unreachable")
+
+
+class _State:
+    """One request's progress, shared by the phases (and read when the deadline strikes)."""
+
+    def __init__(self, observer: RequestObserver | None):
+        self.observer = observer
+        self.phase = "validating"
+        self.outcome, self.tokens, self.sent = Outcome.ERROR, 0, False
+        self.request_retries = 0
+        self.timings: dict = {"items": 0, "encode_ms": 0.0}
+
+    def retried(self, what: str) -> None:
+        if what == "request":
+            self.request_retries += 1
+        self.timings["retries"] = self.timings.get("retries", 0) + 1
+        if self.observer is not None:
+            self.observer.request_retried(what)
+
+
+def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavailable:
+    """A stage names the item it could not get as ``image_layouts[i]``; the client sent it as ``items[i].field``."""
+    message = str(exc)
+    if message.startswith("image_layouts["):
+        index, _, rest = message[len("image_layouts["):].partition("]")
+        if index.isdigit() and int(index) < len(items):
+            return Unavailable(f"{items[int(index)].field}{rest}")
+    return exc
 
 
 def _producers(layouts: list[str]) -> list[str]:

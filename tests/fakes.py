@@ -78,8 +78,13 @@ class FakeSink:
 class RecordingObserver:
     finished: list[tuple[Outcome, int]] = field(default_factory=list)
 
+    retried: list[str] = field(default_factory=list)
+
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self.finished.append((outcome, num_output_tokens))
+
+    def request_retried(self, what: str) -> None:
+        self.retried.append(what)
 
 
 class FakeStages:
@@ -87,9 +92,14 @@ class FakeStages:
     peak number of concurrent encodes); generate records what it was sent and streams ``pieces``."""
 
     def __init__(self, pieces=("a", "b"), encode_delay: float = 0.01, encode_error: BaseException | None = None,
-                 fail_item: int | None = None):
+                 fail_item: int | set[int] | None = None, generate_error: BaseException | None = None,
+                 generate_failures: int = 0, fail_after_chunks: int = 0):
+        """``fail_item``: the encode call(s), by order of arrival, that raise ``encode_error``. The first
+        ``generate_failures`` generate calls raise ``generate_error`` after ``fail_after_chunks`` chunks."""
         self.pieces, self.encode_delay = list(pieces), encode_delay
-        self.encode_error, self.fail_item = encode_error, fail_item
+        self.encode_error = encode_error
+        self.fail_items = {fail_item} if isinstance(fail_item, int) else set(fail_item or ())
+        self.generate_error, self.generate_failures, self.fail_after_chunks = generate_error, generate_failures, fail_after_chunks
         self.encoded: list[tuple[bytes, str]] = []
         self.generated = []
         self.stages_called = []
@@ -103,7 +113,7 @@ class FakeStages:
         self.peak = max(self.peak, self.active)
         try:
             await asyncio.sleep(self.encode_delay)
-            if self.encode_error is not None and index == self.fail_item:
+            if self.encode_error is not None and index in self.fail_items:
                 raise self.encode_error
             return f'{{"layout": {index}}}'
         finally:
@@ -115,6 +125,7 @@ class FakeStages:
 
         self.generated.append(inputs)
         self.stages_called.append(stage)
+        failing = self.generate_error is not None and len(self.generated) <= self.generate_failures
         if stage is Stage.PREFILL:
             yield ResponseChunk("", "length", kv_transfer_params={"remote_block_ids": [[1]], "do_remote_prefill": True},
                                 timings={"transfer_ms": 1.0})
@@ -122,6 +133,8 @@ class FakeStages:
         done = False
         try:
             for i, piece in enumerate(self.pieces):
+                if failing and i == self.fail_after_chunks:
+                    raise self.generate_error
                 last = i == len(self.pieces) - 1
                 done = last
                 yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None)

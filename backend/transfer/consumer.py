@@ -161,7 +161,13 @@ class EmbeddingConsumer:
 
 def pull_image_embeds(consumer: EmbeddingConsumer, layouts) -> tuple[torch.Tensor, torch.Tensor]:
     """Pull every item of a request, in prompt order: (embeddings concatenated [tokens, hidden],
-    image_grid_thw [items, 3]) as vLLM's ``image_embeds`` input wants them."""
-    embeds = [consumer.pull(layout) for layout in layouts]
+    image_grid_thw [items, 3]) as vLLM's ``image_embeds`` input wants them. A failed pull is
+    ``Unavailable`` naming the item (``image_layouts[i]: ...``)."""
+    embeds = []
+    for index, layout in enumerate(layouts):
+        try:
+            embeds.append(consumer.pull(layout))
+        except Unavailable as exc:
+            raise Unavailable(f"image_layouts[{index}]: {exc}") from None
     grid = torch.tensor([list(layout.image_grid_thw) for layout in layouts], dtype=torch.int64)
     return torch.cat(embeds) if len(embeds) > 1 else embeds[0], grid

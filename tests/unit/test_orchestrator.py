@@ -11,9 +11,10 @@ from tests.fakes import FakeSink, FakeStages, RecordingObserver
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
 
 
-def run(stages, raw, sink=None, observer=None):
+def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(max_images=4)).run(raw, sink, observer))
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), deadline=deadline)
+    outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
 
 
@@ -70,10 +71,45 @@ def test_encoder_invalid_input_is_reported_under_the_clients_field():
     assert observer.finished == [(Outcome.ERROR, 0)] and sink.finals == 1
 
 
-def test_unavailable_encoder_fails_the_request_unavailable():
-    stages = FakeStages(encode_error=Unavailable("embedding pool full"), fail_item=0)
-    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)))
+def test_unavailable_encoder_fails_the_request_unavailable_after_one_retry():
+    stages, observer = FakeStages(encode_error=Unavailable("embedding pool full"), fail_item={0, 1}), RecordingObserver()
+    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
     assert isinstance(sink.errors[0], Unavailable) and stages.generated == []
+    assert len(stages.encoded) == 2 and observer.retried == ["encode"]
+
+
+def test_a_failed_encode_is_retried_once_and_recovers():
+    stages, observer = FakeStages(encode_error=Unavailable("encoder instance died"), fail_item=0), RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    assert outcome is Outcome.OK and len(stages.encoded) == 2 and observer.retried == ["encode"]
+    assert sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_a_lost_embedding_is_encoded_again_and_the_request_retried():
+    stages = FakeStages(generate_error=Unavailable("image_layouts[0]: lease expired"), generate_failures=1)
+    observer = RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True), observer=observer)
+    assert outcome is Outcome.OK and observer.retried == ["request"]
+    assert len(stages.encoded) == 2 and len(stages.generated) == 2  # fresh leases for the second attempt
+    assert [c.text_output for c, _ in sink.chunks] == ["a", "b"] and sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_no_retry_once_the_client_got_text_or_after_the_second_failure():
+    stages = FakeStages(generate_error=Unavailable("decode went away"), generate_failures=1, fail_after_chunks=1)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True))
+    assert outcome is Outcome.ERROR and len(stages.generated) == 1 and isinstance(sink.errors[0], Unavailable)
+    stages = FakeStages(generate_error=Unavailable("image_layouts[1]: lease expired"), generate_failures=2)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
+    assert outcome is Outcome.ERROR and len(stages.generated) == 2
+    assert str(sink.errors[0]) == "image[1]: lease expired"  # named as the client sent it
+
+
+def test_deadline_fails_the_request_naming_the_phase():
+    stages = FakeStages(encode_delay=1.0)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), deadline=0.1)
+    assert outcome is Outcome.ERROR and stages.generated == []
+    [error] = sink.errors
+    assert isinstance(error, Unavailable) and "deadline of 0.1 s exceeded while encoding" in str(error)
 
 
 def test_validation_errors_happen_before_any_stage_is_called():

@@ -1,0 +1,66 @@
+"""E2E faults against a real server: an E+PD rendering whose embedding leases expire before any consumer
+can read them (``lease_seconds`` 1 ms). Requests with media fail with a clear UNAVAILABLE after the
+orchestrator encoded their items again and retried once (counted in ``epd_retries_total``); text-only
+requests sent alongside succeed; the server keeps serving; nothing leaks (fixture checks)."""
+from __future__ import annotations
+
+import dataclasses
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from backend.topology import load, render
+from clients.local_server import ROOT, TritonServer
+from clients.triton_client import GenerateError, GenerateInputs, generate
+from tests.e2e.conftest import _shm, _shm_of_this_process
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = {"temperature": 0.0, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def expiring_server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("expiring-leases") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
+    render(dataclasses.replace(topology, transfer={**topology.transfer, "lease_seconds": 0.001}), repo)
+    before = _shm()
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        yield server
+    assert not server.stragglers
+    assert not _shm() - before - _shm_of_this_process()
+
+
+def _retries(server) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("epd_retries_total{") and 'model="epd"' in line and 'what="request"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("epd_retries_total{model=epd,what=request} not exported")
+
+
+def _ask(server, case):
+    try:
+        return generate(server.grpc_url, "epd", GenerateInputs(sampling=GREEDY, **case), timeout=120)
+    except GenerateError as exc:
+        return exc
+
+
+def test_expired_leases_fail_only_their_requests_after_one_retry(expiring_server):
+    before = _retries(expiring_server)
+    with_media = [dict(prompt=f"<|vision_start|><|image_pad|><|vision_end|>What is {i}?", images=[image_bytes(64, 48, seed=i)])
+                  for i in range(2)]
+    text_only = [dict(prompt=f"Count to {i}.") for i in range(2)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: _ask(expiring_server, case), with_media + text_only))
+    for failed in results[:2]:
+        assert isinstance(failed, GenerateError), failed
+        assert failed.message.startswith("image[0]: ") and "expired" in failed.message, failed.message
+    for ok in results[2:]:
+        assert not isinstance(ok, GenerateError), ok
+        assert ok.finish_reason == "length"
+    assert _retries(expiring_server) == before + 2
+    again = _ask(expiring_server, text_only[0])  # still serving
+    assert not isinstance(again, GenerateError) and again.text == results[2].text
