@@ -148,8 +148,9 @@ class MetadataOnlyModel(GenerateModel):
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
             self.pulls, pull_image_embeds, self.consumer, request.images)
-        timings = {"transfer_ms": round((time.perf_counter() - started) * 1000, 3),
-                   "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        seconds = time.perf_counter() - started
+        timings = {"transfer_ms": round(seconds * 1000, 3), "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        self.metrics.transferred(timings["transfer_bytes"], seconds)
         return replace(request, images=(), image_embeds=embeds, timings=timings)
 
     def finalize(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -180,6 +181,8 @@ class RequestMetrics:
     ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
     ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
     ``epd_media_decodes_total{model}``: media items decoded in the model's process (0 for ``pd``).
+    ``epd_transfer_bytes_total{model}`` / ``epd_transfer_seconds_total{model}``: embedding bytes pulled by the
+    model (``pd``, ``prefill``) and the time the pulls took.
     ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
     """
@@ -193,7 +196,12 @@ class RequestMetrics:
                                         description="Media items decoded (PIL) in the model's process")
         retries = pb_utils.MetricFamily(name="epd_retries_total", kind=pb_utils.MetricFamily.COUNTER,
                                         description="Orchestrator retries (encode: one item; request: all items and the stages)")
-        self._families = (requests, tokens, decodes, retries)  # a family must outlive its metrics
+        moved = pb_utils.MetricFamily(name="epd_transfer_bytes_total", kind=pb_utils.MetricFamily.COUNTER,
+                                      description="Embedding bytes pulled from encoders")
+        moving = pb_utils.MetricFamily(name="epd_transfer_seconds_total", kind=pb_utils.MetricFamily.COUNTER,
+                                       description="Seconds spent pulling embeddings from encoders")
+        self._families = (requests, tokens, decodes, retries, moved, moving)  # a family must outlive its metrics
+        self._moved, self._moving = moved.Metric(labels={"model": model_name}), moving.Metric(labels={"model": model_name})
         self._retries = {w: retries.Metric(labels={"model": model_name, "what": w}) for w in ("encode", "request")}
         self._requests = {o: requests.Metric(labels={"model": model_name, "outcome": o.value}) for o in Outcome}
         self._tokens = tokens.Metric(labels={"model": model_name})
@@ -206,6 +214,10 @@ class RequestMetrics:
             self._decodes.increment(total - self._decodes_seen)
             self._decodes_seen = total
 
+    def transferred(self, nbytes: int, seconds: float) -> None:
+        self._moved.increment(nbytes)
+        self._moving.increment(seconds)
+
     def request_retried(self, what: str) -> None:
         self._retries[what].increment(1)
 
@@ -213,3 +225,44 @@ class RequestMetrics:
         self._requests[outcome].increment(1)
         if num_output_tokens:
             self._tokens.increment(num_output_tokens)
+
+
+class EncoderMetrics:
+    """The ``encoder`` model's work and its embedding pool, as Triton custom metrics (``refresh`` copies
+    the service's counters and the pool's stats; the encoder model calls it once a second).
+
+    ``epd_encoder_items_total{model}``, ``epd_encoder_compute_seconds_total{model}`` (image processor + tower
+    forward), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
+    ``epd_pool_capacity_bytes{model}``, ``epd_pool_released_total{model}`` (read by their consumer, or
+    released), ``epd_pool_expired_total{model}`` (expired before anyone read them).
+    """
+
+    _FAMILIES = {
+        "epd_encoder_items_total": ("COUNTER", "Media items encoded"),
+        "epd_encoder_compute_seconds_total": ("COUNTER", "Seconds in the image processor and tower"),
+        "epd_pool_leases": ("GAUGE", "Open embedding leases"),
+        "epd_pool_used_bytes": ("GAUGE", "Embedding pool bytes held by open leases"),
+        "epd_pool_capacity_bytes": ("GAUGE", "Embedding pool size"),
+        "epd_pool_released_total": ("COUNTER", "Leases released (read by their consumer or released)"),
+        "epd_pool_expired_total": ("COUNTER", "Leases that expired before anyone read them"),
+    }
+
+    def __init__(self, model_name: str):
+        self._families = {name: pb_utils.MetricFamily(name=name, kind=getattr(pb_utils.MetricFamily, kind), description=text)
+                          for name, (kind, text) in self._FAMILIES.items()}
+        self._metrics = {name: family.Metric(labels={"model": model_name}) for name, family in self._families.items()}
+        self._seen = {name: 0.0 for name in self._FAMILIES}
+        self._lock = threading.Lock()
+
+    def refresh(self, items: int, compute_seconds: float, stats) -> None:
+        values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
+                  "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
+                  "epd_pool_capacity_bytes": stats.capacity_bytes, "epd_pool_released_total": stats.released_total,
+                  "epd_pool_expired_total": stats.expired_total}
+        with self._lock:
+            for name, value in values.items():
+                if self._FAMILIES[name][0] == "GAUGE":
+                    self._metrics[name].set(value)
+                elif value > self._seen[name]:
+                    self._metrics[name].increment(value - self._seen[name])
+                self._seen[name] = value

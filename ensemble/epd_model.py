@@ -14,7 +14,7 @@ from backend.generate_model import parameter
 from backend.loop import LoopThread
 from backend.media import MediaLimits
 from backend.request import RequestLimits
-from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error
+from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error, wants_error_codes
 from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import TritonStages, grpc_url
 
@@ -43,12 +43,13 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            tag = wants_error_codes(request)  # clients may ask for "[CODE] " before messages, as stages do
             try:
                 raw = read_generate_inputs(request)
             except Exception as exc:
-                send_error(sender, exc)
+                send_error(sender, exc, tag)
                 continue
-            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender), self.metrics))
+            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender, tag), self.metrics))
         return None
 
     def finalize(self):

@@ -4,6 +4,7 @@ Adapter only: ``backend.encoder.EncoderService`` does the work for all items Tri
 On ``KIND_GPU`` the tower runs on the instance's GPU.
 """
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,9 @@ from backend.generate_model import parameter
 from backend.layout import content_key
 from backend.media import MediaLimits
 from backend.transfer.producer import EmbeddingPool
-from backend.triton_io import to_triton_error, wants_error_codes
+from backend.triton_io import EncoderMetrics, to_triton_error, wants_error_codes
+
+METRICS_SECONDS = 1.0
 
 
 class TritonPythonModel:
@@ -33,6 +36,10 @@ class TritonPythonModel:
         limits = MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
         self.service = EncoderService(self.encoder, self.pool, limits)
+        self.metrics = EncoderMetrics(args["model_name"])
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report, name="encoder-metrics", daemon=True)
+        self._reporter.start()
         report = self.encoder.load_report
         pb_utils.Logger.log_info(
             f"encoder: tower loaded in {report.seconds * 1000:.0f} ms, read {report.bytes_read} of "
@@ -58,5 +65,15 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("layout", layouts)]))
         return responses
 
+    def _report(self) -> None:
+        while not self._stop.wait(METRICS_SECONDS):
+            try:
+                self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats())
+            except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
+                pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
+
     def finalize(self):
+        self._stop.set()
+        self._reporter.join(timeout=5)
+        del self.metrics  # metric families must go while the stub's shared memory is alive
         self.pool.close()

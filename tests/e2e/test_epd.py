@@ -129,6 +129,34 @@ def _metric(server, name: str, model: str) -> float:
     raise AssertionError(f"{name} for {model} not found")
 
 
+def _wait_for(read, condition, seconds: float = 5.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        value = read()
+        if condition(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def test_stage_metrics_move_by_the_right_amounts(server):
+    """Encoder items and pool leases (refreshed once a second) and pd's pulled bytes, after one request."""
+    items = lambda: _metric(server, "epd_encoder_items_total", "encoder")
+    released = lambda: _metric(server, "epd_pool_released_total", "encoder")
+    leases = lambda: _metric(server, "epd_pool_leases", "encoder")
+    moved = lambda: _metric(server, "epd_transfer_bytes_total", "pd")
+    settled = None
+    while settled != (items(), released()):  # let earlier tests' work reach the metrics first
+        settled = (items(), released())
+        time.sleep(1.5)
+    open_before, moved_before = leases(), moved()
+    result = ask(server, "epd", **CASES["four_images"])
+    assert _wait_for(items, lambda v: v == settled[0] + 4) == settled[0] + 4
+    assert moved() == moved_before + result.timings["transfer_bytes"] > moved_before
+    assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
+    assert _wait_for(leases, lambda v: v <= open_before) <= open_before
+    assert _metric(server, "epd_pool_capacity_bytes", "encoder") > 0
+
+
 def test_pd_is_metadata_only(server):
     """What reaches pd has no media: pd's interface has no media input, pd refuses media URLs, and
     after many epd requests with images pd has decoded nothing (while llm decodes every image)."""

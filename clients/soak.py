@@ -1,0 +1,167 @@
+"""Soak: many mixed requests against one deployment, some clients cancelling, and what is left afterwards.
+
+Requests (seeded): text-only or 1-4 synthetic images of 48..160 px, streaming or not, 8-24 greedy tokens;
+``--cancel-fraction`` of the streaming ones are cancelled by their client after the first chunk. Every
+request must end (a response, an error, or the client's own cancel) within ``--timeout`` seconds, else it
+counts as hung. Reported: completions, cancels, errors by code (the clients ask the server to put the code
+in front of error messages), hung requests, latency p50/p99, and before/after (after a short settle) the
+RSS of every server process, the encoder pool's open leases and the ``/dev/shm`` entries.
+
+    python -m clients.soak --requests 2000 --concurrency 16 --deployment E/P/D
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+from clients.bench_e2e import _pct
+from clients.triton_client import GenerateInputs, grpc_inputs
+
+ERROR_CODES = {"epd_error_codes": True}
+
+
+def make_request(rng: random.Random, seed: int) -> GenerateInputs:
+    from clients.images import image_bytes
+
+    count = rng.choice([0, 1, 1, 2, 3, 4])
+    images = [image_bytes(rng.randint(48, 160), rng.randint(48, 160), seed=seed * 5 + i) for i in range(count)]
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * count
+    return GenerateInputs(prompt=f"{placeholders}Request {seed}: describe.", images=images, stream=rng.random() < 0.5,
+                          sampling={"temperature": 0.0, "max_tokens": rng.randint(8, 24), "ignore_eos": True})
+
+
+async def one(url: str, model: str, inputs: GenerateInputs, cancel: bool, timeout: float) -> tuple[str, float]:
+    """Outcome ('ok', 'cancelled', 'hung' or the error code) and seconds."""
+    import tritonclient.grpc.aio as aio
+
+    client = aio.InferenceServerClient(url)
+    done = asyncio.Event()
+
+    async def request():
+        yield {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "parameters": ERROR_CODES}
+        await done.wait()
+
+    started = time.perf_counter()
+    stream = client.stream_infer(request())
+    try:
+        async with asyncio.timeout(timeout):
+            async for result, error in stream:
+                if error is not None:
+                    match = re.match(r"\[([A-Z_]+)\]", error.message())
+                    return (match.group(1) if match else "UNTAGGED"), time.perf_counter() - started
+                if cancel:
+                    stream.cancel()
+                    return "cancelled", time.perf_counter() - started
+                finish = result.as_numpy("finish_reason")
+                if finish is not None and finish.size and finish.reshape(-1)[0]:
+                    return "ok", time.perf_counter() - started
+        return "ENDED_WITHOUT_FINAL", time.perf_counter() - started
+    except TimeoutError:
+        stream.cancel()
+        return "hung", time.perf_counter() - started
+    finally:
+        done.set()
+        await client.close()
+
+
+async def drive(url: str, model: str, count: int, concurrency: int, cancel_fraction: float, timeout: float, seed: int):
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    jobs = [(make_request(rng, i), False) for i in range(count)]
+    jobs = [(inputs, inputs.stream and rng.random() < cancel_fraction * 2) for inputs, _ in jobs]  # half stream
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    outcomes: Counter = Counter()
+    latencies: list[float] = []
+    with tqdm(total=count, desc="soak", unit="req") as progress:
+        async def worker():
+            while not queue.empty():
+                inputs, cancel = queue.get_nowait()
+                outcome, seconds = await one(url, model, inputs, cancel, timeout)
+                outcomes[outcome] += 1
+                if outcome == "ok":
+                    latencies.append(seconds * 1000)
+                progress.update(1)
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outcomes, latencies, time.perf_counter() - started
+
+
+def snapshot(server) -> dict:
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    rss = {}
+    for proc in [root] + root.children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+            name = next((part.split("/")[-3] for part in cmd if part.endswith("/1/model.py")), None) or proc.name()
+            rss[f"{name}:{proc.pid}"] = proc.memory_info().rss
+        except psutil.Error:
+            pass
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    leases = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("epd_pool_leases{"))
+    return {"rss": rss, "leases": leases, "shm": sorted(os.listdir("/dev/shm"))}
+
+
+def report(outcomes: Counter, latencies: list[float], wall: float, before: dict, after: dict) -> None:
+    total = sum(outcomes.values())
+    errors = {k: v for k, v in outcomes.items() if k not in ("ok", "cancelled")}
+    print(f"\n{total} requests in {wall:.1f} s ({total / wall:.1f} req/s): ok {outcomes['ok']}, "
+          f"cancelled by their clients {outcomes['cancelled']}, errors {sum(errors.values())} {dict(errors) or ''}")
+    print(f"latency of completed requests: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms")
+    print(f"open leases: {before['leases']:.0f} before, {after['leases']:.0f} after; /dev/shm entries: "
+          f"{len(before['shm'])} before, {len(after['shm'])} after (new: {sorted(set(after['shm']) - set(before['shm']))})")
+    print("| process | RSS before MiB | RSS after MiB | change MiB |\n|---|---|---|---|")
+    for name in sorted(set(before["rss"]) | set(after["rss"])):
+        b, a = before["rss"].get(name), after["rss"].get(name)
+        fmt = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
+        change = "-" if a is None or b is None else f"{(a - b) / 2**20:+.0f}"
+        print(f"| {name} | {fmt(b)} | {fmt(a)} | {change} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--deployment", default="E/P/D", choices=("baseline", "E+PD", "E/P/D"))
+    parser.add_argument("--cancel-fraction", type=float, default=0.1, help="of all requests (all streaming)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
+    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds to wait before the after-snapshot")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parent.parent / "topologies" / "default.yaml")
+    args = parser.parse_args(argv)
+
+    from backend.topology import load, render
+    from clients.local_server import ROOT, TritonServer
+
+    with tempfile.TemporaryDirectory(prefix="soak-") as repo:
+        served = render(load(args.topology).only(args.deployment), Path(repo))
+        model = "llm" if "llm" in served else "epd"
+        with TritonServer(Path(repo), log_path=ROOT / ".cache" / "soak-server.log") as server:
+            print(f"{args.deployment}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})")
+            asyncio.run(drive(server.grpc_url, model, args.warmup, 4, 0.0, args.timeout, seed=10**6))
+            time.sleep(args.settle)
+            before = snapshot(server)
+            outcomes, latencies, wall = asyncio.run(drive(server.grpc_url, model, args.requests, args.concurrency,
+                                                          args.cancel_fraction, args.timeout, args.seed))
+            time.sleep(args.settle)
+            after = snapshot(server)
+        report(outcomes, latencies, wall, before, after)
+        print(f"stragglers after stop: {server.stragglers or 'none'}")
+    return 0 if set(outcomes) <= {"ok", "cancelled"} else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
