@@ -114,7 +114,7 @@ def snapshot(server) -> dict:
     return {"rss": rss, "leases": leases, "shm": sorted(os.listdir("/dev/shm"))}
 
 
-def report(outcomes: Counter, latencies: list[float], wall: float, before: dict, after: dict) -> None:
+def report(outcomes: Counter, latencies: list[float], wall: float, before: dict, after: dict, rss_rounds: list[dict]) -> None:
     total = sum(outcomes.values())
     errors = {k: v for k, v in outcomes.items() if k not in ("ok", "cancelled")}
     print(f"\n{total} requests in {wall:.1f} s ({total / wall:.1f} req/s): ok {outcomes['ok']}, "
@@ -122,12 +122,11 @@ def report(outcomes: Counter, latencies: list[float], wall: float, before: dict,
     print(f"latency of completed requests: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms")
     print(f"open leases: {before['leases']:.0f} before, {after['leases']:.0f} after; /dev/shm entries: "
           f"{len(before['shm'])} before, {len(after['shm'])} after (new: {sorted(set(after['shm']) - set(before['shm']))})")
-    print("| process | RSS before MiB | RSS after MiB | change MiB |\n|---|---|---|---|")
+    rounds = " | ".join(f"after round {i + 1}" for i in range(len(rss_rounds)))
+    print(f"| process | RSS before MiB | {rounds} |\n|---|---|{'---|' * len(rss_rounds)}")
+    fmt = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
     for name in sorted(set(before["rss"]) | set(after["rss"])):
-        b, a = before["rss"].get(name), after["rss"].get(name)
-        fmt = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
-        change = "-" if a is None or b is None else f"{(a - b) / 2**20:+.0f}"
-        print(f"| {name} | {fmt(b)} | {fmt(a)} | {change} |")
+        print(f"| {name} | {fmt(before['rss'].get(name))} | " + " | ".join(fmt(r.get(name)) for r in rss_rounds) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--settle", type=float, default=5.0, help="seconds to wait before the after-snapshot")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the load; RSS after each round tells growth from a leak")
     parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parent.parent / "topologies" / "default.yaml")
     args = parser.parse_args(argv)
 
@@ -154,11 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(drive(server.grpc_url, model, args.warmup, 4, 0.0, args.timeout, seed=10**6))
             time.sleep(args.settle)
             before = snapshot(server)
-            outcomes, latencies, wall = asyncio.run(drive(server.grpc_url, model, args.requests, args.concurrency,
-                                                          args.cancel_fraction, args.timeout, args.seed))
-            time.sleep(args.settle)
-            after = snapshot(server)
-        report(outcomes, latencies, wall, before, after)
+            outcomes, latencies, wall, rss_rounds = Counter(), [], 0.0, []
+            for round_ in range(args.rounds):
+                counts, times, seconds = asyncio.run(drive(server.grpc_url, model, args.requests, args.concurrency,
+                                                           args.cancel_fraction, args.timeout, args.seed + round_))
+                outcomes.update(counts)
+                latencies += times
+                wall += seconds
+                time.sleep(args.settle)
+                after = snapshot(server)
+                rss_rounds.append(after["rss"])
+        report(outcomes, latencies, wall, before, after, rss_rounds)
         print(f"stragglers after stop: {server.stragglers or 'none'}")
     return 0 if set(outcomes) <= {"ok", "cancelled"} else 1
 
