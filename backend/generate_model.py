@@ -48,6 +48,7 @@ class GenerateModel:
                 max_image_pixels=int(parameter(self.config, "max_image_pixels", "16000000")),
                 max_item_bytes=int(parameter(self.config, "max_item_bytes", str(32 << 20))),
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
+                allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
             ),
         )
         self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation

@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import urllib.error
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +25,15 @@ _FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """Per-item limits; ``allowed_local_media_path`` empty means ``file://`` URLs are refused."""
+    """Per-item limits. ``allowed_local_media_path`` empty: ``file://`` URLs are refused. ``allowed_media_domains``
+    empty: ``http(s)://`` URLs are refused; else only those hosts (exact names, as vLLM's engine argument of
+    that name), no redirects, at most ``max_item_bytes``, ``url_timeout`` seconds."""
 
     max_image_pixels: int = 16_000_000
     max_item_bytes: int = 32 << 20
     allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] = ()
+    url_timeout: float = 5.0
 
 
 class _DecodeCounter:
@@ -89,7 +95,36 @@ def read_image_url(url: str, field: str, limits: MediaLimits) -> bytes:
         return raw
     if scheme == "file":
         return _read_local_file(url, field, limits)
-    raise InvalidInput(field, f"unsupported URL scheme {scheme!r}; use data: or file://")
+    if scheme in ("http", "https"):
+        return _read_remote(url, field, limits)
+    raise InvalidInput(field, f"unsupported URL scheme {scheme!r}; use data:, file:// or http(s)://")
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
+
+
+def _read_remote(url: str, field: str, limits: MediaLimits) -> bytes:
+    host = (urllib.parse.urlparse(url).hostname or "").lower()
+    if not limits.allowed_media_domains:
+        raise InvalidInput(field, "http(s) media URLs are disabled (no allowed_media_domains configured)")
+    if host not in limits.allowed_media_domains:
+        raise InvalidInput(field, f"media host {host!r} is not in allowed_media_domains")
+    opener = urllib.request.build_opener(_NoRedirects)
+    try:
+        with opener.open(url, timeout=limits.url_timeout) as response:
+            data = response.read(limits.max_item_bytes + 1)
+    except urllib.error.HTTPError as exc:
+        raise InvalidInput(field, f"cannot fetch {url}: HTTP {exc.code} {exc.msg}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise InvalidInput(field, f"cannot fetch {url} within {limits.url_timeout:g} s: {reason}") from None
+    if len(data) > limits.max_item_bytes:
+        raise InvalidInput(field, f"media at {url} is over the {limits.max_item_bytes}-byte limit")
+    if not data:
+        raise InvalidInput(field, "empty image")
+    return data
 
 
 def _read_local_file(url: str, field: str, limits: MediaLimits) -> bytes:

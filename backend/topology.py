@@ -244,6 +244,8 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         body += "\n" + _instances(topology.stages["epd"]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
         names.update({"generator_model": "pd"} if mode == "E+PD" else {"prefill_model": "prefill", "decode_model": "decode"})
+        if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too
+            names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)

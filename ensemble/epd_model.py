@@ -30,7 +30,9 @@ class TritonPythonModel:
             max_images=int(parameter(config, "max_images", "4")),
             media=MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
                               max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))),
-                              allowed_local_media_path=parameter(config, "allowed_local_media_path", "")))
+                              allowed_local_media_path=parameter(config, "allowed_local_media_path", ""),
+                              allowed_media_domains=tuple(d.strip().lower() for d in parameter(
+                                  config, "allowed_media_domains", "").split(",") if d.strip())))
         self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
                                    parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"),
                                    grpc_url(parameter(config, "grpc_url", "")))

@@ -1,10 +1,13 @@
 import base64
+import http.server
 import os
+import threading
+import time
 
 import pytest
 
 from backend.errors import InvalidInput
-from backend.media import MediaLimits, decode_image, load_image_url
+from backend.media import MediaLimits, decode_image, load_image_url, read_image_url
 from tests.images import image_bytes
 
 LIMITS = MediaLimits()
@@ -67,7 +70,58 @@ def test_file_urls_only_inside_the_allowed_directory(tmp_path):
         load_image_url(f"file://{allowed}/ok.png", "m", LIMITS)
 
 
-@pytest.mark.parametrize("url", ["http://example.com/a.png", "ftp://x/y", "no-scheme"])
+@pytest.mark.parametrize("url", ["ftp://x/y", "gopher://x/y", "no-scheme"])
 def test_other_url_schemes_are_refused(url):
     with pytest.raises(InvalidInput, match="unsupported URL scheme"):
         load_image_url(url, "messages[0].content[0].image_url", LIMITS)
+
+
+class _Media(http.server.BaseHTTPRequestHandler):
+    PNG = None
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/slow.png":
+            time.sleep(1.0)
+        if self.path == "/moved.png":
+            self.send_response(302)
+            self.send_header("Location", "http://example.com/x.png")
+            self.end_headers()
+            return
+        body = {"/img.png": self.PNG, "/big.png": self.PNG * 50, "/slow.png": self.PNG}.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    _Media.PNG = image_bytes(64, 48, seed=1)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Media)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_media_only_from_allowed_hosts_with_size_timeout_and_no_redirects(media_server):
+    allowed = MediaLimits(allowed_media_domains=("127.0.0.1",), max_item_bytes=len(image_bytes(64, 48, seed=1)) * 2,
+                          url_timeout=0.3)
+    assert read_image_url(f"{media_server}/img.png", "image", allowed) == image_bytes(64, 48, seed=1)
+    cases = [(MediaLimits(), "/img.png", "http(s) media URLs are disabled"),
+             (MediaLimits(allowed_media_domains=("example.com",)), "/img.png", "'127.0.0.1' is not in allowed_media_domains"),
+             (allowed, "/moved.png", "HTTP 302"),
+             (allowed, "/missing.png", "HTTP 404"),
+             (allowed, "/big.png", "over the"),
+             (allowed, "/slow.png", "within 0.3 s")]
+    for limits, path, fragment in cases:
+        with pytest.raises(InvalidInput) as info:
+            read_image_url(f"{media_server}{path}", "messages[0].content[0].image_url", limits)
+        assert info.value.field == "messages[0].content[0].image_url" and fragment in str(info.value), (path, str(info.value))

@@ -79,7 +79,7 @@ def test_messages_with_data_url_and_tensor_images():
     ('[{"role": "user", "content": [{"type": "image"}]}]', (), "messages[0].content[0]", "none is left"),
     ('[{"role": "user", "content": "hi"}]', (image_bytes(8, 8),), "image", "not referenced"),
     ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]', (),
-     "messages[0].content[0].image_url", "unsupported URL scheme"),
+     "messages[0].content[0].image_url", "http(s) media URLs are disabled"),
 ])
 def test_messages_errors(messages, images, field, fragment):
     with pytest.raises(InvalidInput) as info:
