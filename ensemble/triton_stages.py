@@ -20,6 +20,7 @@ sets it), else ``127.0.0.1:8001``, tritonserver's default.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from typing import AsyncIterator
@@ -27,6 +28,7 @@ from typing import AsyncIterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.errors import Unavailable
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
@@ -67,6 +69,24 @@ def _chunk(result) -> ResponseChunk:
     return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
                          value("num_output_tokens"), json.loads(timings) if timings else None,
                          json.loads(kv_params) if kv_params else None)
+
+
+async def _unavailable_if_unreachable(stream, model: str, url: str):
+    """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
+    lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above)."""
+    import grpc
+
+    iterator = stream.__aiter__()
+    while True:
+        try:
+            item = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise
+            raise Unavailable(f"stage {model} not reachable over gRPC at {url}: {exc.code().name} {exc.details()}") from None
+        yield item
 
 
 def _is_final(result) -> bool:
@@ -111,16 +131,17 @@ class TritonStages:
         stream = self._client.stream_infer(request())
         finished = False
         try:
-            async for result, error in stream:
-                if error is not None:
-                    finished = True
-                    raise from_triton_error(error)
-                chunk = _chunk(result)
-                finished = chunk.finish_reason is not None or _is_final(result)
-                if chunk.text_output or chunk.finish_reason is not None:
-                    yield chunk
-                if finished:
-                    return
+            async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], self.url)) as items:
+                async for result, error in items:
+                    if error is not None:
+                        finished = True
+                        raise from_triton_error(error)
+                    chunk = _chunk(result)
+                    finished = chunk.finish_reason is not None or _is_final(result)
+                    if chunk.text_output or chunk.finish_reason is not None:
+                        yield chunk
+                    if finished:
+                        return
         finally:
             done.set()
             if not finished:

@@ -24,6 +24,19 @@ def _shm_of_this_process() -> set[str]:
         return {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
 
 
+def orphaned_shm(new: set[str]) -> set[str]:
+    """Of ``new`` /dev/shm entries, those no live process maps (a server still running beside the one
+    under test, e.g. the session server, legitimately holds its own)."""
+    mapped: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped |= {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
+        except OSError:
+            pass
+    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"

@@ -13,7 +13,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm, _shm_of_this_process
+from tests.e2e.conftest import _shm, orphaned_shm
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,8 @@ def expiring_server(tmp_path_factory):
     before = _shm()
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
-    assert not server.stragglers
-    assert not _shm() - before - _shm_of_this_process()
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
 
 
 def _retries(server) -> float:

@@ -26,7 +26,7 @@ def two_encoder_server(tmp_path_factory):
     render(load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu"), repo)
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
-    assert not server.stragglers
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
 
 
 def test_two_encoders_serve_concurrent_requests(two_encoder_server, reference):
