@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from clients.bench_e2e import _pct
-from clients.triton_client import GenerateInputs, grpc_inputs
+from clients.triton_client import GenerateInputs, grpc_inputs, single_request_stream
 
 ERROR_CODES = {"epd_error_codes": True}
 
@@ -43,14 +43,16 @@ async def one(url: str, model: str, inputs: GenerateInputs, cancel: bool, timeou
     import tritonclient.grpc.aio as aio
 
     client = aio.InferenceServerClient(url)
-    done = asyncio.Event()
-
-    async def request():
-        yield {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "parameters": ERROR_CODES}
-        await done.wait()
-
+    request = {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "parameters": ERROR_CODES}
     started = time.perf_counter()
-    stream = client.stream_infer(request())
+    try:
+        async with single_request_stream(client, request) as stream:
+            return await _outcome(stream, cancel, timeout, started)
+    finally:
+        await client.close()
+
+
+async def _outcome(stream, cancel: bool, timeout: float, started: float) -> tuple[str, float]:
     try:
         async with asyncio.timeout(timeout):
             async for result, error in stream:
@@ -67,17 +69,14 @@ async def one(url: str, model: str, inputs: GenerateInputs, cancel: bool, timeou
     except TimeoutError:
         stream.cancel()
         return "hung", time.perf_counter() - started
-    finally:
-        done.set()
-        await client.close()
 
 
 async def drive(url: str, model: str, count: int, concurrency: int, cancel_fraction: float, timeout: float, seed: int):
     from tqdm import tqdm
 
     rng = random.Random(seed)
-    jobs = [(make_request(rng, i), False) for i in range(count)]
-    jobs = [(inputs, inputs.stream and rng.random() < cancel_fraction * 2) for inputs, _ in jobs]  # half stream
+    requests = [make_request(rng, i) for i in range(count)]
+    jobs = [(inputs, inputs.stream and rng.random() < cancel_fraction * 2) for inputs in requests]  # half stream
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)

@@ -7,7 +7,9 @@ the benchmarks all use it.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import queue
 import time
@@ -88,6 +90,24 @@ def grpc_inputs(values: dict[str, Any]):
         tensor.set_data_from_numpy(arr)
         tensors.append(tensor)
     return tensors
+
+
+@contextlib.asynccontextmanager
+async def single_request_stream(client, request: dict):
+    """A gRPC stream (``tritonclient.grpc.aio`` ``client``) carrying one request (``stream_infer``'s dict).
+    Its request side stays open until the block exits, so Triton keeps streaming the responses; a caller
+    leaving before the last response should ``cancel()`` the yielded stream, which cancels the request."""
+    done = asyncio.Event()
+
+    async def requests():
+        yield request
+        await done.wait()
+
+    stream = client.stream_infer(requests())
+    try:
+        yield stream
+    finally:
+        done.set()
 
 
 def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], started: float,

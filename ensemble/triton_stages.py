@@ -19,7 +19,6 @@ sets it), else ``127.0.0.1:8001``, tritonserver's default.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -32,7 +31,7 @@ from backend.errors import Unavailable
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
-from clients.triton_client import grpc_inputs
+from clients.triton_client import grpc_inputs, single_request_stream
 from ensemble.orchestrator import Stage
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
@@ -121,31 +120,25 @@ class TritonStages:
         if self._client is None:
             self._client = aio.InferenceServerClient(self.url)
         outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
-        done = asyncio.Event()
-
-        async def request():
-            yield {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
+        request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs]}
-            await done.wait()  # the request side stays open until the stage finished (or we cancel)
-
-        stream = self._client.stream_infer(request())
         finished = False
-        try:
-            async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], self.url)) as items:
-                async for result, error in items:
-                    if error is not None:
-                        finished = True
-                        raise from_triton_error(error)
-                    chunk = _chunk(result)
-                    finished = chunk.finish_reason is not None or _is_final(result)
-                    if chunk.text_output or chunk.finish_reason is not None:
-                        yield chunk
-                    if finished:
-                        return
-        finally:
-            done.set()
-            if not finished:
-                stream.cancel()
+        async with single_request_stream(self._client, request) as stream:
+            try:
+                async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], self.url)) as items:
+                    async for result, error in items:
+                        if error is not None:
+                            finished = True
+                            raise from_triton_error(error)
+                        chunk = _chunk(result)
+                        finished = chunk.finish_reason is not None or _is_final(result)
+                        if chunk.text_output or chunk.finish_reason is not None:
+                            yield chunk
+                        if finished:
+                            return
+            finally:
+                if not finished:
+                    stream.cancel()
 
     async def aclose(self) -> None:
         if self._client is not None:
