@@ -130,6 +130,11 @@ class TritonSink:
 
     ``is_cancelled`` asks the server at most every ``CANCEL_CHECK_SECONDS`` (each ask is a round trip
     from the stub to the server; per token it cost measurable throughput); a cancel is seen that much later.
+
+    The request is always completed exactly once: a send that fails (e.g. the client went away) still
+    sends the final flag, and later ``send_error``/``close`` calls are no-ops. A decoupled request that
+    never gets its final flag keeps Triton from unloading the model (seen at shutdown after a soak
+    with cancelling clients: the server waited out its exit timeout and left the stub's /dev/shm region).
     """
 
     CANCEL_CHECK_SECONDS = 0.02
@@ -139,6 +144,7 @@ class TritonSink:
         self._tag = tag_error_codes
         self._cancelled = False
         self._checked = float("-inf")
+        self._completed = False
 
     def is_cancelled(self) -> bool:
         now = time.monotonic()
@@ -161,13 +167,33 @@ class TritonSink:
         if chunk.timings is not None:
             outputs.append(pb_utils.Tensor("timings", np.array([json.dumps(chunk.timings).encode()], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+        if self._completed:
+            raise RuntimeError("response sent after the request was completed")
+        try:
+            self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+        except Exception:
+            self.close()
+            raise
+        self._completed = final
 
     def send_error(self, exc: BaseException) -> None:
-        send_error(self._sender, exc, self._tag)
+        if self._completed:
+            return
+        try:
+            send_error(self._sender, exc, self._tag)
+            self._completed = True
+        except Exception as send_failure:  # noqa: BLE001 - the client may be gone; still complete the request
+            log.warning("could not send error %r: %s", exc, send_failure)
+            self.close()
 
     def close(self) -> None:
-        self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self._completed:
+            return
+        self._completed = True
+        try:
+            self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001 - already closed by the server side
+            log.warning("could not complete the request: %s", exc)
 
 
 def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:
