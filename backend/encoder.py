@@ -51,12 +51,17 @@ class EncodedItem:
 
 class VisionEncoder:
     def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, forward=None):
         self.tower, self.processor, self.merge_size = tower, processor, merge_size
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
+        self.forward = forward or _transformers_forward(tower)
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "VisionEncoder":
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+             impl: str = "packed", compile: bool = False) -> "VisionEncoder":
+        """``impl``: ``packed`` (``backend.packed_tower``: one varlen-attention pass over the batch) or
+        ``transformers`` (the checkpoint's own module, the reference); ``compile``: torch.compile the packed
+        blocks (CUDA only)."""
         from safetensors import safe_open
         from transformers import AutoConfig, AutoImageProcessor
 
@@ -86,8 +91,14 @@ class VisionEncoder:
         tower = tower.to(device=device, dtype=dtype).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
+        if impl not in ("packed", "transformers"):
+            raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
+        forward = None
+        if impl == "packed":
+            from backend.packed_tower import PackedTower
+            forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
         return cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
-                   torch.device(device), dtype)
+                   torch.device(device), dtype, forward)
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image]) -> list[EncodedItem]:
@@ -96,10 +107,16 @@ class VisionEncoder:
         batch = self.processor(images=images, return_tensors="pt")
         grid = batch["image_grid_thw"]
         pixels = batch["pixel_values"].to(self.device, self.dtype)
-        out = self.tower(pixels, grid_thw=grid.to(self.device))
-        embeds = getattr(out, "pooler_output", out)
+        embeds = self.forward(pixels, grid)
         sizes = (grid.prod(-1) // (self.merge_size ** 2)).tolist()
         return [EncodedItem(e, tuple(int(x) for x in g)) for e, g in zip(embeds.split(sizes), grid.tolist())]
+
+
+def _transformers_forward(tower):
+    def forward(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        out = tower(pixels, grid_thw=grid.to(pixels.device))
+        return getattr(out, "pooler_output", out)
+    return forward
 
 
 def _tower_class(model_type: str):

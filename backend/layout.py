@@ -44,6 +44,9 @@ class TransferHandle:
     host: str = ""            # producer's host identity (boot id + network namespace)
     shm_path: str = ""        # same-host fast path: the producer's pool memfd, as /proc/<pid>/fd/<n>
     offset: int = 0           # the lease's region within that pool
+    ipc_handle: str = ""      # same-host GPU path: the producer's VRAM pool as a CUDA IPC handle (hex)
+    pid: int = 0              # producer's process id (same-host paths: a mapping of a dead producer is dropped)
+    pool_bytes: int = 0       # size of the producer's pool (what an IPC mapping covers)
 
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -54,12 +57,25 @@ class TransferHandle:
     @classmethod
     def from_doc(cls, doc: dict[str, Any], field: str) -> "TransferHandle":
         try:
-            return cls(agent_name=str(doc["agent_name"]), agent_metadata=base64.b64decode(doc["agent_metadata"]),
+            handle = cls(agent_name=str(doc["agent_name"]), agent_metadata=base64.b64decode(doc["agent_metadata"]),
                        descriptors=base64.b64decode(doc["descriptors"]), lease_id=str(doc["lease_id"]),
                        nbytes=int(doc["nbytes"]), expires_at=float(doc["expires_at"]), host=str(doc.get("host", "")),
-                       shm_path=str(doc.get("shm_path", "")), offset=int(doc.get("offset", 0)))
+                       shm_path=str(doc.get("shm_path", "")), offset=int(doc.get("offset", 0)),
+                       ipc_handle=str(doc.get("ipc_handle", "")), pid=int(doc.get("pid", 0)),
+                       pool_bytes=int(doc.get("pool_bytes", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"{field}.handle", f"malformed transfer handle ({exc})") from None
+        if handle.ipc_handle and (len(handle.ipc_handle) != 128 or not _is_hex(handle.ipc_handle)):
+            raise InvalidInput(f"{field}.handle", "malformed transfer handle (ipc_handle must be 64 bytes as hex)")
+        return handle
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,24 @@ tensor of the layout's dtype and shape, or raises ``Unavailable`` (lease expired
 gone, transfer failed); the request then fails, never the engine. The READ carries the notification
 ``release:<lease_id>``, delivered to the producer when the data has arrived.
 
-Two data paths, chosen per handle:
-- same host (``handle.host`` equals ours and the producer's pool memfd can be opened): map the pool once
-  per producer (read-only) and copy the region; the release goes as a NIXL notification;
-- otherwise: one NIXL READ, carrying the release notification.
-Both check the lease tags around the payload, so a region released or reused mid-copy is detected.
+Three data paths, chosen per handle:
+- same host, producer pool in host memory (``handle.host`` equals ours and the producer's pool memfd can
+  be opened): map the pool once per producer (read-only) and copy the region;
+- same host, producer pool in VRAM (``handle.ipc_handle`` set) and this process can use CUDA: open the
+  pool once per producer through CUDA IPC and copy the region with the GPU's copy engine, into VRAM
+  (``device="cuda"``) or host memory (``device="cpu"``);
+- otherwise (another host, or no CUDA here): one NIXL READ into ``device``'s memory, carrying the release
+  notification.
+The same-host paths send the release as a NIXL notification. All check the lease tags around the payload,
+so a region released or reused mid-copy is detected. ``docs/gpu.md`` has the measured bandwidths.
 
 A failed transfer drops the producer from the agent's peers, so the next pull reconnects (a producer
 restart makes a new agent name anyway). Not thread-safe: callers serialise pulls (one executor thread).
 """
 from __future__ import annotations
 
+import collections
+import logging
 import mmap
 import os
 import time
@@ -28,17 +35,29 @@ from backend.layout import LayoutMetadata, host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EmbeddingConsumer:
     def __init__(self, role: str = "consumer", timeout: float = 10.0, expiry_margin: float = 0.05,
-                 same_host_copy: bool = True, poll_delay_us: int | None = None):
+                 same_host_copy: bool = True, poll_delay_us: int | None = None, device: str = "cpu",
+                 cuda_ipc: bool = True):
         self.agent = create_agent(role, poll_delay_us)
         self.timeout, self.expiry_margin, self.same_host_copy = timeout, expiry_margin, same_host_copy
+        self.device = torch.device(device)
         self.host = host_identity()
         self._peers: set[str] = set()
         self._maps: dict[str, tuple[str, mmap.mmap, torch.Tensor]] = {}  # agent name -> (path, map, bytes)
+        self._ipc: dict[str, tuple[int, object]] = {}  # agent name -> (producer pid, OpenedAllocation)
+        self._use_ipc = False
+        self._no_ipc: set[str] = set()
+        if cuda_ipc and same_host_copy:
+            from backend.transfer import cuda_ipc as ipc
+            self._use_ipc = ipc.available()
+        self._tags = torch.empty(2, dtype=torch.int64, pin_memory=True) if self._use_ipc else None
+        self.paths: collections.Counter[str] = collections.Counter()  # pulls per data path
         self.bytes_pulled = 0
         self.items_pulled = 0
 
@@ -48,11 +67,14 @@ class EmbeddingConsumer:
             raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
         peer = self._peer(handle)
         self._drop_dead_maps()
-        pool = self._pool_view(handle) if self.same_host_copy and handle.host == self.host else None
-        if pool is not None:
-            payload = self._copy_same_host(pool, handle, peer)
+        same_host = self.same_host_copy and handle.host == self.host
+        if same_host and handle.ipc_handle and self._use_ipc and (pool := self._ipc_view(handle)) is not None:
+            payload, path = self._copy_ipc(pool, handle, peer), "cuda_ipc"
+        elif same_host and (pool := self._pool_view(handle)) is not None:
+            payload, path = self._copy_same_host(pool, handle, peer).to(self.device), "shared_memory"
         else:
-            payload = self._read(handle, peer)
+            payload, path = self._read(handle, peer), "nixl"
+        self.paths[path] += 1
         self.bytes_pulled += handle.nbytes
         self.items_pulled += 1
         return payload.view(_DTYPES[layout.dtype]).reshape(layout.shape)
@@ -67,12 +89,57 @@ class EmbeddingConsumer:
         if int(pool[end: end + TRAILER].view(torch.int64)[0]) != expected or \
                 int(pool[start: start + 8].view(torch.int64)[0]) != expected:
             raise Unavailable(f"embedding lease {handle.lease_id} was released or expired during the read")
+        self._notify(peer, handle)
+        return payload
+
+    def _copy_ipc(self, pool: torch.Tensor, handle, peer: str) -> torch.Tensor:
+        start = handle.offset
+        end = start + HEADER + handle.nbytes
+        if end + TRAILER > pool.numel():
+            raise Unavailable(f"embedding lease {handle.lease_id}: region outside the producer's pool")
+        tags = self._tags.view(torch.uint8)
+        payload = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
+        # one stream, in order: header tag, payload, trailer tag; then one wait
+        tags[:8].copy_(pool[start: start + 8], non_blocking=True)
+        payload.copy_(pool[start + HEADER: end], non_blocking=True)
+        tags[8:].copy_(pool[end: end + TRAILER], non_blocking=True)
+        torch.cuda.current_stream(pool.device).synchronize()
+        expected = int(handle.lease_id, 16)
+        if int(self._tags[0]) != expected or int(self._tags[1]) != expected:
+            raise Unavailable(f"embedding lease {handle.lease_id} was released or expired before the read")
+        self._notify(peer, handle)
+        return payload
+
+    def _notify(self, peer: str, handle) -> None:
         try:
             self.agent.send_notif(peer, RELEASE_PREFIX + handle.lease_id.encode())
         except Exception as exc:
             self._forget(peer)
             raise Unavailable(f"cannot notify embedding producer {peer}: {exc}") from exc
-        return payload
+
+    def _ipc_view(self, handle) -> torch.Tensor | None:
+        """The producer's VRAM pool mapped here, or None where CUDA IPC cannot open it (a pool of this very
+        process, a GPU this process cannot see): NIXL then."""
+        cached = self._ipc.get(handle.agent_name)
+        if cached is None:
+            if handle.pid == os.getpid() or handle.agent_name in self._no_ipc:
+                return None
+            from backend.transfer.cuda_ipc import open_allocation
+            try:
+                opened = open_allocation(handle.ipc_handle, handle.pool_bytes, self.device)
+            except RuntimeError as exc:
+                log.warning("CUDA IPC cannot open %s's pool, using NIXL: %s", handle.agent_name, exc)
+                self._no_ipc.add(handle.agent_name)
+                return None
+            cached = self._ipc[handle.agent_name] = (handle.pid, opened)
+        return cached[1].tensor
+
+    def close(self) -> None:
+        """Close CUDA IPC mappings and pool maps (the agent goes with the object)."""
+        for _, opened in self._ipc.values():
+            opened.close()
+        self._ipc.clear()
+        self._maps.clear()
 
     def _pool_view(self, handle) -> torch.Tensor | None:
         cached = self._maps.get(handle.agent_name)
@@ -103,9 +170,13 @@ class EmbeddingConsumer:
         for name, (path, _, _) in list(self._maps.items()):
             if not os.path.exists(path):
                 self._maps.pop(name)
+        for name, (pid, opened) in list(self._ipc.items()):
+            if pid and not os.path.exists(f"/proc/{pid}"):
+                self._ipc.pop(name)
+                opened.close()
 
     def _read(self, handle, peer: str) -> torch.Tensor:
-        region = torch.empty(HEADER + handle.nbytes + TRAILER, dtype=torch.uint8)
+        region = torch.empty(HEADER + handle.nbytes + TRAILER, dtype=torch.uint8, device=self.device)
         reg = self.agent.register_memory(region)
         xfer = None
         try:
@@ -151,6 +222,8 @@ class EmbeddingConsumer:
         return handle.agent_name
 
     def _forget(self, peer: str) -> None:
+        if peer in self._ipc:
+            self._ipc.pop(peer)[1].close()
         if peer in self._peers:
             self._peers.discard(peer)
             try:

@@ -8,6 +8,9 @@ Lease lifecycle (``LeaseState``)::
 The pool is one memfd-backed mapping registered with NIXL: consumers on other hosts READ it through
 NIXL; a consumer on the same host maps the memfd (``/proc/<pid>/fd/<n>``, gone with the process, so
 nothing can leak) and copies the region itself, which is ~3x faster than UCX's cross-memory attach here.
+A pool on a GPU (``device="cuda"``) is one ``cudaMalloc`` registered as NIXL VRAM; consumers on the same
+host open it through CUDA IPC (``backend.transfer.cuda_ipc``) and copy at device bandwidth, others READ it
+through NIXL.
 
 A region is laid out as ``[tag u64 | nbytes u64 | payload | tag u64]``. The tag is the lease id; it is
 zeroed when the lease ends, before the region can be reused, so a consumer that reads after the end
@@ -73,9 +76,14 @@ class EmbeddingPool:
         self.agent = create_agent(role, poll_delay_us)
         self.device = torch.device(device)
         self.host = host_identity()
-        if self.device.type == "cuda":  # VRAM: consumers READ it through NIXL (UCX cuda transports)
-            self._fd, self._map, self.shm_path = None, None, ""
-            self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8, device=self.device)
+        self._fd, self._map, self._allocation, self.shm_path, self.ipc_handle = None, None, None, "", ""
+        if self.device.type == "cuda":  # VRAM: CUDA IPC for consumers on this host, NIXL READ across hosts
+            from backend.transfer import cuda_ipc
+            if cuda_ipc.available():
+                self._allocation = cuda_ipc.DeviceAllocation(pool_bytes, self.device)
+                self.buffer, self.ipc_handle = self._allocation.tensor, self._allocation.ipc_handle
+            else:
+                self.buffer = torch.zeros(pool_bytes, dtype=torch.uint8, device=self.device)
             self._mem, self._dev_id = "VRAM", self.device.index or 0
         else:
             self._fd = os.memfd_create(f"epd-{role}-pool", 0)
@@ -120,7 +128,8 @@ class EmbeddingPool:
             lease.state = LeaseState.PUBLISHED
         return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=serialized,
                               lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at,
-                              host=self.host, shm_path=self.shm_path, offset=lease.offset)
+                              host=self.host, shm_path=self.shm_path, offset=lease.offset,
+                              ipc_handle=self.ipc_handle, pid=os.getpid(), pool_bytes=self.buffer.numel())
 
     def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
         """End a lease (idempotent). Returns False if it was not open."""
@@ -158,6 +167,8 @@ class EmbeddingPool:
         with self._agent_lock:
             self.agent.deregister_memory(self._reg)
         del self.buffer
+        if self._allocation is not None:
+            self._allocation.close()
         if self._map is not None:
             try:
                 self._map.close()

@@ -58,3 +58,52 @@ def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
         assert torch.equal(pulled, item.embeddings.cpu())
     finally:
         pool.close()
+
+
+def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
+    from backend.errors import Unavailable
+    from backend.transfer.consumer import EmbeddingConsumer
+    from backend.transfer.process import ProducerProcess, make_layout
+
+    to_gpu, to_host = EmbeddingConsumer(device="cuda"), EmbeddingConsumer(device="cpu")
+    try:
+        with ProducerProcess(pool_bytes=64 << 20, device="cuda") as producer:
+            for rows in (4, 1000, 32768):
+                tensor = torch.randn(rows, 128)
+                for consumer in (to_gpu, to_host):
+                    layout = make_layout(producer.call("publish", tensor), tensor)
+                    assert layout.handle.ipc_handle  # same host, VRAM pool: the CUDA IPC path
+                    pulled = consumer.pull(layout)
+                    assert pulled.device.type == consumer.device.type
+                    assert torch.equal(pulled.cpu(), tensor)
+                    assert producer.wait_state(layout.handle.lease_id, None) is None  # released by the notification
+            tensor = torch.randn(64, 128)
+            layout = make_layout(producer.call("publish", tensor), tensor)
+            producer.call("release", layout.handle.lease_id)
+            with pytest.raises(Unavailable, match="released or expired"):
+                to_gpu.pull(layout)
+        assert to_gpu._ipc  # the dead producer's mapping is still cached until the next pull notices
+        with ProducerProcess(pool_bytes=8 << 20, device="cuda") as producer:  # a restarted producer
+            tensor = torch.randn(16, 128)
+            layout = make_layout(producer.call("publish", tensor), tensor)
+            assert torch.equal(to_gpu.pull(layout).cpu(), tensor)
+            assert list(to_gpu._ipc) == [layout.handle.agent_name]  # the dead one's mapping was closed
+    finally:
+        to_gpu.close()
+        to_host.close()
+
+
+def test_packed_encoder_on_gpu_matches_transformers():
+    from backend.encoder import VisionEncoder
+    from tests.images import make_image
+
+    model = ROOT / "models" / "tiny-qwen2-vl"
+    images = [make_image(64, 48, 1), make_image(112, 112, 2), make_image(300, 200, 3)]
+    reference = VisionEncoder.load(model, device="cpu", impl="transformers").encode(images)
+    fp32 = VisionEncoder.load(model, device="cuda").encode(images)
+    bf16 = VisionEncoder.load(model, device="cuda", dtype=torch.bfloat16, compile=True).encode(images)
+    for ref, a, b in zip(reference, fp32, bf16):
+        assert a.embeddings.is_cuda and a.image_grid_thw == ref.image_grid_thw
+        torch.testing.assert_close(a.embeddings.cpu(), ref.embeddings, rtol=1e-4, atol=1e-4)
+        scale = ref.embeddings.abs().max()
+        assert (b.embeddings.float().cpu() - ref.embeddings).abs().max() <= 0.02 * scale  # bf16 rounding
