@@ -1,13 +1,16 @@
 """``encoder``: decode, preprocess and encode images; publish embeddings as NIXL leases.
 
 Adapter only: ``backend.encoder.EncoderService`` does the work for all items Triton batched together.
-On ``KIND_GPU`` the tower runs on the instance's GPU.
+On ``KIND_GPU`` the tower runs on the instance's GPU. Optional model parameters: ``encoder_impl``
+(``packed``, the default, or ``transformers``), ``encoder_dtype`` (e.g. ``bfloat16``; default the
+checkpoint's), ``encoder_compile`` (``true``: torch.compile the packed blocks, CUDA only).
 """
 import json
 import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.encoder import EncodeJob, EncoderService, VisionEncoder, processing_options
@@ -27,7 +30,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"]) / parameter(config, "model", "")
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
-        self.encoder = VisionEncoder.load(model_dir.resolve(), device=device)
+        dtype = parameter(config, "encoder_dtype", "")  # "" = the checkpoint's; bfloat16 for speed on GPU
+        self.encoder = VisionEncoder.load(model_dir.resolve(), device=device,
+                                          dtype=getattr(torch, dtype) if dtype else None,
+                                          impl=parameter(config, "encoder_impl", "packed"),
+                                          compile=parameter(config, "encoder_compile", "false") == "true")
         self.processing = processing_options(model_dir)
         self.pool = EmbeddingPool(int(parameter(config, "pool_bytes", str(64 << 20))),
                                   lease_seconds=float(parameter(config, "lease_seconds", "30")),

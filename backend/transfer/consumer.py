@@ -56,26 +56,58 @@ class EmbeddingConsumer:
         if cuda_ipc and same_host_copy:
             from backend.transfer import cuda_ipc as ipc
             self._use_ipc = ipc.available()
-        self._tags = torch.empty(2, dtype=torch.int64, pin_memory=True) if self._use_ipc else None
+        self._tags = torch.empty(16, dtype=torch.int64, pin_memory=True) if self._use_ipc else None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._next_liveness_check = 0.0
         self.paths: collections.Counter[str] = collections.Counter()  # pulls per data path
         self.bytes_pulled = 0
         self.items_pulled = 0
 
     def pull(self, layout: LayoutMetadata) -> torch.Tensor:
-        handle = layout.handle
-        if time.time() > handle.expires_at - self.expiry_margin:
-            raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
-        peer = self._peer(handle)
+        return self.pull_many([layout])[0]
+
+    def pull_many(self, layouts, names: list[str] | None = None) -> list[torch.Tensor]:
+        """Pull every layout; CUDA IPC items of the call share one wait and one release notification per
+        producer. A failure raises ``Unavailable`` prefixed with the item's name (``names[i]``, if given)."""
+        names = names or [""] * len(layouts)
         self._drop_dead_maps()
-        same_host = self.same_host_copy and handle.host == self.host
-        if same_host and handle.ipc_handle and self._use_ipc and (pool := self._ipc_view(handle)) is not None:
-            payload, path = self._copy_ipc(pool, handle, peer), "cuda_ipc"
-        elif same_host and (pool := self._pool_view(handle)) is not None:
-            payload, path = self._copy_same_host(pool, handle, peer).to(self.device), "shared_memory"
-        else:
-            payload, path = self._read(handle, peer), "nixl"
+        results: list[torch.Tensor | None] = [None] * len(layouts)
+        pending = []  # CUDA IPC copies in flight: (index, layout, peer, payload, stream)
+        if self._use_ipc and len(layouts) > self._tags.numel():  # tag slots for every item, before any copy
+            self._tags = torch.empty(len(layouts), dtype=torch.int64, pin_memory=True)
+        try:
+            for index, layout in enumerate(layouts):
+                handle = layout.handle
+                try:
+                    if time.time() > handle.expires_at - self.expiry_margin:
+                        raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
+                    peer = self._peer(handle)
+                    same_host = self.same_host_copy and handle.host == self.host
+                    if same_host and handle.ipc_handle and self._use_ipc and (pool := self._ipc_view(handle)) is not None:
+                        stream = self._stream(pool.device)
+                        payload = self._enqueue_ipc(pool, handle, len(pending), stream)
+                        pending.append((index, layout, peer, payload, stream))
+                        continue
+                    if same_host and (pool := self._pool_view(handle)) is not None:
+                        payload, path = self._copy_same_host(pool, handle, peer).to(self.device), "shared_memory"
+                    else:
+                        payload, path = self._read(handle, peer), "nixl"
+                except Unavailable as exc:
+                    raise Unavailable(f"{names[index]}: {exc}" if names[index] else str(exc)) from None
+                results[index] = self._count(layout, payload, path)
+            if pending:
+                self._finish_ipc(pending, results, names)
+        except BaseException:
+            if pending:  # copies may still be running into the payloads: let them finish first
+                from backend.transfer.cuda_ipc import synchronize
+                for stream in {id(entry[4]): entry[4] for entry in pending}.values():
+                    synchronize(stream.cuda_stream)
+            raise
+        return results
+
+    def _count(self, layout, payload: torch.Tensor, path: str) -> torch.Tensor:
         self.paths[path] += 1
-        self.bytes_pulled += handle.nbytes
+        self.bytes_pulled += layout.handle.nbytes
         self.items_pulled += 1
         return payload.view(_DTYPES[layout.dtype]).reshape(layout.shape)
 
@@ -89,30 +121,53 @@ class EmbeddingConsumer:
         if int(pool[end: end + TRAILER].view(torch.int64)[0]) != expected or \
                 int(pool[start: start + 8].view(torch.int64)[0]) != expected:
             raise Unavailable(f"embedding lease {handle.lease_id} was released or expired during the read")
-        self._notify(peer, handle)
+        self._notify(peer, handle.lease_id)
         return payload
 
-    def _copy_ipc(self, pool: torch.Tensor, handle, peer: str) -> torch.Tensor:
-        start = handle.offset
-        end = start + HEADER + handle.nbytes
-        if end + TRAILER > pool.numel():
+    def _enqueue_ipc(self, pool: torch.Tensor, handle, slot: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        from backend.transfer.cuda_ipc import enqueue_region
+        start = handle.offset + HEADER
+        if start + handle.nbytes + TRAILER > pool.numel():
             raise Unavailable(f"embedding lease {handle.lease_id}: region outside the producer's pool")
-        tags = self._tags.view(torch.uint8)
         payload = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
-        # one stream, in order: header tag, payload, trailer tag; then one wait
-        tags[:8].copy_(pool[start: start + 8], non_blocking=True)
-        payload.copy_(pool[start + HEADER: end], non_blocking=True)
-        tags[8:].copy_(pool[end: end + TRAILER], non_blocking=True)
-        torch.cuda.current_stream(pool.device).synchronize()
-        expected = int(handle.lease_id, 16)
-        if int(self._tags[0]) != expected or int(self._tags[1]) != expected:
-            raise Unavailable(f"embedding lease {handle.lease_id} was released or expired before the read")
-        self._notify(peer, handle)
+        # the payload, then its trailer tag, in stream order: a trailer that still holds the lease's tag
+        # after the payload was copied means the lease was not released (nor its region reused) meanwhile
+        enqueue_region(pool.data_ptr() + start, payload, self._tags.data_ptr() + 8 * slot, handle.nbytes,
+                       stream.cuda_stream)
         return payload
 
-    def _notify(self, peer: str, handle) -> None:
+    def _finish_ipc(self, pending, results, names) -> None:
+        from backend.transfer.cuda_ipc import synchronize
+        for stream in {id(entry[4]): entry[4] for entry in pending}.values():
+            synchronize(stream.cuda_stream)
+        tags = self._tags[:len(pending)].tolist()
+        releases: dict[str, list[str]] = {}
+        failed = None
+        for (index, layout, peer, payload, _), tag in zip(pending, tags):
+            if tag != int(layout.handle.lease_id, 16):
+                failed = failed or (index, f"embedding lease {layout.handle.lease_id} was released or expired "
+                                           f"before the read")
+                continue
+            releases.setdefault(peer, []).append(layout.handle.lease_id)
+            results[index] = self._count(layout, payload, "cuda_ipc")
+        for peer, lease_ids in releases.items():  # one notification per producer for the whole call
+            self._notify(peer, ",".join(lease_ids))
+        if failed:
+            index, message = failed
+            raise Unavailable(f"{names[index]}: {message}" if names[index] else message)
+
+    def _stream(self, device) -> torch.cuda.Stream:
+        """This consumer's copy stream on the producer pool's GPU (made once: asking torch for the current
+        stream costs as much host time as a small copy)."""
+        index = device.index or 0
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def _notify(self, peer: str, lease_ids: str) -> None:
         try:
-            self.agent.send_notif(peer, RELEASE_PREFIX + handle.lease_id.encode())
+            self.agent.send_notif(peer, RELEASE_PREFIX + lease_ids.encode())
         except Exception as exc:
             self._forget(peer)
             raise Unavailable(f"cannot notify embedding producer {peer}: {exc}") from exc
@@ -166,7 +221,12 @@ class EmbeddingConsumer:
         return view
 
     def _drop_dead_maps(self) -> None:
-        """A mapping keeps a dead producer's memory alive: drop those whose process is gone."""
+        """A mapping keeps a dead producer's memory alive: drop those whose process is gone (checked at
+        most once a second)."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + 1.0
         for name, (path, _, _) in list(self._maps.items()):
             if not os.path.exists(path):
                 self._maps.pop(name)
@@ -236,11 +296,6 @@ def pull_image_embeds(consumer: EmbeddingConsumer, layouts) -> tuple[torch.Tenso
     """Pull every item of a request, in prompt order: (embeddings concatenated [tokens, hidden],
     image_grid_thw [items, 3]) as vLLM's ``image_embeds`` input wants them. A failed pull is
     ``Unavailable`` naming the item (``image_layouts[i]: ...``)."""
-    embeds = []
-    for index, layout in enumerate(layouts):
-        try:
-            embeds.append(consumer.pull(layout))
-        except Unavailable as exc:
-            raise Unavailable(f"image_layouts[{index}]: {exc}") from None
+    embeds = consumer.pull_many(layouts, [f"image_layouts[{index}]" for index in range(len(layouts))])
     grid = torch.tensor([list(layout.image_grid_thw) for layout in layouts], dtype=torch.int64)
     return torch.cat(embeds) if len(embeds) > 1 else embeds[0], grid

@@ -211,12 +211,12 @@ class EmbeddingPool:
                 notifs = self.agent.get_new_notifs()
             for messages in notifs.values():
                 for message in messages:
-                    if message.startswith(RELEASE_PREFIX):
-                        lease_id = message[len(RELEASE_PREFIX):].decode()
-                        with self._cond:
-                            if lease_id in self._leases:
-                                self._leases[lease_id].state = LeaseState.READ
-                        self.release(lease_id)
+                    if message.startswith(RELEASE_PREFIX):  # release:<id>[,<id>...]
+                        for lease_id in message[len(RELEASE_PREFIX):].decode().split(","):
+                            with self._cond:
+                                if lease_id in self._leases:
+                                    self._leases[lease_id].state = LeaseState.READ
+                            self.release(lease_id)
             now = time.time()
             with self._cond:
                 expired = [l.lease_id for l in self._leases.values() if l.expires_at <= now]

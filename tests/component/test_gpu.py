@@ -107,3 +107,27 @@ def test_packed_encoder_on_gpu_matches_transformers():
         torch.testing.assert_close(a.embeddings.cpu(), ref.embeddings, rtol=1e-4, atol=1e-4)
         scale = ref.embeddings.abs().max()
         assert (b.embeddings.float().cpu() - ref.embeddings).abs().max() <= 0.02 * scale  # bf16 rounding
+
+
+def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
+    from backend.errors import Unavailable
+    from backend.transfer.consumer import EmbeddingConsumer
+    from backend.transfer.process import ProducerProcess, make_layout
+
+    consumer = EmbeddingConsumer(device="cuda")
+    try:
+        with ProducerProcess(pool_bytes=16 << 20, device="cuda") as producer:
+            tensors = [torch.randn(rows, 64) for rows in (3, 500, 40)] * 7  # 21 items: more than the tag slots
+            layouts = [make_layout(producer.call("publish", t), t) for t in tensors]
+            pulled = consumer.pull_many(layouts)
+            assert all(torch.equal(p.cpu(), t) for p, t in zip(pulled, tensors))
+            for layout in layouts:  # one notification released them all
+                assert producer.wait_state(layout.handle.lease_id, None) is None
+            layouts = [make_layout(producer.call("publish", t), t) for t in tensors[:3]]
+            producer.call("release", layouts[1].handle.lease_id)
+            with pytest.raises(Unavailable, match=r"^image_layouts\[1\]: .*released or expired"):
+                consumer.pull_many(layouts, [f"image_layouts[{i}]" for i in range(3)])
+            for layout in (layouts[0], layouts[2]):  # the items that were read are released all the same
+                assert producer.wait_state(layout.handle.lease_id, None) is None
+    finally:
+        consumer.close()
