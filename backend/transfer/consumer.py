@@ -129,7 +129,10 @@ class EmbeddingConsumer:
         start = handle.offset + HEADER
         if start + handle.nbytes + TRAILER > pool.numel():
             raise Unavailable(f"embedding lease {handle.lease_id}: region outside the producer's pool")
-        payload = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device)
+        # host destinations are pinned (torch caches pinned blocks): device-to-host copies into pageable
+        # memory ran at 1-11 GB/s on the H200 machine, into pinned memory at 35-55 GB/s
+        payload = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device,
+                              pin_memory=self.device.type == "cpu")
         # the payload, then its trailer tag, in stream order: a trailer that still holds the lease's tag
         # after the payload was copied means the lease was not released (nor its region reused) meanwhile
         enqueue_region(pool.data_ptr() + start, payload, self._tags.data_ptr() + 8 * slot, handle.nbytes,
