@@ -73,3 +73,9 @@ def test_attention_fallback_is_per_sequence():
         ref = torch.nn.functional.scaled_dot_product_attention(*(t[s].transpose(0, 1) for t in (q, k, v)))
         torch.testing.assert_close(out[s], ref.transpose(0, 1))
         start += length
+
+
+def test_unknown_encoder_impl_is_refused():
+    from backend.encoder import VisionEncoder
+    with pytest.raises(ValueError, match="encoder impl must be 'packed' or 'transformers'"):
+        VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl", impl="flash")
