@@ -22,7 +22,7 @@ from backend.engine import EngineHost, load_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
-from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, TritonSink, read_generate_inputs,
+from backend.triton_io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, TritonSink, read_generate_inputs,
                                request_parameters, send_error)
 
 
@@ -56,7 +56,8 @@ class GenerateModel:
         self.metrics = RequestMetrics(self.name)
         for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
             os.environ[key] = value
-        self.host = EngineHost.start(self.engine_args)
+        self.engine_metrics = EngineMetrics(self.name)
+        self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
 
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
@@ -89,7 +90,7 @@ class GenerateModel:
     def finalize(self) -> None:
         self.host.shutdown()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit).
-        del self.metrics
+        del self.metrics, self.engine_metrics
 
 
 def free_port() -> int:

@@ -292,3 +292,50 @@ class EncoderMetrics:
                 elif value > self._seen[name]:
                     self._metrics[name].increment(value - self._seen[name])
                 self._seen[name] = value
+
+
+class EngineMetrics:
+    """vLLM's own request metrics of an engine-hosting model (``llm``, ``pd``, ``prefill``, ``decode``), as
+    Triton custom metrics: a ``backend.engine_stats.StatsObserver`` (see there for what vLLM measures).
+
+    Counters, all labelled ``model``: ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
+    and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
+    rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
+    consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``.
+    """
+
+    _TIMINGS = {
+        "ttft": ("epd_vllm_time_to_first_token", "from a request's arrival at the engine to its first token"),
+        "inter_token": ("epd_vllm_time_per_output_token", "between two consecutive output tokens of a request"),
+        "queue": ("epd_vllm_queue_time", "finished requests waited in the engine's queue (queued to scheduled)"),
+        "prefill": ("epd_vllm_prefill_time", "finished requests' time from scheduling to their first token"),
+        "decode": ("epd_vllm_decode_time", "finished requests' time from their first token to their last"),
+    }
+
+    def __init__(self, model_name: str):
+        counter = pb_utils.MetricFamily.COUNTER
+        labels = {"model": model_name}
+        self._families = [
+            pb_utils.MetricFamily(name="epd_vllm_prompt_tokens_total", kind=counter,
+                                  description="Prompt tokens of the requests the engine finished"),
+            pb_utils.MetricFamily(name="epd_vllm_generation_tokens_total", kind=counter,
+                                  description="Tokens the engine generated"),
+        ]
+        self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
+        self._timings = {}
+        for key, (name, text) in self._TIMINGS.items():
+            seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
+            count = pb_utils.MetricFamily(name=f"{name}_count_total", kind=counter, description=f"Samples: {text}")
+            self._families += [seconds, count]
+            self._timings[key] = (seconds.Metric(labels=labels), count.Metric(labels=labels))
+
+    def engine_stats(self, delta) -> None:
+        if delta.prompt_tokens:
+            self._prompt.increment(delta.prompt_tokens)
+        if delta.generation_tokens:
+            self._generation.increment(delta.generation_tokens)
+        for key, (seconds, count) in self._timings.items():
+            samples = getattr(delta, key)
+            if samples.count:
+                seconds.increment(samples.seconds)
+                count.increment(samples.count)
