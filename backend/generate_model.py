@@ -142,18 +142,34 @@ class MetadataOnlyModel(GenerateModel):
             return request
         import torch
 
+        timings = {}
+        if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
+            from backend.naive_media import process_original_media
+
+            seconds = process_original_media(request.original_media, request.images, self.image_processor(),
+                                             self.limits.media)
+            self.metrics.media_decodes(decode_counter.count)
+            timings["media_ms"] = round(seconds * 1000, 3)
         grid = torch.tensor([list(layout.image_grid_thw) for layout in request.images], dtype=torch.int64)
         if not self.PULL_EMBEDDINGS:
-            return replace(request, images=(), image_embeds=(None, grid))
+            return replace(request, images=(), image_embeds=(None, grid), timings=timings or None)
         from backend.transfer.consumer import pull_image_embeds
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
             self.pulls, pull_image_embeds, self.consumer, request.images)
         seconds = time.perf_counter() - started
-        timings = {"transfer_ms": round(seconds * 1000, 3), "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
         self.metrics.transferred(timings["transfer_bytes"], seconds)
         return replace(request, images=(), image_embeds=embeds, timings=timings)
+
+    def image_processor(self):
+        """The checkpoint's image processor, loaded at the first request with ``original_media``."""
+        if getattr(self, "_image_processor", None) is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
+        return self._image_processor
 
     def finalize(self):
         super().finalize()

@@ -110,11 +110,10 @@ def _bool(request, name: str) -> bool:
 
 
 def read_generate_inputs(request) -> RawGenerateInputs:
-    images = _array(request, "image")
     return RawGenerateInputs(
         text_input=_text(request, "text_input"),
         messages=_text(request, "messages"),
-        images=tuple(bytes(x) for x in images.reshape(-1)) if images is not None else (),
+        images=_bytes_items(request, "image"),
         image_layouts=tuple(_texts(request, "image_layouts")),
         stream=_bool(request, "stream"),
         sampling_parameters=_text(request, "sampling_parameters"),
@@ -122,7 +121,13 @@ def read_generate_inputs(request) -> RawGenerateInputs:
         return_num_input_tokens=_bool(request, "return_num_input_tokens"),
         return_num_output_tokens=_bool(request, "return_num_output_tokens"),
         kv_transfer_params=_text(request, "kv_transfer_params"),
+        original_media=_bytes_items(request, "original_media"),
     )
+
+
+def _bytes_items(request, name: str) -> tuple[bytes, ...]:
+    arr = _array(request, name)
+    return () if arr is None else tuple(bytes(x) for x in arr.reshape(-1))
 
 
 class TritonSink:

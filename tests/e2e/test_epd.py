@@ -207,19 +207,40 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
 
 def test_pd_is_metadata_only(server):
     """What reaches pd has no media: pd's interface has no media input, pd refuses media URLs, and
-    after many epd requests with images pd has decoded nothing (while llm decodes every image)."""
+    after epd requests with images (metadata-only on) pd has decoded nothing (while llm decodes every image)."""
     meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata("pd")
     names = {i["name"] for i in meta["inputs"]}
     assert "image" not in names and "image_layouts" in names
     with pytest.raises(GenerateError) as info:
         ask(server, "pd", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img(0))}}]}])
     assert "metadata-only" in info.value.message
-    before = _metric(server, "epd_media_decodes_total", "llm")
+    before = {m: _metric(server, "epd_media_decodes_total", m) for m in ("llm", "pd")}  # pd decodes with metadata-only off
     ask(server, "epd", **CASES["four_images"])
     ask(server, "llm", **CASES["four_images"])
-    assert _metric(server, "epd_media_decodes_total", "pd") == 0
+    assert _metric(server, "epd_media_decodes_total", "pd") == before["pd"]
     assert _metric(server, "epd_media_decodes_total", "epd") == 0
-    assert _metric(server, "epd_media_decodes_total", "llm") == before + 4
+    assert _metric(server, "epd_media_decodes_total", "llm") == before["llm"] + 4
+
+
+@pytest.mark.parametrize("model, consumers", [("epd", ("pd",)), ("epd_disagg", ("prefill", "decode"))])
+def test_metadata_only_off_gives_the_same_tokens_and_moves_media_work_downstream(server, baseline, model, consumers):
+    """Naive EPD (request parameter epd_metadata_only=false): same tokens as llm; the consumers decode
+    every item themselves (their decode counters move by the item count each) and report the time
+    (media_ms); with metadata-only on (the default) they decode nothing and report no media time."""
+    case = CASES["chat_data_url_and_tensor"]  # a data URL and a tensor image: both reach the consumers as bytes
+    decodes = lambda: {c: _metric(server, "epd_media_decodes_total", c) for c in consumers}
+    before = decodes()
+    on = ask(server, model, **case)
+    assert decodes() == before and "media_ms" not in on.timings
+    off = ask(server, model, **case, parameters={"epd_metadata_only": False})
+    assert (off.text, off.num_input_tokens, off.num_output_tokens) == (
+        baseline["chat_data_url_and_tensor"].text, baseline["chat_data_url_and_tensor"].num_input_tokens,
+        baseline["chat_data_url_and_tensor"].num_output_tokens)
+    assert decodes() == {c: before[c] + 2 for c in consumers}
+    assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
+    with pytest.raises(GenerateError) as info:
+        ask(server, model, **case, parameters={"epd_metadata_only": "no"})
+    assert info.value.message.startswith("parameters.epd_metadata_only: expected a bool"), info.value.message
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
