@@ -238,12 +238,15 @@ class RequestMetrics:
         self._tokens = tokens.Metric(labels={"model": model_name})
         self._decodes = decodes.Metric(labels={"model": model_name})
         self._decodes_seen = 0
+        self._decodes_lock = threading.Lock()
 
     def media_decodes(self, total: int) -> None:
-        """Report the process's decode counter (``backend.media.decode_counter``)."""
-        if total > self._decodes_seen:
-            self._decodes.increment(total - self._decodes_seen)
-            self._decodes_seen = total
+        """Report the process's decode counter (``backend.media.decode_counter``). Called from ``execute``
+        and, with metadata-only off, from the engine loop: one increment at a time."""
+        with self._decodes_lock:
+            if total > self._decodes_seen:
+                self._decodes.increment(total - self._decodes_seen)
+                self._decodes_seen = total
 
     def transferred(self, nbytes: int, seconds: float) -> None:
         self._moved.increment(nbytes)
