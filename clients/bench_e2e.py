@@ -67,8 +67,9 @@ class Bench:
             return await run_rate(url, model, level, requests, progress, seed=self.args.seed)
         return await run_concurrency(url, model, int(level), requests, progress)
 
-    async def run_server(self, url: str, deployments: list[tuple[str, str]]) -> None:
-        """``deployments``: (deployment key, model name on this server), benchmarked in turn."""
+    async def run_server(self, url: str, deployments: list[tuple[str, str]], metrics_url: str | None = None) -> None:
+        """``deployments``: (deployment key, model name on this server), benchmarked in turn; with ``metrics_url``
+        each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level."""
         from tqdm import tqdm
 
         a = self.args
@@ -81,8 +82,11 @@ class Bench:
             for level in self.levels:  # deployments of one server alternate per level: drift hits them alike
                 for key, model in deployments:
                     label, _, _, parameters = DEPLOYMENTS[key]
+                    before = _scrape(metrics_url)
                     results, wall = await self._level(url, model, level, self.requests(a.requests, parameters), progress)
                     rows.append(bench_report.summarise(label, self.mode, level, results.samples, len(results.errors), wall))
+                    if metrics_url:
+                        rows[-1]["vllm_queue_ms"] = bench_report.engine_queue_ms(before, _scrape(metrics_url))
                     self.samples[(label, level)] = results.samples
                     for error in results.errors[:3]:
                         print(f"{label} @ {level:g}: {error}", file=sys.stderr)
@@ -96,6 +100,15 @@ class Bench:
                 "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
                 "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
                 "stream_interval_ms": a.stream_interval_ms}
+
+
+def _scrape(metrics_url: str | None) -> dict:
+    if not metrics_url:
+        return {}
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return bench_report.parse_metrics(resp.read().decode())
 
 
 def run_isolated(bench: Bench, keys: list[str]) -> None:
@@ -118,7 +131,7 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
             log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}.log"
             with TritonServer(Path(repo), log_path=log) as server:
                 print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
-                asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group]))
+                asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url))
 
 
 def write_outputs(bench: Bench, out: Path) -> None:
@@ -171,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         with TritonServer(log_path=ROOT / ".cache" / "bench-e2e-server.log") as server:
             print(f"server ready in {server.ready_seconds:.1f} s", file=sys.stderr)
-            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys]))
+            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys], server.metrics_url))
     else:
         run_isolated(bench, keys)
     s = bench.settings()

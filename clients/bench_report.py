@@ -5,7 +5,8 @@ A row is one deployment at one load level (a concurrency, or a request rate in r
 client-side: TTFT from sending the request to the first non-empty text, end-to-end latency to the final
 response, time per output token (TPOT) = (latency - TTFT) / (tokens - 1) per request. Stage times are the
 p50 of what the orchestrators return in ``timings`` (encode, transfer, prefill, generate, and ``media_ms``,
-the consumers' own media processing with metadata-only off).
+the consumers' own media processing with metadata-only off). ``vllm_queue_ms``: the mean time requests
+waited in the engines' queues, from the servers' ``epd_vllm_queue_time_*`` metrics (servers started by the driver).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def summarise(label: str, mode: str, level: float, samples: list[Sample], errors
 
 CSV_FIELDS = (["deployment", "mode", "level", "completed", "errors", "wall_s", "req_per_s", "tok_per_s"]
               + [f"{n}_p{q}_ms" for n in ("ttft", "tpot", "latency") for q in PERCENTILES]
-              + ["responses_per_request"] + [f"{s}_p50" for s in STAGES])
+              + ["responses_per_request"] + [f"{s}_p50" for s in STAGES] + ["vllm_queue_ms"])
 
 
 def csv_rows(rows: list[dict]) -> list[list[str]]:
@@ -88,8 +89,8 @@ def markdown_table(rows: list[dict]) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
     lines = ["| deployment | load | req/s | tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | e2e p50 / p90 / p99 ms "
-             "| encode / transfer / media / prefill / generate p50 ms | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| encode / transfer / media / prefill / generate p50 ms | vLLM queue ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         load = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['level']:g} req/s"
         stages = " / ".join(num(r[f"{s}_p50"]) for s in STAGES)
@@ -97,7 +98,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['deployment']} | {load} | {num(r['req_per_s'])} | {num(r['tok_per_s'], 0)} | "
             f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p90_ms'])} / {num(r['ttft_p99_ms'])} | "
             f"{num(r['tpot_p50_ms'], 2)} / {num(r['tpot_p90_ms'], 2)} | "
-            f"{num(r['latency_p50_ms'])} / {num(r['latency_p90_ms'])} / {num(r['latency_p99_ms'])} | {stages} | {r['errors']} |")
+            f"{num(r['latency_p50_ms'])} / {num(r['latency_p90_ms'])} / {num(r['latency_p99_ms'])} | {stages} | "
+            f"{num(r.get('vllm_queue_ms'), 2)} | {r['errors']} |")
     return "\n".join(lines)
 
 
@@ -155,3 +157,31 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def parse_metrics(text: str, prefix: str = "epd_vllm_queue_time_") -> dict[tuple[str, str], float]:
+    """Prometheus text -> {(metric name, model label): value} for the metrics starting with ``prefix``."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix) or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        labels, _, value = rest.rpartition("} ")
+        model = next((part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("model=")), "")
+        out[(name, model)] = float(value)
+    return out
+
+
+def engine_queue_ms(before: dict, after: dict) -> float | None:
+    """Mean time a request waited in vLLM's queues between two ``parse_metrics`` snapshots, summed over the
+    engines it went through (E/P/D: prefill's and decode's): sum over models of delta seconds / delta count."""
+    total, seen = 0.0, False
+    for (name, model), count in after.items():
+        if name != "epd_vllm_queue_time_count_total":
+            continue
+        moved = count - before.get((name, model), 0.0)
+        if moved > 0:
+            key = ("epd_vllm_queue_time_seconds_total", model)
+            total += (after.get(key, 0.0) - before.get(key, 0.0)) / moved
+            seen = True
+    return total * 1000 if seen else None

@@ -94,3 +94,24 @@ def test_cli_deployments_and_load_modes():
         parse_args(["--models", "llm,nope"])
     with pytest.raises(SystemExit):
         parse_args(["--rate", "2", "--concurrency", "4"])
+
+
+METRICS = """# HELP epd_vllm_queue_time_seconds_total Seconds finished requests waited
+# TYPE epd_vllm_queue_time_seconds_total counter
+epd_vllm_queue_time_seconds_total{model="prefill"} %s
+epd_vllm_queue_time_seconds_total{model="decode"} %s
+epd_vllm_queue_time_count_total{model="prefill"} %s
+epd_vllm_queue_time_count_total{model="decode"} %s
+epd_vllm_prompt_tokens_total{model="decode"} 7
+nv_inference_count{model="epd",version="1"} 3
+"""
+
+
+def test_engine_queue_time_from_two_metric_scrapes():
+    from clients.bench_report import engine_queue_ms, parse_metrics
+
+    before = parse_metrics(METRICS % (1.0, 2.0, 10, 10))
+    assert before[("epd_vllm_queue_time_count_total", "decode")] == 10 and len(before) == 4
+    after = parse_metrics(METRICS % (1.5, 2.1, 20, 30))  # prefill: 0.5 s / 10, decode: 0.1 s / 20
+    assert engine_queue_ms(before, after) == pytest.approx(50 + 5)
+    assert engine_queue_ms(after, after) is None and engine_queue_ms({}, {}) is None
