@@ -206,8 +206,9 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
 
 
 def test_pd_is_metadata_only(server):
-    """What reaches pd has no media: pd's interface has no media input, pd refuses media URLs, and
-    after epd requests with images (metadata-only on) pd has decoded nothing (while llm decodes every image)."""
+    """What reaches pd has no media: pd's interface has no `image` input (`original_media` is for
+    metadata-only off), pd refuses media URLs, and after epd requests with images (metadata-only on) pd
+    has decoded nothing (while llm decodes every image)."""
     meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata("pd")
     names = {i["name"] for i in meta["inputs"]}
     assert "image" not in names and "image_layouts" in names
