@@ -89,7 +89,9 @@ class GenerateModel:
 
     def finalize(self) -> None:
         self.host.shutdown()
-        # Metric families must go while the stub's shared memory is alive (else a segfault at exit).
+        # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
+        # engine's stat logger may still hold engine_metrics, so its metrics are freed explicitly.
+        self.engine_metrics.close()
         del self.metrics, self.engine_metrics
 
 

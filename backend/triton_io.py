@@ -330,14 +330,25 @@ class EngineMetrics:
                                   description="Tokens the engine generated"),
         ]
         self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
-        self._timings = {}
+        self._timings, self._closed = {}, False
         for key, (name, text) in self._TIMINGS.items():
             seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
             count = pb_utils.MetricFamily(name=f"{name}_count_total", kind=counter, description=f"Samples: {text}")
             self._families += [seconds, count]
             self._timings[key] = (seconds.Metric(labels=labels), count.Metric(labels=labels))
 
+    def close(self) -> None:
+        """Free the Triton metric objects now, while the stub's shared memory is alive. vLLM's logger keeps
+        this observer for as long as the engine object lives, which was seen to be until interpreter exit:
+        freeing a MetricFamily then segfaulted the stub (``Metric::SaveToSharedMemory`` in
+        ``~MetricFamily``), leaving its /dev/shm region behind. Later stats are ignored."""
+        self._closed = True
+        self._timings, self._prompt, self._generation = {}, None, None
+        self._families = []
+
     def engine_stats(self, delta) -> None:
+        if self._closed:
+            return
         if delta.prompt_tokens:
             self._prompt.increment(delta.prompt_tokens)
         if delta.generation_tokens:
