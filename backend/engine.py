@@ -106,7 +106,8 @@ class EngineHost:
         self._loop, self._engine, self._tokenizer = loop, engine, tokenizer
 
     @classmethod
-    def start(cls, engine_args: dict[str, Any]) -> "EngineHost":
+    def start(cls, engine_args: dict[str, Any], stats_observer=None) -> "EngineHost":
+        """``stats_observer``: a ``backend.engine_stats.StatsObserver`` given vLLM's request metrics."""
         prepare_process()
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -119,8 +120,13 @@ class EngineHost:
             from vllm.config import KVTransferConfig
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
 
+        loggers = None
+        if stats_observer is not None:
+            from backend.engine_stats import stat_logger_factory
+            loggers = [stat_logger_factory(stats_observer)]
+
         async def create():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
 
         try:
             engine = loop.submit(create()).result()

@@ -22,7 +22,7 @@ from backend.engine import EngineHost, load_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
-from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, TritonSink, read_generate_inputs,
+from backend.triton_io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, TritonSink, read_generate_inputs,
                                request_parameters, send_error)
 
 
@@ -56,7 +56,8 @@ class GenerateModel:
         self.metrics = RequestMetrics(self.name)
         for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
             os.environ[key] = value
-        self.host = EngineHost.start(self.engine_args)
+        self.engine_metrics = EngineMetrics(self.name)
+        self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
 
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
@@ -88,8 +89,10 @@ class GenerateModel:
 
     def finalize(self) -> None:
         self.host.shutdown()
-        # Metric families must go while the stub's shared memory is alive (else a segfault at exit).
-        del self.metrics
+        # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
+        # engine's stat logger may still hold engine_metrics, so its metrics are freed explicitly.
+        self.engine_metrics.close()
+        del self.metrics, self.engine_metrics
 
 
 def free_port() -> int:
@@ -141,18 +144,34 @@ class MetadataOnlyModel(GenerateModel):
             return request
         import torch
 
+        timings = {}
+        if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
+            from backend.naive_media import process_original_media
+
+            seconds = process_original_media(request.original_media, request.images, self.image_processor(),
+                                             self.limits.media)
+            self.metrics.media_decodes(decode_counter.count)
+            timings["media_ms"] = round(seconds * 1000, 3)
         grid = torch.tensor([list(layout.image_grid_thw) for layout in request.images], dtype=torch.int64)
         if not self.PULL_EMBEDDINGS:
-            return replace(request, images=(), image_embeds=(None, grid))
+            return replace(request, images=(), image_embeds=(None, grid), timings=timings or None)
         from backend.transfer.consumer import pull_image_embeds
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
             self.pulls, pull_image_embeds, self.consumer, request.images)
         seconds = time.perf_counter() - started
-        timings = {"transfer_ms": round(seconds * 1000, 3), "transfer_bytes": sum(layout.handle.nbytes for layout in request.images)}
+        timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
         self.metrics.transferred(timings["transfer_bytes"], seconds)
         return replace(request, images=(), image_embeds=embeds, timings=timings)
+
+    def image_processor(self):
+        """The checkpoint's image processor, loaded at the first request with ``original_media``."""
+        if getattr(self, "_image_processor", None) is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
+        return self._image_processor
 
     def finalize(self):
         super().finalize()

@@ -58,6 +58,7 @@ class RawGenerateInputs:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     kv_transfer_params: str | None = None      # JSON, between prefill and decode stages
+    original_media: tuple[bytes, ...] = ()     # metadata-only off: the client's media beside image_layouts
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class GenerateRequest:
     image_embeds: Any = None                    # set by a consumer once pulled: (embeds, grid_thw)
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
+    original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.naive_media): one per layout
 
     @property
     def prompt_field(self) -> str:
@@ -151,6 +153,8 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
     given = len(raw.images) + len(raw.image_layouts)
     if given > limits.max_images:
         raise InvalidInput("image", f"{given} images, over the per-request limit of {limits.max_images}")
+    if raw.original_media and len(raw.original_media) != len(raw.image_layouts):
+        raise InvalidInput("original_media", f"{len(raw.original_media)} items for {len(raw.image_layouts)} image_layouts")
     sampling = parse_sampling_parameters(raw.sampling_parameters)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
     items = ([resolver.from_tensor(data, f"image[{i}]") for i, data in enumerate(raw.images)] +
@@ -167,6 +171,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
+        original_media=tuple(raw.original_media),
     )
 
 

@@ -182,7 +182,8 @@ _HEADERS = {
     "llm": "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
            "Its inputs/outputs are the interface every generating model shares (llm, epd, pd, ...).",
     "pd": "E+PD consumer: one vLLM AsyncLLM (prefill + decode) fed metadata-only media (image_layouts); it pulls\n"
-          "the embeddings through NIXL and never receives media. Engine arguments in model.json (+ enable_mm_embeds).",
+          "the embeddings through NIXL. It receives media (original_media) only when the orchestrator runs with\n"
+          "metadata-only off (naive EPD) and then decodes and preprocesses them itself. Engine arguments in model.json.",
     "prefill": "E/P/D prefill: vLLM with NixlConnector (kv_producer) fed metadata-only media (image_layouts); it pulls\n"
                "the embeddings, prefills, and returns kv_transfer_params for decode. Engine arguments in model.json.",
     "decode": "E/P/D decode: vLLM with NixlConnector (kv_consumer). It pulls prefill's KV by kv_transfer_params and\n"
@@ -251,6 +252,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
     inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
     if kind != "llm":
         inputs[2] = ("image_layouts", "TYPE_STRING", -1)
+        inputs.append(("original_media", "TYPE_STRING", -1))  # metadata-only off (naive EPD) only
         outputs.append(("timings", "TYPE_STRING"))
     if kind in ("prefill", "decode"):
         inputs.append(("kv_transfer_params", "TYPE_STRING", 1))

@@ -110,11 +110,10 @@ def _bool(request, name: str) -> bool:
 
 
 def read_generate_inputs(request) -> RawGenerateInputs:
-    images = _array(request, "image")
     return RawGenerateInputs(
         text_input=_text(request, "text_input"),
         messages=_text(request, "messages"),
-        images=tuple(bytes(x) for x in images.reshape(-1)) if images is not None else (),
+        images=_bytes_items(request, "image"),
         image_layouts=tuple(_texts(request, "image_layouts")),
         stream=_bool(request, "stream"),
         sampling_parameters=_text(request, "sampling_parameters"),
@@ -122,7 +121,13 @@ def read_generate_inputs(request) -> RawGenerateInputs:
         return_num_input_tokens=_bool(request, "return_num_input_tokens"),
         return_num_output_tokens=_bool(request, "return_num_output_tokens"),
         kv_transfer_params=_text(request, "kv_transfer_params"),
+        original_media=_bytes_items(request, "original_media"),
     )
+
+
+def _bytes_items(request, name: str) -> tuple[bytes, ...]:
+    arr = _array(request, name)
+    return () if arr is None else tuple(bytes(x) for x in arr.reshape(-1))
 
 
 class TritonSink:
@@ -233,12 +238,15 @@ class RequestMetrics:
         self._tokens = tokens.Metric(labels={"model": model_name})
         self._decodes = decodes.Metric(labels={"model": model_name})
         self._decodes_seen = 0
+        self._decodes_lock = threading.Lock()
 
     def media_decodes(self, total: int) -> None:
-        """Report the process's decode counter (``backend.media.decode_counter``)."""
-        if total > self._decodes_seen:
-            self._decodes.increment(total - self._decodes_seen)
-            self._decodes_seen = total
+        """Report the process's decode counter (``backend.media.decode_counter``). Called from ``execute``
+        and, with metadata-only off, from the engine loop: one increment at a time."""
+        with self._decodes_lock:
+            if total > self._decodes_seen:
+                self._decodes.increment(total - self._decodes_seen)
+                self._decodes_seen = total
 
     def transferred(self, nbytes: int, seconds: float) -> None:
         self._moved.increment(nbytes)
@@ -292,3 +300,61 @@ class EncoderMetrics:
                 elif value > self._seen[name]:
                     self._metrics[name].increment(value - self._seen[name])
                 self._seen[name] = value
+
+
+class EngineMetrics:
+    """vLLM's own request metrics of an engine-hosting model (``llm``, ``pd``, ``prefill``, ``decode``), as
+    Triton custom metrics: a ``backend.engine_stats.StatsObserver`` (see there for what vLLM measures).
+
+    Counters, all labelled ``model``: ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
+    and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
+    rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
+    consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``.
+    """
+
+    _TIMINGS = {
+        "ttft": ("epd_vllm_time_to_first_token", "from a request's arrival at the engine to its first token"),
+        "inter_token": ("epd_vllm_time_per_output_token", "between two consecutive output tokens of a request"),
+        "queue": ("epd_vllm_queue_time", "finished requests waited in the engine's queue (queued to scheduled)"),
+        "prefill": ("epd_vllm_prefill_time", "finished requests' time from scheduling to their first token"),
+        "decode": ("epd_vllm_decode_time", "finished requests' time from their first token to their last"),
+    }
+
+    def __init__(self, model_name: str):
+        counter = pb_utils.MetricFamily.COUNTER
+        labels = {"model": model_name}
+        self._families = [
+            pb_utils.MetricFamily(name="epd_vllm_prompt_tokens_total", kind=counter,
+                                  description="Prompt tokens of the requests the engine finished"),
+            pb_utils.MetricFamily(name="epd_vllm_generation_tokens_total", kind=counter,
+                                  description="Tokens the engine generated"),
+        ]
+        self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
+        self._timings, self._closed = {}, False
+        for key, (name, text) in self._TIMINGS.items():
+            seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
+            count = pb_utils.MetricFamily(name=f"{name}_count_total", kind=counter, description=f"Samples: {text}")
+            self._families += [seconds, count]
+            self._timings[key] = (seconds.Metric(labels=labels), count.Metric(labels=labels))
+
+    def close(self) -> None:
+        """Free the Triton metric objects now, while the stub's shared memory is alive. vLLM's logger keeps
+        this observer for as long as the engine object lives, which was seen to be until interpreter exit:
+        freeing a MetricFamily then segfaulted the stub (``Metric::SaveToSharedMemory`` in
+        ``~MetricFamily``), leaving its /dev/shm region behind. Later stats are ignored."""
+        self._closed = True
+        self._timings, self._prompt, self._generation = {}, None, None
+        self._families = []
+
+    def engine_stats(self, delta) -> None:
+        if self._closed:
+            return
+        if delta.prompt_tokens:
+            self._prompt.increment(delta.prompt_tokens)
+        if delta.generation_tokens:
+            self._generation.increment(delta.generation_tokens)
+        for key, (seconds, count) in self._timings.items():
+            samples = getattr(delta, key)
+            if samples.count:
+                seconds.increment(samples.seconds)
+                count.increment(samples.count)

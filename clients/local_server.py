@@ -137,7 +137,7 @@ class TritonServer:
         while time.monotonic() - started < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
-            if self.is_ready():
+            if self.is_ready() and self._metrics_up():
                 self.ready_seconds = time.monotonic() - started
                 return self
             time.sleep(0.25)
@@ -147,6 +147,15 @@ class TritonServer:
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def _metrics_up(self) -> bool:
+        """The metrics endpoint starts after the HTTP one: a test that scrapes right after readiness saw
+        its connection refused (under load)."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
                 return resp.status == 200
         except OSError:
             return False

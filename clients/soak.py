@@ -22,7 +22,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from clients.bench_e2e import _pct
+from clients.bench_report import percentile
 from clients.triton_client import GenerateInputs, grpc_inputs, single_request_stream
 
 ERROR_CODES = {"epd_error_codes": True}
@@ -118,7 +118,7 @@ def report(outcomes: Counter, latencies: list[float], wall: float, before: dict,
     errors = {k: v for k, v in outcomes.items() if k not in ("ok", "cancelled")}
     print(f"\n{total} requests in {wall:.1f} s ({total / wall:.1f} req/s): ok {outcomes['ok']}, "
           f"cancelled by their clients {outcomes['cancelled']}, errors {sum(errors.values())} {dict(errors) or ''}")
-    print(f"latency of completed requests: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms")
+    print(f"latency of completed requests: p50 {percentile(latencies, 50):.0f} ms, p99 {percentile(latencies, 99):.0f} ms")
     print(f"open leases: {before['leases']:.0f} before, {after['leases']:.0f} after; /dev/shm entries: "
           f"{len(before['shm'])} before, {len(after['shm'])} after (new: {sorted(set(after['shm']) - set(before['shm']))})")
     rounds = " | ".join(f"after round {i + 1}" for i in range(len(rss_rounds)))

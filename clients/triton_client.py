@@ -53,6 +53,7 @@ class GenerateInputs:
     stream: bool = True
     exclude_input_in_output: bool = True
     return_counts: bool = True
+    parameters: dict[str, Any] | None = None  # Triton request parameters (gRPC), e.g. {"epd_metadata_only": False}
 
     def as_values(self) -> dict[str, Any]:
         """Input name -> value for the shared interface; absent inputs are left out."""
@@ -141,7 +142,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
-                                  enable_empty_final_response=True)
+                                  enable_empty_final_response=True, parameters=inputs.parameters)
         while True:
             try:
                 res, err = responses.get(timeout=max(0.0, timeout - (time.perf_counter() - started)))

@@ -14,9 +14,15 @@ from backend.generate_model import parameter
 from backend.loop import LoopThread
 from backend.media import MediaLimits
 from backend.request import RequestLimits
-from backend.triton_io import RequestMetrics, TritonSink, read_generate_inputs, send_error, wants_error_codes
+from backend.errors import InvalidInput
+from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, TritonSink, read_generate_inputs,
+                               request_parameters, send_error)
 from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import TritonStages, grpc_url
+
+
+# Request parameter (bool): this request's metadata-only setting, over the model's `metadata_only` parameter.
+METADATA_ONLY_PARAMETER = "epd_metadata_only"
 
 
 class TritonPythonModel:
@@ -38,20 +44,25 @@ class TritonPythonModel:
                                    grpc_url(parameter(config, "grpc_url", "")))
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, Topology(parameter(config, "topology", "E+PD")),
-                                         deadline=float(parameter(config, "request_timeout_seconds", "300")))
+                                         deadline=float(parameter(config, "request_timeout_seconds", "300")),
+                                         metadata_only=parameter(config, "metadata_only", "true").lower() != "false")
         self.metrics = RequestMetrics(args["model_name"])
         self.loop = LoopThread("epd-loop")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tag = wants_error_codes(request)  # clients may ask for "[CODE] " before messages, as stages do
+            params = request_parameters(request)
+            tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
             try:
                 raw = read_generate_inputs(request)
+                metadata_only = params.get(METADATA_ONLY_PARAMETER)
+                if metadata_only is not None and not isinstance(metadata_only, bool):
+                    raise InvalidInput(f"parameters.{METADATA_ONLY_PARAMETER}", f"expected a bool, got {metadata_only!r}")
             except Exception as exc:
                 send_error(sender, exc, tag)
                 continue
-            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender, tag), self.metrics))
+            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender, tag), self.metrics, metadata_only))
         return None
 
     def finalize(self):

@@ -13,6 +13,7 @@ Request lifecycle::
              -> REWRITTEN (image tensor removed, messages' image parts -> {"type": "image"},
                            image_layouts = the encoders' layout metadata, in prompt order;
                            text_input / sampling settings untouched)
+                          [metadata-only off: original_media = the client's media, beside them]
              -> [E/P/D: PREFILLING -> kv_transfer_params]
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
@@ -23,6 +24,13 @@ that expired or was released, a stage that restarted), every item is encoded aga
 stages are asked once more. Both count in ``timings["retries"]`` and ``RequestObserver.request_retried``.
 A ``deadline`` (seconds, 0: none) bounds the whole request; past it the request fails with UNAVAILABLE
 naming the phase it was in, and the stage streams still open are closed (their requests cancelled).
+
+Metadata-only off (``metadata_only=False``, the model's parameter or a request's ``epd_metadata_only``
+parameter): the "naive EPD" the metadata-only design is measured against. Encoders still run, and the
+consumer stages still take the embeddings from them, but they also get the client's original media
+(``original_media``) and decode and preprocess it themselves (``backend.naive_media``), as a consumer
+given the unmodified request would; the time that costs comes back as ``timings["media_ms"]`` (summed
+over prefill and decode in E/P/D).
 
 Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
 Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model (``ensemble.triton_stages``).
@@ -74,18 +82,21 @@ class Orchestrator:
     RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 topology: Topology = Topology.E_PD, deadline: float = 0.0):
+                 topology: Topology = Topology.E_PD, deadline: float = 0.0, metadata_only: bool = True):
         self.stages, self.identity, self.limits, self.topology = stages, identity, limits, topology
-        self.deadline = deadline
+        self.deadline, self.metadata_only = deadline, metadata_only
         self.media = EncodedMedia(limits.media)
 
     def validate(self, raw: RawGenerateInputs):
         """Cheap checks before anything is scheduled (errors are INVALID_ARG naming the field)."""
         return parse_generate_request(raw, self.media, self.limits)
 
-    async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None) -> Outcome:
+    async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None,
+                  metadata_only: bool | None = None) -> Outcome:
+        """``metadata_only``: this request's choice (None: the orchestrator's)."""
         started = time.perf_counter()
         state = _State(observer)
+        state.metadata_only = self.metadata_only if metadata_only is None else metadata_only
         try:
             async with asyncio.timeout(self.deadline or None):
                 await self._run(raw, sink, state, started)
@@ -107,6 +118,7 @@ class Orchestrator:
             timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
             rewritten = replace(
                 raw, images=(), image_layouts=tuple(layouts),
+                original_media=() if state.metadata_only else tuple(item.data for item in request.images),
                 messages=json.dumps(request.conversation) if request.conversation is not None else None)
             try:
                 await self._generate(rewritten, sink, state, started)
@@ -133,7 +145,7 @@ class Orchestrator:
                 final = chunk.finish_reason is not None
                 if final:
                     state.tokens = chunk.num_output_tokens or 0
-                    timings.update(chunk.timings or {})  # the generator's own (pd: transfer_ms)
+                    _merge(timings, chunk.timings)  # the generator's own (pd: transfer_ms)
                     timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
                     chunk = replace(chunk, timings=dict(timings))
                 elif "first_chunk_ms" not in timings:
@@ -160,7 +172,7 @@ class Orchestrator:
         async for chunk in self.stages.generate(prefill_inputs, Stage.PREFILL):
             if chunk.finish_reason is not None:
                 params = chunk.kv_transfer_params
-                timings.update(chunk.timings or {})  # prefill's embedding pull (transfer_ms)
+                _merge(timings, chunk.timings)  # prefill's embedding pull (transfer_ms)
         if not params:
             raise Unavailable("prefill returned no kv_transfer_params")
         timings["prefill_ms"] = _ms(started)
@@ -194,6 +206,7 @@ class _State:
         self.outcome, self.tokens, self.sent = Outcome.ERROR, 0, False
         self.request_retries = 0
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
+        self.metadata_only = True
 
     def retried(self, what: str) -> None:
         if what == "request":
@@ -211,6 +224,12 @@ def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavail
         if index.isdigit() and int(index) < len(items):
             return Unavailable(f"{items[int(index)].field}{rest}")
     return exc
+
+
+def _merge(timings: dict, stage: dict | None) -> None:
+    """A stage's timings into the request's; ``media_ms`` adds up over stages (prefill and decode)."""
+    for key, value in (stage or {}).items():
+        timings[key] = round(timings.get(key, 0) + value, 3) if key == "media_ms" else value
 
 
 def _producers(layouts: list[str]) -> list[str]:

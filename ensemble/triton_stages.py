@@ -52,6 +52,8 @@ def stage_values(raw: RawGenerateInputs) -> dict:
             values[name] = getattr(raw, name)
     if raw.image_layouts:
         values["image_layouts"] = [layout.encode() for layout in raw.image_layouts]
+    if raw.original_media:  # metadata-only off (naive EPD)
+        values["original_media"] = list(raw.original_media)
     for name in ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens"):
         values[name] = bool(getattr(raw, name))
     return values

@@ -7,15 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from clients.local_server import ROOT, TritonServer
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
 
 
 def _shm_of_this_process() -> set[str]:
@@ -24,36 +21,55 @@ def _shm_of_this_process() -> set[str]:
         return {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
 
 
-def orphaned_shm(new: set[str]) -> set[str]:
-    """Of ``new`` /dev/shm entries, those no live process maps (a server still running beside the one
-    under test, e.g. the session server, legitimately holds its own)."""
-    mapped: set[str] = set()
+def held_shm(pid: int) -> set[str]:
+    """/dev/shm entries the process ``pid`` and its descendants map now (the server, its stubs, their
+    EngineCores): sampled just before a server stops, these are the entries that server must not leave."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    return {name for proc in procs for name in _mapped_by(proc.pid)}
+
+
+def left_behind(held: set[str], settle: float = 2.0) -> set[str]:
+    """Of ``held`` (``held_shm`` before the stop), those still in /dev/shm ``settle`` seconds after it and
+    mapped by no live process. Attributing entries to the server's own processes keeps the check right on
+    a machine where other checkouts' servers create and remove /dev/shm entries at the same time."""
+    time.sleep(settle)
+    mapped = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                mapped |= {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
-        except OSError:
-            pass
-    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+        mapped |= _mapped_by(int(pid))
+    return {name for name in held if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+
+
+def _mapped_by(pid: int) -> set[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
+    except OSError:
+        return set()
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    before = _shm()
     srv = TritonServer(log_path=log)
     try:
         srv.start(timeout=300)
     except Exception:
         print(log.read_text()[-5000:] if log.exists() else "(no log)")
         raise
+    held: set[str] = set()
     try:
         yield srv
     finally:
+        held = held_shm(srv.proc.pid) - _shm_of_this_process()
         srv.stop()
         print(f"\ntritonserver ready in {srv.ready_seconds:.1f} s; log {log}")
     assert not srv.stragglers, f"processes outlived tritonserver: {srv.stragglers}"
-    leaked = _shm() - before - _shm_of_this_process()
+    leaked = left_behind(held)
     assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 
 

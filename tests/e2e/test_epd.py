@@ -157,21 +157,91 @@ def test_stage_metrics_move_by_the_right_amounts(server):
     assert _metric(server, "epd_pool_capacity_bytes", "encoder") > 0
 
 
+VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
+    f"{name}_{part}_total" for name in ("time_to_first_token", "time_per_output_token", "queue_time", "prefill_time",
+                                        "decode_time") for part in ("seconds", "count"))
+
+
+def _vllm_counters(server, model: str) -> dict[str, float]:
+    return {name: _metric(server, f"epd_vllm_{name}", model) for name in VLLM_COUNTERS}
+
+
+def _moved(server, model: str, before: dict, want_requests: int) -> dict[str, float]:
+    """The counters' change, once the engine's stat logger has seen ``want_requests`` more requests finish."""
+    after = _wait_for(lambda: _vllm_counters(server, model),
+                      lambda c: c["decode_time_count_total"] >= before["decode_time_count_total"] + want_requests)
+    return {name: after[name] - before[name] for name in VLLM_COUNTERS}
+
+
+def test_vllm_request_metrics_move_by_the_right_amounts(server):
+    """vLLM's own metrics of llm, pd, prefill and decode after known requests: token counters move by the
+    counts the clients got back, one TTFT / queue / prefill / decode sample per request, one time-per-output-
+    token sample per token after the first; and the times are positive and within what the client saw."""
+    models = ("llm", "pd", "prefill", "decode")
+    before = {model: _vllm_counters(server, model) for model in models}
+    long = CASES["longer_output"]  # 40 tokens, ignore_eos
+    llm_a, llm_b = ask(server, "llm", **long), ask(server, "llm", **CASES["two_images"])
+    via_pd = ask(server, "epd", **CASES["four_images"])
+    via_pd_decode = ask(server, "epd_disagg", **long)
+    moved = {model: _moved(server, model, before[model], 2 if model == "llm" else 1) for model in models}
+
+    llm = moved["llm"]
+    assert llm["prompt_tokens_total"] == llm_a.num_input_tokens + llm_b.num_input_tokens
+    assert llm["generation_tokens_total"] == llm_a.num_output_tokens + llm_b.num_output_tokens
+    assert llm["time_per_output_token_count_total"] == llm_a.num_output_tokens + llm_b.num_output_tokens - 2
+    assert llm["time_to_first_token_count_total"] == llm["queue_time_count_total"] == 2
+    assert 0 < llm["time_to_first_token_seconds_total"] < llm_a.total + llm_b.total
+    assert 0 < llm["time_per_output_token_seconds_total"] and 0 <= llm["queue_time_seconds_total"]
+    assert 0 < llm["prefill_time_seconds_total"] and 0 < llm["decode_time_seconds_total"]
+
+    for model, result in (("pd", via_pd), ("decode", via_pd_decode)):
+        got = moved[model]
+        assert got["prompt_tokens_total"] == result.num_input_tokens, model
+        assert got["generation_tokens_total"] == result.num_output_tokens, model
+        assert got["time_per_output_token_count_total"] == result.num_output_tokens - 1, model
+        assert got["time_to_first_token_count_total"] == 1 and 0 < got["time_to_first_token_seconds_total"] < result.total
+    prefill = moved["prefill"]  # prefill runs each request for one token
+    assert prefill["prompt_tokens_total"] == via_pd_decode.num_input_tokens
+    assert prefill["generation_tokens_total"] == 1 and prefill["time_per_output_token_count_total"] == 0
+
+
 def test_pd_is_metadata_only(server):
-    """What reaches pd has no media: pd's interface has no media input, pd refuses media URLs, and
-    after many epd requests with images pd has decoded nothing (while llm decodes every image)."""
+    """What reaches pd has no media: pd's interface has no `image` input (`original_media` is for
+    metadata-only off), pd refuses media URLs, and after epd requests with images (metadata-only on) pd
+    has decoded nothing (while llm decodes every image)."""
     meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata("pd")
     names = {i["name"] for i in meta["inputs"]}
     assert "image" not in names and "image_layouts" in names
     with pytest.raises(GenerateError) as info:
         ask(server, "pd", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img(0))}}]}])
     assert "metadata-only" in info.value.message
-    before = _metric(server, "epd_media_decodes_total", "llm")
+    before = {m: _metric(server, "epd_media_decodes_total", m) for m in ("llm", "pd")}  # pd decodes with metadata-only off
     ask(server, "epd", **CASES["four_images"])
     ask(server, "llm", **CASES["four_images"])
-    assert _metric(server, "epd_media_decodes_total", "pd") == 0
+    assert _metric(server, "epd_media_decodes_total", "pd") == before["pd"]
     assert _metric(server, "epd_media_decodes_total", "epd") == 0
-    assert _metric(server, "epd_media_decodes_total", "llm") == before + 4
+    assert _metric(server, "epd_media_decodes_total", "llm") == before["llm"] + 4
+
+
+@pytest.mark.parametrize("model, consumers", [("epd", ("pd",)), ("epd_disagg", ("prefill", "decode"))])
+def test_metadata_only_off_gives_the_same_tokens_and_moves_media_work_downstream(server, baseline, model, consumers):
+    """Naive EPD (request parameter epd_metadata_only=false): same tokens as llm; the consumers decode
+    every item themselves (their decode counters move by the item count each) and report the time
+    (media_ms); with metadata-only on (the default) they decode nothing and report no media time."""
+    case = CASES["chat_data_url_and_tensor"]  # a data URL and a tensor image: both reach the consumers as bytes
+    decodes = lambda: {c: _metric(server, "epd_media_decodes_total", c) for c in consumers}
+    before = decodes()
+    on = ask(server, model, **case)
+    assert decodes() == before and "media_ms" not in on.timings
+    off = ask(server, model, **case, parameters={"epd_metadata_only": False})
+    assert (off.text, off.num_input_tokens, off.num_output_tokens) == (
+        baseline["chat_data_url_and_tensor"].text, baseline["chat_data_url_and_tensor"].num_input_tokens,
+        baseline["chat_data_url_and_tensor"].num_output_tokens)
+    assert decodes() == {c: before[c] + 2 for c in consumers}
+    assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
+    with pytest.raises(GenerateError) as info:
+        ask(server, model, **case, parameters={"epd_metadata_only": "no"})
+    assert info.value.message.startswith("parameters.epd_metadata_only: expected a bool"), info.value.message
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

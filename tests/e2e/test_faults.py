@@ -13,7 +13,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm, orphaned_shm
+from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -26,11 +26,11 @@ def expiring_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("expiring-leases") / "repo"
     topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
     render(dataclasses.replace(topology, transfer={**topology.transfer, "lease_seconds": 0.001}), repo)
-    before = _shm()
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
+        held = held_shm(server.proc.pid) - _shm_of_this_process()
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
-    assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
+    assert not left_behind(held), "/dev/shm entries leaked by the server"
 
 
 def _retries(server) -> float:

@@ -148,3 +148,31 @@ def test_e_p_d_prefills_one_token_then_decodes_with_the_kv_handle():
     assert prefill.image_layouts == decode.image_layouts == ('{"layout": 0}',)
     timings = sink.chunks[-1][0].timings
     assert timings["prefill_ms"] > 0 and timings["transfer_ms"] == 1.0
+
+
+def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
+    from ensemble.orchestrator import Topology
+
+    url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}]
+    raw = RawGenerateInputs(messages=json.dumps(messages), images=(b"TENSOR",))
+    for topology, consumers in ((Topology.E_PD, 1), (Topology.E_P_D, 2)):
+        for model_setting, request_setting, naive in ((True, None, False), (False, None, True), (True, False, True),
+                                                      (False, True, False)):
+            stages = FakeStages()
+            orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), topology, metadata_only=model_setting)
+            assert asyncio.run(orchestrator.run(raw, FakeSink(), metadata_only=request_setting)) is Outcome.OK
+            assert len(stages.generated) == consumers and len(stages.encoded) == 2  # encoders run either way
+            for sent in stages.generated:
+                assert sent.image_layouts == ('{"layout": 0}', '{"layout": 1}') and "base64" not in sent.messages
+                assert sent.original_media == ((b"PNGDATA", b"TENSOR") if naive else ())
+
+
+def test_consumers_media_time_adds_up_over_prefill_and_decode():
+    from ensemble.orchestrator import _merge
+
+    timings = {"items": 1}
+    _merge(timings, {"media_ms": 1.5, "transfer_ms": 2.0})
+    _merge(timings, {"media_ms": 2.25})
+    _merge(timings, None)
+    assert timings == {"items": 1, "media_ms": 3.75, "transfer_ms": 2.0}

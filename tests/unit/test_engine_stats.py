@@ -1,0 +1,48 @@
+"""vLLM's stat-logger stats -> ``StatsDelta`` (the engine-hosting models' vLLM metrics), with vLLM's own
+stats classes, so a change of their fields in a vLLM upgrade fails here."""
+import pytest
+
+from backend.engine_stats import StatsDelta, stat_logger_factory, stats_delta
+
+stats = pytest.importorskip("vllm.v1.metrics.stats")  # absent on the GPU machine only
+
+
+def _finished(prompt: int, queued: float, prefill: float, decode: float):
+    return stats.FinishedRequestStats(finish_reason=None, num_prompt_tokens=prompt, queued_time=queued,
+                                      prefill_time=prefill, decode_time=decode)
+
+
+def test_one_step_becomes_totals():
+    it = stats.IterationStats()
+    it.num_generation_tokens = 5
+    it.time_to_first_tokens_iter = [0.25, 0.5]
+    it.inter_token_latencies_iter = [0.01, 0.02, 0.03]
+    it.finished_requests = [_finished(40, 0.1, 0.2, 0.3), _finished(2, 0.0, 0.05, 0.0)]
+    delta = stats_delta(it)
+    assert (delta.prompt_tokens, delta.generation_tokens) == (42, 5)
+    assert (delta.ttft.count, delta.ttft.seconds) == (2, 0.75)
+    assert delta.inter_token.count == 3 and delta.inter_token.seconds == pytest.approx(0.06)
+    assert (delta.queue.count, delta.queue.seconds) == (2, pytest.approx(0.1))
+    assert delta.prefill.seconds == pytest.approx(0.25) and delta.decode.seconds == pytest.approx(0.3)
+
+
+def test_an_idle_step_is_empty_and_negative_clock_skew_counts_as_zero():
+    assert stats_delta(stats.IterationStats()) == StatsDelta()
+    it = stats.IterationStats()
+    it.finished_requests = [_finished(3, -0.001, 0.1, 0.0)]
+    assert stats_delta(it).queue.seconds == 0.0 and stats_delta(it).queue.count == 1
+
+
+def test_the_logger_reports_each_step_to_the_observer():
+    seen = []
+
+    class Observer:
+        def engine_stats(self, delta):
+            seen.append(delta)
+
+    logger = stat_logger_factory(Observer())(None, 0)
+    it = stats.IterationStats()
+    it.num_generation_tokens = 1
+    logger.record(None, it)
+    logger.record(None, None)  # a scheduler-only update carries no request stats
+    assert [d.generation_tokens for d in seen] == [1]

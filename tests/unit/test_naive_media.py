@@ -1,0 +1,38 @@
+"""The media work a naive EPD consumer does (metadata-only off), with the checkpoint's real image processor."""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from backend.errors import InvalidInput
+from backend.media import MediaLimits, decode_counter
+from backend.naive_media import process_original_media
+from clients.images import image_bytes
+
+CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-vl"
+
+
+@pytest.fixture(scope="module")
+def processor():
+    if not CHECKPOINT.exists():
+        pytest.skip("no tiny checkpoint (make setup builds it)")
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(CHECKPOINT)
+
+
+def layout(grid):
+    return SimpleNamespace(image_grid_thw=grid)
+
+
+def test_each_item_is_decoded_and_checked_against_its_layout(processor):
+    # 112x112 and 56x28 pixels: patches of 14 -> grids (1, 8, 8) and (1, 2, 4)
+    media = [image_bytes(112, 112, seed=1), image_bytes(56, 28, seed=2)]
+    before = decode_counter.count
+    seconds = process_original_media(media, [layout((1, 8, 8)), layout((1, 2, 4))], processor, MediaLimits())
+    assert seconds > 0 and decode_counter.count == before + 2
+    with pytest.raises(InvalidInput) as info:
+        process_original_media(media, [layout((1, 8, 8)), layout((1, 4, 4))], processor, MediaLimits())
+    assert info.value.field == "original_media[1]"
+    with pytest.raises(InvalidInput):
+        process_original_media(media[:1], [layout((1, 8, 8)), layout((1, 2, 4))], processor, MediaLimits())
