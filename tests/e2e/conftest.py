@@ -53,6 +53,7 @@ def server(tmp_path_factory):
         srv.stop()
         print(f"\ntritonserver ready in {srv.ready_seconds:.1f} s; log {log}")
     assert not srv.stragglers, f"processes outlived tritonserver: {srv.stragglers}"
+    assert not srv.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {srv.leftover_shm}"
     leaked = _shm() - before - _shm_of_this_process()
     assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 

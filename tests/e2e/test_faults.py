@@ -30,6 +30,7 @@ def expiring_server(tmp_path_factory):
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
     assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
 
 
