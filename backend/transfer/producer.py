@@ -68,9 +68,9 @@ class PoolStats:
 class EmbeddingPool:
     def __init__(self, pool_bytes: int = 64 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 1.0,
                  poll_interval: float = 0.02, role: str = "encoder", poll_delay_us: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", agent_name: str | None = None):
         self.lease_seconds, self.alloc_timeout, self.poll_interval = lease_seconds, alloc_timeout, poll_interval
-        self.agent = create_agent(role, poll_delay_us)
+        self.agent = create_agent(role, poll_delay_us, agent_name)
         self.device = torch.device(device)
         self.host = host_identity()
         if self.device.type == "cuda":  # VRAM: consumers READ it through NIXL (UCX cuda transports)

@@ -82,6 +82,26 @@ def test_dead_producer_fails_the_pull_and_a_new_producer_works(consumer):
         assert torch.equal(consumer.pull(make_layout(again.call("publish", tensor), tensor)), tensor)
 
 
+def test_producer_restarted_under_the_same_agent_name_is_reconnected(consumer):
+    """A producer restart (new process, new NIXL agent with the old name): the consumer notices the new
+    metadata, removes the old remote agent, adds the new one, and the first pull already succeeds."""
+    tensor = torch.randn(8, 128)
+    name = f"encoder-restart-{consumer.same_host_copy}-{time.monotonic_ns()}"
+    first = ProducerProcess(agent_name=name)
+    try:
+        assert torch.equal(consumer.pull(make_layout(first.call("publish", tensor), tensor)), tensor)
+        stale = make_layout(first.call("publish", tensor), tensor)
+    finally:
+        first.proc.kill()
+        first.proc.join(5)
+    with ProducerProcess(agent_name=name) as again:
+        layout = make_layout(again.call("publish", tensor * 2), tensor)
+        assert layout.handle.agent_name == name and layout.handle.agent_metadata != stale.handle.agent_metadata
+        assert torch.equal(consumer.pull(layout), tensor * 2)
+        assert again.wait_state(layout.handle.lease_id, None) is None  # the release reached the new producer
+        assert torch.equal(consumer.pull(make_layout(again.call("publish", tensor), tensor)), tensor)
+
+
 def test_full_pool_applies_backpressure_then_fails_unavailable():
     pool = EmbeddingPool(pool_bytes=4096, alloc_timeout=0.1)
     try:
