@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
-from backend.errors import InvalidInput, Unavailable
+from backend.errors import InvalidInput, Overloaded, Unavailable
 from backend.layout import content_key
 from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
@@ -178,6 +178,8 @@ class Orchestrator:
                 return await self.stages.encode(item, key)
             except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
                 raise InvalidInput(item.field, exc.problem) from None
+            except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
+                raise Unavailable(f"{item.field}: {exc}") from None
             except Exception:
                 if attempt == self.RETRIES:
                     raise
