@@ -128,6 +128,7 @@ class TritonServer:
         self.stragglers: list[int] = []
         self.stop_seconds: float | None = None  # SIGTERM to exit
         self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
+        self.regions: set[str] = set()  # the stubs' /dev/shm regions, seen when ready and at stop
 
     @property
     def http_url(self) -> str:
@@ -157,6 +158,7 @@ class TritonServer:
                 raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
             if self.is_ready():
                 self.ready_seconds = time.monotonic() - started
+                self.regions = stub_regions(self.proc.pid)
                 return self
             time.sleep(0.25)
         self.stop()
@@ -174,7 +176,7 @@ class TritonServer:
         sure nothing of its process group survives (a stub killed hard leaves its vLLM EngineCore behind)."""
         if self.proc is None:
             return
-        regions = stub_regions(self.proc.pid)
+        regions = self.regions | stub_regions(self.proc.pid)
         if self.proc.poll() is None:
             started = time.monotonic()
             self.proc.send_signal(signal.SIGTERM)
@@ -196,8 +198,9 @@ class TritonServer:
             except ProcessLookupError:
                 pass
             time.sleep(0.2)
-        # A stub the server had to kill (exit timeout: a model that never finished unloading) leaves its
-        # shared-memory region behind; record it (tests assert there is none) and remove it.
+        # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
+        # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
+        # expect) and remove it.
         self.leftover_shm = sorted(name for name in regions if os.path.exists(f"/dev/shm/{name}"))
         for name in self.leftover_shm:
             try:

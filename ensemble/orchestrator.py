@@ -180,8 +180,10 @@ class Orchestrator:
                 raise InvalidInput(item.field, exc.problem) from None
             except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
                 raise Unavailable(f"{item.field}: {exc}") from None
-            except Exception:
+            except Exception as exc:
                 if attempt == self.RETRIES:
+                    if isinstance(exc, Unavailable) and not str(exc).startswith(item.field):
+                        raise Unavailable(f"{item.field}: {exc}") from None
                     raise
                 state.retried("encode")
         raise AssertionError("unreachable")

@@ -37,6 +37,18 @@ def orphaned_shm(new: set[str]) -> set[str]:
     return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
 
 
+def settled_orphans(before: set[str], seconds: float = 5.0) -> set[str]:
+    """``orphaned_shm`` of the entries new since ``before``, once they stop disappearing (a resource tracker
+    unlinks the semaphores of a process that exited a moment after it; other users of this machine come
+    and go too), or after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := orphaned_shm(_shm() - before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"

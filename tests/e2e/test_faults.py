@@ -1,7 +1,12 @@
-"""E2E faults against a real server: an E+PD rendering whose embedding leases expire before any consumer
-can read them (``lease_seconds`` 1 ms). Requests with media fail with a clear UNAVAILABLE after the
-orchestrator encoded their items again and retried once (counted in ``epd_retries_total``); text-only
-requests sent alongside succeed; the server keeps serving; nothing leaks (fixture checks)."""
+"""E2E faults against a real server, each with its own E+PD rendering; nothing leaks (fixture checks):
+- leases that expire before any consumer can read them (``lease_seconds`` 1 ms): requests with media fail
+  with a clear UNAVAILABLE after the orchestrator encoded their items again and retried once (counted in
+  ``epd_retries_total``); text-only requests sent alongside succeed; the server keeps serving;
+- overload: the encoder's pool full of leases nobody reads: requests with media fail fast with
+  UNAVAILABLE naming the item, text-only ones succeed, reading the leases brings service back;
+- an encoder instance (one of two) killed mid-request: its items are encoded again (on the live
+  instance, or a clear UNAVAILABLE naming the item and the dead instance), the rest succeeds, the
+  server keeps serving; Triton 2.51 neither restarts the stub nor removes its /dev/shm region."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +18,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm, orphaned_shm
+from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -31,15 +36,15 @@ def expiring_server(tmp_path_factory):
         yield server
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
-    assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
 
 
-def _retries(server) -> float:
+def _retries(server, what: str = "request") -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     for line in text.splitlines():
-        if line.startswith("epd_retries_total{") and 'model="epd"' in line and 'what="request"' in line:
+        if line.startswith("epd_retries_total{") and 'model="epd"' in line and f'what="{what}"' in line:
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("epd_retries_total{model=epd,what=request} not exported")
+    raise AssertionError(f"epd_retries_total{{model=epd,what={what}}} not exported")
 
 
 def _ask(server, case):
@@ -82,7 +87,7 @@ def full_pool_server(tmp_path_factory):
         yield server
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
-    assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
 
 
 def _encode_directly(server, image: bytes):
@@ -145,3 +150,72 @@ def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_s
     assert _pool_leases(full_pool_server) == 0
     again = _ask(full_pool_server, with_media[0])  # room again: served
     assert not isinstance(again, GenerateError) and again.finish_reason == "length"
+
+
+# -- an encoder instance dies mid-request ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_encoder_server(tmp_path_factory):
+    """E+PD with two encoder instances (two stub processes), normal leases."""
+    repo = tmp_path_factory.mktemp("two-encoders-kill") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
+    stages = {**topology.stages, "encoder": dataclasses.replace(topology.stages["encoder"], instances=2)}
+    render(dataclasses.replace(topology, stages=stages), repo)
+    before = _shm()
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        server.killed_regions = set()
+        yield server
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    # Triton leaves a dead stub's region in /dev/shm (measured); the launcher removed it. No other.
+    assert set(server.leftover_shm) == server.killed_regions, (server.leftover_shm, server.killed_regions)
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+
+
+def _stubs(server, model: str) -> dict[int, str]:
+    """PID -> /dev/shm region of ``model``'s live stub processes (children of this test's tritonserver)."""
+    import psutil
+
+    stubs = {}
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if any(part.endswith(f"/{model}/1/model.py") for part in cmd) and child.status() != psutil.STATUS_ZOMBIE:
+            stubs[child.pid] = next(part for part in cmd if part.startswith("triton_python_backend_shm_region_"))
+    return stubs
+
+
+def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_encoder_server):
+    import os
+    import signal
+    import time
+
+    server = two_encoder_server
+    stubs = _stubs(server, "encoder")
+    assert len(stubs) == 2, stubs
+    with_media = [dict(prompt=f"<|vision_start|><|image_pad|><|vision_end|>" * 3 + f"Compare {i}.",
+                       images=[image_bytes(112, 112, seed=10 * i + k) for k in range(3)]) for i in range(8)]
+    text_only = [dict(prompt=f"Count to {i}.") for i in range(3)]
+    victim = min(stubs)
+    server.killed_regions.add(stubs[victim])
+    retries = _retries(server, "encode")
+    with ThreadPoolExecutor(11) as pool:
+        futures = [pool.submit(_ask, server, case) for case in with_media + text_only]
+        time.sleep(0.3)  # items are being encoded
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result() for f in futures]
+    for result in results[:8]:  # recovered by the retry on the other instance, or a clear error
+        if isinstance(result, GenerateError):
+            assert result.message.startswith("image[") and "encoder instance down" in result.message, result.message
+        else:
+            assert result.finish_reason == "length"
+    for ok in results[8:]:
+        assert not isinstance(ok, GenerateError), ok
+    assert len(_stubs(server, "encoder")) == 1  # Triton 2.51 does not restart the stub
+    later = [_ask(server, case) for case in with_media + text_only]  # still serving
+    assert not any(isinstance(r, GenerateError) for r in later[8:]), later[8:]
+    for result in later[:8]:
+        assert not isinstance(result, GenerateError) or "encoder instance down" in result.message, result
+    assert any(not isinstance(r, GenerateError) for r in later[:8]), "no image request served after the kill"
+    assert _retries(server, "encode") > retries  # items sent to the dead instance were encoded again
+    assert len(_stubs(server, "encoder")) == 1

@@ -14,7 +14,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm, orphaned_shm
+from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
     assert server.stop_seconds < STOP_SECONDS, f"stop took {server.stop_seconds:.1f} s; log tail: {log[-3000:]}"
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
-    assert not orphaned_shm(_shm() - before), "/dev/shm entries leaked by the server"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
     assert server.proc.returncode == 0
     for model in ("epd", "encoder", "pd"):
         assert f"successfully unloaded '{model}'" in log
