@@ -17,7 +17,8 @@ Request lifecycle::
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
 Recovery: the orchestrator keeps the original media until the request is done. An item whose encode fails
-(anything but INVALID_ARG, e.g. an encoder instance that died) is encoded once more. If a generator stage
+(anything but INVALID_ARG, e.g. an encoder instance that died) is encoded once more, except when the encoder
+is overloaded (its pool full): retrying at once would only add load, the request fails with UNAVAILABLE. If a generator stage
 answers UNAVAILABLE before anything reached the client (an embedding or KV that could not be pulled, a lease
 that expired or was released, a stage that restarted), every item is encoded again (fresh leases) and the
 stages are asked once more. Both count in ``timings["retries"]`` and ``RequestObserver.request_retried``.
