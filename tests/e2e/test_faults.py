@@ -163,10 +163,13 @@ def two_encoder_server(tmp_path_factory):
     before = _shm()
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         server.killed_regions = set()
+        encoder_regions = set(_stubs(server, "encoder").values())
         yield server
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
-    # Triton leaves a dead stub's region in /dev/shm (measured); the launcher removed it. No other.
-    assert set(server.leftover_shm) == server.killed_regions, (server.leftover_shm, server.killed_regions)
+    # Triton leaves a dead stub's region in /dev/shm (measured), and a model with a dead instance may not
+    # finish unloading (measured once in a full suite run: the server waited out its exit timeout and killed
+    # the encoder's live stub). The launcher removed those regions; no other may be left.
+    assert server.killed_regions <= set(server.leftover_shm) <= encoder_regions, (server.leftover_shm, encoder_regions)
     assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
 
 
