@@ -154,11 +154,14 @@ class TritonServer:
             if self.log_path:
                 out.close()
         while time.monotonic() - started < timeout:
+            self.regions |= stub_regions(self.proc.pid)  # also those of stubs a crash at load leaves behind
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
+                self.stop()  # the stubs and their regions go too
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}"
+                                   f"{'; removed the /dev/shm regions its stubs left' if self.leftover_shm else ''}")
             if self.is_ready():
                 self.ready_seconds = time.monotonic() - started
-                self.regions = stub_regions(self.proc.pid)
+                self.regions |= stub_regions(self.proc.pid)
                 return self
             time.sleep(0.25)
         self.stop()
