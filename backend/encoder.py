@@ -187,11 +187,14 @@ class EncoderService:
         self.encode_seconds += time.perf_counter() - started
         self.items_encoded += len(encoded)
         leases: dict[int, list[str]] = {}
+        # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
+        # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
+        deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
         for (job, _), item in zip(ok_jobs_images, encoded):
             if isinstance(results[job.request_index], BaseException):
                 continue
             try:
-                handle = self.pool.publish(item.embeddings)
+                handle = self.pool.publish(item.embeddings, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 results[job.request_index] = exc
                 for lease_id in leases.pop(job.request_index, []):  # the request failed: free what it got

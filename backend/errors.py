@@ -35,6 +35,17 @@ class Unavailable(EpdError):
     code = ErrorCode.UNAVAILABLE
 
 
+class Overloaded(Unavailable):
+    """Capacity is exhausted (e.g. the encoder's embedding pool is full of unread leases). Still
+    UNAVAILABLE for the client, but not retried by the orchestrator: asking again at once only adds load.
+    The message starts with ``PREFIX``, which survives the trip through BLS and gRPC."""
+
+    PREFIX = "overloaded: "
+
+    def __init__(self, message: str):
+        super().__init__(message if message.startswith(self.PREFIX) else self.PREFIX + message)
+
+
 class Cancelled(EpdError):
     code = ErrorCode.CANCELLED
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code
+from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code, Overloaded
 from backend.request import RawGenerateInputs
 from backend.serving import Outcome, ResponseChunk
 
@@ -55,7 +55,7 @@ def from_triton_error(error) -> EpdError:
         field, _, problem = message.partition(": ")
         return InvalidInput(field, problem) if problem else InvalidInput("request", message)
     if kind is ErrorCode.UNAVAILABLE:
-        return Unavailable(message)
+        return Overloaded(message) if message.startswith(Overloaded.PREFIX) else Unavailable(message)
     if kind is ErrorCode.CANCELLED:
         return Cancelled(message)
     return EpdError(message)

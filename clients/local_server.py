@@ -97,6 +97,22 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def stub_regions(pgid: int) -> set[str]:
+    """The /dev/shm regions of the Python backend stubs in process group ``pgid`` (each stub names its
+    region on its command line)."""
+    regions = set()
+    for pid in group_members(pgid):
+        try:
+            parts = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        regions |= {part.decode() for part in parts if part.startswith(SHM_REGION_PREFIX.encode())}
+    return regions
+
+
 class TritonServer:
     """A tritonserver child process; ``with TritonServer(...) as s:`` waits for ready and always stops it."""
 
@@ -110,6 +126,9 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
         self.stragglers: list[int] = []
+        self.stop_seconds: float | None = None  # SIGTERM to exit
+        self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
+        self.regions: set[str] = set()  # the stubs' /dev/shm regions, seen when ready and at stop
 
     @property
     def http_url(self) -> str:
@@ -135,10 +154,14 @@ class TritonServer:
             if self.log_path:
                 out.close()
         while time.monotonic() - started < timeout:
+            self.regions |= stub_regions(self.proc.pid)  # also those of stubs a crash at load leaves behind
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
+                self.stop()  # the stubs and their regions go too
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}"
+                                   f"{'; removed the /dev/shm regions its stubs left' if self.leftover_shm else ''}")
             if self.is_ready() and self._metrics_up():
                 self.ready_seconds = time.monotonic() - started
+                self.regions |= stub_regions(self.proc.pid)
                 return self
             time.sleep(0.25)
         self.stop()
@@ -165,13 +188,16 @@ class TritonServer:
         sure nothing of its process group survives (a stub killed hard leaves its vLLM EngineCore behind)."""
         if self.proc is None:
             return
+        regions = self.regions | stub_regions(self.proc.pid)
         if self.proc.poll() is None:
+            started = time.monotonic()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+            self.stop_seconds = time.monotonic() - started
         # Stubs and engine processes should exit with the server; give them a moment, record any that
         # did not (tests assert there are none), then kill them so nothing leaks either way.
         deadline = time.monotonic() + 20
@@ -182,6 +208,16 @@ class TritonServer:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
+                pass
+            time.sleep(0.2)
+        # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
+        # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
+        # expect) and remove it.
+        self.leftover_shm = sorted(name for name in regions if os.path.exists(f"/dev/shm/{name}"))
+        for name in self.leftover_shm:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except OSError:
                 pass
 
     def __enter__(self) -> "TritonServer":

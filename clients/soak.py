@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="soak-") as repo:
         served = render(load(args.topology).only(args.deployment), Path(repo))
         model = "llm" if "llm" in served else "epd"
+        (ROOT / ".cache").mkdir(exist_ok=True)
         with TritonServer(Path(repo), log_path=ROOT / ".cache" / "soak-server.log") as server:
             print(f"{args.deployment}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})")
             asyncio.run(drive(server.grpc_url, model, args.warmup, 4, 0.0, args.timeout, seed=10**6))
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 rss_rounds.append(after["rss"])
         report(outcomes, latencies, wall, before, after, rss_rounds)
         print(f"stragglers after stop: {server.stragglers or 'none'}")
+        stopped = set(os.listdir("/dev/shm"))
+        print(f"server stopped in {server.stop_seconds:.1f} s; /dev/shm after the stop: {len(stopped)} entries "
+              f"(new since before the load: {sorted(stopped - set(before['shm'])) or 'none'}); stub regions the "
+              f"server left behind (removed by the launcher): {server.leftover_shm or 'none'}")
     return 0 if set(outcomes) <= {"ok", "cancelled"} else 1
 
 

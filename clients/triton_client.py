@@ -149,6 +149,10 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
             except queue.Empty:
                 raise TimeoutError(f"no final response from {model} within {timeout} s") from None
             if err is not None:
+                # An error is the request's last response (the server completed it): cancelling the stream
+                # now only races Triton 2.51's gRPC frontend, which can then leak the request and keep the
+                # model from unloading at shutdown (docs/robustness.md, "Shutdown").
+                finished = True
                 if isinstance(err, InferenceServerException):
                     # gRPC stream errors carry only a message (ModelStreamInferResponse.error_message).
                     raise GenerateError(str(err.status() or "STREAM_ERROR").replace("StatusCode.", ""),

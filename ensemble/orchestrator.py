@@ -18,7 +18,8 @@ Request lifecycle::
              -> GENERATING (StageClient.generate streams chunks) -> DONE | FAILED | CANCELLED
 
 Recovery: the orchestrator keeps the original media until the request is done. An item whose encode fails
-(anything but INVALID_ARG, e.g. an encoder instance that died) is encoded once more. If a generator stage
+(anything but INVALID_ARG, e.g. an encoder instance that died) is encoded once more, except when the encoder
+is overloaded (its pool full): retrying at once would only add load, the request fails with UNAVAILABLE. If a generator stage
 answers UNAVAILABLE before anything reached the client (an embedding or KV that could not be pulled, a lease
 that expired or was released, a stage that restarted), every item is encoded again (fresh leases) and the
 stages are asked once more. Both count in ``timings["retries"]`` and ``RequestObserver.request_retried``.
@@ -44,7 +45,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
-from backend.errors import InvalidInput, Unavailable
+from backend.errors import InvalidInput, Overloaded, Unavailable
 from backend.layout import content_key
 from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
@@ -190,8 +191,12 @@ class Orchestrator:
                 return await self.stages.encode(item, key)
             except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
                 raise InvalidInput(item.field, exc.problem) from None
-            except Exception:
+            except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
+                raise Unavailable(f"{item.field}: {exc}") from None
+            except Exception as exc:
                 if attempt == self.RETRIES:
+                    if isinstance(exc, Unavailable) and not str(exc).startswith(item.field):
+                        raise Unavailable(f"{item.field}: {exc}") from None
                     raise
                 state.retried("encode")
         raise AssertionError("unreachable")

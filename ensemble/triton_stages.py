@@ -110,7 +110,10 @@ class TritonStages:
                     pb_utils.Tensor("content_key", np.array([[key.encode()]], dtype=np.object_))])
         response = await request.async_exec()
         if response.has_error():
-            raise from_triton_error(response.error())
+            error = from_triton_error(response.error())
+            if "is not healthy" in str(error):  # Triton: "Stub process 'encoder_0_1' is not healthy."
+                raise Unavailable(f"{self.encoder_model} instance down: {error}")
+            raise error
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
 
     async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:

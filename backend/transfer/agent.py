@@ -16,12 +16,13 @@ _construct_lock = threading.Lock()
 DEFAULT_POLL_DELAY_US = 5000
 
 
-def create_agent(role: str, poll_delay_us: int | None = None):
-    """A UCX-backed ``nixl_agent`` named ``<role>-<pid>-<random>`` (names must be unique per peer set)."""
+def create_agent(role: str, poll_delay_us: int | None = None, name: str | None = None):
+    """A UCX-backed ``nixl_agent`` named ``name``, by default ``<role>-<pid>-<random>`` (names must be unique
+    per peer set; a restarted process may take its predecessor's name, consumers then reconnect)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from nixl import _api
 
-    name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = name or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     real = _api.nixlBind.nixlAgent
 
     def construct(agent_name, config):

@@ -16,8 +16,9 @@ Three data paths, chosen per handle:
 The same-host paths send the release as a NIXL notification. All check the lease tags around the payload,
 so a region released or reused mid-copy is detected. ``docs/gpu.md`` has the measured bandwidths.
 
-A failed transfer drops the producer from the agent's peers, so the next pull reconnects (a producer
-restart makes a new agent name anyway). Not thread-safe: callers serialise pulls (one executor thread).
+A failed transfer drops the producer from the agent's peers, so the next pull reconnects. A producer
+that restarted under the same agent name (new metadata in its handles) is removed and added again
+before the pull, so the first pull after the restart already works. Not thread-safe: callers serialise pulls (one executor thread).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class EmbeddingConsumer:
         self.timeout, self.expiry_margin, self.same_host_copy = timeout, expiry_margin, same_host_copy
         self.device = torch.device(device)
         self.host = host_identity()
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata it was added with
         self._maps: dict[str, tuple[str, mmap.mmap, torch.Tensor]] = {}  # agent name -> (path, map, bytes)
         self._ipc: dict[str, tuple[int, object]] = {}  # agent name -> (producer pid, OpenedAllocation)
         self._use_ipc = False
@@ -275,20 +276,27 @@ class EmbeddingConsumer:
         return region[HEADER: HEADER + handle.nbytes]
 
     def _peer(self, handle) -> str:
+        known = self._peers.get(handle.agent_name)
+        if known is not None and known != handle.agent_metadata:
+            # The same name with new metadata: the producer restarted (new process, new memory, new
+            # connection details). Remove the old agent and add the new one, or every pull would go to
+            # the dead one.
+            self._forget(handle.agent_name)
+            self._maps.pop(handle.agent_name, None)
         if handle.agent_name not in self._peers:
             try:
                 name = self.agent.add_remote_agent(handle.agent_metadata)
             except Exception as exc:
                 raise Unavailable(f"cannot reach embedding producer {handle.agent_name}: {exc}") from exc
             name = name.decode() if isinstance(name, bytes) else name
-            self._peers.add(name)
+            self._peers[name] = handle.agent_metadata
         return handle.agent_name
 
     def _forget(self, peer: str) -> None:
         if peer in self._ipc:
             self._ipc.pop(peer)[1].close()
         if peer in self._peers:
-            self._peers.discard(peer)
+            del self._peers[peer]
             try:
                 self.agent.remove_remote_agent(peer)
             except Exception:

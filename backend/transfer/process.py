@@ -10,11 +10,12 @@ import time
 import torch
 
 
-def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float, device: str) -> None:
+def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float, device: str, agent_name: str | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from backend.transfer.producer import HEADER, EmbeddingPool
 
-    pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout, device=device)
+    pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout, device=device,
+                         agent_name=agent_name)
     try:
         while True:
             cmd, *args = conn.recv()
@@ -49,10 +50,10 @@ def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float, de
 
 class ProducerProcess:
     def __init__(self, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2,
-                 device: str = "cpu"):
+                 device: str = "cpu", agent_name: str | None = None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, pool_bytes, lease_seconds, alloc_timeout, device),
+        self.proc = ctx.Process(target=_serve, args=(child, pool_bytes, lease_seconds, alloc_timeout, device, agent_name),
                                 daemon=True)
         self.proc.start()
 

@@ -17,7 +17,7 @@ zeroed when the lease ends, before the region can be reused, so a consumer that 
 sees a mismatch and fails the item instead of using someone else's bytes (NIXL itself enforces no lease).
 
 Who calls it: the ``encoder`` model: ``publish`` per item (blocks up to ``alloc_timeout`` for space, then
-``Unavailable``), ``stats`` for metrics, ``close`` in ``finalize``. A service thread drains NIXL
+``Overloaded``, an UNAVAILABLE), ``stats`` for metrics, ``close`` in ``finalize``. A service thread drains NIXL
 notifications (``release:<lease_id>`` from consumers) and reclaims expired leases every ``poll_interval``.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.errors import Unavailable
+from backend.errors import Overloaded
 from backend.layout import TransferHandle, host_identity
 from backend.transfer.agent import create_agent
 
@@ -71,9 +71,9 @@ class PoolStats:
 class EmbeddingPool:
     def __init__(self, pool_bytes: int = 64 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 1.0,
                  poll_interval: float = 0.02, role: str = "encoder", poll_delay_us: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", agent_name: str | None = None):
         self.lease_seconds, self.alloc_timeout, self.poll_interval = lease_seconds, alloc_timeout, poll_interval
-        self.agent = create_agent(role, poll_delay_us)
+        self.agent = create_agent(role, poll_delay_us, agent_name)
         self.device = torch.device(device)
         self.host = host_identity()
         self._fd, self._map, self._allocation, self.shm_path, self.ipc_handle = None, None, None, "", ""
@@ -99,6 +99,7 @@ class EmbeddingPool:
         self._free: list[tuple[int, int]] = [(0, pool_bytes)]  # sorted (offset, size)
         self._leases: dict[str, _Lease] = {}
         self._released = self._expired = 0
+        self._gave_up_at = float("-inf")  # when an allocation last waited alloc_timeout in vain
         self._cond = threading.Condition()
         self._agent_lock = threading.Lock()  # the agent is created without NIXL's own thread sync
         self._stop = threading.Event()
@@ -106,12 +107,13 @@ class EmbeddingPool:
         self._thread.start()
 
     # -- producer API -------------------------------------------------------------------------
-    def publish(self, tensor: torch.Tensor) -> TransferHandle:
-        """Copy ``tensor`` into a new lease and return its handle; ``Unavailable`` if the pool stays full."""
+    def publish(self, tensor: torch.Tensor, timeout: float | None = None) -> TransferHandle:
+        """Copy ``tensor`` into a new lease and return its handle; ``Overloaded`` (UNAVAILABLE) if the pool
+        stays full for ``timeout`` seconds (default ``alloc_timeout``)."""
         payload = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
         nbytes = payload.numel()
         size = -(-(HEADER + nbytes + TRAILER) // ALIGN) * ALIGN
-        lease = self._allocate(size)
+        lease = self._allocate(size, self.alloc_timeout if timeout is None else timeout)
         tag = int(lease.lease_id, 16)
         region = self.buffer[lease.offset: lease.offset + size]
         header = torch.tensor([tag, nbytes], dtype=torch.int64).view(torch.uint8).to(self.device)
@@ -177,8 +179,15 @@ class EmbeddingPool:
             os.close(self._fd)
 
     # -- allocation -----------------------------------------------------------------------------
-    def _allocate(self, size: int) -> _Lease:
-        deadline = time.monotonic() + self.alloc_timeout
+    def _allocate(self, size: int, timeout: float) -> _Lease:
+        """A free region of ``size`` bytes, waiting up to ``timeout`` for one. While the pool is
+        overloaded (an allocation waited in vain less than ``alloc_timeout`` ago and there is still no
+        room), others fail at once: the waits would otherwise queue up one after another behind the
+        encoder, and requests with them."""
+        now = time.monotonic()
+        if now - self._gave_up_at < self.alloc_timeout:
+            timeout = 0.0
+        deadline = now + timeout
         with self._cond:
             while True:
                 for i, (offset, free) in enumerate(self._free):
@@ -189,7 +198,9 @@ class EmbeddingPool:
                         return lease
                 left = deadline - time.monotonic()
                 if size > self.buffer.numel() or left <= 0:
-                    raise Unavailable(f"embedding pool full: {size} bytes wanted, "
+                    if timeout > 0 and size <= self.buffer.numel():
+                        self._gave_up_at = time.monotonic()
+                    raise Overloaded(f"embedding pool full: {size} bytes wanted, "
                                       f"{self.buffer.numel() - sum(l.size for l in self._leases.values())} of "
                                       f"{self.buffer.numel()} free in pieces; try again later")
                 self._cond.wait(left)

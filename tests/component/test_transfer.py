@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from backend.errors import Unavailable
+from backend.errors import Overloaded, Unavailable
 from backend.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.producer import EmbeddingPool
@@ -82,6 +82,26 @@ def test_dead_producer_fails_the_pull_and_a_new_producer_works(consumer):
         assert torch.equal(consumer.pull(make_layout(again.call("publish", tensor), tensor)), tensor)
 
 
+def test_producer_restarted_under_the_same_agent_name_is_reconnected(consumer):
+    """A producer restart (new process, new NIXL agent with the old name): the consumer notices the new
+    metadata, removes the old remote agent, adds the new one, and the first pull already succeeds."""
+    tensor = torch.randn(8, 128)
+    name = f"encoder-restart-{consumer.same_host_copy}-{time.monotonic_ns()}"
+    first = ProducerProcess(agent_name=name)
+    try:
+        assert torch.equal(consumer.pull(make_layout(first.call("publish", tensor), tensor)), tensor)
+        stale = make_layout(first.call("publish", tensor), tensor)
+    finally:
+        first.proc.kill()
+        first.proc.join(5)
+    with ProducerProcess(agent_name=name) as again:
+        layout = make_layout(again.call("publish", tensor * 2), tensor)
+        assert layout.handle.agent_name == name and layout.handle.agent_metadata != stale.handle.agent_metadata
+        assert torch.equal(consumer.pull(layout), tensor * 2)
+        assert again.wait_state(layout.handle.lease_id, None) is None  # the release reached the new producer
+        assert torch.equal(consumer.pull(make_layout(again.call("publish", tensor), tensor)), tensor)
+
+
 def test_full_pool_applies_backpressure_then_fails_unavailable():
     pool = EmbeddingPool(pool_bytes=4096, alloc_timeout=0.1)
     try:
@@ -95,6 +115,33 @@ def test_full_pool_applies_backpressure_then_fails_unavailable():
         with pytest.raises(Unavailable):
             pool.publish(torch.zeros(2000, dtype=torch.float32))  # larger than the whole pool
         assert pool.stats().open_leases == 1
+    finally:
+        pool.close()
+
+
+def test_an_overloaded_pool_fails_further_allocations_at_once():
+    """After one allocation waited alloc_timeout in vain, others fail at once for alloc_timeout (their
+    waits would queue up behind the encoder); released space is used at once; then waiting resumes."""
+    pool = EmbeddingPool(pool_bytes=4096, alloc_timeout=0.3)
+    try:
+        first = pool.publish(torch.zeros(700, dtype=torch.float32))
+        started = time.monotonic()
+        with pytest.raises(Overloaded, match="embedding pool full"):
+            pool.publish(torch.zeros(700, dtype=torch.float32))
+        assert time.monotonic() - started >= 0.29
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(Overloaded):
+                pool.publish(torch.zeros(700, dtype=torch.float32))
+            assert time.monotonic() - started < 0.1
+        assert pool.release(first.lease_id)
+        second = pool.publish(torch.zeros(700, dtype=torch.float32))  # room: no wait, no failure
+        time.sleep(0.35)
+        started = time.monotonic()
+        with pytest.raises(Overloaded):
+            pool.publish(torch.zeros(700, dtype=torch.float32))
+        assert time.monotonic() - started >= 0.29  # backpressure again
+        assert pool.release(second.lease_id)
     finally:
         pool.close()
 

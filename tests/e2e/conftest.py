@@ -15,6 +15,10 @@ import pytest
 from clients.local_server import ROOT, TritonServer
 
 
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
 def _shm_of_this_process() -> set[str]:
     """/dev/shm files this test process maps itself (UCX, used by the tests' own NIXL agents)."""
     with open("/proc/self/maps") as maps:
@@ -52,6 +56,31 @@ def _mapped_by(pid: int) -> set[str]:
         return set()
 
 
+def orphaned_shm(new: set[str]) -> set[str]:
+    """Of ``new`` /dev/shm entries, those no live process maps (a server still running beside the one
+    under test, e.g. the session server, legitimately holds its own)."""
+    mapped: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped |= {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
+        except OSError:
+            pass
+    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+
+
+def settled_orphans(before: set[str], seconds: float = 5.0) -> set[str]:
+    """``orphaned_shm`` of the entries new since ``before``, once they stop disappearing (a resource tracker
+    unlinks the semaphores of a process that exited a moment after it; other users of this machine come
+    and go too), or after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := orphaned_shm(_shm() - before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
@@ -69,6 +98,7 @@ def server(tmp_path_factory):
         srv.stop()
         print(f"\ntritonserver ready in {srv.ready_seconds:.1f} s; log {log}")
     assert not srv.stragglers, f"processes outlived tritonserver: {srv.stragglers}"
+    assert not srv.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {srv.leftover_shm}"
     leaked = left_behind(held)
     assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 

@@ -1,7 +1,12 @@
-"""E2E faults against a real server: an E+PD rendering whose embedding leases expire before any consumer
-can read them (``lease_seconds`` 1 ms). Requests with media fail with a clear UNAVAILABLE after the
-orchestrator encoded their items again and retried once (counted in ``epd_retries_total``); text-only
-requests sent alongside succeed; the server keeps serving; nothing leaks (fixture checks)."""
+"""E2E faults against a real server, each with its own E+PD rendering; nothing leaks (fixture checks):
+- leases that expire before any consumer can read them (``lease_seconds`` 1 ms): requests with media fail
+  with a clear UNAVAILABLE after the orchestrator encoded their items again and retried once (counted in
+  ``epd_retries_total``); text-only requests sent alongside succeed; the server keeps serving;
+- overload: the encoder's pool full of leases nobody reads: requests with media fail fast with
+  UNAVAILABLE naming the item, text-only ones succeed, reading the leases brings service back;
+- an encoder instance (one of two) killed mid-request: its items are encoded again (on the live
+  instance, or a clear UNAVAILABLE naming the item and the dead instance), the rest succeeds, the
+  server keeps serving; Triton 2.51 neither restarts the stub nor removes its /dev/shm region."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +18,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
+from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, settled_orphans
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -30,15 +35,16 @@ def expiring_server(tmp_path_factory):
         yield server
         held = held_shm(server.proc.pid) - _shm_of_this_process()
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
     assert not left_behind(held), "/dev/shm entries leaked by the server"
 
 
-def _retries(server) -> float:
+def _retries(server, what: str = "request") -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     for line in text.splitlines():
-        if line.startswith("epd_retries_total{") and 'model="epd"' in line and 'what="request"' in line:
+        if line.startswith("epd_retries_total{") and 'model="epd"' in line and f'what="{what}"' in line:
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("epd_retries_total{model=epd,what=request} not exported")
+    raise AssertionError(f"epd_retries_total{{model=epd,what={what}}} not exported")
 
 
 def _ask(server, case):
@@ -64,3 +70,155 @@ def test_expired_leases_fail_only_their_requests_after_one_retry(expiring_server
     assert _retries(expiring_server) == before + 2
     again = _ask(expiring_server, text_only[0])  # still serving
     assert not isinstance(again, GenerateError) and again.text == results[2].text
+
+
+# -- overload: the encoder's pool budget exhausted -------------------------------------------------------
+POOL_BYTES = 8192  # room for three 64x48 items (2,112 bytes each with header and tags)
+
+
+@pytest.fixture(scope="module")
+def full_pool_server(tmp_path_factory):
+    """E+PD whose encoder pool is tiny and whose leases live 10 minutes: leases nobody reads fill it."""
+    repo = tmp_path_factory.mktemp("full-pool") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
+    render(dataclasses.replace(topology, transfer={**topology.transfer, "pool_bytes": POOL_BYTES, "lease_seconds": 600}), repo)
+    before = _shm()
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        yield server
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+
+
+def _encode_directly(server, image: bytes):
+    """One item straight to the encoder model (as a client that never passes the layout on would)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        tensor = grpcclient.InferInput("image", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[image]], dtype=np.object_))
+        result = client.infer("encoder", [tensor], parameters={"epd_error_codes": True})
+        return result.as_numpy("layout").reshape(-1)[0].decode()
+    finally:
+        client.close()
+
+
+def _pool_leases(server) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("epd_pool_leases{"))
+
+
+def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_server):
+    import time
+
+    from tritonclient.utils import InferenceServerException
+
+    from backend.layout import LayoutMetadata
+    from backend.transfer.consumer import EmbeddingConsumer
+
+    unread = []
+    with pytest.raises(InferenceServerException, match="embedding pool full"):
+        for i in range(10):  # leases nobody reads, until the pool is full
+            unread.append(_encode_directly(full_pool_server, image_bytes(64, 48, seed=100 + i)))
+    assert 1 <= len(unread) < 10
+
+    def timed(case):
+        started = time.monotonic()
+        return _ask(full_pool_server, case), time.monotonic() - started
+
+    with_media = [dict(prompt=f"<|vision_start|><|image_pad|><|vision_end|>What is {i}?", images=[image_bytes(64, 48, seed=i)])
+                  for i in range(8)]
+    text_only = [dict(prompt=f"Count to {i}.") for i in range(2)]
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(timed, with_media + text_only))
+    for failed, seconds in results[:8]:
+        assert isinstance(failed, GenerateError), failed
+        assert failed.message.startswith("image[0]: ") and "embedding pool full" in failed.message, failed.message
+        assert seconds < 2.5, f"an overloaded request took {seconds:.1f} s to fail"
+    for ok, _ in results[8:]:
+        assert not isinstance(ok, GenerateError), ok
+        assert ok.finish_reason == "length"
+
+    consumer = EmbeddingConsumer(role="test-reader")  # the late reader: the leases are released
+    for text in unread:
+        consumer.pull(LayoutMetadata.from_json(text, "layout"))
+    deadline = time.monotonic() + 10
+    while _pool_leases(full_pool_server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pool_leases(full_pool_server) == 0
+    again = _ask(full_pool_server, with_media[0])  # room again: served
+    assert not isinstance(again, GenerateError) and again.finish_reason == "length"
+
+
+# -- an encoder instance dies mid-request ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_encoder_server(tmp_path_factory):
+    """E+PD with two encoder instances (two stub processes), normal leases."""
+    repo = tmp_path_factory.mktemp("two-encoders-kill") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
+    stages = {**topology.stages, "encoder": dataclasses.replace(topology.stages["encoder"], instances=2)}
+    render(dataclasses.replace(topology, stages=stages), repo)
+    before = _shm()
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        server.killed_regions = set()
+        encoder_regions = set(_stubs(server, "encoder").values())
+        yield server
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    # Triton leaves a dead stub's region in /dev/shm (measured), and a model with a dead instance may not
+    # finish unloading (measured once in a full suite run: the server waited out its exit timeout and killed
+    # the encoder's live stub). The launcher removed those regions; no other may be left.
+    assert server.killed_regions <= set(server.leftover_shm) <= encoder_regions, (server.leftover_shm, encoder_regions)
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+
+
+def _stubs(server, model: str) -> dict[int, str]:
+    """PID -> /dev/shm region of ``model``'s live stub processes (children of this test's tritonserver)."""
+    import psutil
+
+    stubs = {}
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if any(part.endswith(f"/{model}/1/model.py") for part in cmd) and child.status() != psutil.STATUS_ZOMBIE:
+            stubs[child.pid] = next(part for part in cmd if part.startswith("triton_python_backend_shm_region_"))
+    return stubs
+
+
+def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_encoder_server):
+    import os
+    import signal
+    import time
+
+    server = two_encoder_server
+    stubs = _stubs(server, "encoder")
+    assert len(stubs) == 2, stubs
+    with_media = [dict(prompt=f"<|vision_start|><|image_pad|><|vision_end|>" * 3 + f"Compare {i}.",
+                       images=[image_bytes(112, 112, seed=10 * i + k) for k in range(3)]) for i in range(8)]
+    text_only = [dict(prompt=f"Count to {i}.") for i in range(3)]
+    victim = min(stubs)
+    server.killed_regions.add(stubs[victim])
+    retries = _retries(server, "encode")
+    with ThreadPoolExecutor(11) as pool:
+        futures = [pool.submit(_ask, server, case) for case in with_media + text_only]
+        time.sleep(0.3)  # items are being encoded
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result() for f in futures]
+    for result in results[:8]:  # recovered by the retry on the other instance, or a clear error
+        if isinstance(result, GenerateError):
+            assert result.message.startswith("image[") and "encoder instance down" in result.message, result.message
+        else:
+            assert result.finish_reason == "length"
+    for ok in results[8:]:
+        assert not isinstance(ok, GenerateError), ok
+    assert len(_stubs(server, "encoder")) == 1  # Triton 2.51 does not restart the stub
+    later = [_ask(server, case) for case in with_media + text_only]  # still serving
+    assert not any(isinstance(r, GenerateError) for r in later[8:]), later[8:]
+    for result in later[:8]:
+        assert not isinstance(result, GenerateError) or "encoder instance down" in result.message, result
+    assert any(not isinstance(r, GenerateError) for r in later[:8]), "no image request served after the kill"
+    assert _retries(server, "encode") > retries  # items sent to the dead instance were encoded again
+    assert len(_stubs(server, "encoder")) == 1

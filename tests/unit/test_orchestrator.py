@@ -2,7 +2,7 @@ import asyncio
 import base64
 import json
 
-from backend.errors import InvalidInput, Unavailable
+from backend.errors import InvalidInput, Overloaded, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
 from ensemble.orchestrator import Identity, Orchestrator
@@ -76,6 +76,14 @@ def test_unavailable_encoder_fails_the_request_unavailable_after_one_retry():
     _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
     assert isinstance(sink.errors[0], Unavailable) and stages.generated == []
     assert len(stages.encoded) == 2 and observer.retried == ["encode"]
+
+
+def test_an_overloaded_encoder_is_not_retried_and_the_item_is_named():
+    stages, observer = FakeStages(encode_error=Overloaded("embedding pool full"), fail_item={0, 1}), RecordingObserver()
+    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")), observer=observer)
+    [error] = sink.errors
+    assert isinstance(error, Unavailable) and str(error).startswith("image[") and "overloaded: embedding pool full" in str(error)
+    assert len(stages.encoded) <= 2 and observer.retried == [] and stages.generated == []
 
 
 def test_a_failed_encode_is_retried_once_and_recovers():

@@ -1,0 +1,52 @@
+"""E2E: after requests through ``epd`` (E+PD: encoder over BLS, ``pd`` over the server's own gRPC
+endpoint), some of them refused, SIGTERM stops the server well under tritonserver's 30 s exit timeout:
+every model unloads, no stub has to be killed, no /dev/shm region or process is left.
+
+The 30 s hang this guards against comes from Triton 2.51's gRPC frontend: a client that cancels its
+stream (mid-stream, or as the client library did, after an error response) can make it leak the stream's
+request, which keeps the model from unloading (docs/robustness.md, "Shutdown"); intermittent, so this
+test did not catch it reliably before the client fix. What it does catch: ``pd``'s unload waited 5 s on
+multiprocessing's resource tracker (stop 12-17 s here before, 13.5 s in this test with a 10 s bound)."""
+from __future__ import annotations
+
+import pytest
+
+from backend.topology import load, render
+from clients.local_server import ROOT, TritonServer
+from clients.triton_client import GenerateError, GenerateInputs, generate
+from tests.e2e.conftest import _shm, settled_orphans
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.e2e
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+STOP_SECONDS = 15.0
+
+
+def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
+    repo = tmp_path / "repo"
+    render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu"), repo)
+    before = _shm()
+    server = TritonServer(repo, log_path=tmp_path / "server.log")
+    with server:
+        for i in range(4):
+            result = generate(server.grpc_url, "epd", GenerateInputs(
+                prompt=f"{PH}What is {i}?", images=[image_bytes(64, 48, seed=i)], stream=bool(i % 2),
+                sampling={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}), timeout=120)
+            assert result.finish_reason == "length"
+        for i in range(4):  # refused: the error is the request's final response
+            with pytest.raises(GenerateError, match="sampling_parameters.max_tokens"):
+                generate(server.grpc_url, "epd", GenerateInputs(prompt=f"{PH}Bad {i}.", images=[image_bytes(64, 48, seed=i)],
+                                                                sampling={"max_tokens": -1}), timeout=60)
+        text_only = generate(server.grpc_url, "epd", GenerateInputs(prompt="Count.", sampling={"max_tokens": 4, "ignore_eos": True}))
+        assert text_only.finish_reason == "length"
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    print(f"stopped in {server.stop_seconds:.1f} s")
+    assert "Exit timeout expired" not in log, log[-3000:]
+    assert server.stop_seconds < STOP_SECONDS, f"stop took {server.stop_seconds:.1f} s; log tail: {log[-3000:]}"
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+    assert server.proc.returncode == 0
+    for model in ("epd", "encoder", "pd"):
+        assert f"successfully unloaded '{model}'" in log
