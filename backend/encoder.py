@@ -145,52 +145,100 @@ class EncodeJob:
     content_key: str
 
 
+class EmbeddingCache:
+    """Embeddings of recently encoded items by content key, least recently used out first, at most
+    ``max_bytes`` of tensors (0: off). Keys are computed here from the bytes (never taken from the caller,
+    so a request cannot plant embeddings under another item's key)."""
+
+    def __init__(self, max_bytes: int):
+        import collections
+
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._items: "collections.OrderedDict[str, EncodedItem]" = collections.OrderedDict()
+
+    def get(self, key: str) -> "EncodedItem | None":
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: str, item: EncodedItem) -> None:
+        size = item.embeddings.numel() * item.embeddings.element_size()
+        if size > self.max_bytes or key in self._items:
+            return
+        self._items[key] = item
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.embeddings.numel() * old.embeddings.element_size()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class EncoderService:
     """Decode -> one batched tower forward -> publish, for the items of several requests at once.
 
     Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
     ``run`` returns, per request index, the layout JSON documents of its items or the exception that
-    failed it; a bad item fails only its own request.
+    failed it; a bad item fails only its own request. Items whose embeddings are in the cache
+    (``cache_bytes`` > 0; same bytes, processing options and model) are published again without being
+    decoded or encoded (``cache_hits``); every item gets its own lease either way.
     """
 
-    def __init__(self, encoder: VisionEncoder, pool, limits):
+    def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
         from backend.media import decode_image
 
         self.encoder, self.pool, self.limits, self._decode = encoder, pool, limits, decode_image
+        self.processing = processing
+        self.cache = EmbeddingCache(cache_bytes)
         self.items_encoded = 0
+        self.cache_hits = 0
         self.encode_seconds = 0.0
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.layout import LayoutMetadata
+        from backend.layout import LayoutMetadata, content_key
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
-        images, ok_jobs = [], []
+        ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
         for job in jobs:
             if isinstance(results[job.request_index], BaseException):
                 continue
+            key = content_key(job.data, self.processing, self.encoder.identity) if self.cache.max_bytes else ""
+            cached = self.cache.get(key) if key else None
+            if cached is not None:
+                ready.append([job, cached, key, None])
+                continue
             try:
-                images.append(self._decode(job.data, "image", self.limits))
-                ok_jobs.append(job)
+                ready.append([job, None, key, self._decode(job.data, "image", self.limits)])
             except Exception as exc:
                 results[job.request_index] = exc
         # a request with one bad item fails whole; its other items are not encoded
-        ok_jobs_images = [(j, im) for j, im in zip(ok_jobs, images) if not isinstance(results[j.request_index], BaseException)]
-        if not ok_jobs_images:
+        ready = [r for r in ready if not isinstance(results[r[0].request_index], BaseException)]
+        misses = [i for i, entry in enumerate(ready) if entry[1] is None]
+        if not ready:
             return results
-        started = time.perf_counter()
-        try:
-            encoded = self.encoder.encode([im for _, im in ok_jobs_images])
-        except Exception as exc:
-            for job, _ in ok_jobs_images:
-                results[job.request_index] = exc
-            return results
-        self.encode_seconds += time.perf_counter() - started
-        self.items_encoded += len(encoded)
+        if misses:
+            started = time.perf_counter()
+            try:
+                encoded = self.encoder.encode([ready[i][3] for i in misses])
+            except Exception as exc:
+                for i in misses:
+                    results[ready[i][0].request_index] = exc
+                ready = [entry for entry in ready if not isinstance(results[entry[0].request_index], BaseException)]
+                encoded, misses = [], []
+            self.encode_seconds += time.perf_counter() - started
+            self.items_encoded += len(encoded)
+            for index, item in zip(misses, encoded):
+                ready[index][1] = item
+                if ready[index][2]:
+                    self.cache.put(ready[index][2], item)
+        self.cache_hits += len(ready) - len(misses)
         leases: dict[int, list[str]] = {}
         # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
         # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
         deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
-        for (job, _), item in zip(ok_jobs_images, encoded):
+        for job, item, _, _ in ready:
             if isinstance(results[job.request_index], BaseException):
                 continue
             try:

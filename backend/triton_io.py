@@ -266,7 +266,7 @@ class EncoderMetrics:
     the service's counters and the pool's stats; the encoder model calls it once a second).
 
     ``epd_encoder_items_total{model}``, ``epd_encoder_compute_seconds_total{model}`` (image processor + tower
-    forward), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
+    forward), ``epd_encoder_cache_hits_total{model}`` (items published from the embedding cache), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
     ``epd_pool_capacity_bytes{model}``, ``epd_pool_released_total{model}`` (read by their consumer, or
     released), ``epd_pool_expired_total{model}`` (expired before anyone read them).
     """
@@ -274,6 +274,7 @@ class EncoderMetrics:
     _FAMILIES = {
         "epd_encoder_items_total": ("COUNTER", "Media items encoded"),
         "epd_encoder_compute_seconds_total": ("COUNTER", "Seconds in the image processor and tower"),
+        "epd_encoder_cache_hits_total": ("COUNTER", "Media items served from the encoder's embedding cache"),
         "epd_pool_leases": ("GAUGE", "Open embedding leases"),
         "epd_pool_used_bytes": ("GAUGE", "Embedding pool bytes held by open leases"),
         "epd_pool_capacity_bytes": ("GAUGE", "Embedding pool size"),
@@ -288,8 +289,9 @@ class EncoderMetrics:
         self._seen = {name: 0.0 for name in self._FAMILIES}
         self._lock = threading.Lock()
 
-    def refresh(self, items: int, compute_seconds: float, stats) -> None:
+    def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0) -> None:
         values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
+                  "epd_encoder_cache_hits_total": cache_hits,
                   "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
                   "epd_pool_capacity_bytes": stats.capacity_bytes, "epd_pool_released_total": stats.released_total,
                   "epd_pool_expired_total": stats.expired_total}

@@ -3,7 +3,8 @@
 Adapter only: ``backend.encoder.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. Optional model parameters: ``encoder_impl``
 (``packed``, the default, or ``transformers``), ``encoder_dtype`` (e.g. ``bfloat16``; default the
-checkpoint's), ``encoder_compile`` (``true``: torch.compile the packed blocks, CUDA only).
+checkpoint's), ``encoder_compile`` (``true``: torch.compile the packed blocks, CUDA only), ``cache_bytes``
+(embeddings of recent items kept for reuse, default 32 MiB; 0 turns the cache off).
 """
 import json
 import threading
@@ -42,7 +43,8 @@ class TritonPythonModel:
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
         limits = MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
-        self.service = EncoderService(self.encoder, self.pool, limits)
+        self.service = EncoderService(self.encoder, self.pool, limits, self.processing,
+                                      cache_bytes=int(parameter(config, "cache_bytes", str(32 << 20))))
         self.metrics = EncoderMetrics(args["model_name"])
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report, name="encoder-metrics", daemon=True)
@@ -75,7 +77,8 @@ class TritonPythonModel:
     def _report(self) -> None:
         while not self._stop.wait(METRICS_SECONDS):
             try:
-                self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats())
+                self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
+                                     self.service.cache_hits)
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 

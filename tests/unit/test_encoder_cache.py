@@ -1,0 +1,103 @@
+"""The encoder's embedding cache (``EncoderService`` with ``cache_bytes``): the real tiny-model encoder on
+CPU, a fake pool that records what is published."""
+from __future__ import annotations
+
+import io
+import secrets
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.encoder import EncodeJob, EncoderService, VisionEncoder, processing_options
+from backend.layout import LayoutMetadata, TransferHandle
+from backend.media import MediaLimits
+from tests.images import make_image
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-vl"
+
+
+class RecordingPool:
+    alloc_timeout = 0.0
+
+    def __init__(self):
+        self.published: list[torch.Tensor] = []
+
+    def publish(self, tensor, timeout=None):
+        self.published.append(tensor.clone())
+        return TransferHandle(agent_name="fake", agent_metadata=b"", descriptors=b"", lease_id=secrets.token_hex(7),
+                              nbytes=tensor.numel() * tensor.element_size(), expires_at=1e12)
+
+    def release(self, lease_id):
+        pass
+
+
+class CountingEncoder:
+    def __init__(self, encoder):
+        self.encoder, self.identity, self.calls = encoder, encoder.identity, []
+
+    def encode(self, images):
+        self.calls.append(len(images))
+        return self.encoder.encode(images)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return VisionEncoder.load(MODEL)
+
+
+def _png(width, height, seed) -> bytes:
+    buf = io.BytesIO()
+    make_image(width, height, seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _service(encoder, cache_bytes):
+    counting = CountingEncoder(encoder)
+    pool = RecordingPool()
+    return EncoderService(counting, pool, MediaLimits(), processing_options(MODEL), cache_bytes=cache_bytes), counting, pool
+
+
+def test_a_repeated_item_is_published_from_the_cache_with_the_same_embeddings(encoder):
+    service, counting, pool = _service(encoder, 1 << 20)
+    a, b = _png(64, 48, 1), _png(112, 112, 2)
+    first = service.run([EncodeJob(0, a, "ka"), EncodeJob(1, b, "kb")], 2)
+    second = service.run([EncodeJob(0, b, "kb"), EncodeJob(0, a, "ka")], 1)
+    assert counting.calls == [2] and service.items_encoded == 2 and service.cache_hits == 2
+    assert torch.equal(pool.published[2], pool.published[1]) and torch.equal(pool.published[3], pool.published[0])
+    layouts = [LayoutMetadata.from_json(doc, "layout") for doc in first[0] + first[1] + second[0]]
+    assert len({layout.handle.lease_id for layout in layouts}) == 4  # a lease per item, cached or not
+    assert layouts[2].image_grid_thw == layouts[1].image_grid_thw and layouts[2].content_key == "kb"
+
+
+def test_the_cache_key_comes_from_the_bytes_not_from_the_caller(encoder):
+    service, counting, pool = _service(encoder, 1 << 20)
+    a, b = _png(64, 48, 1), _png(64, 48, 2)
+    service.run([EncodeJob(0, a, "key-the-caller-claims-for-b")], 1)
+    service.run([EncodeJob(0, b, "key-the-caller-claims-for-b")], 1)
+    assert counting.calls == [1, 1] and service.cache_hits == 0  # b encoded: a did not answer for it
+    assert not torch.equal(pool.published[0], pool.published[1])
+
+
+def test_the_cache_keeps_to_its_budget_and_can_be_off(encoder):
+    images = [_png(112, 112, seed) for seed in range(4)]  # 16 embeddings x 128 floats = 8 KiB each
+    service, counting, _ = _service(encoder, 20 << 10)  # room for two
+    for data in images:
+        service.run([EncodeJob(0, data, "")], 1)
+    assert service.cache.bytes <= 20 << 10 and len(service.cache) == 2
+    service.run([EncodeJob(0, images[3], "")], 1)  # the most recent: kept
+    service.run([EncodeJob(0, images[0], "")], 1)  # the oldest: evicted, encoded again
+    assert service.cache_hits == 1 and counting.calls == [1, 1, 1, 1, 1]
+    off, counting_off, _ = _service(encoder, 0)
+    off.run([EncodeJob(0, images[0], "")], 1)
+    off.run([EncodeJob(0, images[0], "")], 1)
+    assert off.cache_hits == 0 and counting_off.calls == [1, 1]
+
+
+def test_a_bad_item_fails_its_request_only_even_beside_cached_items(encoder):
+    service, counting, _ = _service(encoder, 1 << 20)
+    good = _png(64, 48, 1)
+    service.run([EncodeJob(0, good, "")], 1)
+    results = service.run([EncodeJob(0, good, ""), EncodeJob(0, b"not an image", ""), EncodeJob(1, good, "")], 2)
+    assert isinstance(results[0], Exception) and "image" in str(results[0])
+    assert isinstance(results[1], list) and len(results[1]) == 1
