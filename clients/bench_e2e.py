@@ -54,6 +54,13 @@ class Bench:
         self.rows: list[dict] = []
         self.samples: dict[tuple[str, float], list[bench_report.Sample]] = {}
 
+    def _fresh(self, count: int) -> int:
+        """The first seed of ``count`` requests never sent before in this run: every level and deployment
+        gets its own images, so neither the encoder's embedding cache nor vLLM's processor cache serves an
+        image a previous row already sent."""
+        self._next_seed = getattr(self, "_next_seed", 0) + count
+        return self._next_seed - count
+
     def requests(self, count: int, parameters: dict | None, first: int = 0):
         a = self.args
         made = (folder_requests(self.media, count, a.images, a.max_tokens, first) if self.media is not None
@@ -83,7 +90,7 @@ class Bench:
                 for key, model in deployments:
                     label, _, _, parameters = DEPLOYMENTS[key]
                     before = _scrape(metrics_url)
-                    results, wall = await self._level(url, model, level, self.requests(a.requests, parameters), progress)
+                    results, wall = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
                     rows.append(bench_report.summarise(label, self.mode, level, results.samples, len(results.errors), wall))
                     if metrics_url:
                         rows[-1]["vllm_queue_ms"] = bench_report.engine_queue_ms(before, _scrape(metrics_url))
