@@ -177,3 +177,4 @@ class MetadataOnlyModel(GenerateModel):
         super().finalize()
         if self.PULL_EMBEDDINGS:
             self.pulls.shutdown(wait=True)
+            self.consumer.close()  # sends the releases still queued

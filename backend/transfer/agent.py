@@ -16,9 +16,11 @@ _construct_lock = threading.Lock()
 DEFAULT_POLL_DELAY_US = 5000
 
 
-def create_agent(role: str, poll_delay_us: int | None = None, name: str | None = None):
+def create_agent(role: str, poll_delay_us: int | None = None, name: str | None = None, thread_safe: bool = False):
     """A UCX-backed ``nixl_agent`` named ``name``, by default ``<role>-<pid>-<random>`` (names must be unique
-    per peer set; a restarted process may take its predecessor's name, consumers then reconnect)."""
+    per peer set; a restarted process may take its predecessor's name, consumers then reconnect).
+    ``thread_safe``: NIXL's strict thread sync (one lock around each agent call), for agents used from
+    more than one thread."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from nixl import _api
 
@@ -32,7 +34,8 @@ def create_agent(role: str, poll_delay_us: int | None = None, name: str | None =
     with _construct_lock:
         _api.nixlBind.nixlAgent = construct
         try:
-            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+            sync = _api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"], sync_mode=sync))
         finally:
             _api.nixlBind.nixlAgent = real
 

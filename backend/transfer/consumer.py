@@ -26,6 +26,8 @@ import collections
 import logging
 import mmap
 import os
+import queue
+import threading
 import time
 import warnings
 
@@ -45,7 +47,12 @@ class EmbeddingConsumer:
     def __init__(self, role: str = "consumer", timeout: float = 10.0, expiry_margin: float = 0.05,
                  same_host_copy: bool = True, poll_delay_us: int | None = None, device: str = "cpu",
                  cuda_ipc: bool = True):
-        self.agent = create_agent(role, poll_delay_us)
+        # Release notifications go out from a background thread (off the pull's critical path: ~10-15 us
+        # a call on the GPU machine, as much as a 16 MiB copy); the agent is made thread-safe for it.
+        self.agent = create_agent(role, poll_delay_us, thread_safe=True)
+        self._releases: "queue.SimpleQueue[tuple[str, str] | None]" = queue.SimpleQueue()
+        self._unreachable: set[str] = set()  # peers the release thread could not notify (forgotten on next pull)
+        self._release_thread: threading.Thread | None = None
         self.timeout, self.expiry_margin, self.same_host_copy = timeout, expiry_margin, same_host_copy
         self.device = torch.device(device)
         self.host = host_identity()
@@ -71,6 +78,8 @@ class EmbeddingConsumer:
         """Pull every layout; CUDA IPC items of the call share one wait and one release notification per
         producer. A failure raises ``Unavailable`` prefixed with the item's name (``names[i]``, if given)."""
         names = names or [""] * len(layouts)
+        while self._unreachable:
+            self._forget(self._unreachable.pop())
         self._drop_dead_maps()
         results: list[torch.Tensor | None] = [None] * len(layouts)
         pending = []  # CUDA IPC copies in flight: (index, layout, peer, payload, stream)
@@ -170,11 +179,22 @@ class EmbeddingConsumer:
         return stream
 
     def _notify(self, peer: str, lease_ids: str) -> None:
-        try:
-            self.agent.send_notif(peer, RELEASE_PREFIX + lease_ids.encode())
-        except Exception as exc:
-            self._forget(peer)
-            raise Unavailable(f"cannot notify embedding producer {peer}: {exc}") from exc
+        """Queue ``release:<ids>`` for ``peer``. The data is already here: a notification that fails only
+        leaves the leases to expire at the producer (logged; the peer is reconnected on the next pull)."""
+        if self._release_thread is None:
+            self._release_thread = threading.Thread(target=self._send_releases, name="embedding-releases",
+                                                    daemon=True)
+            self._release_thread.start()
+        self._releases.put((peer, lease_ids))
+
+    def _send_releases(self) -> None:
+        while (item := self._releases.get()) is not None:
+            peer, lease_ids = item
+            try:
+                self.agent.send_notif(peer, RELEASE_PREFIX + lease_ids.encode())
+            except Exception as exc:  # noqa: BLE001 - the producer reclaims the leases when they expire
+                log.warning("cannot notify embedding producer %s (leases %s expire there): %s", peer, lease_ids, exc)
+                self._unreachable.add(peer)
 
     def _ipc_view(self, handle) -> torch.Tensor | None:
         """The producer's VRAM pool mapped here, or None where CUDA IPC cannot open it (a pool of this very
@@ -194,7 +214,12 @@ class EmbeddingConsumer:
         return cached[1].tensor
 
     def close(self) -> None:
-        """Close CUDA IPC mappings and pool maps (the agent goes with the object)."""
+        """Send the releases still queued, close CUDA IPC mappings and pool maps (the agent goes with the
+        object)."""
+        if self._release_thread is not None:
+            self._releases.put(None)
+            self._release_thread.join(timeout=5)
+            self._release_thread = None
         for _, opened in self._ipc.values():
             opened.close()
         self._ipc.clear()
