@@ -47,6 +47,8 @@ class TransferHandle:
     ipc_handle: str = ""      # same-host GPU path: the producer's VRAM pool as a CUDA IPC handle (hex)
     pid: int = 0              # producer's process id (same-host paths: a mapping of a dead producer is dropped)
     pool_bytes: int = 0       # size of the producer's pool (what an IPC mapping covers)
+    tag_table: str = ""       # VRAM pools: the lease-tag table (host memfd, int64 words), as /proc/<pid>/fd/<n>
+    tag_slot: int = 0         # the lease's word in that table: its id while the lease is open, 0 after
 
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -62,9 +64,12 @@ class TransferHandle:
                        nbytes=int(doc["nbytes"]), expires_at=float(doc["expires_at"]), host=str(doc.get("host", "")),
                        shm_path=str(doc.get("shm_path", "")), offset=int(doc.get("offset", 0)),
                        ipc_handle=str(doc.get("ipc_handle", "")), pid=int(doc.get("pid", 0)),
-                       pool_bytes=int(doc.get("pool_bytes", 0)))
+                       pool_bytes=int(doc.get("pool_bytes", 0)), tag_table=str(doc.get("tag_table", "")),
+                       tag_slot=int(doc.get("tag_slot", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"{field}.handle", f"malformed transfer handle ({exc})") from None
+        if handle.tag_slot < 0:
+            raise InvalidInput(f"{field}.handle", "malformed transfer handle (tag_slot must be >= 0)")
         if handle.ipc_handle and (len(handle.ipc_handle) != 128 or not _is_hex(handle.ipc_handle)):
             raise InvalidInput(f"{field}.handle", "malformed transfer handle (ipc_handle must be 64 bytes as hex)")
         return handle

@@ -150,31 +150,34 @@ def bench_handoff(quick: bool) -> list[dict]:
                 # leases published first, then pulled back to back (the producer idle meanwhile, as for
                 # the bare copy below: two processes busy on one GPU time-slice it, see docs/gpu.md)
                 count = max(2, min(12 if name != "nixl" else 4, (512 << 20) // nbytes - 1))
-                docs = producer.call("publish_many", tensor, count)
                 times = []
-                out = None
-                for doc in docs:
-                    layout = make_layout(doc, tensor)
-                    out = None  # the caching allocator reuses its block, as the bare copy reuses dst
-                    started = time.perf_counter()
-                    out = consumer.pull(layout)
-                    if out.is_cuda:
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - started)
-                assert torch.equal(out.cpu(), tensor), name
-                for doc in docs:
-                    producer.wait_state(doc["lease_id"], None)
-                seconds = statistics.median(times[1:])
-                row[name] = {"GBps": nbytes / seconds / 1e9, "us": seconds * 1e6}
+                while len(times) < (10 if name != "nixl" else 3):  # rounds of leases until enough samples
+                    docs = producer.call("publish_many", tensor, count)
+                    out = None
+                    for i, doc in enumerate(docs):
+                        layout = make_layout(doc, tensor)
+                        out = None  # the caching allocator reuses its block, as the bare copy reuses dst
+                        started = time.perf_counter()
+                        out = consumer.pull(layout)  # returns once the data is in place (its stream waited)
+                        if i:  # the first pull after the publish pays the wake-up of an idle process
+                            times.append(time.perf_counter() - started)
+                    assert torch.equal(out.cpu(), tensor), name
+                    for doc in docs:
+                        producer.wait_state(doc["lease_id"], None)
+                seconds = statistics.median(times)
+                row[name] = {"GBps": nbytes / seconds / 1e9, "us": seconds * 1e6, "samples": len(times)}
             if nbytes <= (64 << 20):  # four items of one request in one pull_many: one wait, one notification
+                groups = 2 if nbytes > (16 << 20) else 3
                 per_item = []
-                for _ in range(3):
-                    layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, 4)]
-                    started = time.perf_counter()
-                    outs = consumers["ipc"].pull_many(layouts)
-                    torch.cuda.synchronize()
-                    per_item.append((time.perf_counter() - started) / 4)
-                    assert torch.equal(outs[-1].cpu(), tensor)
+                while len(per_item) < 6:
+                    layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, 4 * groups)]
+                    outs = []
+                    for g in range(groups):
+                        started = time.perf_counter()
+                        outs.append(consumers["ipc"].pull_many(layouts[4 * g: 4 * g + 4]))
+                        if g:  # as above: the first call after the publish is not timed
+                            per_item.append((time.perf_counter() - started) / 4)
+                    assert all(torch.equal(out[-1].cpu(), tensor) for out in outs)
                     del outs
                     for layout in layouts:
                         producer.wait_state(layout.handle.lease_id, None)
@@ -192,8 +195,16 @@ def bench_handoff(quick: bool) -> list[dict]:
                 dst.copy_(src)
                 torch.cuda.synchronize()
                 per_copy.append(time.perf_counter() - started)
+            per_copy_x4 = []
+            for _ in range(10):  # four copies + one wait, as pull_many of four items does
+                started = time.perf_counter()
+                for _ in range(4):
+                    dst.copy_(src)
+                torch.cuda.synchronize()
+                per_copy_x4.append((time.perf_counter() - started) / 4)
             row["cuda-ipc copy"] = {"GBps": nbytes / statistics.median(per_copy) / 1e9,
                                     "us": statistics.median(per_copy) * 1e6,
+                                    "GBps_x4": nbytes / statistics.median(per_copy_x4) / 1e9,
                                     "GBps_back_to_back": nbytes / seconds / 1e9}
             del src
             opened.close()
@@ -202,6 +213,100 @@ def bench_handoff(quick: bool) -> list[dict]:
             print(json.dumps(row), flush=True)
     for consumer in consumers.values():
         consumer.close()
+    return rows
+
+
+def handoff_breakdown(quick: bool) -> list[dict]:
+    """Where a pull's time goes: the bare copy, then one piece of ``EmbeddingConsumer.pull`` added at a
+    time (host microseconds per operation, median; ``gpu_us``: the copy alone, CUDA events)."""
+    from backend.transfer import cuda_ipc
+    from backend.transfer.consumer import EmbeddingConsumer
+    from backend.transfer.process import ProducerProcess, make_layout
+    from backend.transfer.producer import HEADER
+
+    memcpy, sync = cuda_ipc._hot_calls()  # the calls a pull makes
+    sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20] if not quick else [16 << 20]
+    rows = []
+    with ProducerProcess(pool_bytes=(512 << 20) + (1 << 20), device="cuda", alloc_timeout=5) as producer:
+        consumer = EmbeddingConsumer(device="cuda")
+        quiet = EmbeddingConsumer(device="cuda")
+        quiet._notify = lambda peer, lease_ids: None  # no release: the producer never touches the GPU meanwhile
+        stream = torch.cuda.Stream()
+        tags = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        for nbytes in sizes:
+            tensor = torch.randn(nbytes // 4 // 256, 256)
+            count = max(2, min(12, (512 << 20) // nbytes - 1))
+            layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, count)]
+            opened = cuda_ipc.open_allocation(layouts[0].handle.ipc_handle, layouts[0].handle.pool_bytes,
+                                              torch.device("cuda"))
+            base = opened.tensor.data_ptr()
+            srcs = [base + layout.handle.offset + HEADER for layout in layouts]
+            dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            row = {"bytes": nbytes}
+
+            def measure(name, op, regions, gpu=False):
+                times, gpu_times = [], []
+                for _ in range(3):
+                    for src in regions:
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        started = time.perf_counter()
+                        if gpu:
+                            start.record(stream)
+                        op(src)
+                        if gpu:
+                            end.record(stream)
+                        sync(stream.cuda_stream)
+                        times.append(time.perf_counter() - started)
+                        if gpu:
+                            gpu_times.append(start.elapsed_time(end) * 1e3)
+                row[name] = {"us": statistics.median(times[1:]) * 1e6,
+                             "gpu_us": statistics.median(gpu_times[1:]) if gpu else None}
+
+            def copy(src):
+                memcpy(dst.data_ptr(), src, nbytes, 3, stream.cuda_stream)
+
+            def copy_tag(src):  # what a consumer without the producer's tag table does
+                copy(src)
+                memcpy(tags.data_ptr(), src + nbytes, 8, 2, stream.cuda_stream)
+
+            def copy_alloc(src):  # what a consumer with the tag table does, but for its checks
+                out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                memcpy(out.data_ptr(), src, nbytes, 3, stream.cuda_stream)
+
+            src0 = opened.tensor[layouts[0].handle.offset + HEADER: layouts[0].handle.offset + HEADER + nbytes]
+            measure("torch copy, one region", lambda src: (dst.copy_(src0), torch.cuda.synchronize()), srcs[:1] * count)
+            measure("copy, one region", copy, srcs[:1] * count, gpu=True)
+            measure("copy, fresh regions", copy, srcs, gpu=True)
+            measure("copy + trailer tag", copy_tag, srcs, gpu=True)
+            measure("copy + output alloc", copy_alloc, srcs)
+            by_src = dict(zip(srcs, layouts))
+            measure("pull, no release", lambda src: quiet.pull(by_src[src]), srcs)
+            del src0
+            opened.close()
+            for layout in layouts:
+                producer.call("release", layout.handle.lease_id)
+            times = []
+            for _ in range(3):
+                layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, count)]
+                for i, layout in enumerate(layouts):
+                    started = time.perf_counter()
+                    consumer.pull(layout)
+                    if i:
+                        times.append(time.perf_counter() - started)
+                for layout in layouts:
+                    producer.wait_state(layout.handle.lease_id, None)
+            row["pull"] = {"us": statistics.median(times) * 1e6, "gpu_us": None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        consumer.close()
+        quiet.close()
+    steps = [k for k in rows[0] if k != "bytes"]
+    print("\n| size | " + " | ".join(steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for row in rows:
+        cells = [f"{row[k]['us']:.0f}" + (f" ({row[k]['gpu_us']:.0f})" if row[k]["gpu_us"] is not None else "")
+                 for k in steps]
+        print(f"| {row['bytes'] >> 20} MiB | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -218,15 +323,16 @@ def print_tables(encoder_rows: list[dict], handoff_rows: list[dict]) -> None:
             print(f"| {row['size']} px | {row['batch']} | " + " | ".join(cells) + f" | {ratio:.1f}x |")
     if handoff_rows:
         paths = ["ipc", "ipc x4", "ipc->host", "nixl", "cuda-ipc copy"]
-        print("\n| size | " + " | ".join(f"{p} GB/s (us)" for p in paths) + " | ipc / cuda-ipc copy | ipc x4 / cuda-ipc copy |")
-        print("|---|" + "---|" * (len(paths) + 2))
+        print("\n| size | " + " | ".join(f"{p} GB/s (us)" for p in paths)
+              + " | cuda-ipc copy x4 GB/s | ipc / cuda-ipc copy | ipc x4 / cuda-ipc copy x4 |")
+        print("|---|" + "---|" * (len(paths) + 3))
         for row in handoff_rows:
             cells = [f"{row[p]['GBps']:.1f} ({row[p]['us']:.0f})" if p in row else "-" for p in paths]
-            limit = row["cuda-ipc copy"]["GBps"]
-            ratios = [f"{100 * row[p]['GBps'] / limit:.0f}%" if p in row else "-" for p in ("ipc", "ipc x4")]
+            limits = {"ipc": row["cuda-ipc copy"]["GBps"], "ipc x4": row["cuda-ipc copy"]["GBps_x4"]}
+            ratios = [f"{100 * row[p]['GBps'] / limits[p]:.0f}%" if p in row else "-" for p in ("ipc", "ipc x4")]
             size = row["bytes"]
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            print(f"| {label} | " + " | ".join(cells + ratios) + " |")
+            print(f"| {label} | " + " | ".join(cells + [f"{row['cuda-ipc copy']['GBps_x4']:.1f}"] + ratios) + " |")
 
 
 def main() -> None:
@@ -234,9 +340,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two cases each (a smoke run)")
     parser.add_argument("--skip", choices=["encoder", "handoff"], action="append", default=[])
     parser.add_argument("--json", help="write all rows here")
+    parser.add_argument("--breakdown", action="store_true", help="only where a pull's time goes (handoff_breakdown)")
     args = parser.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    if args.breakdown:
+        handoff_breakdown(args.quick)
+        return
     handoff = bench_handoff(args.quick) if "handoff" not in args.skip else []
     encoder = bench_encoder(args.quick) if "encoder" not in args.skip else []
     print_tables(encoder, handoff)

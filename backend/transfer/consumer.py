@@ -13,8 +13,10 @@ Three data paths, chosen per handle:
   (``device="cuda"``) or host memory (``device="cpu"``);
 - otherwise (another host, or no CUDA here): one NIXL READ into ``device``'s memory, carrying the release
   notification.
-The same-host paths send the release as a NIXL notification. All check the lease tags around the payload,
-so a region released or reused mid-copy is detected. ``docs/gpu.md`` has the measured bandwidths.
+The same-host paths send the release as a NIXL notification (from a background thread; releases that
+come within ``RELEASE_BATCH_SECONDS`` of each other share one). All check the lease's tag after the copy
+(the region's tags; for CUDA IPC, the producer's host-memory tag table where it can be mapped), so a
+region released or reused mid-copy is detected. ``docs/gpu.md`` has the measured bandwidths.
 
 A failed transfer drops the producer from the agent's peers, so the next pull reconnects. A producer
 that restarted under the same agent name (new metadata in its handles) is removed and added again
@@ -31,6 +33,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import torch
 
 from backend.errors import Unavailable
@@ -41,6 +44,7 @@ from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RELEASE_BATCH_SECONDS = 0.001  # releases this close together share one notification (see _send_releases)
 
 
 class EmbeddingConsumer:
@@ -57,14 +61,19 @@ class EmbeddingConsumer:
         self.device = torch.device(device)
         self.host = host_identity()
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata it was added with
-        self._maps: dict[str, tuple[str, mmap.mmap, torch.Tensor]] = {}  # agent name -> (path, map, bytes)
-        self._ipc: dict[str, tuple[int, object]] = {}  # agent name -> (producer pid, OpenedAllocation)
-        self._use_ipc = False
+        # (agent name, "pool" | "tags") -> (path, map, view): a host pool (bytes) or a VRAM pool's tag table
+        self._maps: dict[tuple[str, str], tuple[str, mmap.mmap, object]] = {}
+        # agent name -> (producer pid, its OpenedAllocation here, (base pointer, copy stream, bytes mapped))
+        self._ipc: dict[str, tuple[int, object, tuple[int, int, int]]] = {}
+        self._ipc_api = None  # backend.transfer.cuda_ipc, where this process can use it
         self._no_ipc: set[str] = set()
         if cuda_ipc and same_host_copy:
             from backend.transfer import cuda_ipc as ipc
-            self._use_ipc = ipc.available()
-        self._tags = torch.empty(16, dtype=torch.int64, pin_memory=True) if self._use_ipc else None
+            self._ipc_api = ipc if ipc.available() else None
+        self._use_ipc = self._ipc_api is not None
+        self._trailers = self._trailer_words = None
+        if self._use_ipc:
+            self._grow_trailers(16)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._next_liveness_check = 0.0
         self.paths: collections.Counter[str] = collections.Counter()  # pulls per data path
@@ -82,9 +91,9 @@ class EmbeddingConsumer:
             self._forget(self._unreachable.pop())
         self._drop_dead_maps()
         results: list[torch.Tensor | None] = [None] * len(layouts)
-        pending = []  # CUDA IPC copies in flight: (index, layout, peer, payload, stream)
-        if self._use_ipc and len(layouts) > self._tags.numel():  # tag slots for every item, before any copy
-            self._tags = torch.empty(len(layouts), dtype=torch.int64, pin_memory=True)
+        pending = []  # CUDA IPC copies in flight: (index, layout, peer, (payload, tag check), stream)
+        if self._use_ipc and len(layouts) > len(self._trailer_words):  # a word for every item, before any copy
+            self._grow_trailers(len(layouts))
         try:
             for index, layout in enumerate(layouts):
                 handle = layout.handle
@@ -93,10 +102,8 @@ class EmbeddingConsumer:
                         raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
                     peer = self._peer(handle)
                     same_host = self.same_host_copy and handle.host == self.host
-                    if same_host and handle.ipc_handle and self._use_ipc and (pool := self._ipc_view(handle)) is not None:
-                        stream = self._stream(pool.device)
-                        payload = self._enqueue_ipc(pool, handle, len(pending), stream)
-                        pending.append((index, layout, peer, payload, stream))
+                    if same_host and handle.ipc_handle and self._use_ipc and (ipc := self._ipc_view(handle)) is not None:
+                        pending.append((index, layout, peer, self._enqueue_ipc(ipc, layout, len(pending)), ipc[1]))
                         continue
                     if same_host and (pool := self._pool_view(handle)) is not None:
                         payload, path = self._copy_same_host(pool, handle, peer).to(self.device), "shared_memory"
@@ -104,14 +111,13 @@ class EmbeddingConsumer:
                         payload, path = self._read(handle, peer), "nixl"
                 except Unavailable as exc:
                     raise Unavailable(f"{names[index]}: {exc}" if names[index] else str(exc)) from None
-                results[index] = self._count(layout, payload, path)
+                results[index] = self._count(layout, payload.view(_DTYPES[layout.dtype]).reshape(layout.shape), path)
             if pending:
                 self._finish_ipc(pending, results, names)
         except BaseException:
             if pending:  # copies may still be running into the payloads: let them finish first
-                from backend.transfer.cuda_ipc import synchronize
-                for stream in {id(entry[4]): entry[4] for entry in pending}.values():
-                    synchronize(stream.cuda_stream)
+                for stream in {entry[4] for entry in pending}:
+                    self._ipc_api.synchronize(stream)
             raise
         return results
 
@@ -119,7 +125,13 @@ class EmbeddingConsumer:
         self.paths[path] += 1
         self.bytes_pulled += layout.handle.nbytes
         self.items_pulled += 1
-        return payload.view(_DTYPES[layout.dtype]).reshape(layout.shape)
+        return payload
+
+    def _grow_trailers(self, slots: int) -> None:
+        """Pinned host words the trailer tags of a call's items are copied into, read through numpy (only
+        for producers whose lease-tag table this process cannot map)."""
+        self._trailers = torch.zeros(slots, dtype=torch.int64, pin_memory=True)
+        self._trailer_words = self._trailers.numpy()
 
     def _copy_same_host(self, pool: torch.Tensor, handle, peer: str) -> torch.Tensor:
         start = handle.offset
@@ -134,32 +146,47 @@ class EmbeddingConsumer:
         self._notify(peer, handle.lease_id)
         return payload
 
-    def _enqueue_ipc(self, pool: torch.Tensor, handle, slot: int, stream: torch.cuda.Stream) -> torch.Tensor:
-        from backend.transfer.cuda_ipc import enqueue_region
+    def _enqueue_ipc(self, pool: tuple[int, int, int], layout, slot: int):
+        """Enqueue the copy of ``layout``'s payload (into a new tensor of its dtype and shape, on this
+        consumer's device) on the pool's copy stream, no wait. Returns (payload, tag words, index): where
+        the lease's tag is to be checked once the copy is done."""
+        base, stream, mapped = pool
+        handle = layout.handle
         start = handle.offset + HEADER
-        if start + handle.nbytes + TRAILER > pool.numel():
+        if start + handle.nbytes + TRAILER > mapped:
             raise Unavailable(f"embedding lease {handle.lease_id}: region outside the producer's pool")
+        tags = self._tag_table(handle)
+        if tags is not None and not 0 <= handle.tag_slot < len(tags):
+            raise Unavailable(f"embedding lease {handle.lease_id}: tag slot outside the producer's table")
+        if tags is not None and int(tags[handle.tag_slot]) != int(handle.lease_id, 16):
+            return None, (tags, handle.tag_slot)  # ended already: no copy; it fails in _finish_ipc, as one
+            # that ends during the copy does, after the call's other items (which are released as usual)
         # host destinations are pinned (torch caches pinned blocks): device-to-host copies into pageable
         # memory ran at 1-11 GB/s on the H200 machine, into pinned memory at 35-55 GB/s
-        payload = torch.empty(handle.nbytes, dtype=torch.uint8, device=self.device,
+        payload = torch.empty(layout.shape, dtype=_DTYPES[layout.dtype], device=self.device,
                               pin_memory=self.device.type == "cpu")
-        # the payload, then its trailer tag, in stream order: a trailer that still holds the lease's tag
-        # after the payload was copied means the lease was not released (nor its region reused) meanwhile
-        enqueue_region(pool.data_ptr() + start, payload, self._tags.data_ptr() + 8 * slot, handle.nbytes,
-                       stream.cuda_stream)
-        return payload
+        if payload.numel() * payload.element_size() != handle.nbytes:
+            raise Unavailable(f"embedding lease {handle.lease_id}: {handle.nbytes} bytes do not make "
+                              f"{layout.dtype}{list(layout.shape)}")
+        # Where the producer's tag table is mapped here, its word for the lease is checked after the copy
+        # (the producer clears it before it touches the region: still set then means nothing was
+        # overwritten meanwhile). Otherwise the region's trailer tag is copied after the payload, in
+        # stream order, into a pinned word: one more (device-to-host) copy per item.
+        trailer = None if tags is not None else self._trailers.data_ptr() + 8 * slot
+        self._ipc_api.enqueue_region(base + start, payload.data_ptr(), handle.nbytes, trailer, stream,
+                                     to_host=self.device.type == "cpu")
+        return payload, (tags, handle.tag_slot) if tags is not None else (self._trailer_words, slot)
 
     def _finish_ipc(self, pending, results, names) -> None:
-        from backend.transfer.cuda_ipc import synchronize
-        for stream in {id(entry[4]): entry[4] for entry in pending}.values():
-            synchronize(stream.cuda_stream)
-        tags = self._tags[:len(pending)].tolist()
+        for stream in {entry[4] for entry in pending}:
+            self._ipc_api.synchronize(stream)
         releases: dict[str, list[str]] = {}
         failed = None
-        for (index, layout, peer, payload, _), tag in zip(pending, tags):
-            if tag != int(layout.handle.lease_id, 16):
+        for index, layout, peer, (payload, (words, word)), _ in pending:
+            if payload is None or int(words[word]) != int(layout.handle.lease_id, 16):
+                when = "before" if payload is None else "during"
                 failed = failed or (index, f"embedding lease {layout.handle.lease_id} was released or expired "
-                                           f"before the read")
+                                           f"{when} the read")
                 continue
             releases.setdefault(peer, []).append(layout.handle.lease_id)
             results[index] = self._count(layout, payload, "cuda_ipc")
@@ -169,14 +196,14 @@ class EmbeddingConsumer:
             index, message = failed
             raise Unavailable(f"{names[index]}: {message}" if names[index] else message)
 
-    def _stream(self, device) -> torch.cuda.Stream:
-        """This consumer's copy stream on the producer pool's GPU (made once: asking torch for the current
-        stream costs as much host time as a small copy)."""
+    def _stream(self, device) -> int:
+        """This consumer's copy stream on the producer pool's GPU, as a raw ``cudaStream_t`` (made once:
+        asking torch for the current stream costs as much host time as a small copy)."""
         index = device.index or 0
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
+        return stream.cuda_stream
 
     def _notify(self, peer: str, lease_ids: str) -> None:
         """Queue ``release:<ids>`` for ``peer``. The data is already here: a notification that fails only
@@ -188,17 +215,31 @@ class EmbeddingConsumer:
         self._releases.put((peer, lease_ids))
 
     def _send_releases(self) -> None:
-        while (item := self._releases.get()) is not None:
-            peer, lease_ids = item
-            try:
-                self.agent.send_notif(peer, RELEASE_PREFIX + lease_ids.encode())
-            except Exception as exc:  # noqa: BLE001 - the producer reclaims the leases when they expire
-                log.warning("cannot notify embedding producer %s (leases %s expire there): %s", peer, lease_ids, exc)
-                self._unreachable.add(peer)
+        """The release thread: releases queued within ``RELEASE_BATCH_SECONDS`` of each other go out as one
+        notification per producer (each ``send_notif`` takes host time from the pulls that follow)."""
+        stop = False
+        while not stop:
+            batch = [self._releases.get()]
+            time.sleep(RELEASE_BATCH_SECONDS)
+            while not self._releases.empty():
+                batch.append(self._releases.get())
+            by_peer: dict[str, list[str]] = {}
+            for item in batch:
+                if item is None:
+                    stop = True
+                else:
+                    by_peer.setdefault(item[0], []).append(item[1])
+            for peer, lease_ids in by_peer.items():
+                try:
+                    self.agent.send_notif(peer, RELEASE_PREFIX + ",".join(lease_ids).encode())
+                except Exception as exc:  # noqa: BLE001 - the producer reclaims the leases when they expire
+                    log.warning("cannot notify embedding producer %s (leases %s expire there): %s", peer,
+                                ",".join(lease_ids), exc)
+                    self._unreachable.add(peer)
 
-    def _ipc_view(self, handle) -> torch.Tensor | None:
-        """The producer's VRAM pool mapped here, or None where CUDA IPC cannot open it (a pool of this very
-        process, a GPU this process cannot see): NIXL then."""
+    def _ipc_view(self, handle) -> tuple[int, int, int] | None:
+        """The producer's VRAM pool mapped here, as (base pointer, copy stream, bytes), or None where CUDA IPC
+        cannot open it (a pool of this very process, a GPU this process cannot see): NIXL then."""
         cached = self._ipc.get(handle.agent_name)
         if cached is None:
             if handle.pid == os.getpid() or handle.agent_name in self._no_ipc:
@@ -210,8 +251,9 @@ class EmbeddingConsumer:
                 log.warning("CUDA IPC cannot open %s's pool, using NIXL: %s", handle.agent_name, exc)
                 self._no_ipc.add(handle.agent_name)
                 return None
-            cached = self._ipc[handle.agent_name] = (handle.pid, opened)
-        return cached[1].tensor
+            view = (opened.tensor.data_ptr(), self._stream(opened.tensor.device), opened.tensor.numel())
+            cached = self._ipc[handle.agent_name] = (handle.pid, opened, view)
+        return cached[2]
 
     def close(self) -> None:
         """Send the releases still queued, close CUDA IPC mappings and pool maps (the agent goes with the
@@ -220,19 +262,29 @@ class EmbeddingConsumer:
             self._releases.put(None)
             self._release_thread.join(timeout=5)
             self._release_thread = None
-        for _, opened in self._ipc.values():
+        for _, opened, _ in self._ipc.values():
             opened.close()
         self._ipc.clear()
         self._maps.clear()
 
     def _pool_view(self, handle) -> torch.Tensor | None:
-        cached = self._maps.get(handle.agent_name)
+        """A host pool's bytes, mapped read-only (None: not mappable here, use NIXL)."""
+        return self._mapped(handle, "pool", handle.shm_path,
+                            lambda mapped, size: torch.frombuffer(mapped, dtype=torch.uint8) if size
+                            else torch.empty(0, dtype=torch.uint8))
+
+    def _tag_table(self, handle):
+        """A VRAM pool's lease-tag table (host memory, int64 words), mapped read-only, or None."""
+        return self._mapped(handle, "tags", handle.tag_table, lambda mapped, size: np.frombuffer(mapped, np.int64))
+
+    def _mapped(self, handle, kind: str, path: str, make_view):
+        cached = self._maps.get((handle.agent_name, kind))
         if cached is not None:
             return cached[2]
-        if not handle.shm_path:
+        if not path:
             return None
         try:
-            fd = os.open(handle.shm_path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise Unavailable(f"embedding producer {handle.agent_name} is gone") from None
         except OSError:
@@ -245,8 +297,8 @@ class EmbeddingConsumer:
             os.close(fd)
         with warnings.catch_warnings():  # read-only by design: we only ever copy out of it
             warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        self._maps[handle.agent_name] = (handle.shm_path, mapped, view)
+            view = make_view(mapped, size)
+        self._maps[(handle.agent_name, kind)] = (path, mapped, view)
         return view
 
     def _drop_dead_maps(self) -> None:
@@ -259,7 +311,7 @@ class EmbeddingConsumer:
         for name, (path, _, _) in list(self._maps.items()):
             if not os.path.exists(path):
                 self._maps.pop(name)
-        for name, (pid, opened) in list(self._ipc.items()):
+        for name, (pid, opened, _) in list(self._ipc.items()):
             if pid and not os.path.exists(f"/proc/{pid}"):
                 self._ipc.pop(name)
                 opened.close()
@@ -307,7 +359,8 @@ class EmbeddingConsumer:
             # connection details). Remove the old agent and add the new one, or every pull would go to
             # the dead one.
             self._forget(handle.agent_name)
-            self._maps.pop(handle.agent_name, None)
+            self._maps.pop((handle.agent_name, "pool"), None)
+            self._maps.pop((handle.agent_name, "tags"), None)
         if handle.agent_name not in self._peers:
             try:
                 name = self.agent.add_remote_agent(handle.agent_metadata)

@@ -16,6 +16,7 @@ this process has both. Where it has not, producers publish without a handle and 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 
@@ -33,6 +34,7 @@ def available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
 def _rt():
     from cuda.bindings import runtime
     return runtime
@@ -131,18 +133,49 @@ class OpenedAllocation:
 
 
 
-def enqueue_region(src_ptr: int, dst: torch.Tensor, tag_ptr: int, trailer_at: int, stream: int) -> None:
-    """One pull's copies on ``stream`` (no wait): ``dst.numel()`` bytes from ``src_ptr`` into ``dst``, then the
-    8-byte lease tag at ``src_ptr + trailer_at`` into the pinned host word at ``tag_ptr``. Straight CUDA
-    runtime calls: a torch ``copy_`` costs more host time than a 16 MiB device-to-device copy takes
-    (measured, docs/gpu.md)."""
-    rt = _rt()
-    _check(rt.cudaMemcpyAsync(dst.data_ptr(), src_ptr, dst.numel(), _DEFAULT, stream), "cudaMemcpyAsync")
-    _check(rt.cudaMemcpyAsync(tag_ptr, src_ptr + trailer_at, 8, _DEFAULT, stream), "cudaMemcpyAsync")
+def enqueue_region(src_ptr: int, dst_ptr: int, nbytes: int, tag_ptr: int | None, stream: int,
+                   to_host: bool = False) -> None:
+    """One pull's copies on ``stream`` (no wait): ``nbytes`` from the VRAM at ``src_ptr`` to ``dst_ptr`` (VRAM,
+    or pinned host memory if ``to_host``), then, if ``tag_ptr`` is given, the 8-byte lease tag right after
+    them (the region's trailer) into the pinned host word at ``tag_ptr``. The direction is given, not
+    inferred (``cudaMemcpyDefault`` makes the runtime look both pointers up: measured ~9 us a call here)."""
+    memcpy, _ = _hot_calls()
+    memcpy(dst_ptr, src_ptr, nbytes, _TO_HOST if to_host else _TO_DEVICE, stream)
+    if tag_ptr is not None:
+        memcpy(tag_ptr, src_ptr + nbytes, 8, _TO_HOST, stream)
 
 
 def synchronize(stream: int) -> None:
-    _check(_rt().cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+    _hot_calls()[1](stream)
 
 
-_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_TO_HOST, _TO_DEVICE = 2, 3  # cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice
+
+
+@functools.lru_cache(maxsize=1)
+def _hot_calls():
+    """(memcpy_async, stream_synchronize) for the per-pull calls: the CUDA runtime library torch loaded,
+    called through ctypes (~1 us a call; a torch ``copy_`` costs more host time than a 16 MiB
+    device-to-device copy takes, cuda-bindings' wrappers a few us: docs/gpu.md), or cuda-bindings where
+    that library cannot be found in this process."""
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
+    if path is None:
+        rt = _rt()
+        return (lambda *args: _check(rt.cudaMemcpyAsync(*args), "cudaMemcpyAsync"),
+                lambda stream: _check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize"))
+    lib = ctypes.CDLL(path)
+    memcpy_async, stream_sync = lib.cudaMemcpyAsync, lib.cudaStreamSynchronize
+    memcpy_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    stream_sync.argtypes = [ctypes.c_void_p]
+    memcpy_async.restype = stream_sync.restype = ctypes.c_int
+
+    def memcpy(dst, src, nbytes, kind, stream):
+        if err := memcpy_async(dst, src, nbytes, kind, stream):
+            raise RuntimeError(f"cudaMemcpyAsync failed: CUDA error {err}")
+
+    def sync(stream):
+        if err := stream_sync(stream):
+            raise RuntimeError(f"cudaStreamSynchronize failed: CUDA error {err}")
+
+    return memcpy, sync

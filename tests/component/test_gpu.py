@@ -131,3 +131,46 @@ def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
                 assert producer.wait_state(layout.handle.lease_id, None) is None
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("tag_table", [True, False], ids=["tag-table", "trailer-copy"])
+def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
+    """The producer ends the lease after the consumer enqueued its copy but before the copy ran: the item
+    fails, whether the consumer checks the producer's host tag table or copies the trailer tag back."""
+    import dataclasses
+
+    from backend.errors import Unavailable
+    from backend.transfer import cuda_ipc
+    from backend.transfer.consumer import EmbeddingConsumer
+    from backend.transfer.process import ProducerProcess, make_layout
+
+    consumer = EmbeddingConsumer(device="cuda")
+    try:
+        with ProducerProcess(pool_bytes=16 << 20, device="cuda") as producer:
+            tensor = torch.randn(500, 64)
+            layout = make_layout(producer.call("publish", tensor), tensor)
+            assert layout.handle.tag_table
+            if not tag_table:  # a consumer that cannot map the table copies the region's trailer tag back
+                layout = dataclasses.replace(layout, handle=dataclasses.replace(layout.handle, tag_table=""))
+
+            class EndsMidCopy:
+                synchronize = staticmethod(cuda_ipc.synchronize)
+
+                @staticmethod
+                def enqueue_region(src, dst, nbytes, tag_ptr, stream, to_host):
+                    assert (tag_ptr is None) == tag_table and not to_host
+                    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+                        torch.cuda._sleep(500_000_000)  # ~0.2 s: the copy runs after the release below
+                    cuda_ipc.enqueue_region(src, dst, nbytes, tag_ptr, stream, to_host)
+                    assert producer.call("release", layout.handle.lease_id)  # returns once the tags are cleared
+
+            consumer._ipc_api = EndsMidCopy
+            with pytest.raises(Unavailable, match="released or expired during the read"):
+                consumer.pull(layout)
+            consumer._ipc_api = cuda_ipc
+            assert consumer.paths["cuda_ipc"] == 0
+            tensor = torch.randn(7, 64)
+            layout = make_layout(producer.call("publish", tensor), tensor)
+            assert torch.equal(consumer.pull(layout).cpu(), tensor)  # the next pull is fine
+    finally:
+        consumer.close()
