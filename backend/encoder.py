@@ -142,7 +142,8 @@ class EncodeJob:
 
     request_index: int
     data: bytes
-    content_key: str
+    content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
+    own_key: str = ""  # the key computed in this process from ``data``, if already done (the cache's key)
 
 
 class EmbeddingCache:
@@ -204,7 +205,7 @@ class EncoderService:
         for job in jobs:
             if isinstance(results[job.request_index], BaseException):
                 continue
-            key = content_key(job.data, self.processing, self.encoder.identity) if self.cache.max_bytes else ""
+            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity)) if self.cache.max_bytes else ""
             cached = self.cache.get(key) if key else None
             if cached is not None:
                 ready.append([job, cached, key, None])

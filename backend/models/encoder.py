@@ -63,8 +63,11 @@ class TritonPythonModel:
             shapes.append(images.shape)
             for data, key in zip(images.reshape(-1), keys):
                 data = bytes(data)
-                key = key.decode() if isinstance(key, bytes) and key else content_key(data, self.processing, self.encoder.identity)
-                jobs.append(EncodeJob(index, data, key))
+                if isinstance(key, bytes) and key:
+                    jobs.append(EncodeJob(index, data, key.decode()))
+                else:  # computed here from the bytes: the cache may use it as its own key
+                    own = content_key(data, self.processing, self.encoder.identity)
+                    jobs.append(EncodeJob(index, data, own, own_key=own))
         responses = []
         for request, shape, result in zip(requests, shapes, self.service.run(jobs, len(requests))):
             if isinstance(result, BaseException):

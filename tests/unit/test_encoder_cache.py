@@ -101,3 +101,17 @@ def test_a_bad_item_fails_its_request_only_even_beside_cached_items(encoder):
     results = service.run([EncodeJob(0, good, ""), EncodeJob(0, b"not an image", ""), EncodeJob(1, good, "")], 2)
     assert isinstance(results[0], Exception) and "image" in str(results[0])
     assert isinstance(results[1], list) and len(results[1]) == 1
+
+
+def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch):
+    import backend.layout
+
+    real, calls = backend.layout.content_key, []
+    monkeypatch.setattr(backend.layout, "content_key", lambda *args: calls.append(args) or real(*args))
+    service, counting, _ = _service(encoder, 1 << 20)
+    a = _png(64, 48, 1)
+    own = real(a, service.processing, service.encoder.identity)
+    service.run([EncodeJob(0, a, own, own_key=own)], 1)
+    assert calls == []  # the model hashed the bytes already
+    service.run([EncodeJob(0, a, "caller-key")], 1)  # a caller's key: hashed here, and the cache answers
+    assert len(calls) == 1 and service.cache_hits == 1 and counting.calls == [1]
