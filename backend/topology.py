@@ -101,16 +101,15 @@ class Topology:
         return pd is not None and pd.orchestrator == "colocated"
 
     def with_orchestrator(self, where: str) -> "Topology":
-        """This topology with E+PD's orchestrator ``proxy`` or ``colocated`` (the settings of the stages
-        the deployments then use; an ``epd`` stage nothing uses any more is dropped)."""
+        """This topology with E+PD's orchestrator ``proxy`` or ``colocated``: the settings of the stages the
+        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
+        as in a file)."""
         if where not in ORCHESTRATORS:
             raise TopologyError(f"{self.name}: orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {where!r}")
         if "pd" not in self.stages:
             raise TopologyError(f"{self.name}: orchestrator {where}: only E+PD has one to place, and it is not served")
-        stages = {**self.stages, "pd": replace(self.stages["pd"], orchestrator=where)}
+        stages = {"epd": StageSpec(), **self.stages, "pd": replace(self.stages["pd"], orchestrator=where)}
         needed = {stage for mode in self.serve for stage in deployment_stages(mode, where == "colocated")}
-        if "epd" in needed and "epd" not in stages:
-            raise TopologyError(f"{self.name}: orchestrator proxy needs settings for the epd stage")
         return replace(self, stages={s: spec for s, spec in stages.items() if s in needed})
 
     def models(self) -> dict[str, str]:
