@@ -14,6 +14,9 @@ arrays without the GIL, fixed upstream only in python_backend r25.01). A gRPC st
 problem, can be cancelled (Triton then cancels the stage's request, which aborts its engine request)
 and keeps the stage's error codes.
 
+``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``ensemble.colocated_model``) pairs it
+with its in-process generator (``ensemble.local_stages``).
+
 The endpoint is the ``grpc_url`` model parameter, else ``$EPD_TRITON_GRPC_URL`` (``clients.local_server``
 sets it), else ``127.0.0.1:8001``, tritonserver's default.
 """
