@@ -101,7 +101,22 @@ def test_timing_breakdown_and_metadata_only(colocated_server):
         assert time.monotonic() < deadline, "the pulled bytes never reached the metrics"
         time.sleep(0.1)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)
-    assert _metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes == 0  # the encoder decodes
+    assert _metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes  # the encoder decodes
+
+
+def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline):
+    """Naive EPD (request parameter epd_metadata_only=false): the engine side also gets the client's media and
+    decodes them itself (in this one process: epd's decode counter moves by the item count)."""
+    case, want = CASES["chat_data_url_and_tensor"], baseline["chat_data_url_and_tensor"]
+    decodes = lambda: _metric(colocated_server, "epd_media_decodes_total", model="epd")
+    before = decodes()
+    off = ask(colocated_server, "epd", **case, parameters={"epd_metadata_only": False})
+    assert (off.text, off.num_input_tokens, off.num_output_tokens) == (want.text, want.num_input_tokens, want.num_output_tokens)
+    assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
+    deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+    while decodes() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decodes() == before + 2
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
