@@ -22,6 +22,7 @@ from backend.engine import EngineHost, load_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
+from backend.counter_batch import CounterBatch
 from backend.triton_io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, TritonSink, read_generate_inputs,
                                request_parameters, send_error)
 
@@ -53,10 +54,11 @@ class GenerateModel:
         )
         self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation
         self.resolver = self.make_resolver()
-        self.metrics = RequestMetrics(self.name)
+        self.metric_batch = CounterBatch()  # this model's counters, handed to Triton a few times a second
+        self.metrics = RequestMetrics(self.name, self.metric_batch)
         for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
             os.environ[key] = value
-        self.engine_metrics = EngineMetrics(self.name)
+        self.engine_metrics = EngineMetrics(self.name, self.metric_batch)
         self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
 
     def make_resolver(self) -> MediaResolver:
@@ -91,8 +93,10 @@ class GenerateModel:
         self.host.shutdown()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
         # engine's stat logger may still hold engine_metrics, so its metrics are freed explicitly.
+        self.metric_batch.close()
         self.engine_metrics.close()
-        del self.metrics, self.engine_metrics
+        self.metrics.close()
+        del self.metrics, self.engine_metrics, self.metric_batch
 
 
 def free_port() -> int:

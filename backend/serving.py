@@ -65,13 +65,12 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
     the steps in between waits for the next step at least ``interval`` after the last send (or the end).
     0 sends every step's text (vLLM itself merges steps a slow reader has not taken yet)."""
     request_id = request_id or uuid.uuid4().hex
-    pieces: list[str] = []
-    last_sent = float("-inf")
     last: GenerationDelta | None = None
     outcome = Outcome.ERROR
     try:
         if prepare is not None:
             request = await prepare(request)
+        chunker = Chunker(engine, request, interval)
         async for delta in engine.generate(request, request_id):
             last = delta
             if sink.is_cancelled():
@@ -79,18 +78,9 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
                 sink.close()
                 outcome = Outcome.CANCELLED
                 return outcome
-            if request.stream:
-                pieces.append(delta.text)
-                now = time.monotonic()
-                if delta.finished or (any(pieces) and now - last_sent >= interval):
-                    sink.send(_chunk(request, delta, "".join(pieces)), final=delta.finished)
-                    pieces.clear()
-                    last_sent = now
-            else:
-                pieces.append(delta.text)
-                if delta.finished:
-                    prefix = "" if request.exclude_input_in_output else engine.prompt_text(request)
-                    sink.send(_chunk(request, delta, prefix + "".join(pieces)), final=True)
+            chunk = chunker.add(delta)
+            if chunk is not None:
+                sink.send(chunk, final=delta.finished)
             if delta.finished:
                 outcome = Outcome.OK
                 return outcome
@@ -105,6 +95,34 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
     finally:
         if observer is not None:
             observer.request_finished(outcome, last.num_output_tokens if last else 0)
+
+
+class Chunker:
+    """Engine deltas -> the responses a client gets (``stream_generation``'s rules, also used by an in-process
+    generator stage): streaming sends the first text at once, then at most one response per ``interval``
+    seconds (and the final one); non-streaming sends one final response, the prompt in front unless
+    ``exclude_input_in_output``."""
+
+    def __init__(self, engine: GenerationEngine, request: GenerateRequest, interval: float = 0.0):
+        self.engine, self.request, self.interval = engine, request, interval
+        self.pieces: list[str] = []
+        self.last_sent = float("-inf")
+
+    def add(self, delta: GenerationDelta) -> ResponseChunk | None:
+        """The response to send after ``delta``, or None (nothing to send yet)."""
+        request, pieces = self.request, self.pieces
+        pieces.append(delta.text)
+        if request.stream:
+            now = time.monotonic()
+            if delta.finished or (any(pieces) and now - self.last_sent >= self.interval):
+                self.last_sent = now
+                chunk = _chunk(request, delta, "".join(pieces))
+                pieces.clear()
+                return chunk
+        elif delta.finished:
+            prefix = "" if request.exclude_input_in_output else self.engine.prompt_text(request)
+            return _chunk(request, delta, prefix + "".join(pieces))
+        return None
 
 
 def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> ResponseChunk:

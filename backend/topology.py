@@ -3,7 +3,14 @@
 A topology says which deployments run side by side (``serve``: ``baseline`` -> model ``llm``; ``E+PD``
 -> ``epd`` + ``encoder`` + ``pd``; ``E/P/D`` -> ``epd`` (``epd_disagg`` when E+PD is served too) +
 ``encoder`` + ``prefill`` + ``decode``), how many instances each stage has and on which device, the
-checkpoint, the shared vLLM engine arguments, and the transfer pool and request limits. Example::
+checkpoint, the shared vLLM engine arguments, and the transfer pool and request limits.
+
+Where E+PD's orchestrator runs (``stages.pd.orchestrator``): ``proxy`` (the default) is a model of its own,
+``epd``, that reaches ``pd`` over the server's gRPC endpoint; ``colocated`` runs it inside each ``pd``
+instance's process, beside that instance's vLLM engine: the deployment is then ``encoder`` + ``epd`` (which
+has ``pd``'s instances and device; there is no model named ``pd``), one stub hop and one gRPC round trip
+per response fewer. Encoders stay a separate model reached through BLS either way, and the engine still
+takes metadata-only requests (it pulls embeddings by handle). E/P/D always uses the proxy. Example::
 
     checkpoint: ../models/tiny-qwen2-vl      # relative to this file
     serve: [E/P/D]
@@ -41,7 +48,9 @@ ENGINE_STAGES = ("llm", "pd", "prefill", "decode")
 GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
-STAGE_KEYS = {"instances", "device", "gpus"}
+STAGE_KEYS = {"instances", "device", "gpus", "orchestrator"}
+ORCHESTRATORS = ("proxy", "colocated")  # stages.pd.orchestrator: where E+PD's orchestrator runs
+COLOCATED = "epd:E+PD:colocated"  # model kind: E+PD's orchestrator and the pd engine in one model
 TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
 LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20,
                   "request_timeout_seconds": 300}  # the last: epd's deadline per request (encode to last token)
@@ -59,6 +68,7 @@ class StageSpec:
     instances: int = 1
     device: str = "cpu"
     gpus: tuple[int, ...] = ()
+    orchestrator: str = "proxy"  # pd only: "colocated" runs E+PD's orchestrator in this stage's instances
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,36 @@ class Topology:
         if missing:
             raise TopologyError(f"{self.name}: cannot serve {mode} alone, no settings for {', '.join(missing)}")
         return replace(self, name=f"{self.name}-{mode}", serve=(mode,), checkpoint=self.checkpoint.resolve(),
-                       stages={s: self.stages[s] for s in DEPLOYMENTS[mode]},
+                       stages={s: self.stages[s] for s in deployment_stages(mode, self.colocated)},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
+    @property
+    def colocated(self) -> bool:
+        """E+PD's orchestrator runs inside the pd instances (``stages.pd.orchestrator: colocated``)."""
+        pd = self.stages.get("pd")
+        return pd is not None and pd.orchestrator == "colocated"
+
+    def with_orchestrator(self, where: str) -> "Topology":
+        """This topology with E+PD's orchestrator ``proxy`` or ``colocated``: the settings of the stages the
+        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
+        as in a file)."""
+        if where not in ORCHESTRATORS:
+            raise TopologyError(f"{self.name}: orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {where!r}")
+        if "pd" not in self.stages:
+            raise TopologyError(f"{self.name}: orchestrator {where}: only E+PD has one to place, and it is not served")
+        stages = {"epd": StageSpec(), **self.stages, "pd": replace(self.stages["pd"], orchestrator=where)}
+        needed = {stage for mode in self.serve for stage in deployment_stages(mode, where == "colocated")}
+        return replace(self, stages={s: spec for s, spec in stages.items() if s in needed})
+
     def models(self) -> dict[str, str]:
-        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D)."""
+        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D, and COLOCATED:
+        E+PD's orchestrator with the pd engine)."""
         out: dict[str, str] = {}
         for mode in self.serve:
+            if mode == "E+PD" and self.colocated:
+                out["encoder"] = "encoder"
+                out["epd" if "epd" not in out else "epd_disagg"] = COLOCATED
+                continue
             for stage in DEPLOYMENTS[mode]:
                 if stage == "epd":
                     name = "epd" if "epd" not in out else "epd_disagg"
@@ -95,6 +128,14 @@ class Topology:
                 else:
                     out[stage] = stage
         return out
+
+
+def deployment_stages(mode: str, colocated: bool = False) -> tuple[str, ...]:
+    """The stages whose settings ``mode`` uses: E+PD with a colocated orchestrator has no ``epd`` stage of
+    its own (it runs in the pd instances)."""
+    if mode == "E+PD" and colocated:
+        return tuple(stage for stage in DEPLOYMENTS[mode] if stage != "epd")
+    return DEPLOYMENTS[mode]
 
 
 def _check_keys(doc: dict, allowed: set[str], where: str) -> None:
@@ -119,13 +160,18 @@ def load(path: Path, machine: str | None = None) -> Topology:
     checkpoint = doc.get("checkpoint")
     if not isinstance(checkpoint, str) or not checkpoint:
         raise TopologyError(f"{path}: checkpoint: expected the path of the model checkpoint")
-    needed = {stage for mode in serve for stage in DEPLOYMENTS[mode]}
     stages_doc = doc.get("stages") or {}
     if not isinstance(stages_doc, dict):
         raise TopologyError(f"{path}: stages: expected a mapping of stage -> settings")
+    pd_doc = stages_doc.get("pd")
+    colocated = isinstance(pd_doc, dict) and pd_doc.get("orchestrator") == "colocated"
+    needed = {stage for mode in serve for stage in deployment_stages(mode, colocated)}
     unused = sorted(set(stages_doc) - needed)
     if unused:
-        raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} (uses {', '.join(sorted(needed))})")
+        why = (" (pd.orchestrator is colocated: E+PD's orchestrator runs in the pd instances)"
+               if colocated and "epd" in unused else "")
+        raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} "
+                            f"(uses {', '.join(sorted(needed))}){why}")
     stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
     sections = {}
     for key, defaults in (("transfer", TRANSFER_DEFAULTS), ("limits", LIMIT_DEFAULTS)):
@@ -168,7 +214,13 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
         raise TopologyError(f"{where}.gpus: expected a list of GPU ids")
     if gpus and device != "gpu":
         raise TopologyError(f"{where}.gpus: only for device: gpu")
-    return StageSpec(instances, device, tuple(gpus))
+    orchestrator = doc.get("orchestrator", "proxy")
+    if "orchestrator" in doc and stage != "pd":
+        raise TopologyError(f"{where}.orchestrator: only the pd stage can host an orchestrator (E+PD's); "
+                            f"E/P/D's runs as a proxy (epd)")
+    if orchestrator not in ORCHESTRATORS:
+        raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
+    return StageSpec(instances, device, tuple(gpus), orchestrator)
 
 
 # -- rendering ---------------------------------------------------------------------------------------
@@ -194,12 +246,17 @@ _HEADERS = {
     "epd:E+PD": "E+PD orchestrator (decoupled): the same interface as llm. Media items go to `encoder` concurrently (BLS);\n"
                 "the request goes on to `pd` metadata-only (image_layouts, over the server's gRPC endpoint); pd's stream\n"
                 "comes back with a timing breakdown.",
+    COLOCATED: "E+PD with the orchestrator colocated (decoupled): the same interface as llm. Media items go to `encoder`\n"
+               "concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM (prefill + decode, as\n"
+               "pd: it pulls the embeddings by handle, never sees media), in process; the stream comes back with a timing\n"
+               "breakdown. Engine arguments in model.json.",
     "epd:E/P/D": "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
                  "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
                  "kv_transfer_params; decode's stream comes back with a timing breakdown.",
 }
 _MODULES = {"llm": "backend.models.llm", "pd": "backend.models.pd", "prefill": "backend.models.prefill",
-            "decode": "backend.models.decode", "encoder": "backend.models.encoder"}
+            "decode": "backend.models.decode", "encoder": "backend.models.encoder",
+            COLOCATED: "ensemble.colocated_model"}
 
 
 def _io(kind: str, items) -> str:
@@ -239,6 +296,14 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         return header + body + _params({"model": checkpoint, **transfer, **limits})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
+    if kind == COLOCATED:
+        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
+        body += "\n" + _instances(topology.stages["pd"]) + "\n"
+        params = {"engine_args": "model.json", **limits, "topology": "E+PD", "orchestrator": "colocated",
+                  "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
+        if topology.stream_interval_ms:
+            params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
+        return header + body + _params(params)
     if kind.startswith("epd:"):
         mode = kind.split(":", 1)[1]
         body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
@@ -280,11 +345,11 @@ def render_files(topology: Topology, out: Path) -> dict[str, str]:
     for name, kind in topology.models().items():
         model_dir = Path(out) / name
         files[f"{name}/config.pbtxt"] = render_config(topology, name, kind, model_dir)
-        module = "ensemble.epd_model" if kind.startswith("epd:") else _MODULES[kind]
+        module = _MODULES.get(kind) or "ensemble.epd_model"
         files[f"{name}/1/model.py"] = (f'"""Triton Python-backend entry point of `{name}`: the model class lives in '
                                        f'{module}."""\nfrom {module} import TritonPythonModel  # noqa: F401\n')
-        if kind in ENGINE_STAGES:
-            files[f"{name}/model.json"] = render_engine_args(topology, kind, model_dir)
+        if kind in ENGINE_STAGES or kind == COLOCATED:
+            files[f"{name}/model.json"] = render_engine_args(topology, "pd" if kind == COLOCATED else kind, model_dir)
     return files
 
 

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.counter_batch import CounterBatch
 from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code, Overloaded
 from backend.request import RawGenerateInputs
 from backend.serving import Outcome, ResponseChunk
@@ -207,7 +208,8 @@ def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:
 
 
 class RequestMetrics:
-    """``backend.serving.RequestObserver`` as Triton custom metrics on the metrics port.
+    """``backend.serving.RequestObserver`` as Triton custom metrics on the metrics port (batched:
+    ``CounterBatch``, so they lag by up to its ``FLUSH_SECONDS``; ``close`` in ``finalize``).
 
     ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
     ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
@@ -218,7 +220,7 @@ class RequestMetrics:
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, batch: CounterBatch | None = None):
         requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
                                          description="Finished generate requests by outcome")
         tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
@@ -239,26 +241,34 @@ class RequestMetrics:
         self._decodes = decodes.Metric(labels={"model": model_name})
         self._decodes_seen = 0
         self._decodes_lock = threading.Lock()
+        self._batch = batch or CounterBatch()
+        self._own_batch = batch is None
 
     def media_decodes(self, total: int) -> None:
         """Report the process's decode counter (``backend.media.decode_counter``). Called from ``execute``
-        and, with metadata-only off, from the engine loop: one increment at a time."""
+        and, with metadata-only off, from the engine loop."""
         with self._decodes_lock:
             if total > self._decodes_seen:
-                self._decodes.increment(total - self._decodes_seen)
+                self._batch.add(self._decodes, total - self._decodes_seen)
                 self._decodes_seen = total
 
     def transferred(self, nbytes: int, seconds: float) -> None:
-        self._moved.increment(nbytes)
-        self._moving.increment(seconds)
+        self._batch.add(self._moved, nbytes)
+        self._batch.add(self._moving, seconds)
 
     def request_retried(self, what: str) -> None:
-        self._retries[what].increment(1)
+        self._batch.add(self._retries[what], 1)
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
-        self._requests[outcome].increment(1)
-        if num_output_tokens:
-            self._tokens.increment(num_output_tokens)
+        self._batch.add(self._requests[outcome], 1)
+        self._batch.add(self._tokens, num_output_tokens)
+
+    def close(self) -> None:
+        """Hand over what is pending (and stop the flusher if it is this object's own)."""
+        if self._own_batch:
+            self._batch.close()
+        else:
+            self._batch.flush()
 
 
 class EncoderMetrics:
@@ -322,7 +332,10 @@ class EngineMetrics:
         "decode": ("epd_vllm_decode_time", "finished requests' time from their first token to their last"),
     }
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, batch: CounterBatch | None = None):
+        """``batch``: the model's ``CounterBatch`` (shared with its ``RequestMetrics``)."""
+        self._batch = batch or CounterBatch()
+        self._own_batch = batch is None
         counter = pb_utils.MetricFamily.COUNTER
         labels = {"model": model_name}
         self._families = [
@@ -345,18 +358,20 @@ class EngineMetrics:
         freeing a MetricFamily then segfaulted the stub (``Metric::SaveToSharedMemory`` in
         ``~MetricFamily``), leaving its /dev/shm region behind. Later stats are ignored."""
         self._closed = True
+        if self._own_batch:
+            self._batch.close()
+        else:
+            self._batch.flush()
         self._timings, self._prompt, self._generation = {}, None, None
         self._families = []
 
     def engine_stats(self, delta) -> None:
         if self._closed:
             return
-        if delta.prompt_tokens:
-            self._prompt.increment(delta.prompt_tokens)
-        if delta.generation_tokens:
-            self._generation.increment(delta.generation_tokens)
+        self._batch.add(self._prompt, delta.prompt_tokens)
+        self._batch.add(self._generation, delta.generation_tokens)
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
             if samples.count:
-                seconds.increment(samples.seconds)
-                count.increment(samples.count)
+                self._batch.add(seconds, samples.seconds)
+                self._batch.add(count, samples.count)

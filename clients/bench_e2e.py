@@ -1,8 +1,10 @@
 """End-to-end serving benchmark: several deployments side by side, one run, one table.
 
 Deployments (``--models``): ``llm`` (the baseline), ``epd`` (E+PD), ``epd_naive`` (E+PD with metadata-only
-off: the consumer also gets the original media and decodes/preprocesses it, as a naive EPD), ``epd_disagg``
-(E/P/D) and ``epd_disagg_naive``. Load (``clients.bench_load``): a concurrency sweep (closed loop,
+off: the consumer also gets the original media and decodes/preprocesses it, as a naive EPD),
+``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
+colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D) and
+``epd_disagg_naive``. Load (``clients.bench_load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``). Dataset: synthetic
 images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--max-tokens`` greedy tokens
 with ignore_eos. Reported per deployment and load level (``clients.bench_report``): requests/s, tokens/s,
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,9 +40,16 @@ DEPLOYMENTS = {
     "llm": ("llm (one engine)", "baseline", "llm", None),
     "epd": ("E+PD", "E+PD", "epd", None),
     "epd_naive": ("E+PD naive (metadata-only off)", "E+PD", "epd", NAIVE),
+    "epd_colocated": ("E+PD colocated", "E+PD", "epd", None),
     "epd_disagg": ("E/P/D", "E/P/D", "epd_disagg", None),
     "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
 }
+COLOCATED = {"epd_colocated"}  # served by an E+PD rendering whose orchestrator runs in the pd engine's model
+
+
+def server_group(key: str) -> tuple[str, str]:
+    """Deployments of one group share a server: (topology mode, where E+PD's orchestrator runs)."""
+    return DEPLOYMENTS[key][1], "colocated" if key in COLOCATED else "proxy"
 
 
 class Bench:
@@ -74,9 +84,14 @@ class Bench:
             return await run_rate(url, model, level, requests, progress, seed=self.args.seed)
         return await run_concurrency(url, model, int(level), requests, progress)
 
-    async def run_server(self, url: str, deployments: list[tuple[str, str]], metrics_url: str | None = None) -> None:
+    async def run_server(self, url: str, deployments: list[tuple[str, str]], metrics_url: str | None = None,
+                         server_pid: int | None = None) -> None:
         """``deployments``: (deployment key, model name on this server), benchmarked in turn; with ``metrics_url``
-        each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level."""
+        each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level; with ``server_pid``
+        (a server started here) ``cpu_ms``: CPU ms per request of each of its processes and of the load generator
+        (``clients.proc_cpu``)."""
+        from clients import proc_cpu
+
         from tqdm import tqdm
 
         a = self.args
@@ -90,8 +105,12 @@ class Bench:
                 for key, model in deployments:
                     label, _, _, parameters = DEPLOYMENTS[key]
                     before = _scrape(metrics_url)
+                    cpu_before = proc_cpu.snapshot(server_pid)
                     results, wall = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
+                    cpu = proc_cpu.per_request(cpu_before, proc_cpu.snapshot(server_pid), a.requests)
                     rows.append(bench_report.summarise(label, self.mode, level, results.samples, len(results.errors), wall))
+                    rows[-1]["cpu_ms"] = cpu
+                    rows[-1]["cpu_busy"] = round(sum(cpu.values()) * a.requests / 1000 / wall / (os.cpu_count() or 1), 3)
                     if metrics_url:
                         rows[-1]["vllm_queue_ms"] = bench_report.engine_queue_ms(before, _scrape(metrics_url))
                     self.samples[(label, level)] = results.samples
@@ -127,18 +146,20 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
 
     a = bench.args
     base = load(a.topology)
-    for mode in dict.fromkeys(DEPLOYMENTS[k][1] for k in keys):
-        group = [k for k in keys if DEPLOYMENTS[k][1] == mode]
+    for mode, where in dict.fromkeys(server_group(k) for k in keys):
+        group = [k for k in keys if server_group(k) == (mode, where)]
         changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
         topology = base.only(mode, {"enforce_eager": False} if a.compile else None, **changes)
+        if mode == "E+PD":
+            topology = topology.with_orchestrator(where)
         with tempfile.TemporaryDirectory(prefix="bench-") as repo:
             served = render(topology, Path(repo))
             target = "llm" if "llm" in served else "epd"
             (ROOT / ".cache").mkdir(exist_ok=True)
-            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}.log"
+            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}{'-' + where if mode == 'E+PD' else ''}.log"
             with TritonServer(Path(repo), log_path=log) as server:
                 print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
-                asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url))
+                asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url, server.proc.pid))
 
 
 def write_outputs(bench: Bench, out: Path) -> None:
@@ -178,6 +199,9 @@ def parse_args(argv: list[str] | None = None):
     unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
     if unknown:
         parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
+    if args.shared and COLOCATED & set(args.models.split(",")):
+        parser.error("--shared: the committed repository serves E+PD with the proxy orchestrator; "
+                     "benchmark epd_colocated on a server of its own (leave --shared out) or with --url")
     return args
 
 
@@ -191,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         with TritonServer(log_path=ROOT / ".cache" / "bench-e2e-server.log") as server:
             print(f"server ready in {server.ready_seconds:.1f} s", file=sys.stderr)
-            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys], server.metrics_url))
+            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys], server.metrics_url,
+                                         server.proc.pid))
     else:
         run_isolated(bench, keys)
     s = bench.settings()
@@ -201,6 +226,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{'compiled' if args.compile and not args.url else 'as configured'}"
           + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")
     print(bench_report.markdown_table(bench.rows))
+    if any(row.get("cpu_ms") for row in bench.rows):
+        print("\n" + bench_report.cpu_table(bench.rows))
     if args.out:
         write_outputs(bench, args.out)
     if args.json:

@@ -103,6 +103,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows: list[dict]) -> str:
+    """CPU ms per request of each process role (``row["cpu_ms"]``, ``clients.proc_cpu``), one line per row;
+    ``busy``: the share of all cores those processes used over the row."""
+    labels = list(dict.fromkeys(label for r in rows for label in (r.get("cpu_ms") or {})))
+    lines = ["| deployment | load | " + " | ".join(labels) + " | total ms/req | busy |",
+             "|---|---|" + "---|" * (len(labels) + 2)]
+    for r in rows:
+        cpu = r.get("cpu_ms") or {}
+        load = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['level']:g} req/s"
+        cells = " | ".join(f"{cpu[label]:.2f}" if label in cpu else "-" for label in labels)
+        lines.append(f"| {r['deployment']} | {load} | {cells} | {sum(cpu.values()):.2f} | {r.get('cpu_busy', float('nan')):.0%} |")
+    return "\n".join(lines)
+
+
 def results_json(rows: list[dict], samples: dict[tuple[str, float], list[Sample]], settings: dict) -> dict:
     """Everything of a run: its settings, the rows, and every sample (for plots made later)."""
     return {"settings": settings, "rows": rows,

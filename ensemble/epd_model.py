@@ -71,4 +71,5 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - unloading anyway
             pb_utils.Logger.log_warn(f"epd: closing the stage client: {exc}")
         self.loop.stop()
+        self.metrics.close()  # pending counts, while the stub's shared memory is alive
         del self.metrics

@@ -14,6 +14,9 @@ arrays without the GIL, fixed upstream only in python_backend r25.01). A gRPC st
 problem, can be cancelled (Triton then cancels the stage's request, which aborts its engine request)
 and keeps the stage's error codes.
 
+``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``ensemble.colocated_model``) pairs it
+with its in-process generator (``ensemble.local_stages``).
+
 The endpoint is the ``grpc_url`` model parameter, else ``$EPD_TRITON_GRPC_URL`` (``clients.local_server``
 sets it), else ``127.0.0.1:8001``, tritonserver's default.
 """
@@ -95,13 +98,12 @@ def _is_final(result) -> bool:
     return bool(param and param.bool_param)
 
 
-class TritonStages:
-    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", prefill_model: str = "prefill",
-                 decode_model: str = "decode", url: str = DEFAULT_GRPC_URL):
+class BlsEncoders:
+    """The encoder half of a ``StageClient``: one non-decoupled BLS call per item (also used by the
+    colocated E+PD model, ``ensemble.colocated_model``, whose generator runs in process)."""
+
+    def __init__(self, encoder_model: str = "encoder"):
         self.encoder_model = encoder_model
-        self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self.url = url
-        self._client = None  # tritonclient.grpc.aio client, made on the event loop at first use
 
     async def encode(self, item: MediaBytes, key: str) -> str:
         request = pb_utils.InferenceRequest(
@@ -115,6 +117,15 @@ class TritonStages:
                 raise Unavailable(f"{self.encoder_model} instance down: {error}")
             raise error
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
+
+
+class TritonStages(BlsEncoders):
+    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", prefill_model: str = "prefill",
+                 decode_model: str = "decode", url: str = DEFAULT_GRPC_URL):
+        super().__init__(encoder_model)
+        self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
+        self.url = url
+        self._client = None  # tritonclient.grpc.aio client, made on the event loop at first use
 
     async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
         """Stream the stage's chunks. If the consumer stops early (``aclose``: its client cancelled), the

@@ -141,3 +141,37 @@ class FakeStages:
         finally:
             if not done:
                 self.aborted += 1  # a real stage aborts its engine request here
+
+
+class FakeLayoutResolver:
+    """A ``MediaResolver`` for metadata-only requests (as ``LayoutMedia``, without the layout schema): a layout's
+    text is the item; media bytes or URLs are refused."""
+
+    def from_tensor(self, data, field):
+        from backend.errors import InvalidInput
+        raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media bytes")
+
+    def from_url(self, url, field):
+        from backend.errors import InvalidInput
+        raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media URLs")
+
+    def from_layout(self, text, field):
+        return text
+
+
+class FakePull:
+    """A ``prepare`` step standing in for the embedding pull: records the requests it saw, raises
+    ``error`` on its first ``failures`` calls, else reports a transfer in ``timings``."""
+
+    def __init__(self, error: BaseException | None = None, failures: int = 0):
+        self.error, self.failures = error, failures
+        self.seen: list[GenerateRequest] = []
+
+    async def __call__(self, request: GenerateRequest) -> GenerateRequest:
+        from dataclasses import replace
+
+        self.seen.append(request)
+        if self.error is not None and len(self.seen) <= self.failures:
+            raise self.error
+        return replace(request, images=(), image_embeds=("embeds", len(request.images)),
+                       timings={"transfer_ms": 0.5, "transfer_bytes": 64 * len(request.images)})

@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 import tritonclient.http as httpclient
 
+from backend.counter_batch import CounterBatch
 from backend.request import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
@@ -153,7 +154,8 @@ def test_stage_metrics_move_by_the_right_amounts(server):
     open_before, moved_before = leases(), moved()
     result = ask(server, "epd", **CASES["four_images"])
     assert _wait_for(items, lambda v: v == settled[0] + 4) == settled[0] + 4
-    assert moved() == moved_before + result.timings["transfer_bytes"] > moved_before
+    want = moved_before + result.timings["transfer_bytes"]  # counters come in batches (CounterBatch)
+    assert _wait_for(moved, lambda v: v >= want) == want > moved_before
     assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
     assert _wait_for(leases, lambda v: v <= open_before) <= open_before
     assert _metric(server, "epd_pool_capacity_bytes", "encoder") > 0
@@ -220,9 +222,11 @@ def test_pd_is_metadata_only(server):
     before = {m: _metric(server, "epd_media_decodes_total", m) for m in ("llm", "pd")}  # pd decodes with metadata-only off
     ask(server, "epd", **CASES["four_images"])
     ask(server, "llm", **CASES["four_images"])
+    llm_decodes = _wait_for(lambda: _metric(server, "epd_media_decodes_total", "llm"), lambda v: v >= before["llm"] + 4)
+    time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # the other models' counts, had they moved, are in too
     assert _metric(server, "epd_media_decodes_total", "pd") == before["pd"]
     assert _metric(server, "epd_media_decodes_total", "epd") == 0
-    assert _metric(server, "epd_media_decodes_total", "llm") == before["llm"] + 4
+    assert llm_decodes == before["llm"] + 4
 
 
 @pytest.mark.parametrize("model, consumers", [("epd", ("pd",)), ("epd_disagg", ("prefill", "decode"))])
@@ -234,12 +238,14 @@ def test_metadata_only_off_gives_the_same_tokens_and_moves_media_work_downstream
     decodes = lambda: {c: _metric(server, "epd_media_decodes_total", c) for c in consumers}
     before = decodes()
     on = ask(server, model, **case)
+    time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # counters come in batches (CounterBatch)
     assert decodes() == before and "media_ms" not in on.timings
     off = ask(server, model, **case, parameters={"epd_metadata_only": False})
     assert (off.text, off.num_input_tokens, off.num_output_tokens) == (
         baseline["chat_data_url_and_tensor"].text, baseline["chat_data_url_and_tensor"].num_input_tokens,
         baseline["chat_data_url_and_tensor"].num_output_tokens)
-    assert decodes() == {c: before[c] + 2 for c in consumers}
+    want = {c: before[c] + 2 for c in consumers}
+    assert _wait_for(decodes, lambda v: v == want) == want
     assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
     with pytest.raises(GenerateError) as info:
         ask(server, model, **case, parameters={"epd_metadata_only": "no"})

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,6 +68,9 @@ def test_expired_leases_fail_only_their_requests_after_one_retry(expiring_server
     for ok in results[2:]:
         assert not isinstance(ok, GenerateError), ok
         assert ok.finish_reason == "length"
+    deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+    while _retries(expiring_server) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _retries(expiring_server) == before + 2
     again = _ask(expiring_server, text_only[0])  # still serving
     assert not isinstance(again, GenerateError) and again.text == results[2].text
@@ -222,5 +226,8 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
     for result in later[:8]:
         assert not isinstance(result, GenerateError) or "encoder instance down" in result.message, result
     assert any(not isinstance(r, GenerateError) for r in later[:8]), "no image request served after the kill"
+    deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+    while _retries(server, "encode") <= retries and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _retries(server, "encode") > retries  # items sent to the dead instance were encoded again
     assert len(_stubs(server, "encoder")) == 1

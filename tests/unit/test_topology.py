@@ -18,7 +18,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
     assert on_disk == expected, "re-render: python -m backend.topology render topologies/default.yaml --out model_repository"
 
 
-@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d"])
+@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
 
@@ -41,6 +41,36 @@ def test_one_deployment_alone_with_engine_overrides(tmp_path):
     assert load(DEFAULT, "cpu").only("baseline").models() == {"llm": "llm"}
     with pytest.raises(TopologyError, match="no settings for llm"):
         load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("baseline")
+
+
+def test_colocated_orchestrator_renders_one_epd_model_with_pd_s_engine_and_instances():
+    topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
+    assert topology.colocated and topology.models() == {"encoder": "encoder", "epd": "epd:E+PD:colocated"}
+    files = render_files(topology, Path("/r"))
+    assert sorted(files) == ["encoder/1/model.py", "encoder/config.pbtxt", "epd/1/model.py", "epd/config.pbtxt",
+                             "epd/model.json"]  # no pd model: its engine runs in epd
+    config = files["epd/config.pbtxt"]
+    assert "from ensemble.colocated_model import TritonPythonModel" in files["epd/1/model.py"]
+    assert 'name: "image" data_type: TYPE_STRING' in config and "image_layouts" not in config  # llm's interface
+    assert 'name: "timings"' in config and "decoupled: true" in config
+    assert 'key: "orchestrator" value: { string_value: "colocated" }' in config
+    assert 'key: "encoder_model" value: { string_value: "encoder" }' in config
+    assert json.loads(files["epd/model.json"])["limit_mm_per_prompt"] == {"image": 4}
+
+
+def test_colocated_beside_e_p_d_keeps_the_proxy_for_e_p_d():
+    topology = load(DEFAULT, "cpu").with_orchestrator("colocated")
+    assert topology.models() == {"llm": "llm", "encoder": "encoder", "epd": "epd:E+PD:colocated",
+                                 "prefill": "prefill", "decode": "decode", "epd_disagg": "epd:E/P/D"}
+    files = render_files(topology, Path("/r"))
+    assert "ensemble.epd_model" in files["epd_disagg/1/model.py"] and "pd/config.pbtxt" not in files
+    alone = load(DEFAULT, "cpu").only("E+PD").with_orchestrator("colocated")
+    assert alone.models() == {"encoder": "encoder", "epd": "epd:E+PD:colocated"} and "epd" not in alone.stages
+    assert alone.with_orchestrator("proxy").models() == {"encoder": "encoder", "pd": "pd", "epd": "epd:E+PD"}
+    with pytest.raises(TopologyError, match="expected one of proxy, colocated"):
+        alone.with_orchestrator("inline")
+    with pytest.raises(TopologyError, match="only E\\+PD has one"):
+        load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu").with_orchestrator("colocated")
 
 
 def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
@@ -77,6 +107,12 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"transfer": {"pool_bytes": -1}}, "transfer.pool_bytes: expected a positive number"),
     ({"transfer": {"pool": 1}}, "transfer: unknown key(s) pool"),
     ({"engine_args": {"model": "x"}}, "the model is 'checkpoint'"),
+    ({"stages": {"encoder": {}, "pd": {"orchestrator": "inline"}, "epd": {}}}, "stages.pd.orchestrator: expected one of proxy, colocated"),
+    ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}, "epd": {}}}, "stages: epd not used by serve"),
+    ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}}, "stages.encoder.orchestrator: only the pd stage"),
+    ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {}, "epd": {}}},
+     "stages.prefill.orchestrator: only the pd stage can host an orchestrator (E+PD's); E/P/D's runs as a proxy"),
+    ({"serve": ["E/P/D"], "stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}}}, "stages: pd not used by serve"),
 ])
 def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragment):
     doc = {**BASE, **change}

@@ -1,0 +1,61 @@
+"""Batched counter increments for the Triton models' custom metrics (no Triton import: unit-tested with fake
+metrics). ``backend.triton_io``'s ``RequestMetrics`` and ``EngineMetrics`` add to a ``CounterBatch``; its
+thread hands the sums to Triton."""
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class CounterBatch:
+    """Counter increments added up in memory and handed to Triton by one thread every ``FLUSH_SECONDS``.
+
+    Each ``Metric.increment`` is a round trip from the stub to the server process (a message through the
+    stub's shared memory, answered by the server), and the engine models made more than a dozen per request (request
+    outcome, tokens, transfer, and vLLM's per-step and per-request stats), on the engine loop's thread.
+    Batched, they cost a few round trips per flush whatever the load, and one thread does every increment
+    (two threads incrementing one counter at once was once followed by a server crash, see docs/epd.md).
+    Counters lag by up to ``FLUSH_SECONDS``; ``flush`` hands over what is pending at once.
+    """
+
+    FLUSH_SECONDS = 0.25
+
+    def __init__(self):
+        self._pending: dict[int, list] = {}  # id(metric) -> [metric, amount]
+        self._lock = threading.Lock()      # guards _pending
+        self._flushing = threading.Lock()  # one thread talks to Triton at a time
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-flush", daemon=True)
+        self._thread.start()
+
+    def add(self, metric, amount: float) -> None:
+        if not amount:
+            return
+        with self._lock:
+            entry = self._pending.get(id(metric))
+            if entry is None:
+                self._pending[id(metric)] = [metric, amount]
+            else:
+                entry[1] += amount
+
+    def flush(self) -> None:
+        with self._flushing:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for metric, amount in pending.values():
+                metric.increment(amount)
+
+    def close(self) -> None:
+        """Stop the thread and flush; call while the stub's shared memory is alive (``finalize``)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.FLUSH_SECONDS):
+            try:
+                self.flush()
+            except Exception as exc:  # noqa: BLE001 - metrics must not take the model down
+                log.warning("metrics flush failed: %s", exc)

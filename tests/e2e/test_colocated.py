@@ -1,0 +1,148 @@
+"""E2E: E+PD with the orchestrator colocated (``stages.pd.orchestrator: colocated``) in its own tritonserver:
+``epd`` hosts the orchestrator and the pd engine in one stub, encoders are a separate model (BLS). Against
+``llm`` in the same server: the same tokens (greedy) for varied requests, streaming and not; a client cancel
+aborts the engine request; an encoder error is a clear INVALID_ARG naming the item; nothing leaks."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.http as httpclient
+
+from backend.counter_batch import CounterBatch
+from backend.topology import StageSpec, load, render
+from clients.local_server import ROOT, TritonServer
+from clients.triton_client import GenerateError, GenerateInputs, generate
+from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
+from tests.e2e.test_epd import CASES, GREEDY, img
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def colocated_server(tmp_path_factory):
+    """llm beside E+PD colocated (encoder + epd), rendered from topologies/cpu-e-pd-colocated.yaml."""
+    repo = tmp_path_factory.mktemp("colocated") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
+    render(dataclasses.replace(topology, serve=("baseline", "E+PD"), stages={**topology.stages, "llm": StageSpec()}), repo)
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        yield server
+        held = held_shm(server.proc.pid) - _shm_of_this_process()
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
+    assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
+
+
+def ask(server, model: str, protocol: str = "grpc", cancel_after_chunks=None, **inputs):
+    inputs.setdefault("sampling", GREEDY)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks}
+    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=120, **extra)
+
+
+@pytest.fixture(scope="module")
+def baseline(colocated_server):
+    return {name: ask(colocated_server, "llm", **inputs) for name, inputs in CASES.items()}
+
+
+def _metric(server, name: str, **labels) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not exported")
+
+
+def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server):
+    client = httpclient.InferenceServerClient(colocated_server.http_url)
+    models = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
+    assert models == {"llm", "encoder", "epd"}  # no pd: its engine runs in epd
+    inputs = {i["name"] for i in client.get_model_metadata("epd")["inputs"]}
+    assert inputs == {i["name"] for i in client.get_model_metadata("llm")["inputs"]}  # the clients' interface
+
+
+def test_baseline_depends_on_the_image(baseline):
+    assert baseline["one_image_landscape"].text != baseline["auto_placeholder"].text
+    assert baseline["two_images"].text != baseline["two_images_same"].text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, name):
+    got = ask(colocated_server, "epd", **CASES[name])
+    want = baseline[name]
+    assert got.text == want.text
+    assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
+        want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+
+
+def test_http_streaming_and_concurrent_requests(colocated_server, baseline):
+    got = ask(colocated_server, "epd", "http", **CASES["one_image_landscape"])
+    assert got.text == baseline["one_image_landscape"].text and len(got.chunks) > 1
+    names = ["four_images", "three_images", "two_images", "chat_two_images", "text_only", "one_image_square"] * 2
+    with ThreadPoolExecutor(len(names)) as pool:
+        results = list(pool.map(lambda n: ask(colocated_server, "epd", **CASES[n]), names))
+    assert [r.text for r in results] == [baseline[n].text for n in names]
+
+
+def test_timing_breakdown_and_metadata_only(colocated_server):
+    decodes = _metric(colocated_server, "epd_media_decodes_total", model="epd")
+    moved = _metric(colocated_server, "epd_transfer_bytes_total", model="epd")
+    got = ask(colocated_server, "epd", **CASES["two_images"])
+    t = got.timings
+    assert t["items"] == 2 and t["transfer_bytes"] > 0 and len(t["encoders"]) == 1
+    assert 0 < t["encode_ms"] < t["total_ms"] and 0 < t["transfer_ms"] < t["generate_ms"] <= t["total_ms"]
+    assert ask(colocated_server, "epd", **CASES["text_only"]).timings["items"] == 0
+    deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+    while _metric(colocated_server, "epd_transfer_bytes_total", model="epd") < moved + t["transfer_bytes"]:
+        assert time.monotonic() < deadline, "the pulled bytes never reached the metrics"
+        time.sleep(0.1)
+    time.sleep(2 * CounterBatch.FLUSH_SECONDS)
+    assert _metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes  # the encoder decodes
+
+
+def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline):
+    """Naive EPD (request parameter epd_metadata_only=false): the engine side also gets the client's media and
+    decodes them itself (in this one process: epd's decode counter moves by the item count)."""
+    case, want = CASES["chat_data_url_and_tensor"], baseline["chat_data_url_and_tensor"]
+    decodes = lambda: _metric(colocated_server, "epd_media_decodes_total", model="epd")
+    before = decodes()
+    off = ask(colocated_server, "epd", **case, parameters={"epd_metadata_only": False})
+    assert (off.text, off.num_input_tokens, off.num_output_tokens) == (want.text, want.num_input_tokens, want.num_output_tokens)
+    assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
+    deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+    while decodes() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decodes() == before + 2
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_encoder_error_is_a_clear_invalid_arg_naming_the_item(colocated_server, protocol):
+    with pytest.raises(GenerateError) as info:
+        ask(colocated_server, "epd", protocol, prompt="x", images=[img(0), b"\x89PNG\r\n\x1a\n broken"])
+    assert info.value.message.startswith("image[1]: cannot decode image"), info.value.message
+    if protocol == "http":
+        assert info.value.status == "400"
+    assert ask(colocated_server, "epd", **CASES["one_image_landscape"]).finish_reason is not None  # still serving
+
+
+def test_cancelling_aborts_the_engine_request(colocated_server, baseline):
+    sampled = lambda: _metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd")
+    cancelled = lambda: _metric(colocated_server, "epd_requests_total", model="epd", outcome="cancelled")
+    tokens_before, cancelled_before = sampled(), cancelled()
+    result = ask(colocated_server, "epd", prompt="Count.", images=[img(3)], stream=True, cancel_after_chunks=3,
+                 sampling={"max_tokens": 3000, "ignore_eos": True})
+    assert result.cancelled
+    deadline, generated = time.monotonic() + 30, None
+    while time.monotonic() < deadline:  # the engine stops sampling for it: the count settles
+        now = sampled()
+        if now > tokens_before and now == generated and cancelled() > cancelled_before:
+            break
+        generated = now
+        time.sleep(0.5)
+    assert cancelled() == cancelled_before + 1
+    assert 3 <= generated - tokens_before < 1000, f"the engine sampled {generated - tokens_before} tokens after a cancel"
+    assert ask(colocated_server, "epd", **CASES["one_image_portrait"]).text == baseline["one_image_portrait"].text

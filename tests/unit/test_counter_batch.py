@@ -1,0 +1,62 @@
+"""CounterBatch: increments are summed per metric and handed over by one thread, and nothing is lost at close."""
+import threading
+import time
+
+from backend.counter_batch import CounterBatch
+
+
+class FakeMetric:
+    def __init__(self):
+        self.calls: list[float] = []
+        self.threads: set[str] = set()
+
+    def increment(self, amount):
+        self.calls.append(amount)
+        self.threads.add(threading.current_thread().name)
+
+
+def test_increments_are_summed_and_handed_over_by_the_flusher_thread():
+    a, b = FakeMetric(), FakeMetric()
+    batch = CounterBatch()
+    try:
+        for _ in range(100):
+            batch.add(a, 1)
+            batch.add(b, 0.5)
+        batch.add(a, 0)  # nothing to hand over
+        deadline = time.monotonic() + 5
+        while (sum(a.calls), sum(b.calls)) != (100, 50) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (sum(a.calls), sum(b.calls)) == (100, 50)
+        assert len(a.calls) < 10, a.calls  # a few round trips, not one per add
+        assert a.threads == b.threads == {"metrics-flush"}
+    finally:
+        batch.close()
+
+
+def test_close_hands_over_what_is_pending_and_stops_the_thread():
+    metric = FakeMetric()
+    batch = CounterBatch()
+    batch.add(metric, 3)
+    batch.add(metric, 4)
+    batch.close()
+    assert sum(metric.calls) == 7
+    assert not batch._thread.is_alive()
+    batch.flush()  # nothing pending: no call
+    assert sum(metric.calls) == 7
+
+
+def test_concurrent_adds_lose_nothing():
+    metric = FakeMetric()
+    batch = CounterBatch()
+
+    def add_many():
+        for _ in range(2000):
+            batch.add(metric, 1)
+
+    threads = [threading.Thread(target=add_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    batch.close()
+    assert sum(metric.calls) == 8000

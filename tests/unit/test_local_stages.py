@@ -1,0 +1,149 @@
+"""The colocated E+PD orchestrator: ``Orchestrator`` over ``LocalStages`` (encoders faked, the generator an
+in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them."""
+import asyncio
+
+import pytest
+
+from backend.errors import InvalidInput, Unavailable
+from backend.request import RawGenerateInputs, RequestLimits
+from backend.serving import Outcome
+from ensemble.local_stages import LocalStages
+from ensemble.orchestrator import Identity, Orchestrator, Stage
+from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
+
+IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def colocated(engine=None, pull=None, encoders=None, interval=0.0):
+    encoders = encoders or FakeStages()
+    stages = LocalStages(encoders, engine or FakeEngine(), FakeLayoutResolver(), RequestLimits(max_images=4),
+                         prepare=pull or FakePull(), interval=interval)
+    return stages, encoders
+
+
+def run(stages, raw, sink=None, observer=None, deadline=0.0):
+    sink = sink or FakeSink()
+    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), deadline=deadline).run(raw, sink, observer))
+    return outcome, sink
+
+
+def test_the_engine_gets_the_metadata_only_request_and_its_stream_reaches_the_client():
+    pull, observer = FakePull(), RecordingObserver()
+    stages, encoders = colocated(pull=pull)
+    raw = RawGenerateInputs(text_input=f"{PH}{PH}Compare.", images=(b"A", b"B"), stream=True,
+                            return_num_input_tokens=True, return_num_output_tokens=True)
+    outcome, sink = run(stages, raw, observer=observer)
+    assert outcome is Outcome.OK and len(encoders.encoded) == 2
+    [request] = pull.seen  # what the engine side parsed: the encoders' layouts, no media
+    assert request.images == ('{"layout": 0}', '{"layout": 1}') and request.original_media == ()
+    assert request.prompt == f"{PH}{PH}Compare." and request.stream
+    assert [(c.text_output, final) for c, final in sink.chunks] == [("Hel", False), ("lo", False), ("!", True)]
+    last = sink.chunks[-1][0]
+    assert (last.finish_reason, last.num_input_tokens, last.num_output_tokens) == ("stop", 7, 3)
+    timings = last.timings  # the orchestrator's breakdown with the pull's transfer
+    assert timings["items"] == 2 and timings["transfer_bytes"] == 128 and timings["transfer_ms"] == 0.5
+    assert 0 < timings["encode_ms"] <= timings["total_ms"] and timings["generate_ms"] <= timings["total_ms"]
+    assert observer.finished == [(Outcome.OK, 3)] and sink.finals == 1
+
+
+@pytest.mark.parametrize("exclude, expected", [(False, "Q: Hello!"), (True, "Hello!")])
+def test_non_streaming_sends_one_response(exclude, expected):
+    stages, _ = colocated()
+    _, sink = run(stages, RawGenerateInputs(text_input="Q: ", exclude_input_in_output=exclude))
+    assert [(c.text_output, final) for c, final in sink.chunks] == [(expected, True)]
+
+
+def test_stream_interval_merges_steps():
+    stages, _ = colocated(engine=FakeEngine(pieces=list("abcdef"), step_delay=0.01), interval=0.025)
+    _, sink = run(stages, RawGenerateInputs(text_input="x", stream=True))
+    texts = [c.text_output for c, _ in sink.chunks]
+    assert texts[0] == "a" and "".join(texts) == "abcdef" and 2 <= len(texts) < 6
+
+
+def test_text_only_skips_encoders_and_pull_sees_no_items():
+    pull = FakePull()
+    stages, encoders = colocated(pull=pull)
+    outcome, _ = run(stages, RawGenerateInputs(text_input="hello"))
+    assert outcome is Outcome.OK and encoders.encoded == [] and pull.seen[0].images == ()
+
+
+def test_client_cancel_aborts_the_engine_request():
+    engine = FakeEngine(pieces=["t"] * 50)
+    stages, _ = colocated(engine=engine)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
+    assert len(engine.aborted) == 1 and engine.steps_run < 50
+
+
+def test_finished_requests_are_not_aborted():
+    engine = FakeEngine()
+    stages, _ = colocated(engine=engine)
+    run(stages, RawGenerateInputs(text_input="x", stream=True))
+    assert engine.aborted == []
+
+
+def test_a_lost_embedding_is_encoded_again_and_nothing_reaches_the_engine_before():
+    pull, engine = FakePull(Unavailable("image_layouts[0]: embedding lease 1a expired before it was read"), 1), FakeEngine()
+    stages, encoders = colocated(engine=engine, pull=pull)
+    observer = RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    assert outcome is Outcome.OK and observer.retried == ["request"] and len(encoders.encoded) == 2
+    assert engine.steps_run == 3 and engine.aborted == []  # one generation: the retry's
+    assert sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_a_lost_embedding_twice_fails_naming_the_clients_item():
+    pull = FakePull(Unavailable("image_layouts[1]: embedding lease 2b expired before it was read"), 2)
+    stages, _ = colocated(pull=pull)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
+    assert outcome is Outcome.ERROR
+    [error] = sink.errors
+    assert isinstance(error, Unavailable) and str(error) == "image[1]: embedding lease 2b expired before it was read"
+
+
+def test_an_encoder_error_fails_the_request_under_the_clients_field():
+    encoders = FakeStages(encode_error=InvalidInput("image", "cannot decode image"), fail_item=0)
+    engine = FakeEngine()
+    stages, _ = colocated(engine=engine, encoders=encoders)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"bad",)))
+    assert outcome is Outcome.ERROR and str(sink.errors[0]) == "image[0]: cannot decode image"
+    assert engine.steps_run == 0
+
+
+def test_an_engine_error_mid_stream_fails_the_request_and_aborts():
+    engine = FakeEngine(fail_with=RuntimeError("engine broke"), fail_after=1)
+    stages, _ = colocated(engine=engine)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True))
+    assert outcome is Outcome.ERROR and "engine broke" in str(sink.errors[0]) and len(engine.aborted) == 1
+    assert sink.finals == 1
+
+
+def test_deadline_while_generating_aborts_the_engine_request():
+    engine = FakeEngine(pieces=["t"] * 100, step_delay=0.01)
+    stages, _ = colocated(engine=engine)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), deadline=0.1)
+    assert outcome is Outcome.ERROR and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
+    assert len(engine.aborted) == 1 and engine.steps_run < 100
+
+
+def test_media_given_to_the_generator_are_refused():
+    stages, _ = colocated()
+
+    async def first_chunk():
+        async for chunk in stages.generate(RawGenerateInputs(text_input="x", images=(b"raw",))):
+            return chunk
+
+    with pytest.raises(InvalidInput, match="metadata-only"):
+        asyncio.run(first_chunk())
+
+
+def test_only_the_e_pd_generator_stage_runs_in_process():
+    stages, _ = colocated()
+
+    async def first_chunk():
+        async for chunk in stages.generate(RawGenerateInputs(text_input="x"), Stage.PREFILL):
+            return chunk
+
+    with pytest.raises(ValueError, match="E\\+PD only"):
+        asyncio.run(first_chunk())
