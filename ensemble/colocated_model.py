@@ -17,10 +17,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from backend.encoder import model_identity, processing_options
-from backend.errors import InvalidInput
 from backend.generate_model import MetadataOnlyModel, parameter
-from backend.triton_io import ERROR_CODES_PARAMETER, TritonSink, read_generate_inputs, request_parameters, send_error
-from ensemble.epd_model import METADATA_ONLY_PARAMETER
+from ensemble.epd_model import orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import BlsEncoders
@@ -40,17 +38,5 @@ class TritonPythonModel(MetadataOnlyModel):
             metadata_only=parameter(self.config, "metadata_only", "true").lower() != "false")
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            params = request_parameters(request)
-            tag = bool(params.get(ERROR_CODES_PARAMETER))
-            try:
-                raw = read_generate_inputs(request)
-                metadata_only = params.get(METADATA_ONLY_PARAMETER)
-                if metadata_only is not None and not isinstance(metadata_only, bool):
-                    raise InvalidInput(f"parameters.{METADATA_ONLY_PARAMETER}", f"expected a bool, got {metadata_only!r}")
-            except Exception as exc:
-                send_error(sender, exc, tag)
-                continue
-            self.host.submit(self.orchestrator.run(raw, TritonSink(sender, tag), self.metrics, metadata_only))
+        orchestrate(requests, self.orchestrator, self.metrics, self.host.submit)
         return None

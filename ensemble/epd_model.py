@@ -25,6 +25,25 @@ from ensemble.triton_stages import TritonStages, grpc_url
 METADATA_ONLY_PARAMETER = "epd_metadata_only"
 
 
+def orchestrate(requests, orchestrator: Orchestrator, metrics, submit) -> None:
+    """``execute`` of the orchestrator models (this one and ``ensemble.colocated_model``): read each request
+    (a bad one is answered with its error at once) and ``submit`` the orchestrator's run of it to the model's
+    event loop."""
+    for request in requests:
+        sender = request.get_response_sender()
+        params = request_parameters(request)
+        tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
+        try:
+            raw = read_generate_inputs(request)
+            metadata_only = params.get(METADATA_ONLY_PARAMETER)
+            if metadata_only is not None and not isinstance(metadata_only, bool):
+                raise InvalidInput(f"parameters.{METADATA_ONLY_PARAMETER}", f"expected a bool, got {metadata_only!r}")
+        except Exception as exc:
+            send_error(sender, exc, tag)
+            continue
+        submit(orchestrator.run(raw, TritonSink(sender, tag), metrics, metadata_only))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
@@ -50,19 +69,7 @@ class TritonPythonModel:
         self.loop = LoopThread("epd-loop")
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            params = request_parameters(request)
-            tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
-            try:
-                raw = read_generate_inputs(request)
-                metadata_only = params.get(METADATA_ONLY_PARAMETER)
-                if metadata_only is not None and not isinstance(metadata_only, bool):
-                    raise InvalidInput(f"parameters.{METADATA_ONLY_PARAMETER}", f"expected a bool, got {metadata_only!r}")
-            except Exception as exc:
-                send_error(sender, exc, tag)
-                continue
-            self.loop.submit(self.orchestrator.run(raw, TritonSink(sender, tag), self.metrics, metadata_only))
+        orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit)
         return None
 
     def finalize(self):

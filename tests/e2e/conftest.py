@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,13 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     return Reference(tmp_path_factory.mktemp("reference"))
+
+
+def metric(server, name: str, **labels) -> float:
+    """The value of ``name`` on the server's metrics endpoint, for the series carrying every one of ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not exported")

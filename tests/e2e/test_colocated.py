@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,8 +15,8 @@ from backend.counter_batch import CounterBatch
 from backend.topology import StageSpec, load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
-from tests.e2e.test_epd import CASES, GREEDY, img
+from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind, metric
+from tests.e2e.test_epd import CASES, GREEDY, ask, img
 
 pytestmark = pytest.mark.e2e
 
@@ -36,25 +35,9 @@ def colocated_server(tmp_path_factory):
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 
 
-def ask(server, model: str, protocol: str = "grpc", cancel_after_chunks=None, **inputs):
-    inputs.setdefault("sampling", GREEDY)
-    url = server.grpc_url if protocol == "grpc" else server.http_url
-    extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks}
-    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=120, **extra)
-
-
 @pytest.fixture(scope="module")
 def baseline(colocated_server):
     return {name: ask(colocated_server, "llm", **inputs) for name, inputs in CASES.items()}
-
-
-def _metric(server, name: str, **labels) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(w in line for w in want):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{labels} not exported")
 
 
 def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server):
@@ -89,26 +72,26 @@ def test_http_streaming_and_concurrent_requests(colocated_server, baseline):
 
 
 def test_timing_breakdown_and_metadata_only(colocated_server):
-    decodes = _metric(colocated_server, "epd_media_decodes_total", model="epd")
-    moved = _metric(colocated_server, "epd_transfer_bytes_total", model="epd")
+    decodes = metric(colocated_server, "epd_media_decodes_total", model="epd")
+    moved = metric(colocated_server, "epd_transfer_bytes_total", model="epd")
     got = ask(colocated_server, "epd", **CASES["two_images"])
     t = got.timings
     assert t["items"] == 2 and t["transfer_bytes"] > 0 and len(t["encoders"]) == 1
     assert 0 < t["encode_ms"] < t["total_ms"] and 0 < t["transfer_ms"] < t["generate_ms"] <= t["total_ms"]
     assert ask(colocated_server, "epd", **CASES["text_only"]).timings["items"] == 0
     deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
-    while _metric(colocated_server, "epd_transfer_bytes_total", model="epd") < moved + t["transfer_bytes"]:
+    while metric(colocated_server, "epd_transfer_bytes_total", model="epd") < moved + t["transfer_bytes"]:
         assert time.monotonic() < deadline, "the pulled bytes never reached the metrics"
         time.sleep(0.1)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)
-    assert _metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes  # the encoder decodes
+    assert metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes  # the encoder decodes
 
 
 def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline):
     """Naive EPD (request parameter epd_metadata_only=false): the engine side also gets the client's media and
     decodes them itself (in this one process: epd's decode counter moves by the item count)."""
     case, want = CASES["chat_data_url_and_tensor"], baseline["chat_data_url_and_tensor"]
-    decodes = lambda: _metric(colocated_server, "epd_media_decodes_total", model="epd")
+    decodes = lambda: metric(colocated_server, "epd_media_decodes_total", model="epd")
     before = decodes()
     off = ask(colocated_server, "epd", **case, parameters={"epd_metadata_only": False})
     assert (off.text, off.num_input_tokens, off.num_output_tokens) == (want.text, want.num_input_tokens, want.num_output_tokens)
@@ -130,8 +113,8 @@ def test_an_encoder_error_is_a_clear_invalid_arg_naming_the_item(colocated_serve
 
 
 def test_cancelling_aborts_the_engine_request(colocated_server, baseline):
-    sampled = lambda: _metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd")
-    cancelled = lambda: _metric(colocated_server, "epd_requests_total", model="epd", outcome="cancelled")
+    sampled = lambda: metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd")
+    cancelled = lambda: metric(colocated_server, "epd_requests_total", model="epd", outcome="cancelled")
     tokens_before, cancelled_before = sampled(), cancelled()
     result = ask(colocated_server, "epd", prompt="Count.", images=[img(3)], stream=True, cancel_after_chunks=3,
                  sampling={"max_tokens": 3000, "ignore_eos": True})

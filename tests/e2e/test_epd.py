@@ -12,6 +12,7 @@ from backend.counter_batch import CounterBatch
 from backend.request import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
+from tests.e2e.conftest import metric
 
 pytestmark = pytest.mark.e2e
 
@@ -122,14 +123,6 @@ def test_http_streaming_through_epd(server, baseline):
     assert got.text == baseline["one_image_landscape"].text and len(got.chunks) > 1
 
 
-def _metric(server, name: str, model: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{model="{model}"') or (line.startswith(name + "{") and f'model="{model}"' in line):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} for {model} not found")
-
-
 def _wait_for(read, condition, seconds: float = 5.0):
     deadline = time.monotonic() + seconds
     while True:
@@ -142,11 +135,11 @@ def _wait_for(read, condition, seconds: float = 5.0):
 def test_stage_metrics_move_by_the_right_amounts(server):
     """Encoder items and pool leases (refreshed once a second) and pd's pulled bytes, after one request."""
     # an item is encoded, or served from an encoder instance's cache (earlier tests sent the same images)
-    items = lambda: (_metric(server, "epd_encoder_items_total", "encoder")
-                     + _metric(server, "epd_encoder_cache_hits_total", "encoder"))
-    released = lambda: _metric(server, "epd_pool_released_total", "encoder")
-    leases = lambda: _metric(server, "epd_pool_leases", "encoder")
-    moved = lambda: _metric(server, "epd_transfer_bytes_total", "pd")
+    items = lambda: (metric(server, "epd_encoder_items_total", model="encoder")
+                     + metric(server, "epd_encoder_cache_hits_total", model="encoder"))
+    released = lambda: metric(server, "epd_pool_released_total", model="encoder")
+    leases = lambda: metric(server, "epd_pool_leases", model="encoder")
+    moved = lambda: metric(server, "epd_transfer_bytes_total", model="pd")
     settled = None
     while settled != (items(), released()):  # let earlier tests' work reach the metrics first
         settled = (items(), released())
@@ -158,7 +151,7 @@ def test_stage_metrics_move_by_the_right_amounts(server):
     assert _wait_for(moved, lambda v: v >= want) == want > moved_before
     assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
     assert _wait_for(leases, lambda v: v <= open_before) <= open_before
-    assert _metric(server, "epd_pool_capacity_bytes", "encoder") > 0
+    assert metric(server, "epd_pool_capacity_bytes", model="encoder") > 0
 
 
 VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
@@ -167,7 +160,7 @@ VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
 
 
 def _vllm_counters(server, model: str) -> dict[str, float]:
-    return {name: _metric(server, f"epd_vllm_{name}", model) for name in VLLM_COUNTERS}
+    return {name: metric(server, f"epd_vllm_{name}", model=model) for name in VLLM_COUNTERS}
 
 
 def _moved(server, model: str, before: dict, want_requests: int) -> dict[str, float]:
@@ -219,13 +212,13 @@ def test_pd_is_metadata_only(server):
     with pytest.raises(GenerateError) as info:
         ask(server, "pd", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img(0))}}]}])
     assert "metadata-only" in info.value.message
-    before = {m: _metric(server, "epd_media_decodes_total", m) for m in ("llm", "pd")}  # pd decodes with metadata-only off
+    before = {m: metric(server, "epd_media_decodes_total", model=m) for m in ("llm", "pd")}  # pd decodes with metadata-only off
     ask(server, "epd", **CASES["four_images"])
     ask(server, "llm", **CASES["four_images"])
-    llm_decodes = _wait_for(lambda: _metric(server, "epd_media_decodes_total", "llm"), lambda v: v >= before["llm"] + 4)
+    llm_decodes = _wait_for(lambda: metric(server, "epd_media_decodes_total", model="llm"), lambda v: v >= before["llm"] + 4)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # the other models' counts, had they moved, are in too
-    assert _metric(server, "epd_media_decodes_total", "pd") == before["pd"]
-    assert _metric(server, "epd_media_decodes_total", "epd") == 0
+    assert metric(server, "epd_media_decodes_total", model="pd") == before["pd"]
+    assert metric(server, "epd_media_decodes_total", model="epd") == 0
     assert llm_decodes == before["llm"] + 4
 
 
@@ -235,7 +228,7 @@ def test_metadata_only_off_gives_the_same_tokens_and_moves_media_work_downstream
     every item themselves (their decode counters move by the item count each) and report the time
     (media_ms); with metadata-only on (the default) they decode nothing and report no media time."""
     case = CASES["chat_data_url_and_tensor"]  # a data URL and a tensor image: both reach the consumers as bytes
-    decodes = lambda: {c: _metric(server, "epd_media_decodes_total", c) for c in consumers}
+    decodes = lambda: {c: metric(server, "epd_media_decodes_total", model=c) for c in consumers}
     before = decodes()
     on = ask(server, model, **case)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # counters come in batches (CounterBatch)
@@ -302,13 +295,13 @@ def test_encoder_batches_items_of_concurrent_requests(server, baseline):
 def _tokens_after_cancel(server, orchestrator: str, stage: str, image: bytes) -> float:
     """Cancel a 3000-token request through ``orchestrator`` after 3 chunks; return the tokens ``stage``
     generated for it, once its request has ended (aborted) and the count has settled."""
-    before = _metric(server, "epd_generated_tokens_total", stage)
+    before = metric(server, "epd_generated_tokens_total", model=stage)
     result = ask(server, orchestrator, prompt="Count.", images=[image], stream=True, cancel_after_chunks=3,
                  sampling={"max_tokens": 3000, "ignore_eos": True})
     assert result.cancelled
     deadline, generated = time.monotonic() + 30, None
     while time.monotonic() < deadline:
-        now = _metric(server, "epd_generated_tokens_total", stage)
+        now = metric(server, "epd_generated_tokens_total", model=stage)
         if now > before and now == generated:
             break
         generated = now

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
 import tritonclient.http as httpclient
@@ -11,6 +10,7 @@ from backend.counter_batch import CounterBatch
 from backend.request import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
+from tests.e2e.conftest import metric
 
 pytestmark = pytest.mark.e2e
 
@@ -110,27 +110,18 @@ def test_streaming_and_non_streaming_agree(server, expected, protocol):
     assert with_prompt.text == inputs["prompt"] + whole.text
 
 
-def _metric(server, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and want in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name}{{{want}}} not found")
-
-
 def test_cancellation_stops_generation(server):
-    cancelled_before = _metric(server, "epd_requests_total", model="llm", outcome="cancelled")
-    tokens_before = _metric(server, "epd_generated_tokens_total", model="llm")
+    cancelled_before = metric(server, "epd_requests_total", model="llm", outcome="cancelled")
+    tokens_before = metric(server, "epd_generated_tokens_total", model="llm")
     result = ask(server, prompt="Count forever.", sampling={"max_tokens": 3000, "ignore_eos": True},
                  cancel_after_chunks=3)
     assert result.cancelled and len(result.chunks) == 3
     deadline = time.monotonic() + 20
-    while _metric(server, "epd_requests_total", model="llm", outcome="cancelled") == cancelled_before:
+    while metric(server, "epd_requests_total", model="llm", outcome="cancelled") == cancelled_before:
         assert time.monotonic() < deadline, "the cancelled request never finished in the model"
         time.sleep(0.1)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # the request's token count may come in the next flush
-    generated = _metric(server, "epd_generated_tokens_total", model="llm") - tokens_before
+    generated = metric(server, "epd_generated_tokens_total", model="llm") - tokens_before
     assert 3 <= generated < 1000, f"{generated} tokens generated for a request cancelled after 3"
     assert ask(server, **CASES[0][1]).finish_reason is not None  # still serving
 
