@@ -120,6 +120,7 @@ class TritonServer:
                  log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None):
         self.repository = Path(repository)
         self.ports = ports or Ports.free()
+        self._own_ports = ports is None  # picked here: picked again if another process takes one first
         self.log_path = log_path
         self.extra_args = list(extra_args)
         self.env = env
@@ -143,6 +144,24 @@ class TritonServer:
         return f"http://127.0.0.1:{self.ports.metrics}/metrics"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        """Start and wait until ready. A port picked here that another process bound before tritonserver
+        did (free ports are only free when picked) is picked again, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                if not (self._own_ports and attempt < 2 and self._port_taken()):
+                    raise
+                self.ports = Ports.free()
+        raise AssertionError("unreachable")
+
+    def _port_taken(self) -> bool:
+        try:
+            return b"already in use" in Path(self.log_path).read_bytes() if self.log_path else False
+        except OSError:
+            return False
+
+    def _start(self, timeout: float) -> "TritonServer":
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
         try:

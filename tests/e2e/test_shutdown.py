@@ -50,3 +50,28 @@ def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
     assert server.proc.returncode == 0
     for model in ("epd", "encoder", "pd"):
         assert f"successfully unloaded '{model}'" in log
+
+
+def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, monkeypatch):
+    """Free ports are only free when picked: another process (a parallel test run) may bind one first."""
+    import socket
+
+    from clients.local_server import Ports
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real, picks = Ports.free, []
+
+    def free():  # the first pick has the taken port for HTTP
+        ports = real()
+        picks.append(ports if picks else Ports(taken.getsockname()[1], ports.grpc, ports.metrics))
+        return picks[-1]
+
+    monkeypatch.setattr(Ports, "free", staticmethod(free))
+    (tmp_path / "empty-repo").mkdir()
+    try:
+        with TritonServer(tmp_path / "empty-repo", log_path=tmp_path / "server.log") as server:
+            assert len(picks) == 2 and server.ports == picks[1] and server.is_ready()
+    finally:
+        taken.close()
