@@ -5,7 +5,10 @@ off: the consumer also gets the original media and decodes/preprocesses it, as a
 ``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
 colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D) and
 ``epd_disagg_naive``. Load (``clients.bench_load``): a concurrency sweep (closed loop,
-``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``). Dataset: synthetic
+``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
+``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
+latencies read from its profile export (``clients.perf_analyzer.load_level``; the load generator shares
+the server's cores, and the Python one costs ~2-3 ms of CPU per request). Dataset: synthetic
 images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--max-tokens`` greedy tokens
 with ignore_eos. Reported per deployment and load level (``clients.bench_report``): requests/s, tokens/s,
 TTFT, time per output token and end-to-end latency p50/p90/p99, the p50 stage breakdown from the
@@ -80,9 +83,22 @@ class Bench:
         return made
 
     async def _level(self, url: str, model: str, level: float, requests, progress):
+        """(results, wall seconds, CPU seconds of a load generator process other than this one)."""
+        if self.args.load_generator == "perf_analyzer":
+            from clients import perf_analyzer
+            from clients.bench_load import Results
+            from clients.local_server import ROOT
+
+            samples, errors, wall, cpu = await asyncio.to_thread(
+                perf_analyzer.load_level, url, model, int(level), requests, ROOT / ".cache" / "bench-perf-analyzer",
+                self.args.max_tokens)
+            results = Results(progress)
+            results.samples, results.errors = samples, [f"no final response ({errors} requests)"] if errors else []
+            progress.update(len(requests))
+            return results, wall, cpu
         if self.mode == "rate":
-            return await run_rate(url, model, level, requests, progress, seed=self.args.seed)
-        return await run_concurrency(url, model, int(level), requests, progress)
+            return *await run_rate(url, model, level, requests, progress, seed=self.args.seed), 0.0
+        return *await run_concurrency(url, model, int(level), requests, progress), 0.0
 
     async def run_server(self, url: str, deployments: list[tuple[str, str]], metrics_url: str | None = None,
                          server_pid: int | None = None) -> None:
@@ -106,8 +122,10 @@ class Bench:
                     label, _, _, parameters = DEPLOYMENTS[key]
                     before = _scrape(metrics_url)
                     cpu_before = proc_cpu.snapshot(server_pid)
-                    results, wall = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
+                    results, wall, load_cpu = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
                     cpu = proc_cpu.per_request(cpu_before, proc_cpu.snapshot(server_pid), a.requests)
+                    if load_cpu:  # perf_analyzer, a child process: with this one's (idle) share
+                        cpu["load generator"] = round(cpu.get("load generator", 0.0) + load_cpu * 1000 / a.requests, 2)
                     rows.append(bench_report.summarise(label, self.mode, level, results.samples, len(results.errors), wall))
                     rows[-1]["cpu_ms"] = cpu
                     rows[-1]["cpu_busy"] = round(sum(cpu.values()) * a.requests / 1000 / wall / (os.cpu_count() or 1), 3)
@@ -125,7 +143,7 @@ class Bench:
                 "images": a.images, "dataset": str(a.image_dir) if a.image_dir else f"synthetic {a.image_sizes}",
                 "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
                 "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
-                "stream_interval_ms": a.stream_interval_ms}
+                "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator}
 
 
 def _scrape(metrics_url: str | None) -> dict:
@@ -184,6 +202,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--image-sizes", default="64x48,80x64,96x96,112x112", help="synthetic images: WxH,...")
     parser.add_argument("--image-dir", type=Path, help="take the images from this folder instead (name order, round-robin)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output length (greedy, ignore_eos)")
+    parser.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
+                        help="python: tritonclient's asyncio gRPC streams (clients.bench_load); perf_analyzer: the C++ "
+                             "client of Triton (as genai-perf runs it), TTFT from its profile export; concurrency only")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="arrival times of --rate")
     parser.add_argument("--url", help="host:port of a running server's gRPC endpoint (default: start servers)")
@@ -196,6 +217,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--json", type=Path, help="write the rows (JSON) here too")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.load_generator == "perf_analyzer" and args.rate:
+        parser.error("--load-generator perf_analyzer runs the concurrency sweep (--concurrency), not --rate")
     unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
     if unknown:
         parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
@@ -223,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
     print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}, "
           f"{args.max_tokens} greedy tokens (ignore_eos); servers: {s['servers']}; engines "
-          f"{'compiled' if args.compile and not args.url else 'as configured'}"
+          f"{'compiled' if args.compile and not args.url else 'as configured'}; load generator {args.load_generator}"
           + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")
     print(bench_report.markdown_table(bench.rows))
     if any(row.get("cpu_ms") for row in bench.rows):

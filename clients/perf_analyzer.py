@@ -53,13 +53,75 @@ def make_inputs(entries: int, images: int, sizes, prompts: list[str], max_tokens
     sampling = json.dumps({"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
     data = []
     for i in range(entries):
-        entry = {"text_input": {"content": [prompts[i % len(prompts)]], "shape": [1]},
-                 "sampling_parameters": {"content": [sampling], "shape": [1]},
-                 "stream": {"content": [True], "shape": [1]}}
+        values = {"text_input": prompts[i % len(prompts)], "sampling_parameters": sampling, "stream": True}
         if images:
-            entry["image"] = {"b64": serialized_bytes(load_images(images, sizes, image_dir, i)), "shape": [images]}
-        data.append(entry)
+            values["image"] = load_images(images, sizes, image_dir, i)
+        data.append(input_entry(values))
     return {"data": data}
+
+
+def input_entry(values: dict) -> dict:
+    """One perf_analyzer input-data entry for the shared interface's values (``GenerateInputs.as_values``)."""
+    entry = {}
+    for name, value in values.items():
+        if isinstance(value, list):  # BYTES elements (images, layouts): Triton's serialized form as b64
+            entry[name] = {"b64": serialized_bytes([v if isinstance(v, bytes) else v.encode() for v in value]),
+                           "shape": [len(value)]}
+        else:
+            entry[name] = {"content": [value], "shape": [1]}
+    return entry
+
+
+def load_level(url: str, model: str, concurrency: int, requests: list, workdir: Path, max_tokens: int):
+    """Send ``requests`` (``GenerateInputs``, each once) at ``concurrency`` with perf_analyzer as the load
+    generator (C++; what genai-perf drives), reading each request's send and response times from its
+    profile export: ``(samples, errors, wall seconds, CPU seconds perf_analyzer used)``. Time to first token
+    is the first response with text, as ``clients.bench_load`` measures it."""
+    import resource
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    inputs, export = workdir / f"{model}-c{concurrency}-inputs.json", workdir / f"{model}-c{concurrency}-export.json"
+    inputs.write_text(json.dumps({"data": [input_entry(r.as_values()) for r in requests]}))
+    export.unlink(missing_ok=True)
+    command = [str(VENV / "bin" / "perf_analyzer"), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+               "--input-data", str(inputs), "--concurrency-range", f"{concurrency}:{concurrency}",
+               "--request-count", str(len(requests)), "--profile-export-file", str(export)]
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{LIB_DIR}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
+    (workdir / f"{model}-c{concurrency}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not export.exists():
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}) for {model} at {concurrency}: "
+                           f"{(done.stdout + done.stderr)[-1500:]}")
+    # 2.51 writes BYTES inputs into the JSON as raw bytes (not UTF-8): read it as latin-1
+    sent = json.loads(export.read_bytes().decode("latin-1"))["experiments"][0]["requests"]
+    samples = export_samples(sent, max_tokens)
+    wall = (max(max(r["response_timestamps"]) for r in sent if r["response_timestamps"])
+            - min(r["timestamp"] for r in sent)) / 1e9 if samples else 0.0
+    return samples, len(requests) - len(samples), wall, cpu
+
+
+def export_samples(requests: list[dict], max_tokens: int) -> list:
+    """``bench_report.Sample``s of the requests of a perf_analyzer profile export (timestamps in ns); a
+    request without a final response (``finish_reason``) is not a sample."""
+    from clients.bench_report import Sample
+
+    samples = []
+    for request in requests:
+        times, outputs = request.get("response_timestamps") or [], request.get("response_outputs") or []
+        if not times or len(outputs) != len(times) or not outputs[-1].get("finish_reason"):
+            continue
+        sent = request["timestamp"]
+        first = next((t for t, out in zip(times, outputs) if out.get("text_output")), times[-1])
+        timings = outputs[-1].get("timings")
+        tokens = outputs[-1].get("num_output_tokens", 0)
+        if not 0 < tokens <= max_tokens:  # 2.51 misreads the counts; ignore_eos: every request makes max_tokens
+            tokens = max_tokens if outputs[-1]["finish_reason"] == "length" else sum(1 for o in outputs if o.get("text_output"))
+        samples.append(Sample((first - sent) / 1e9, (times[-1] - sent) / 1e9, tokens,
+                              json.loads(timings.encode("latin-1")) if timings else {}, len(times)))
+    return samples
 
 
 def perf_analyzer_command(url: str, model: str, inputs: Path, concurrency: int, report: Path,
