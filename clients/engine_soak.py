@@ -96,11 +96,11 @@ def main(argv=None) -> int:
 
     import json
 
-    from backend.engine import EngineHost, load_engine_args
+    from backend.engine import METADATA_ONLY_ENGINE_DEFAULTS, EngineHost, load_engine_args
 
     engine_args = load_engine_args(ROOT / "model_repository" / ("pd" if args.input == "embeds" else "llm") / "model.json")
-    if args.input == "embeds":
-        engine_args["enable_mm_embeds"] = True
+    if args.input == "embeds":  # as the pd model starts its engine
+        engine_args = {**METADATA_ONLY_ENGINE_DEFAULTS, **engine_args, "enable_mm_embeds": True}
     for item in args.engine_arg:
         key, value = item.split("=", 1)
         engine_args[key] = json.loads(value)
