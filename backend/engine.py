@@ -39,7 +39,19 @@ PROCESS_ENV_DEFAULTS = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
+    # oneDNN's process-wide primitive cache (default 1024 entries) keeps a primitive for every GEMM shape
+    # it has seen, ~0.6-1 MiB each whatever the weight size; a prefilling engine meets a new token count
+    # almost every step, so its EngineCore grew by hundreds of MiB over a soak (docs/robustness.md, "Soak").
+    # vLLM's CPU GEMMs already keep their own primitives (32 most recent shapes per layer), so the global
+    # cache only adds memory; measured: 0.2-0.9 ms more for a GEMM whose shape left vLLM's cache.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
 }
+
+# Engine arguments of the engines fed embeddings or layouts (pd, prefill, decode), under model.json's.
+# vLLM's multimodal processor cache (mm_processor_cache_gb, 4 GiB by default) keeps every item the
+# engine received, in the EngineCore too, until that budget (counted in tensor bytes) is full: pulled
+# embeddings are never processed again, so for them it only grows the EngineCore (~13 KiB an item).
+METADATA_ONLY_ENGINE_DEFAULTS = {"mm_processor_cache_gb": 0}
 
 
 def load_engine_args(path: Path) -> dict[str, Any]:

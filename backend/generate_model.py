@@ -18,7 +18,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import EngineHost, load_engine_args
+from backend.engine import METADATA_ONLY_ENGINE_DEFAULTS, EngineHost, load_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
@@ -33,7 +33,8 @@ def parameter(config: dict, key: str, default: str) -> str:
 
 class GenerateModel:
     """Subclasses implement ``make_resolver`` and may override ``prepare`` (runs on the engine loop
-    before generation; its errors fail that request only) and ``extra_engine_args``."""
+    before generation; its errors fail that request only), ``default_engine_args`` (under model.json's)
+    and ``extra_engine_args`` (over them)."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.config = json.loads(args["model_config"])
@@ -41,7 +42,8 @@ class GenerateModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.config):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
         model_dir = Path(args["model_repository"])
-        self.engine_args = {**load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")),
+        self.engine_args = {**self.default_engine_args(),
+                            **load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")),
                             **self.extra_engine_args()}
         self.limits = RequestLimits(
             max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
@@ -64,7 +66,12 @@ class GenerateModel:
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
 
+    def default_engine_args(self) -> dict[str, Any]:
+        """Engine arguments that model.json may override."""
+        return {}
+
     def extra_engine_args(self) -> dict[str, Any]:
+        """Engine arguments over model.json's (what the model needs to work)."""
         return {}
 
     def process_env(self) -> dict[str, str]:
@@ -127,6 +134,9 @@ class MetadataOnlyModel(GenerateModel):
         from backend.request import LayoutMedia
 
         return LayoutMedia(model_identity(self.engine_args["model"]))
+
+    def default_engine_args(self):
+        return dict(METADATA_ONLY_ENGINE_DEFAULTS)
 
     def extra_engine_args(self):
         extra: dict[str, Any] = {"enable_mm_embeds": True}
