@@ -275,6 +275,7 @@ class EncoderMetrics:
     """The ``encoder`` model's work and its embedding pool, as Triton custom metrics (``refresh`` copies
     the service's counters and the pool's stats; the encoder model calls it once a second).
 
+    Labels ``model`` and ``instance`` (each instance is a stub with its own pool: sum over instances).
     ``epd_encoder_items_total{model}``, ``epd_encoder_compute_seconds_total{model}`` (image processor + tower
     forward), ``epd_encoder_cache_hits_total{model}`` (items published from the embedding cache), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
     ``epd_pool_capacity_bytes{model}``, ``epd_pool_released_total{model}`` (read by their consumer, or
@@ -292,10 +293,14 @@ class EncoderMetrics:
         "epd_pool_expired_total": ("COUNTER", "Leases that expired before anyone read them"),
     }
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, instance: str = ""):
+        """``instance``: this model instance's name, a label of its own (each instance is a stub process with
+        its own pool and counters; instances sharing one metric overwrote each other's gauges, and each stub
+        deleted the shared metric at unload: glibc heap aborts in the stubs at every stop with two instances)."""
         self._families = {name: pb_utils.MetricFamily(name=name, kind=getattr(pb_utils.MetricFamily, kind), description=text)
                           for name, (kind, text) in self._FAMILIES.items()}
-        self._metrics = {name: family.Metric(labels={"model": model_name}) for name, family in self._families.items()}
+        labels = {"model": model_name, **({"instance": instance} if instance else {})}
+        self._metrics = {name: family.Metric(labels=labels) for name, family in self._families.items()}
         self._seen = {name: 0.0 for name in self._FAMILIES}
         self._lock = threading.Lock()
 

@@ -45,7 +45,7 @@ class TritonPythonModel:
                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing,
                                       cache_bytes=int(parameter(config, "cache_bytes", str(32 << 20))))
-        self.metrics = EncoderMetrics(args["model_name"])
+        self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report, name="encoder-metrics", daemon=True)
         self._reporter.start()

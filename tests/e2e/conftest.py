@@ -133,15 +133,3 @@ def metric(server, name: str, **labels) -> float:
         if line.startswith(name + "{") and all(w in line for w in want):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name}{labels} not exported")
-
-
-HEAP_ABORTS = ("unaligned tcache chunk detected", "unaligned fastbin chunk detected", "double free or corruption",
-               "malloc(): corrupted", "free(): invalid pointer")
-
-
-def heap_abort_at_stop(log: Path) -> bool:
-    """Whether a process of the server aborted in glibc's heap checks (the messages glibc prints before it
-    raises SIGABRT) after the server was told to stop."""
-    text = Path(log).read_text(errors="replace")
-    stop = text.find("Signal (15) received.")
-    return stop >= 0 and any(message in text[stop:] for message in HEAP_ABORTS)
