@@ -57,10 +57,11 @@ class GenerateModel:
         self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation
         self.resolver = self.make_resolver()
         self.metric_batch = CounterBatch()  # this model's counters, handed to Triton a few times a second
-        self.metrics = RequestMetrics(self.name, self.metric_batch)
+        instance = args.get("model_instance_name", "")  # a label of each instance's metrics (metric_labels)
+        self.metrics = RequestMetrics(self.name, self.metric_batch, instance)
         for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
             os.environ[key] = value
-        self.engine_metrics = EngineMetrics(self.name, self.metric_batch)
+        self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
         self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
 
     def make_resolver(self) -> MediaResolver:

@@ -207,6 +207,14 @@ def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
+def metric_labels(model_name: str, instance: str) -> dict[str, str]:
+    """Labels of a model instance's custom metrics: ``model`` and, given, ``instance`` (the instance's name,
+    ``args["model_instance_name"]``). Each instance is a stub process with counters of its own; instances
+    sharing one metric (same labels) overwrote each other's gauges, and each stub deleted the shared metric at
+    unload: glibc heap aborts in the stubs at every stop with two encoder instances (docs/robustness.md)."""
+    return {"model": model_name, **({"instance": instance} if instance else {})}
+
+
 class RequestMetrics:
     """``backend.serving.RequestObserver`` as Triton custom metrics on the metrics port (batched:
     ``CounterBatch``, so they lag by up to its ``FLUSH_SECONDS``; ``close`` in ``finalize``).
@@ -220,7 +228,7 @@ class RequestMetrics:
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
     """
 
-    def __init__(self, model_name: str, batch: CounterBatch | None = None):
+    def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
         requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
                                          description="Finished generate requests by outcome")
         tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
@@ -234,11 +242,12 @@ class RequestMetrics:
         moving = pb_utils.MetricFamily(name="epd_transfer_seconds_total", kind=pb_utils.MetricFamily.COUNTER,
                                        description="Seconds spent pulling embeddings from encoders")
         self._families = (requests, tokens, decodes, retries, moved, moving)  # a family must outlive its metrics
-        self._moved, self._moving = moved.Metric(labels={"model": model_name}), moving.Metric(labels={"model": model_name})
-        self._retries = {w: retries.Metric(labels={"model": model_name, "what": w}) for w in ("encode", "request")}
-        self._requests = {o: requests.Metric(labels={"model": model_name, "outcome": o.value}) for o in Outcome}
-        self._tokens = tokens.Metric(labels={"model": model_name})
-        self._decodes = decodes.Metric(labels={"model": model_name})
+        labels = metric_labels(model_name, instance)
+        self._moved, self._moving = moved.Metric(labels=labels), moving.Metric(labels=labels)
+        self._retries = {w: retries.Metric(labels={**labels, "what": w}) for w in ("encode", "request")}
+        self._requests = {o: requests.Metric(labels={**labels, "outcome": o.value}) for o in Outcome}
+        self._tokens = tokens.Metric(labels=labels)
+        self._decodes = decodes.Metric(labels=labels)
         self._decodes_seen = 0
         self._decodes_lock = threading.Lock()
         self._batch = batch or CounterBatch()
@@ -294,12 +303,9 @@ class EncoderMetrics:
     }
 
     def __init__(self, model_name: str, instance: str = ""):
-        """``instance``: this model instance's name, a label of its own (each instance is a stub process with
-        its own pool and counters; instances sharing one metric overwrote each other's gauges, and each stub
-        deleted the shared metric at unload: glibc heap aborts in the stubs at every stop with two instances)."""
         self._families = {name: pb_utils.MetricFamily(name=name, kind=getattr(pb_utils.MetricFamily, kind), description=text)
                           for name, (kind, text) in self._FAMILIES.items()}
-        labels = {"model": model_name, **({"instance": instance} if instance else {})}
+        labels = metric_labels(model_name, instance)
         self._metrics = {name: family.Metric(labels=labels) for name, family in self._families.items()}
         self._seen = {name: 0.0 for name in self._FAMILIES}
         self._lock = threading.Lock()
@@ -337,12 +343,12 @@ class EngineMetrics:
         "decode": ("epd_vllm_decode_time", "finished requests' time from their first token to their last"),
     }
 
-    def __init__(self, model_name: str, batch: CounterBatch | None = None):
+    def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
         """``batch``: the model's ``CounterBatch`` (shared with its ``RequestMetrics``)."""
         self._batch = batch or CounterBatch()
         self._own_batch = batch is None
         counter = pb_utils.MetricFamily.COUNTER
-        labels = {"model": model_name}
+        labels = metric_labels(model_name, instance)
         self._families = [
             pb_utils.MetricFamily(name="epd_vllm_prompt_tokens_total", kind=counter,
                                   description="Prompt tokens of the requests the engine finished"),

@@ -174,7 +174,8 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
 
 
 def parse_metrics(text: str, prefix: str = "epd_vllm_queue_time_") -> dict[tuple[str, str], float]:
-    """Prometheus text -> {(metric name, model label): value} for the metrics starting with ``prefix``."""
+    """Prometheus text -> {(metric name, model label): value} for the metrics starting with ``prefix``, summed
+    over a model's instances (``instance`` label)."""
     out = {}
     for line in text.splitlines():
         if not line.startswith(prefix) or "{" not in line:
@@ -182,7 +183,7 @@ def parse_metrics(text: str, prefix: str = "epd_vllm_queue_time_") -> dict[tuple
         name, rest = line.split("{", 1)
         labels, _, value = rest.rpartition("} ")
         model = next((part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("model=")), "")
-        out[(name, model)] = float(value)
+        out[(name, model)] = out.get((name, model), 0.0) + float(value)
     return out
 
 

@@ -65,7 +65,7 @@ class TritonPythonModel:
                                          limits, Topology(parameter(config, "topology", "E+PD")),
                                          deadline=float(parameter(config, "request_timeout_seconds", "300")),
                                          metadata_only=parameter(config, "metadata_only", "true").lower() != "false")
-        self.metrics = RequestMetrics(args["model_name"])
+        self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
 
     def execute(self, requests):

@@ -126,10 +126,12 @@ def reference(tmp_path_factory):
 
 
 def metric(server, name: str, **labels) -> float:
-    """The value of ``name`` on the server's metrics endpoint, for the series carrying every one of ``labels``."""
+    """The value of ``name`` on the server's metrics endpoint, summed over the series carrying every one of
+    ``labels`` (a model's instances each have their own series)."""
     want = [f'{k}="{v}"' for k, v in labels.items()]
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(w in line for w in want):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{labels} not exported")
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") and all(w in line for w in want)]
+    if not values:
+        raise AssertionError(f"{name}{labels} not exported")
+    return sum(values)

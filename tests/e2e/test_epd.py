@@ -152,6 +152,10 @@ def test_stage_metrics_move_by_the_right_amounts(server):
     assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
     assert _wait_for(leases, lambda v: v <= open_before) <= open_before
     assert metric(server, "epd_pool_capacity_bytes", model="encoder") > 0
+    # each instance has series of its own (metric_labels): two instances of one model never share a metric
+    assert metric(server, "epd_transfer_bytes_total", model="pd", instance="pd_0_0") == want
+    for model in ("pd", "epd"):
+        assert metric(server, "epd_requests_total", model=model, instance=f"{model}_0_0", outcome="ok") >= 1
 
 
 VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(

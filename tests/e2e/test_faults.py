@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
-from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, settled_orphans
+from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -41,11 +40,7 @@ def expiring_server(tmp_path_factory):
 
 
 def _retries(server, what: str = "request") -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("epd_retries_total{") and 'model="epd"' in line and f'what="{what}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"epd_retries_total{{model=epd,what={what}}} not exported")
+    return metric(server, "epd_retries_total", model="epd", what=what)
 
 
 def _ask(server, case):
@@ -110,8 +105,7 @@ def _encode_directly(server, image: bytes):
 
 
 def _pool_leases(server) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("epd_pool_leases{"))
+    return metric(server, "epd_pool_leases")
 
 
 def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_server):
