@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from clients.bench_report import Sample
-from clients.triton_client import GenerateInputs, grpc_inputs
+from clients.triton_client import GenerateInputs, grpc_inputs, read_to_end, single_request_stream
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
@@ -131,6 +131,7 @@ async def _closed_loop_client(url: str, model: str, jobs: asyncio.Queue, results
             results.add(*await _read_response(stream, started))
     finally:
         await outbox.put(None)
+        await read_to_end(stream)  # before closing the channel: see read_to_end
         await client.close()
 
 
@@ -148,7 +149,6 @@ async def run_rate(url: str, model: str, rate: float, requests: list[GenerateInp
     """Each request at its Poisson send time on a stream of its own; the wall time runs to the last answer."""
     import tritonclient.grpc.aio as grpcclient
 
-    from clients.triton_client import single_request_stream
 
     client = grpcclient.InferenceServerClient(url)
     results = Results(progress)

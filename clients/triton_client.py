@@ -93,22 +93,61 @@ def grpc_inputs(values: dict[str, Any]):
     return tensors
 
 
+END_OF_STREAM_SECONDS = 5.0
+
+
+class _Stream:
+    """tritonclient's gRPC response iterator (``stream_infer``), remembering whether it was cancelled."""
+
+    def __init__(self, inner):
+        self._inner, self.cancelled = inner, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._inner.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+        return self._inner.cancel()
+
+
+async def read_to_end(stream, timeout: float = END_OF_STREAM_SECONDS) -> None:
+    """Read a gRPC stream whose request side is closed to its end: the server's OK status. A client that closes
+    its channel (or drops the call) after the last response but before that status cancels the RPC, and Triton
+    2.51's gRPC frontend can then leak the stream's state and the request it holds: the server grows, and the
+    model never unloads, so the server waits out its exit timeout (docs/robustness.md, "Shutdown"). Cancels
+    the stream if it has not ended within ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            async for _ in stream:
+                pass
+    except TimeoutError:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the RPC ended with an error status: it ended
+        pass
+
+
 @contextlib.asynccontextmanager
 async def single_request_stream(client, request: dict):
     """A gRPC stream (``tritonclient.grpc.aio`` ``client``) carrying one request (``stream_infer``'s dict).
     Its request side stays open until the block exits, so Triton keeps streaming the responses; a caller
-    leaving before the last response should ``cancel()`` the yielded stream, which cancels the request."""
+    leaving before the last response should ``cancel()`` the yielded stream, which cancels the request.
+    Otherwise the block's exit closes the request side and reads the stream to its end (``read_to_end``)."""
     done = asyncio.Event()
 
     async def requests():
         yield request
         await done.wait()
 
-    stream = client.stream_infer(requests())
+    stream = _Stream(client.stream_infer(requests()))
     try:
         yield stream
     finally:
         done.set()
+        if not stream.cancelled:
+            await read_to_end(stream)
 
 
 def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], started: float,

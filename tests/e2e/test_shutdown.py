@@ -2,17 +2,22 @@
 endpoint), some of them refused, SIGTERM stops the server well under tritonserver's 30 s exit timeout:
 every model unloads, no stub has to be killed, no /dev/shm region or process is left.
 
-The 30 s hang this guards against comes from Triton 2.51's gRPC frontend: a client that cancels its
-stream (mid-stream, or as the client library did, after an error response) can make it leak the stream's
-request, which keeps the model from unloading (docs/robustness.md, "Shutdown"); intermittent, so this
-test did not catch it reliably before the client fix. What it does catch: ``pd``'s unload waited 5 s on
+The 30 s hang this guards against comes from Triton 2.51's gRPC frontend: a gRPC call that ends in a
+cancel around its final response (a client closing its channel right after the last response, before the
+server's status; or cancelling after an error response) can make it leak the stream's request, which
+keeps the model from unloading (docs/robustness.md, "Shutdown"). The asyncio clients here open a channel
+per request and close it after the stream, as the soak's do, and some cancel mid-stream: before
+``clients.triton_client.read_to_end`` this stop took 30 s. It also caught ``pd``'s unload waiting 5 s on
 multiprocessing's resource tracker (stop 12-17 s here before, 13.5 s in this test with a 10 s bound)."""
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from backend.topology import load, render
 from clients.local_server import ROOT, TritonServer
+from clients.soak import drive
 from clients.triton_client import GenerateError, GenerateInputs, generate
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
@@ -40,6 +45,9 @@ def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
                                                                 sampling={"max_tokens": -1}), timeout=60)
         text_only = generate(server.grpc_url, "epd", GenerateInputs(prompt="Count.", sampling={"max_tokens": 4, "ignore_eos": True}))
         assert text_only.finish_reason == "length"
+        # asyncio clients, a channel each, closed after the stream; a quarter cancel mid-stream
+        outcomes, _, _ = asyncio.run(drive(server.grpc_url, "epd", 32, 8, cancel_fraction=0.25, timeout=120, seed=3))
+        assert outcomes["ok"] + outcomes["cancelled"] == 32 and outcomes["cancelled"] >= 2, outcomes
     log = (tmp_path / "server.log").read_text(errors="replace")
     print(f"stopped in {server.stop_seconds:.1f} s")
     assert "Exit timeout expired" not in log, log[-3000:]
