@@ -121,6 +121,9 @@ class MetadataOnlyModel(GenerateModel):
 
     PULL_EMBEDDINGS = True
     KV_ROLE: str | None = None  # "kv_producer" (prefill) / "kv_consumer" (decode): vLLM's NixlConnector
+    # EngineCore: after a step that ran no model, wait up to this long for new input (model parameter
+    # engine_idle_wait_ms; backend.vllm_plugin.patch_idle_wait). "": vLLM's own 1 ms sleep.
+    IDLE_WAIT_MS = ""
 
     def initialize(self, args):
         super().initialize(args)
@@ -152,6 +155,7 @@ class MetadataOnlyModel(GenerateModel):
         port = parameter(self.config, "nixl_side_channel_port", "") or str(free_port())
         return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "EPD_NIXL_POLL_DELAY_US": parameter(self.config, "nixl_poll_delay_us", "5000"),
+                "EPD_ENGINE_IDLE_WAIT_MS": parameter(self.config, "engine_idle_wait_ms", self.IDLE_WAIT_MS),
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:

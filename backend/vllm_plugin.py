@@ -10,6 +10,37 @@ vLLM users are untouched.
 from __future__ import annotations
 
 import os
+import queue
+
+
+def patch_idle_wait(seconds: float) -> None:
+    """EngineCore: after a step that ran no model while the scheduler still holds requests, wait up to
+    ``seconds`` on the input queue (new requests and aborts wake it at once) before the next step.
+
+    Such steps happen while requests only wait on the KV connector: in a KV producer (prefill), finished
+    requests whose blocks decode has not read yet; in a consumer (decode), requests whose KV is still coming.
+    vLLM sleeps 1 ms after each one and steps again (schedule, an empty model-runner pass that polls the
+    connector, output update), which under load is a busy loop that costs CPU per request. The cost of the wait:
+    a freed block or an arrived KV is noticed up to ``seconds`` later. Idempotent."""
+    from vllm.v1.engine import core
+
+    real = core.EngineCoreProc._process_engine_step
+    if getattr(real, "epd_idle_wait", None) is not None:
+        return
+
+    def process_engine_step(self) -> bool:
+        executed = real(self)
+        if not executed and self.scheduler.has_requests():
+            try:
+                request = self.input_queue.get(timeout=seconds)
+            except queue.Empty:
+                pass
+            else:
+                self._handle_client_request(*request)
+        return executed
+
+    process_engine_step.epd_idle_wait = seconds
+    core.EngineCoreProc._process_engine_step = process_engine_step
 
 
 def register() -> None:
@@ -17,6 +48,9 @@ def register() -> None:
     if memdebug:
         from backend import memdebug as tool
         tool.install(memdebug)
+    wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
+    if wait:
+        patch_idle_wait(float(wait) / 1000)
     value = os.environ.get("EPD_NIXL_POLL_DELAY_US")
     if not value:
         return

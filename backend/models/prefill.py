@@ -9,3 +9,6 @@ from backend.generate_model import MetadataOnlyModel
 
 class TritonPythonModel(MetadataOnlyModel):
     KV_ROLE = "kv_producer"
+    # Finished requests keep the EngineCore stepping (a model-less step every ~1 ms) until decode has read
+    # their KV; new requests and aborts still wake it at once, so the wait delays only freeing those blocks.
+    IDLE_WAIT_MS = "10"
