@@ -1,6 +1,8 @@
-"""The colocated E+PD orchestrator: ``Orchestrator`` over ``LocalStages`` (encoders faked, the generator an
-in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them."""
+"""The colocated orchestrators: ``Orchestrator`` over ``LocalStages`` (encoders and prefill faked, the streamed
+stage an in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them: E+PD (pd's engine here)
+and E/P/D (decode's engine here, prefill remote)."""
 import asyncio
+import json
 
 import pytest
 
@@ -8,23 +10,25 @@ from backend.errors import InvalidInput, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
 from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator, Stage
+from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def colocated(engine=None, pull=None, encoders=None, interval=0.0):
+def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.GENERATE):
     encoders = encoders or FakeStages()
     stages = LocalStages(encoders, engine or FakeEngine(), FakeLayoutResolver(), RequestLimits(max_images=4),
-                         prepare=pull or FakePull(), interval=interval)
+                         prepare=pull or FakePull(), interval=interval, local=local)
     return stages, encoders
 
 
 def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), deadline=deadline).run(raw, sink, observer))
+    topology = Topology.E_P_D if stages.local is Stage.DECODE else Topology.E_PD
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), topology, deadline=deadline)
+    outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
 
 
@@ -138,12 +142,96 @@ def test_media_given_to_the_generator_are_refused():
         asyncio.run(first_chunk())
 
 
-def test_only_the_e_pd_generator_stage_runs_in_process():
-    stages, _ = colocated()
+class EncodersOnly:
+    """A remote side with encoders and no generator stage (``BlsEncoders``)."""
+
+    async def encode(self, item, key):
+        return "{}"
+
+
+def test_a_stage_neither_here_nor_remote_is_refused():
+    stages, _ = colocated(encoders=EncodersOnly())
 
     async def first_chunk():
         async for chunk in stages.generate(RawGenerateInputs(text_input="x"), Stage.PREFILL):
             return chunk
 
-    with pytest.raises(ValueError, match="E\\+PD only"):
+    with pytest.raises(ValueError, match="serves the generate stage; no client for the prefill stage"):
         asyncio.run(first_chunk())
+
+
+# -- E/P/D: decode's engine here, prefill remote (over gRPC in production) -----------------------------------
+
+def test_e_p_d_prefill_goes_remote_and_decode_runs_here_with_prefill_s_kv_handle():
+    pull, engine, observer = FakePull(), FakeEngine(), RecordingObserver()
+    stages, remote = colocated(engine=engine, pull=pull, local=Stage.DECODE)
+    raw = RawGenerateInputs(text_input=f"{PH}Describe.", images=(b"A",), stream=True, sampling_parameters='{"max_tokens": 5, "min_tokens": 2}',
+                            return_num_output_tokens=True)
+    outcome, sink = run(stages, raw, observer=observer)
+    assert outcome is Outcome.OK and remote.stages_called == [Stage.PREFILL]  # only prefill left the process
+    [prefill] = remote.generated
+    assert prefill.image_layouts == ('{"layout": 0}',) and prefill.images == () and not prefill.stream
+    assert json.loads(prefill.sampling_parameters) == {"max_tokens": 1}
+    assert json.loads(prefill.kv_transfer_params) == {"do_remote_decode": True}
+    [decode] = pull.seen  # what the in-process decode parsed: layouts, the client's settings, prefill's handle
+    assert decode.images == ('{"layout": 0}',) and decode.stream and decode.sampling["max_tokens"] == 5
+    assert decode.kv_transfer_params == {"remote_block_ids": [[1]], "do_remote_prefill": True}
+    assert [(c.text_output, final) for c, final in sink.chunks] == [("Hel", False), ("lo", False), ("!", True)]
+    timings = sink.chunks[-1][0].timings
+    assert timings["items"] == 1 and 0 < timings["prefill_ms"] and timings["generate_ms"] <= timings["total_ms"]
+    assert timings["transfer_ms"] == 0.5  # the in-process step's (prefill reported 1.0; the last one wins, as with the proxy)
+    assert observer.finished == [(Outcome.OK, 3)] and engine.aborted == [] and sink.finals == 1
+
+
+def test_e_p_d_client_cancel_during_decode_aborts_the_engine_request():
+    engine = FakeEngine(pieces=["t"] * 50)
+    stages, remote = colocated(engine=engine, local=Stage.DECODE)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
+    assert len(engine.aborted) == 1 and engine.steps_run < 50 and remote.stages_called == [Stage.PREFILL]
+
+
+def test_e_p_d_kv_that_cannot_be_loaded_is_retried_from_the_encoders():
+    """Decode's engine fails the request before its first token (kv_load_failure_policy: fail -> Unavailable):
+    nothing reached the client, so the items are encoded again and prefill and decode asked again."""
+    engine = FakeEngine(fail_with=Unavailable("the engine failed this request (finish_reason=error, a KV transfer)"),
+                        failures=1)
+    stages, remote = colocated(engine=engine, local=Stage.DECODE)
+    observer = RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    assert outcome is Outcome.OK and observer.retried == ["request"]
+    assert remote.stages_called == [Stage.PREFILL, Stage.PREFILL] and len(remote.encoded) == 2
+    assert engine.requests == 2 and engine.steps_run == 3 and sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_e_p_d_prefill_error_fails_before_decode_runs():
+    engine, remote = FakeEngine(), FakeStages()
+
+    async def failing_prefill(inputs, stage=None):
+        remote.stages_called.append(stage)
+        raise InvalidInput("text_input", "prompt too long for prefill")
+        yield  # pragma: no cover
+
+    remote.generate = failing_prefill
+    stages, _ = colocated(engine=engine, encoders=remote, local=Stage.DECODE)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x"))
+    assert outcome is Outcome.ERROR and str(sink.errors[0]) == "text_input: prompt too long for prefill"
+    assert engine.steps_run == 0 and remote.stages_called == [Stage.PREFILL]
+
+
+def test_e_p_d_deadline_while_decoding_aborts_the_engine_request():
+    engine = FakeEngine(pieces=["t"] * 100, step_delay=0.01)
+    stages, _ = colocated(engine=engine, local=Stage.DECODE)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), deadline=0.1)
+    assert outcome is Outcome.ERROR and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
+    assert len(engine.aborted) == 1 and engine.steps_run < 100
+
+
+def test_e_p_d_asking_the_local_stage_for_e_pd_s_generate_goes_remote():
+    """``local`` decides what runs here: an E/P/D process sends any other stage to its remote client."""
+    stages, remote = colocated(local=Stage.DECODE)
+
+    async def chunks():
+        return [c.text_output async for c in stages.generate(RawGenerateInputs(text_input="x"), Stage.GENERATE)]
+
+    assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.GENERATE]
