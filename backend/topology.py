@@ -5,12 +5,15 @@ A topology says which deployments run side by side (``serve``: ``baseline`` -> m
 ``encoder`` + ``prefill`` + ``decode``), how many instances each stage has and on which device, the
 checkpoint, the shared vLLM engine arguments, and the transfer pool and request limits.
 
-Where E+PD's orchestrator runs (``stages.pd.orchestrator``): ``proxy`` (the default) is a model of its own,
-``epd``, that reaches ``pd`` over the server's gRPC endpoint; ``colocated`` runs it inside each ``pd``
-instance's process, beside that instance's vLLM engine: the deployment is then ``encoder`` + ``epd`` (which
-has ``pd``'s instances and device; there is no model named ``pd``), one stub hop and one gRPC round trip
-per response fewer. Encoders stay a separate model reached through BLS either way, and the engine still
-takes metadata-only requests (it pulls embeddings by handle). E/P/D always uses the proxy. Example::
+Where a deployment's orchestrator runs (``orchestrator`` on its host stage: ``stages.pd`` for E+PD,
+``stages.prefill`` for E/P/D): ``proxy`` (the default) is a model of its own, ``epd``, that reaches the
+generator stages over the server's gRPC endpoint; ``colocated`` runs it inside each instance of the host stage,
+beside the instance's vLLM engine. E+PD is then ``encoder`` + ``epd`` (with ``pd``'s instances and device;
+no model named ``pd``): per streamed response one stub hop and one gRPC round trip fewer. E/P/D is ``encoder`` +
+``epd`` (with ``prefill``'s instances and device, a KV producer that pulls the embeddings; no model named
+``prefill``) + ``decode``, still asked over gRPC and relayed token by token: the prefill stage's own stub, its
+gRPC call and tritonserver's share of it go. Encoders stay a separate model reached through
+BLS either way, and the engines still take metadata-only requests. Example::
 
     checkpoint: ../models/tiny-qwen2-vl      # relative to this file
     serve: [E/P/D]
@@ -49,8 +52,11 @@ GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator"}
-ORCHESTRATORS = ("proxy", "colocated")  # stages.pd.orchestrator: where E+PD's orchestrator runs
+ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
+HOSTS = {"E+PD": "pd", "E/P/D": "prefill"}  # deployment -> the stage that can host its orchestrator
 COLOCATED = "epd:E+PD:colocated"  # model kind: E+PD's orchestrator and the pd engine in one model
+COLOCATED_PREFILL = "epd:E/P/D:colocated"  # model kind: E/P/D's orchestrator and the prefill engine in one model
+COLOCATED_KINDS = {"E+PD": COLOCATED, "E/P/D": COLOCATED_PREFILL}
 TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
 LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20,
                   "request_timeout_seconds": 300}  # the last: epd's deadline per request (encode to last token)
@@ -68,7 +74,7 @@ class StageSpec:
     instances: int = 1
     device: str = "cpu"
     gpus: tuple[int, ...] = ()
-    orchestrator: str = "proxy"  # pd only: "colocated" runs E+PD's orchestrator in this stage's instances
+    orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
 
 
 @dataclass(frozen=True)
@@ -95,45 +101,46 @@ class Topology:
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
     @property
-    def colocated(self) -> bool:
-        """E+PD's orchestrator runs inside the pd instances (``stages.pd.orchestrator: colocated``)."""
-        pd = self.stages.get("pd")
-        return pd is not None and pd.orchestrator == "colocated"
+    def colocated(self) -> tuple[str, ...]:
+        """The served deployments whose orchestrator runs inside their host stage's instances
+        (``stages.pd.orchestrator`` / ``stages.prefill.orchestrator: colocated``)."""
+        return tuple(mode for mode in self.serve if mode in HOSTS and HOSTS[mode] in self.stages
+                     and self.stages[HOSTS[mode]].orchestrator == "colocated")
 
-    def with_orchestrator(self, where: str) -> "Topology":
-        """This topology with E+PD's orchestrator ``proxy`` or ``colocated``: the settings of the stages the
+    def with_orchestrator(self, where: str, mode: str = "E+PD") -> "Topology":
+        """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
         deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
         as in a file)."""
         if where not in ORCHESTRATORS:
             raise TopologyError(f"{self.name}: orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {where!r}")
-        if "pd" not in self.stages:
-            raise TopologyError(f"{self.name}: orchestrator {where}: only E+PD has one to place, and it is not served")
-        stages = {"epd": StageSpec(), **self.stages, "pd": replace(self.stages["pd"], orchestrator=where)}
-        needed = {stage for mode in self.serve for stage in deployment_stages(mode, where == "colocated")}
+        if mode not in HOSTS or mode not in self.serve:
+            raise TopologyError(f"{self.name}: orchestrator {where}: {mode} has no orchestrator to place here "
+                                f"(served: {', '.join(self.serve)}; orchestrators: {', '.join(HOSTS)})")
+        host = HOSTS[mode]
+        stages = {"epd": StageSpec(), **self.stages, host: replace(self.stages[host], orchestrator=where)}
+        colocated = tuple(m for m in HOSTS if stages.get(HOSTS[m], StageSpec()).orchestrator == "colocated")
+        needed = {stage for m in self.serve for stage in deployment_stages(m, colocated)}
         return replace(self, stages={s: spec for s, spec in stages.items() if s in needed})
 
     def models(self) -> dict[str, str]:
-        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D, and COLOCATED:
-        E+PD's orchestrator with the pd engine)."""
+        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D, and the COLOCATED_KINDS:
+        a deployment's orchestrator with its host stage's engine, in place of that stage's model)."""
         out: dict[str, str] = {}
+        colocated = self.colocated
         for mode in self.serve:
-            if mode == "E+PD" and self.colocated:
-                out["encoder"] = "encoder"
-                out["epd" if "epd" not in out else "epd_disagg"] = COLOCATED
-                continue
             for stage in DEPLOYMENTS[mode]:
                 if stage == "epd":
                     name = "epd" if "epd" not in out else "epd_disagg"
-                    out[name] = f"epd:{mode}"
-                else:
+                    out[name] = COLOCATED_KINDS[mode] if mode in colocated else f"epd:{mode}"
+                elif not (mode in colocated and stage == HOSTS[mode]):
                     out[stage] = stage
         return out
 
 
-def deployment_stages(mode: str, colocated: bool = False) -> tuple[str, ...]:
-    """The stages whose settings ``mode`` uses: E+PD with a colocated orchestrator has no ``epd`` stage of
-    its own (it runs in the pd instances)."""
-    if mode == "E+PD" and colocated:
+def deployment_stages(mode: str, colocated: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The stages whose settings ``mode`` uses: a deployment in ``colocated`` has no ``epd`` stage of its own
+    (its orchestrator runs in the instances of its host stage, ``HOSTS``)."""
+    if mode in colocated:
         return tuple(stage for stage in DEPLOYMENTS[mode] if stage != "epd")
     return DEPLOYMENTS[mode]
 
@@ -163,13 +170,13 @@ def load(path: Path, machine: str | None = None) -> Topology:
     stages_doc = doc.get("stages") or {}
     if not isinstance(stages_doc, dict):
         raise TopologyError(f"{path}: stages: expected a mapping of stage -> settings")
-    pd_doc = stages_doc.get("pd")
-    colocated = isinstance(pd_doc, dict) and pd_doc.get("orchestrator") == "colocated"
+    colocated = tuple(mode for mode, host in HOSTS.items() if mode in serve and isinstance(stages_doc.get(host), dict)
+                      and stages_doc[host].get("orchestrator") == "colocated")
     needed = {stage for mode in serve for stage in deployment_stages(mode, colocated)}
     unused = sorted(set(stages_doc) - needed)
     if unused:
-        why = (" (pd.orchestrator is colocated: E+PD's orchestrator runs in the pd instances)"
-               if colocated and "epd" in unused else "")
+        why = "".join(f" ({HOSTS[mode]}.orchestrator is colocated: {mode}'s orchestrator runs in the {HOSTS[mode]} instances)"
+                      for mode in colocated if "epd" in unused)
         raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} "
                             f"(uses {', '.join(sorted(needed))}){why}")
     stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
@@ -215,9 +222,8 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     if gpus and device != "gpu":
         raise TopologyError(f"{where}.gpus: only for device: gpu")
     orchestrator = doc.get("orchestrator", "proxy")
-    if "orchestrator" in doc and stage != "pd":
-        raise TopologyError(f"{where}.orchestrator: only the pd stage can host an orchestrator (E+PD's); "
-                            f"E/P/D's runs as a proxy (epd)")
+    if "orchestrator" in doc and stage not in HOSTS.values():
+        raise TopologyError(f"{where}.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator")
     if orchestrator not in ORCHESTRATORS:
         raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
     return StageSpec(instances, device, tuple(gpus), orchestrator)
@@ -250,13 +256,18 @@ _HEADERS = {
                "concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM (prefill + decode, as\n"
                "pd: it pulls the embeddings by handle, never sees media), in process; the stream comes back with a timing\n"
                "breakdown. Engine arguments in model.json.",
+    COLOCATED_PREFILL: "E/P/D with the orchestrator colocated with prefill (decoupled): the same interface as llm. Media items\n"
+                       "go to `encoder` concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM\n"
+                       "(prefill: NixlConnector kv_producer, pulls the embeddings by handle; 1 token, do_remote_decode), in\n"
+                       "process, then to `decode` with its kv_transfer_params over the server's gRPC endpoint; decode's stream\n"
+                       "comes back with a timing breakdown. Engine arguments in model.json.",
     "epd:E/P/D": "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
                  "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
                  "kv_transfer_params; decode's stream comes back with a timing breakdown.",
 }
 _MODULES = {"llm": "backend.models.llm", "pd": "backend.models.pd", "prefill": "backend.models.prefill",
             "decode": "backend.models.decode", "encoder": "backend.models.encoder",
-            COLOCATED: "ensemble.colocated_model"}
+            COLOCATED: "ensemble.colocated_model", COLOCATED_PREFILL: "ensemble.colocated_model"}
 
 
 def _io(kind: str, items) -> str:
@@ -296,11 +307,15 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         return header + body + _params({"model": checkpoint, **transfer, **limits})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
-    if kind == COLOCATED:
+    if kind in COLOCATED_KINDS.values():
+        mode = kind.split(":")[1]
         body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages["pd"]) + "\n"
-        params = {"engine_args": "model.json", **limits, "topology": "E+PD", "orchestrator": "colocated",
+        body += "\n" + _instances(topology.stages[HOSTS[mode]]) + "\n"
+        params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
+        if mode == "E/P/D":  # decode over gRPC; this model's engine is prefill's (a KV producer)
+            params.update(decode_model="decode", nixl_side_channel_port="",
+                          nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         return header + body + _params(params)
@@ -348,8 +363,9 @@ def render_files(topology: Topology, out: Path) -> dict[str, str]:
         module = _MODULES.get(kind) or "ensemble.epd_model"
         files[f"{name}/1/model.py"] = (f'"""Triton Python-backend entry point of `{name}`: the model class lives in '
                                        f'{module}."""\nfrom {module} import TritonPythonModel  # noqa: F401\n')
-        if kind in ENGINE_STAGES or kind == COLOCATED:
-            files[f"{name}/model.json"] = render_engine_args(topology, "pd" if kind == COLOCATED else kind, model_dir)
+        if kind in ENGINE_STAGES or kind in COLOCATED_KINDS.values():
+            host = HOSTS[kind.split(":")[1]] if kind in COLOCATED_KINDS.values() else kind
+            files[f"{name}/model.json"] = render_engine_args(topology, host, model_dir)
     return files
 
 

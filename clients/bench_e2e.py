@@ -3,8 +3,9 @@
 Deployments (``--models``): ``llm`` (the baseline), ``epd`` (E+PD), ``epd_naive`` (E+PD with metadata-only
 off: the consumer also gets the original media and decodes/preprocesses it, as a naive EPD),
 ``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
-colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D) and
-``epd_disagg_naive``. Load (``clients.bench_load``): a concurrency sweep (closed loop,
+colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D),
+``epd_disagg_naive`` and ``epd_disagg_colocated`` (E/P/D with the orchestrator colocated with the prefill engine:
+``stages.prefill.orchestrator: colocated``, rendered so likewise). Load (``clients.bench_load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
 latencies read from its profile export (``clients.perf_analyzer.load_level``; the load generator shares
@@ -46,8 +47,10 @@ DEPLOYMENTS = {
     "epd_colocated": ("E+PD colocated", "E+PD", "epd", None),
     "epd_disagg": ("E/P/D", "E/P/D", "epd_disagg", None),
     "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
+    "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
 }
-COLOCATED = {"epd_colocated"}  # served by an E+PD rendering whose orchestrator runs in the pd engine's model
+# served by a rendering whose orchestrator runs in the model of the engine that streams the tokens (pd / decode)
+COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
 
 
 def server_group(key: str) -> tuple[str, str]:
@@ -168,13 +171,13 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
         group = [k for k in keys if server_group(k) == (mode, where)]
         changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
         topology = base.only(mode, {"enforce_eager": False} if a.compile else None, **changes)
-        if mode == "E+PD":
-            topology = topology.with_orchestrator(where)
+        if mode != "baseline":
+            topology = topology.with_orchestrator(where, mode)
         with tempfile.TemporaryDirectory(prefix="bench-") as repo:
             served = render(topology, Path(repo))
             target = "llm" if "llm" in served else "epd"
             (ROOT / ".cache").mkdir(exist_ok=True)
-            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}{'-' + where if mode == 'E+PD' else ''}.log"
+            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}{'-' + where if mode != 'baseline' else ''}.log"
             with TritonServer(Path(repo), log_path=log) as server:
                 print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
                 asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url, server.proc.pid))
@@ -223,8 +226,8 @@ def parse_args(argv: list[str] | None = None):
     if unknown:
         parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
     if args.shared and COLOCATED & set(args.models.split(",")):
-        parser.error("--shared: the committed repository serves E+PD with the proxy orchestrator; "
-                     "benchmark epd_colocated on a server of its own (leave --shared out) or with --url")
+        parser.error("--shared: the committed repository serves E+PD and E/P/D with the proxy orchestrator; "
+                     "benchmark the colocated deployments on servers of their own (leave --shared out) or with --url")
     return args
 
 

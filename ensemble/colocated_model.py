@@ -1,42 +1,69 @@
-"""``epd`` with the orchestrator colocated (topology ``stages.pd.orchestrator: colocated``; decoupled).
+"""An orchestrator colocated with the engine of the stage that streams the tokens (decoupled).
 
-One model, one stub per instance: the E+PD orchestrator (``ensemble.orchestrator``) and a vLLM engine fed
-metadata-only requests, as ``pd`` is (``backend.generate_model.MetadataOnlyModel``: engine hosting, the
-embedding consumer, the pull before submit, vLLM metrics). Same Triton interface as ``llm`` and the proxy
-``epd``. Media go to the ``encoder`` model over BLS (``BlsEncoders``), the rewritten metadata-only request
-to this instance's own engine (``ensemble.local_stages.LocalStages``), not through tritonserver's gRPC
-endpoint to a ``pd`` model: per response, one stub hop and one gRPC round trip fewer. The orchestrator runs
-on the engine's event loop.
+Topology ``stages.pd.orchestrator: colocated`` (E+PD, model ``epd``) or ``stages.prefill.orchestrator: colocated``
+(E/P/D, model ``epd``, or ``epd_disagg`` beside E+PD). One model, one stub per instance: the orchestrator
+(``ensemble.orchestrator``) and a vLLM engine fed metadata-only requests, hosted as the stage's own model hosts
+it (``backend.generate_model.MetadataOnlyModel``: engine, vLLM metrics, the ``prepare`` step):
+
+- E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
+- E/P/D: prefill's engine (NixlConnector ``kv_producer``, the settings of ``backend.models.prefill``); ``prepare``
+  pulls the embeddings by handle, as for pd. Decode stays a model of its own, asked over the server's gRPC
+  endpoint (``TritonStages``; ``grpc_url`` parameter, else ``$EPD_TRITON_GRPC_URL``, else ``127.0.0.1:8001``)
+  with prefill's ``kv_transfer_params``; its stream is relayed to the client.
+
+Same Triton interface as ``llm`` and the proxy ``epd``. Media go to the ``encoder`` model over BLS, the host
+stage runs in process (``ensemble.local_stages.LocalStages``): one stub hop and one gRPC round trip fewer per
+response of that stage than the proxy. The orchestrator runs on the engine's event loop.
 
 Adapter only: the logic is ``ensemble.orchestrator`` and ``ensemble.local_stages``.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from backend.encoder import model_identity, processing_options
 from backend.generate_model import MetadataOnlyModel, parameter
+from backend.models.prefill import TritonPythonModel as PrefillModel
 from ensemble.epd_model import orchestrate
 from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator, Topology
-from ensemble.triton_stages import BlsEncoders
+from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
+from ensemble.triton_stages import BlsEncoders, TritonStages, grpc_url
 
 
 class TritonPythonModel(MetadataOnlyModel):
     def initialize(self, args):
-        super().initialize(args)  # the engine (pd's arguments), the consumer, the metrics, self.limits
-        if parameter(self.config, "topology", "E+PD") != "E+PD":
-            raise pb_utils.TritonModelException(f"{self.name}: a colocated orchestrator serves E+PD only")
+        try:
+            self.mode = Topology(parameter(json.loads(args["model_config"]), "topology", "E+PD"))
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: parameter topology: {exc}") from None
+        if self.mode is Topology.E_P_D:  # this engine is prefill's: KV producer, pulls the embeddings
+            self.KV_ROLE, self.IDLE_WAIT_MS = PrefillModel.KV_ROLE, PrefillModel.IDLE_WAIT_MS
+        super().initialize(args)  # the engine (the host stage's arguments), the consumer, the metrics, self.limits
+        encoders = parameter(self.config, "encoder_model", "encoder")
+        if self.mode is Topology.E_PD:
+            remote, local = BlsEncoders(encoders), Stage.GENERATE
+        else:
+            remote = TritonStages(encoders, decode_model=parameter(self.config, "decode_model", "decode"),
+                                  url=grpc_url(parameter(self.config, "grpc_url", "")))
+            local = Stage.PREFILL
         checkpoint = Path(self.engine_args["model"]).resolve()
-        self.stages = LocalStages(BlsEncoders(parameter(self.config, "encoder_model", "encoder")), self.host,
-                                  self.resolver, self.limits, prepare=self.prepare, interval=self.stream_interval)
+        self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
+                                  interval=self.stream_interval, local=local)
         self.orchestrator = Orchestrator(
-            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, Topology.E_PD,
+            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, self.mode,
             deadline=float(parameter(self.config, "request_timeout_seconds", "300")),
             metadata_only=parameter(self.config, "metadata_only", "true").lower() != "false")
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.host.submit)
         return None
+
+    def finalize(self):
+        try:
+            self.host.submit(self.stages.aclose()).result(timeout=5)
+        except Exception as exc:  # noqa: BLE001 - unloading anyway
+            pb_utils.Logger.log_warn(f"{self.name}: closing the stage client: {exc}")
+        super().finalize()

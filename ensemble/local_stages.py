@@ -1,22 +1,26 @@
-"""A ``StageClient`` whose generator stage runs in this process: the colocated E+PD orchestrator.
+"""A ``StageClient`` with one generator stage in this process: the colocated orchestrators.
 
-Who uses it: ``ensemble.colocated_model`` (topology ``stages.pd.orchestrator: colocated``), whose model
-hosts the orchestrator and a vLLM engine in one Triton stub. Encoders stay a separate Triton model
-(``encode`` is delegated, BLS in production); ``generate`` hands the orchestrator's metadata-only request
-to the engine here instead of sending it through tritonserver's gRPC endpoint to a ``pd`` model. Per
-response that saves a second stub's response, tritonserver forwarding it, and parsing it in the
-orchestrator's gRPC client.
+Who uses it: ``ensemble.colocated_model`` (topology ``stages.pd.orchestrator: colocated`` for E+PD,
+``stages.prefill.orchestrator: colocated`` for E/P/D), whose model hosts the orchestrator and a vLLM engine
+in one Triton stub. ``local`` names the stage that engine serves: ``Stage.GENERATE`` (E+PD: prefill and
+decode, the pd engine) or ``Stage.PREFILL`` (E/P/D: a KV producer, one token per request). Everything else goes
+to ``remote``, a ``StageClient`` of other Triton models: encoders over BLS (both), and for E/P/D the decode stage
+over the server's gRPC endpoint (``ensemble.triton_stages.TritonStages``), whose stream the orchestrator relays.
+Per response of the local stage that saves a second stub's response, tritonserver forwarding it, and parsing it
+in the orchestrator's gRPC client.
 
-What ``generate`` keeps of the ``pd`` model: the request is parsed as ``pd`` parses it (``LayoutMedia``:
-layouts only, media refused), ``prepare`` runs before the engine (pull every item's embeddings by handle;
-a failed pull raises ``Unavailable`` before anything is submitted, and the orchestrator's recovery encodes
-again and retries), the responses follow ``backend.serving.Chunker`` (stream interval, prompt in front of
-non-streaming output), and a stream closed before its final chunk (client cancel, deadline) aborts the
-engine request.
+What the local ``generate`` keeps of the stage's own model (``pd``, ``prefill``): the request is parsed as
+that model parses it (``LayoutMedia``: layouts only, media refused; prefill: ``kv_transfer_params``
+``do_remote_decode``), ``prepare`` runs before the engine (pull every item's embeddings by handle; a failed pull
+raises ``Unavailable`` before anything is submitted and the orchestrator's recovery encodes again and
+retries), the responses follow ``backend.serving.Chunker`` (stream interval, prompt in front of non-streaming
+output; prefill's final chunk carries the ``kv_transfer_params`` decode needs), and a stream closed before its
+final chunk (client cancel, deadline) aborts the engine request. Prefill's blocks stay held after its final
+chunk until decode has read them (or vLLM's abort timeout frees them).
 
-Lifecycle of one ``generate`` call::
+Lifecycle of one local ``generate`` call::
 
-    PARSED (layouts resolved) -> PREPARED (embeddings pulled; timings: transfer_ms, transfer_bytes)
+    PARSED (layouts resolved) -> PREPARED (embeddings pulled, or grids only; timings: transfer_ms, transfer_bytes)
           -> STREAMING (engine deltas -> chunks) -> DONE (final chunk yielded)
                                                  | ABORTED (closed early or failed: engine.abort)
 """
@@ -32,24 +36,34 @@ from ensemble.orchestrator import Stage
 
 
 class LocalStages:
-    """``StageClient`` with in-process generation: ``encoders.encode`` for media, ``engine`` for text."""
+    """``StageClient`` with the ``local`` stage in process (``engine``) and the others on ``remote``."""
 
-    def __init__(self, encoders, engine: GenerationEngine, resolver: MediaResolver, limits: RequestLimits,
+    def __init__(self, remote, engine: GenerationEngine, resolver: MediaResolver, limits: RequestLimits,
                  prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
-                 interval: float = 0.0):
-        """``encoders``: anything with the ``StageClient.encode`` coroutine (``BlsEncoders``). ``resolver``
-        and ``limits``: how the metadata-only request is parsed (``pd``'s: ``LayoutMedia``). ``prepare``:
-        runs on each parsed request before the engine sees it (the embedding pull). ``interval``: the
-        stream interval of ``Chunker``."""
-        self.encoders, self.engine, self.resolver, self.limits = encoders, engine, resolver, limits
-        self.prepare, self.interval = prepare, interval
+                 interval: float = 0.0, local: Stage = Stage.GENERATE):
+        """``remote``: the ``StageClient`` of the other stages; ``encode`` at least (``BlsEncoders``), and
+        ``generate`` where the orchestrator asks other generator stages (E/P/D's prefill: ``TritonStages``).
+        ``resolver`` and ``limits``: how the local stage parses its metadata-only request (``LayoutMedia``).
+        ``prepare``: runs on each parsed request before the engine sees it. ``interval``: the stream interval
+        of ``Chunker``."""
+        self.remote, self.engine, self.resolver, self.limits = remote, engine, resolver, limits
+        self.prepare, self.interval, self.local = prepare, interval, local
 
     async def encode(self, item: MediaBytes, key: str) -> str:
-        return await self.encoders.encode(item, key)
+        return await self.remote.encode(item, key)
 
-    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
-        if stage is not Stage.GENERATE:
-            raise ValueError(f"an in-process generator serves E+PD only, not the {stage.value} stage")
+    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
+        if stage is self.local:
+            return self._generate_here(inputs)
+        if not hasattr(self.remote, "generate"):
+            raise ValueError(f"this process serves the {self.local.value} stage; no client for the {stage.value} stage")
+        return self.remote.generate(inputs, stage)
+
+    async def aclose(self) -> None:
+        if hasattr(self.remote, "aclose"):
+            await self.remote.aclose()
+
+    async def _generate_here(self, inputs: RawGenerateInputs) -> AsyncIterator[ResponseChunk]:
         request = parse_generate_request(inputs, self.resolver, self.limits)
         if self.prepare is not None:
             request = await self.prepare(request)

@@ -21,28 +21,36 @@ def render_chat(conversation) -> str:
 
 
 class FakeEngine:
-    """Yields the given text pieces one per step; records aborts. ``fail_with`` raises after ``fail_after`` steps."""
+    """Yields the given text pieces one per step; records aborts. ``fail_with`` raises after ``fail_after`` steps
+    (in the first ``failures`` requests; None: in every one)."""
 
     def __init__(self, pieces=("Hel", "lo", "!"), finish_reason="stop", num_input_tokens=7,
-                 fail_with: BaseException | None = None, fail_after: int = 0, step_delay: float = 0.0):
+                 fail_with: BaseException | None = None, fail_after: int = 0, step_delay: float = 0.0,
+                 failures: int | None = None, kv_transfer_params: dict | None = None):
+        """``kv_transfer_params``: on the final delta, as a KV producer's (prefill's) engine returns them."""
         self.pieces, self.finish_reason, self.num_input_tokens = list(pieces), finish_reason, num_input_tokens
-        self.fail_with, self.fail_after, self.step_delay = fail_with, fail_after, step_delay
+        self.kv_transfer_params = kv_transfer_params
+        self.fail_with, self.fail_after, self.step_delay, self.failures = fail_with, fail_after, step_delay, failures
         self.aborted: list[str] = []
         self.steps_run = 0
+        self.requests = 0
 
     def prompt_text(self, request: GenerateRequest) -> str:
         return request.prompt if request.prompt is not None else render_chat(request.conversation)
 
     async def generate(self, request: GenerateRequest, request_id: str):
+        self.requests += 1
+        failing = self.fail_with is not None and (self.failures is None or self.requests <= self.failures)
         for i, piece in enumerate(self.pieces):
-            if self.fail_with is not None and i == self.fail_after:
+            if failing and i == self.fail_after:
                 raise self.fail_with
             if request_id in self.aborted:
                 return
             await asyncio.sleep(self.step_delay)
             self.steps_run += 1
             last = i == len(self.pieces) - 1
-            yield GenerationDelta(piece, self.num_input_tokens, i + 1, self.finish_reason if last else None)
+            yield GenerationDelta(piece, self.num_input_tokens, i + 1, self.finish_reason if last else None,
+                                  self.kv_transfer_params if last else None)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

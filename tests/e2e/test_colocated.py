@@ -1,7 +1,9 @@
-"""E2E: E+PD with the orchestrator colocated (``stages.pd.orchestrator: colocated``) in its own tritonserver:
-``epd`` hosts the orchestrator and the pd engine in one stub, encoders are a separate model (BLS). Against
-``llm`` in the same server: the same tokens (greedy) for varied requests, streaming and not; a client cancel
-aborts the engine request; an encoder error is a clear INVALID_ARG naming the item; nothing leaks."""
+"""E2E: the colocated orchestrators in their own tritonserver: E+PD (``stages.pd.orchestrator: colocated``,
+model ``epd``: the orchestrator and the pd engine in one stub) and E/P/D (``stages.prefill.orchestrator:
+colocated``, model ``epd_disagg``: the orchestrator and prefill's engine in one stub, ``decode`` a model of its
+own asked over gRPC); encoders are a separate model (BLS). Against ``llm`` in the same server: the same tokens
+(greedy) for varied requests, streaming and not; a client cancel aborts the engine request; an encoder error
+is a clear INVALID_ARG naming the item; nothing leaks."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,12 +23,21 @@ from tests.e2e.test_epd import CASES, GREEDY, ask, img
 pytestmark = pytest.mark.e2e
 
 
+# model -> the models whose processes do its stages' media work and transfers: E+PD's engine pulls the embeddings
+# (in epd); E/P/D's prefill (in epd_disagg) pulls them, decode takes layouts only
+MODELS = {"epd": ("epd",), "epd_disagg": ("epd_disagg", "decode")}
+DECODER = {"epd": "epd", "epd_disagg": "decode"}  # the model whose engine samples the client's tokens
+
+
 @pytest.fixture(scope="module")
 def colocated_server(tmp_path_factory):
-    """llm beside E+PD colocated (encoder + epd), rendered from topologies/cpu-e-pd-colocated.yaml."""
+    """llm beside E+PD colocated (encoder + epd) and E/P/D colocated (epd_disagg + decode), rendered from
+    topologies/cpu-e-pd-colocated.yaml and cpu-e-p-d-colocated.yaml."""
     repo = tmp_path_factory.mktemp("colocated") / "repo"
     topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
-    render(dataclasses.replace(topology, serve=("baseline", "E+PD"), stages={**topology.stages, "llm": StageSpec()}), repo)
+    e_p_d = load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu")
+    render(dataclasses.replace(topology, serve=("baseline", "E+PD", "E/P/D"),
+                               stages={**topology.stages, **e_p_d.stages, "llm": StageSpec()}), repo)
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
         held = held_shm(server.proc.pid) - _shm_of_this_process()
@@ -43,9 +54,10 @@ def baseline(colocated_server):
 def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server):
     client = httpclient.InferenceServerClient(colocated_server.http_url)
     models = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
-    assert models == {"llm", "encoder", "epd"}  # no pd: its engine runs in epd
-    inputs = {i["name"] for i in client.get_model_metadata("epd")["inputs"]}
-    assert inputs == {i["name"] for i in client.get_model_metadata("llm")["inputs"]}  # the clients' interface
+    assert models == {"llm", "encoder", "epd", "epd_disagg", "decode"}  # no pd, no prefill: their engines run in epd*
+    for model in MODELS:
+        inputs = {i["name"] for i in client.get_model_metadata(model)["inputs"]}
+        assert inputs == {i["name"] for i in client.get_model_metadata("llm")["inputs"]}  # the clients' interface
 
 
 def test_baseline_depends_on_the_image(baseline):
@@ -53,70 +65,81 @@ def test_baseline_depends_on_the_image(baseline):
     assert baseline["two_images"].text != baseline["two_images_same"].text
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, name):
-    got = ask(colocated_server, "epd", **CASES[name])
+def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, name, model):
+    got = ask(colocated_server, model, **CASES[name])
     want = baseline[name]
     assert got.text == want.text
     assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
         want.num_input_tokens, want.num_output_tokens, want.finish_reason)
 
 
-def test_http_streaming_and_concurrent_requests(colocated_server, baseline):
-    got = ask(colocated_server, "epd", "http", **CASES["one_image_landscape"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_http_streaming_and_concurrent_requests(colocated_server, baseline, model):
+    got = ask(colocated_server, model, "http", **CASES["one_image_landscape"])
     assert got.text == baseline["one_image_landscape"].text and len(got.chunks) > 1
     names = ["four_images", "three_images", "two_images", "chat_two_images", "text_only", "one_image_square"] * 2
     with ThreadPoolExecutor(len(names)) as pool:
-        results = list(pool.map(lambda n: ask(colocated_server, "epd", **CASES[n]), names))
+        results = list(pool.map(lambda n: ask(colocated_server, model, **CASES[n]), names))
     assert [r.text for r in results] == [baseline[n].text for n in names]
 
 
-def test_timing_breakdown_and_metadata_only(colocated_server):
-    decodes = metric(colocated_server, "epd_media_decodes_total", model="epd")
-    moved = metric(colocated_server, "epd_transfer_bytes_total", model="epd")
-    got = ask(colocated_server, "epd", **CASES["two_images"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_timing_breakdown_and_metadata_only(colocated_server, model):
+    puller = MODELS[model][0]  # the process that pulls the embeddings
+    decodes = {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]}
+    moved = metric(colocated_server, "epd_transfer_bytes_total", model=puller)
+    got = ask(colocated_server, model, **CASES["two_images"])
     t = got.timings
     assert t["items"] == 2 and t["transfer_bytes"] > 0 and len(t["encoders"]) == 1
     assert 0 < t["encode_ms"] < t["total_ms"] and 0 < t["transfer_ms"] < t["generate_ms"] <= t["total_ms"]
-    assert ask(colocated_server, "epd", **CASES["text_only"]).timings["items"] == 0
+    if model == "epd_disagg":  # prefill (its pull included) before decode, both within the request
+        assert t["transfer_ms"] < t["prefill_ms"] and t["encode_ms"] + t["prefill_ms"] + t["generate_ms"] <= t["total_ms"] + 1
+    assert ask(colocated_server, model, **CASES["text_only"]).timings["items"] == 0
     deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
-    while metric(colocated_server, "epd_transfer_bytes_total", model="epd") < moved + t["transfer_bytes"]:
+    while metric(colocated_server, "epd_transfer_bytes_total", model=puller) < moved + t["transfer_bytes"]:
         assert time.monotonic() < deadline, "the pulled bytes never reached the metrics"
         time.sleep(0.1)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)
-    assert metric(colocated_server, "epd_media_decodes_total", model="epd") == decodes  # the encoder decodes
+    assert {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]} == decodes  # the encoder decodes
 
 
-def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline):
+@pytest.mark.parametrize("model", list(MODELS))
+def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline, model):
     """Naive EPD (request parameter epd_metadata_only=false): the engine side also gets the client's media and
-    decodes them itself (in this one process: epd's decode counter moves by the item count)."""
+    decodes them itself (E+PD: in epd's one process; E/P/D: in epd_disagg (prefill) and in decode, each by the item count)."""
     case, want = CASES["chat_data_url_and_tensor"], baseline["chat_data_url_and_tensor"]
-    decodes = lambda: metric(colocated_server, "epd_media_decodes_total", model="epd")
+    decodes = lambda: {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]}
     before = decodes()
-    off = ask(colocated_server, "epd", **case, parameters={"epd_metadata_only": False})
+    off = ask(colocated_server, model, **case, parameters={"epd_metadata_only": False})
     assert (off.text, off.num_input_tokens, off.num_output_tokens) == (want.text, want.num_input_tokens, want.num_output_tokens)
     assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
+    want_decodes = {m: value + 2 for m, value in before.items()}
     deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
-    while decodes() < before + 2 and time.monotonic() < deadline:
+    while decodes() != want_decodes and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert decodes() == before + 2
+    assert decodes() == want_decodes
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_an_encoder_error_is_a_clear_invalid_arg_naming_the_item(colocated_server, protocol):
+def test_an_encoder_error_is_a_clear_invalid_arg_naming_the_item(colocated_server, protocol, model):
     with pytest.raises(GenerateError) as info:
-        ask(colocated_server, "epd", protocol, prompt="x", images=[img(0), b"\x89PNG\r\n\x1a\n broken"])
+        ask(colocated_server, model, protocol, prompt="x", images=[img(0), b"\x89PNG\r\n\x1a\n broken"])
     assert info.value.message.startswith("image[1]: cannot decode image"), info.value.message
     if protocol == "http":
         assert info.value.status == "400"
-    assert ask(colocated_server, "epd", **CASES["one_image_landscape"]).finish_reason is not None  # still serving
+    assert ask(colocated_server, model, **CASES["one_image_landscape"]).finish_reason is not None  # still serving
 
 
-def test_cancelling_aborts_the_engine_request(colocated_server, baseline):
-    sampled = lambda: metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd")
-    cancelled = lambda: metric(colocated_server, "epd_requests_total", model="epd", outcome="cancelled")
+@pytest.mark.parametrize("model", list(MODELS))
+def test_cancelling_aborts_the_engine_request(colocated_server, baseline, model):
+    sampled = lambda: metric(colocated_server, "epd_vllm_generation_tokens_total", model=DECODER[model])
+    cancelled = lambda: metric(colocated_server, "epd_requests_total", model=DECODER[model], outcome="cancelled")
     tokens_before, cancelled_before = sampled(), cancelled()
-    result = ask(colocated_server, "epd", prompt="Count.", images=[img(3)], stream=True, cancel_after_chunks=3,
+    prefilled_before = metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd_disagg")
+    result = ask(colocated_server, model, prompt="Count.", images=[img(3)], stream=True, cancel_after_chunks=3,
                  sampling={"max_tokens": 3000, "ignore_eos": True})
     assert result.cancelled
     deadline, generated = time.monotonic() + 30, None
@@ -128,4 +151,6 @@ def test_cancelling_aborts_the_engine_request(colocated_server, baseline):
         time.sleep(0.5)
     assert cancelled() == cancelled_before + 1
     assert 3 <= generated - tokens_before < 1000, f"the engine sampled {generated - tokens_before} tokens after a cancel"
-    assert ask(colocated_server, "epd", **CASES["one_image_portrait"]).text == baseline["one_image_portrait"].text
+    if model == "epd_disagg":  # prefill (in epd_disagg) ran its one token, and nothing more
+        assert metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd_disagg") == prefilled_before + 1
+    assert ask(colocated_server, model, **CASES["one_image_portrait"]).text == baseline["one_image_portrait"].text

@@ -1,6 +1,8 @@
-"""The colocated E+PD orchestrator: ``Orchestrator`` over ``LocalStages`` (encoders faked, the generator an
-in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them."""
+"""The colocated orchestrators: ``Orchestrator`` over ``LocalStages`` (encoders and prefill faked, the streamed
+stage an in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them: E+PD (pd's engine here)
+and E/P/D (prefill's engine here, decode remote)."""
 import asyncio
+import json
 
 import pytest
 
@@ -8,23 +10,25 @@ from backend.errors import InvalidInput, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
 from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator, Stage
+from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def colocated(engine=None, pull=None, encoders=None, interval=0.0):
+def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.GENERATE):
     encoders = encoders or FakeStages()
     stages = LocalStages(encoders, engine or FakeEngine(), FakeLayoutResolver(), RequestLimits(max_images=4),
-                         prepare=pull or FakePull(), interval=interval)
+                         prepare=pull or FakePull(), interval=interval, local=local)
     return stages, encoders
 
 
 def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), deadline=deadline).run(raw, sink, observer))
+    topology = Topology.E_P_D if stages.local is Stage.PREFILL else Topology.E_PD
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), topology, deadline=deadline)
+    outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
 
 
@@ -138,12 +142,104 @@ def test_media_given_to_the_generator_are_refused():
         asyncio.run(first_chunk())
 
 
-def test_only_the_e_pd_generator_stage_runs_in_process():
-    stages, _ = colocated()
+class EncodersOnly:
+    """A remote side with encoders and no generator stage (``BlsEncoders``)."""
+
+    async def encode(self, item, key):
+        return "{}"
+
+
+def test_a_stage_neither_here_nor_remote_is_refused():
+    stages, _ = colocated(encoders=EncodersOnly())
 
     async def first_chunk():
         async for chunk in stages.generate(RawGenerateInputs(text_input="x"), Stage.PREFILL):
             return chunk
 
-    with pytest.raises(ValueError, match="E\\+PD only"):
+    with pytest.raises(ValueError, match="serves the generate stage; no client for the prefill stage"):
         asyncio.run(first_chunk())
+
+
+# -- E/P/D: prefill's engine here, decode remote (over gRPC in production) -----------------------------------
+
+HANDLE = {"remote_block_ids": [[1]], "do_remote_prefill": True}
+
+
+def prefill_engine(**kwargs):
+    """Prefill's engine: one token, its final output carrying the handle decode needs."""
+    return FakeEngine(pieces=["x"], finish_reason="length", kv_transfer_params=HANDLE, **kwargs)
+
+
+def test_e_p_d_prefill_runs_here_and_decode_goes_remote_with_prefill_s_kv_handle():
+    pull, engine, observer = FakePull(), prefill_engine(), RecordingObserver()
+    stages, remote = colocated(engine=engine, pull=pull, local=Stage.PREFILL)
+    raw = RawGenerateInputs(text_input=f"{PH}Describe.", images=(b"A",), stream=True, sampling_parameters='{"max_tokens": 5, "min_tokens": 2}',
+                            return_num_output_tokens=True)
+    outcome, sink = run(stages, raw, observer=observer)
+    assert outcome is Outcome.OK and remote.stages_called == [Stage.DECODE]  # only decode left the process
+    [prefill] = pull.seen  # what the in-process prefill parsed: layouts, one token, do_remote_decode
+    assert prefill.images == ('{"layout": 0}',) and not prefill.stream and prefill.sampling == {"max_tokens": 1}
+    assert prefill.kv_transfer_params == {"do_remote_decode": True}
+    [decode] = remote.generated  # the client's settings, the layouts and prefill's handle
+    assert decode.image_layouts == ('{"layout": 0}',) and decode.images == () and decode.stream
+    assert json.loads(decode.sampling_parameters) == {"max_tokens": 5, "min_tokens": 2}
+    assert json.loads(decode.kv_transfer_params) == HANDLE
+    assert [(c.text_output, final) for c, final in sink.chunks] == [("a", False), ("b", True)]
+    timings = sink.chunks[-1][0].timings
+    assert timings["items"] == 1 and 0 < timings["prefill_ms"] and timings["generate_ms"] <= timings["total_ms"]
+    assert timings["transfer_ms"] == 0.5 and timings["transfer_bytes"] == 64  # the in-process pull's
+    assert observer.finished == [(Outcome.OK, 2)] and engine.aborted == [] and sink.finals == 1
+
+
+def test_e_p_d_client_cancel_during_decode_aborts_the_remote_stage():
+    remote = FakeStages(pieces=["t"] * 50)
+    stages, _ = colocated(engine=prefill_engine(), encoders=remote, local=Stage.PREFILL)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
+    assert remote.aborted == 1 and remote.stages_called == [Stage.DECODE]
+
+
+def test_e_p_d_decode_unavailable_before_its_first_token_is_retried_from_the_encoders():
+    """Decode fails before its first token (its KV could not be loaded -> Unavailable): nothing reached the
+    client, so the items are encoded again and prefill (here) and decode asked again."""
+    remote = FakeStages(generate_error=Unavailable("decode: KV transfer failed"), generate_failures=1)
+    engine = prefill_engine()
+    stages, _ = colocated(engine=engine, encoders=remote, local=Stage.PREFILL)
+    observer = RecordingObserver()
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    assert outcome is Outcome.OK and observer.retried == ["request"]
+    assert remote.stages_called == [Stage.DECODE, Stage.DECODE] and len(remote.encoded) == 2
+    assert engine.requests == 2 and sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_e_p_d_prefill_error_fails_before_decode_runs():
+    engine = prefill_engine(fail_with=InvalidInput("text_input", "prompt too long for prefill"))
+    stages, remote = colocated(engine=engine, local=Stage.PREFILL)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x"))
+    assert outcome is Outcome.ERROR and str(sink.errors[0]) == "text_input: prompt too long for prefill"
+    assert remote.stages_called == []
+
+
+def test_e_p_d_deadline_while_decoding_cancels_the_remote_stage():
+    remote = FakeStages(pieces=["t"] * 100)
+
+    async def slow(inputs, stage=None, real=remote.generate):
+        async for chunk in real(inputs, stage):
+            await asyncio.sleep(0.01)
+            yield chunk
+
+    stages, _ = colocated(engine=prefill_engine(), encoders=remote, local=Stage.PREFILL)
+    stages.remote.generate = slow
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), deadline=0.1)
+    assert outcome is Outcome.ERROR and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
+    assert remote.aborted == 1
+
+
+def test_e_p_d_asking_the_local_stage_for_e_pd_s_generate_goes_remote():
+    """``local`` decides what runs here: an E/P/D process sends any other stage to its remote client."""
+    stages, remote = colocated(local=Stage.PREFILL)
+
+    async def chunks():
+        return [c.text_output async for c in stages.generate(RawGenerateInputs(text_input="x"), Stage.GENERATE)]
+
+    assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.GENERATE]

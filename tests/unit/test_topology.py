@@ -18,7 +18,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
     assert on_disk == expected, "re-render: python -m backend.topology render topologies/default.yaml --out model_repository"
 
 
-@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated"])
+@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
 
@@ -45,7 +45,7 @@ def test_one_deployment_alone_with_engine_overrides(tmp_path):
 
 def test_colocated_orchestrator_renders_one_epd_model_with_pd_s_engine_and_instances():
     topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
-    assert topology.colocated and topology.models() == {"encoder": "encoder", "epd": "epd:E+PD:colocated"}
+    assert topology.colocated == ("E+PD",) and topology.models() == {"encoder": "encoder", "epd": "epd:E+PD:colocated"}
     files = render_files(topology, Path("/r"))
     assert sorted(files) == ["encoder/1/model.py", "encoder/config.pbtxt", "epd/1/model.py", "epd/config.pbtxt",
                              "epd/model.json"]  # no pd model: its engine runs in epd
@@ -69,8 +69,41 @@ def test_colocated_beside_e_p_d_keeps_the_proxy_for_e_p_d():
     assert alone.with_orchestrator("proxy").models() == {"encoder": "encoder", "pd": "pd", "epd": "epd:E+PD"}
     with pytest.raises(TopologyError, match="expected one of proxy, colocated"):
         alone.with_orchestrator("inline")
-    with pytest.raises(TopologyError, match="only E\\+PD has one"):
+    with pytest.raises(TopologyError, match="E\\+PD has no orchestrator to place here \\(served: E/P/D"):
         load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu").with_orchestrator("colocated")
+
+
+def test_e_p_d_orchestrator_colocated_with_prefill_renders_one_epd_model_with_prefill_s_engine():
+    topology = load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu")
+    assert topology.colocated == ("E/P/D",) and "epd" not in topology.stages
+    assert topology.models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated", "decode": "decode"}
+    files = render_files(topology, Path("/r"))
+    assert "prefill/config.pbtxt" not in files and "decode/config.pbtxt" in files  # prefill's engine runs in epd
+    assert "from ensemble.colocated_model import TritonPythonModel" in files["epd/1/model.py"]
+    config = files["epd/config.pbtxt"]
+    assert 'name: "image" data_type: TYPE_STRING' in config and "image_layouts" not in config  # llm's interface
+    assert 'name: "kv_transfer_params"' not in config and 'name: "timings"' in config and "decoupled: true" in config
+    for key, value in (("topology", "E/P/D"), ("orchestrator", "colocated"), ("decode_model", "decode"),
+                       ("encoder_model", "encoder"), ("nixl_poll_delay_us", "5000")):
+        assert f'key: "{key}" value: {{ string_value: "{value}" }}' in config, key
+    assert json.loads(files["epd/model.json"]) == json.loads(files["decode/model.json"])  # prefill's = decode's args
+
+
+def test_each_deployment_places_its_own_orchestrator():
+    both = load(DEFAULT, "cpu").with_orchestrator("colocated").with_orchestrator("colocated", "E/P/D")
+    assert both.colocated == ("E+PD", "E/P/D") and "epd" not in both.stages
+    assert both.models() == {"llm": "llm", "encoder": "encoder", "epd": "epd:E+PD:colocated",
+                             "epd_disagg": "epd:E/P/D:colocated", "decode": "decode"}
+    assert 'key: "topology" value: { string_value: "E/P/D" }' in render_files(both, Path("/r"))["epd_disagg/config.pbtxt"]
+    only_e_p_d = load(DEFAULT, "cpu").with_orchestrator("colocated", "E/P/D")
+    assert only_e_p_d.models() == {"llm": "llm", "encoder": "encoder", "pd": "pd", "epd": "epd:E+PD",
+                                   "epd_disagg": "epd:E/P/D:colocated", "decode": "decode"} and "epd" in only_e_p_d.stages
+    alone = load(DEFAULT, "cpu").only("E/P/D").with_orchestrator("colocated", "E/P/D")
+    assert alone.models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated", "decode": "decode"}
+    assert alone.with_orchestrator("proxy", "E/P/D").models() == {"encoder": "encoder", "prefill": "prefill",
+                                                                  "decode": "decode", "epd": "epd:E/P/D"}
+    with pytest.raises(TopologyError, match="baseline has no orchestrator"):
+        load(DEFAULT, "cpu").with_orchestrator("colocated", "baseline")
 
 
 def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
@@ -109,9 +142,15 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"engine_args": {"model": "x"}}, "the model is 'checkpoint'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "inline"}, "epd": {}}}, "stages.pd.orchestrator: expected one of proxy, colocated"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}, "epd": {}}}, "stages: epd not used by serve"),
-    ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}}, "stages.encoder.orchestrator: only the pd stage"),
+    ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}}, "stages.encoder.orchestrator: only pd (E+PD's) or prefill"),
+    ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {}, "decode": {"orchestrator": "colocated"}, "epd": {}}},
+     "stages.decode.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {}, "epd": {}}},
-     "stages.prefill.orchestrator: only the pd stage can host an orchestrator (E+PD's); E/P/D's runs as a proxy"),
+     "stages: epd not used by serve ['E/P/D'] (uses decode, encoder, prefill) (prefill.orchestrator is colocated"),
+    ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "beside"}, "decode": {}, "epd": {}}},
+     "stages.prefill.orchestrator: expected one of proxy, colocated"),
+    ({"serve": ["E+PD"], "stages": {"encoder": {}, "pd": {}, "prefill": {"orchestrator": "colocated"}, "epd": {}}},
+     "stages: prefill not used by serve"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}}}, "stages: pd not used by serve"),
 ])
 def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragment):
