@@ -93,11 +93,12 @@ class Topology:
         and other fields replaced by ``changes``."""
         if mode not in DEPLOYMENTS:
             raise TopologyError(f"unknown deployment {mode!r}; known: {', '.join(DEPLOYMENTS)}")
-        missing = [stage for stage in DEPLOYMENTS[mode] if stage not in self.stages]
+        stages = deployment_stages(mode, self.colocated)
+        missing = [stage for stage in stages if stage not in self.stages]
         if missing:
             raise TopologyError(f"{self.name}: cannot serve {mode} alone, no settings for {', '.join(missing)}")
         return replace(self, name=f"{self.name}-{mode}", serve=(mode,), checkpoint=self.checkpoint.resolve(),
-                       stages={s: self.stages[s] for s in deployment_stages(mode, self.colocated)},
+                       stages={s: self.stages[s] for s in stages},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
     @property

@@ -41,6 +41,9 @@ def test_one_deployment_alone_with_engine_overrides(tmp_path):
     assert load(DEFAULT, "cpu").only("baseline").models() == {"llm": "llm"}
     with pytest.raises(TopologyError, match="no settings for llm"):
         load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("baseline")
+    for name in ("cpu-e-pd-colocated", "cpu-e-p-d-colocated"):  # a colocated deployment has no epd stage to need
+        colocated = load(ROOT / "topologies" / f"{name}.yaml", "cpu")
+        assert colocated.only(colocated.serve[0]).models() == colocated.models()
 
 
 def test_colocated_orchestrator_renders_one_epd_model_with_pd_s_engine_and_instances():
