@@ -49,7 +49,7 @@ DEPLOYMENTS = {
     "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
     "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
 }
-# served by a rendering whose orchestrator runs in the model of the engine that streams the tokens (pd / decode)
+# served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
 COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
 
 
@@ -96,7 +96,7 @@ class Bench:
                 perf_analyzer.load_level, url, model, int(level), requests, ROOT / ".cache" / "bench-perf-analyzer",
                 self.args.max_tokens)
             results = Results(progress)
-            results.samples, results.errors = samples, [f"no final response ({errors} requests)"] if errors else []
+            results.samples, results.errors = samples, ["no final response"] * errors
             progress.update(len(requests))
             return results, wall, cpu
         if self.mode == "rate":

@@ -83,18 +83,12 @@ def load_level(url: str, model: str, concurrency: int, requests: list, workdir: 
     inputs, export = workdir / f"{model}-c{concurrency}-inputs.json", workdir / f"{model}-c{concurrency}-export.json"
     inputs.write_text(json.dumps({"data": [input_entry(r.as_values()) for r in requests]}))
     export.unlink(missing_ok=True)
-    command = [str(VENV / "bin" / "perf_analyzer"), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-               "--input-data", str(inputs), "--concurrency-range", f"{concurrency}:{concurrency}",
+    command = [*base_command(url, model, inputs, concurrency, requests[0].parameters if requests else None),
                "--request-count", str(len(requests)), "--profile-export-file", str(export)]
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{LIB_DIR}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    run_command(command, workdir / f"{model}-c{concurrency}.log", f"{model} at {concurrency}", export)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
-    (workdir / f"{model}-c{concurrency}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not export.exists():
-        raise RuntimeError(f"perf_analyzer failed ({done.returncode}) for {model} at {concurrency}: "
-                           f"{(done.stdout + done.stderr)[-1500:]}")
     # 2.51 writes BYTES inputs into the JSON as raw bytes (not UTF-8): read it as latin-1
     sent = json.loads(export.read_bytes().decode("latin-1"))["experiments"][0]["requests"]
     samples = export_samples(sent, max_tokens)
@@ -124,12 +118,31 @@ def export_samples(requests: list[dict], max_tokens: int) -> list:
     return samples
 
 
+def base_command(url: str, model: str, inputs: Path, concurrency: int, parameters: dict | None = None) -> list[str]:
+    """perf_analyzer of the venv, gRPC streaming, ``inputs`` at one concurrency; ``parameters`` (the same for
+    every request, e.g. ``{"epd_metadata_only": False}``) as ``--request-parameter``s."""
+    command = [str(VENV / "bin" / "perf_analyzer"), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+               "--input-data", str(inputs), "--concurrency-range", f"{concurrency}:{concurrency}"]
+    for name, value in (parameters or {}).items():
+        kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "string"
+        command += ["--request-parameter", f"{name}:{str(value).lower() if kind == 'bool' else value}:{kind}"]
+    return command
+
+
 def perf_analyzer_command(url: str, model: str, inputs: Path, concurrency: int, report: Path,
                           window_ms: int, stability: int) -> list[str]:
-    return [str(VENV / "bin" / "perf_analyzer"), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-            "--input-data", str(inputs), "--concurrency-range", f"{concurrency}:{concurrency}",
-            "--measurement-interval", str(window_ms), "-s", str(stability), "--percentile", "90",
-            "-f", str(report), "--verbose-csv"]
+    return [*base_command(url, model, inputs, concurrency), "--measurement-interval", str(window_ms),
+            "-s", str(stability), "--percentile", "90", "-f", str(report), "--verbose-csv"]
+
+
+def run_command(command: list[str], log: Path, what: str, output: Path) -> None:
+    """Run perf_analyzer (with the libraries it looks for on ``LD_LIBRARY_PATH``), its output into ``log``;
+    raises unless it succeeded and wrote ``output``."""
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{LIB_DIR}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not output.exists():
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}) for {what}: {(done.stdout + done.stderr)[-2000:]}")
 
 
 def run(args) -> list[dict]:
@@ -140,7 +153,6 @@ def run(args) -> list[dict]:
     inputs = out / f"perf-inputs-{args.images}img.json"
     inputs.write_text(json.dumps(make_inputs(args.entries, args.images, sizes, prompts, args.max_tokens, args.image_dir)))
     rows: list[dict] = []
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{LIB_DIR}:{os.environ.get('LD_LIBRARY_PATH', '')}")
 
     def against(url: str) -> None:
         for model in args.model.split(","):
@@ -148,10 +160,8 @@ def run(args) -> list[dict]:
                 report = out / f"perf-{model}-c{level}.csv"
                 command = perf_analyzer_command(url, model, inputs, level, report, args.window_ms, args.stability)
                 print("$", " ".join(command), flush=True)
-                done = subprocess.run(command, env=env, capture_output=True, text=True)
-                (out / f"perf-{model}-c{level}.log").write_text(done.stdout + done.stderr)
-                if done.returncode != 0:
-                    raise SystemExit(f"perf_analyzer failed ({done.returncode}) for {model}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                report.unlink(missing_ok=True)
+                run_command(command, out / f"perf-{model}-c{level}.log", model, report)
                 with report.open() as fh:
                     rows.extend({"model": model, **row} for row in csv.DictReader(fh))
 

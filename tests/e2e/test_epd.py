@@ -322,3 +322,24 @@ def test_cancelling_e_p_d_aborts_the_decode_request(server):
     generated = _tokens_after_cancel(server, "epd_disagg", "decode", img(1))
     assert 3 <= generated < 1000, f"decode generated {generated} tokens for a request cancelled after 3"
     assert ask(server, "epd_disagg", **CASES["one_image_landscape"]).finish_reason is not None
+
+
+def test_perf_analyzer_drives_epd_with_the_request_parameters_of_the_rows(server, tmp_path):
+    """perf_analyzer as the benchmark's load generator (``clients.perf_analyzer.load_level``): every request
+    streams to a final response, and a row's request parameters reach the orchestrator (naive rows: pd decodes
+    every image itself, so its decode counter moves by the request count; metadata-only rows: it stays)."""
+    from clients.perf_analyzer import load_level
+
+    requests = [GenerateInputs(prompt="Describe it.", images=[img(i + 40)], sampling={"temperature": 0.0, "max_tokens": 4,
+                                                                                       "ignore_eos": True})
+                for i in range(3)]
+    decodes = lambda: metric(server, "epd_media_decodes_total", model="pd")
+    for parameters, moved in ((None, 0), ({"epd_metadata_only": False}, 3)):
+        before = decodes()
+        for r in requests:
+            r.parameters = parameters
+        samples, errors, wall, _ = load_level(server.grpc_url, "epd", 2, requests, tmp_path / str(moved), max_tokens=4)
+        assert (len(samples), errors) == (3, 0) and wall > 0
+        assert all(s.tokens == 4 and 0 < s.ttft <= s.latency for s in samples), samples
+        time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # counters come in batches (CounterBatch)
+        assert _wait_for(decodes, lambda v: v == before + moved) == before + moved
