@@ -54,6 +54,12 @@ PROCESS_ENV_DEFAULTS = {
 METADATA_ONLY_ENGINE_DEFAULTS = {"mm_processor_cache_gb": 0}
 
 
+def metadata_only_engine_args(model_json: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of an engine fed embeddings or layouts (pd, prefill, decode): model.json's over
+    ``METADATA_ONLY_ENGINE_DEFAULTS``, with ``enable_mm_embeds`` (what such an engine needs to work)."""
+    return {**METADATA_ONLY_ENGINE_DEFAULTS, **model_json, "enable_mm_embeds": True}
+
+
 def load_engine_args(path: Path) -> dict[str, Any]:
     """Read a model.json; relative paths are resolved against its folder."""
     args = json.loads(Path(path).read_text())

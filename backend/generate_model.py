@@ -18,7 +18,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import METADATA_ONLY_ENGINE_DEFAULTS, EngineHost, load_engine_args
+from backend.engine import EngineHost, load_engine_args, metadata_only_engine_args
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
@@ -33,8 +33,8 @@ def parameter(config: dict, key: str, default: str) -> str:
 
 class GenerateModel:
     """Subclasses implement ``make_resolver`` and may override ``prepare`` (runs on the engine loop
-    before generation; its errors fail that request only), ``default_engine_args`` (under model.json's)
-    and ``extra_engine_args`` (over them)."""
+    before generation; its errors fail that request only) and ``engine_args_from`` (the engine arguments
+    made of model.json's)."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.config = json.loads(args["model_config"])
@@ -42,9 +42,7 @@ class GenerateModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.config):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
         model_dir = Path(args["model_repository"])
-        self.engine_args = {**self.default_engine_args(),
-                            **load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")),
-                            **self.extra_engine_args()}
+        self.engine_args = self.engine_args_from(load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")))
         self.limits = RequestLimits(
             max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
             media=MediaLimits(
@@ -67,13 +65,8 @@ class GenerateModel:
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
 
-    def default_engine_args(self) -> dict[str, Any]:
-        """Engine arguments that model.json may override."""
-        return {}
-
-    def extra_engine_args(self) -> dict[str, Any]:
-        """Engine arguments over model.json's (what the model needs to work)."""
-        return {}
+    def engine_args_from(self, model_json: dict[str, Any]) -> dict[str, Any]:
+        return model_json
 
     def process_env(self) -> dict[str, str]:
         return {}
@@ -139,15 +132,12 @@ class MetadataOnlyModel(GenerateModel):
 
         return LayoutMedia(model_identity(self.engine_args["model"]))
 
-    def default_engine_args(self):
-        return dict(METADATA_ONLY_ENGINE_DEFAULTS)
-
-    def extra_engine_args(self):
-        extra: dict[str, Any] = {"enable_mm_embeds": True}
+    def engine_args_from(self, model_json):
+        args = metadata_only_engine_args(model_json)
         if self.KV_ROLE:
-            extra["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": self.KV_ROLE,
-                                           "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
-        return extra
+            args["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": self.KV_ROLE,
+                                          "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
+        return args
 
     def process_env(self):
         if not self.KV_ROLE:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def engine_rss_mib(host) -> dict[int, float]:
+def engine_rss_mib() -> dict[int, float]:
     import psutil
 
     out = {}
@@ -37,10 +38,12 @@ def make_request(rng: random.Random, seed: int, mode: str, hidden: int):
 
     from backend.request import GenerateRequest
 
-    count = rng.choice([0, 1, 1, 2, 3, 4])
-    sizes = [(rng.randint(48, 160), rng.randint(48, 160)) for _ in range(count)]
+    from clients.soak import request_mix
+
+    sizes, max_tokens = request_mix(rng)
+    count = len(sizes)
     prompt = "<|vision_start|><|image_pad|><|vision_end|>" * count + f"Request {seed}: describe."
-    sampling = {"temperature": 0.0, "max_tokens": rng.randint(8, 24), "ignore_eos": True}
+    sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
     if not count or mode == "text":
         return GenerateRequest(prompt=f"Request {seed}: describe.", conversation=None, images=(), sampling=sampling)
     if mode == "images":
@@ -58,12 +61,13 @@ def make_request(rng: random.Random, seed: int, mode: str, hidden: int):
 
 
 async def one(host, request, request_id: str, cancel: bool) -> str:
-    async for delta in host.generate(request, request_id):
-        if cancel:
-            await host.abort(request_id)
-            return "cancelled"
-        if delta.finished:
-            return "ok"
+    async with contextlib.aclosing(host.generate(request, request_id)) as deltas:
+        async for delta in deltas:
+            if cancel:
+                await host.abort(request_id)
+                return "cancelled"
+            if delta.finished:
+                return "ok"
     return "ended"
 
 
@@ -75,8 +79,7 @@ async def drive(host, requests, concurrency: int, cancel_fraction: float, rng: r
         while queue:
             index, request = queue.pop()
             cancel = rng.random() < cancel_fraction
-            gen = one(host, request, f"{tag}-{index}", cancel)
-            outcome = await gen
+            outcome = await one(host, request, f"{tag}-{index}", cancel)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -96,11 +99,11 @@ def main(argv=None) -> int:
 
     import json
 
-    from backend.engine import METADATA_ONLY_ENGINE_DEFAULTS, EngineHost, load_engine_args
+    from backend.engine import EngineHost, load_engine_args, metadata_only_engine_args
 
     engine_args = load_engine_args(ROOT / "model_repository" / ("pd" if args.input == "embeds" else "llm") / "model.json")
     if args.input == "embeds":  # as the pd model starts its engine
-        engine_args = {**METADATA_ONLY_ENGINE_DEFAULTS, **engine_args, "enable_mm_embeds": True}
+        engine_args = metadata_only_engine_args(engine_args)
     for item in args.engine_arg:
         key, value = item.split("=", 1)
         engine_args[key] = json.loads(value)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
         host.submit(drive(host, [make_request(rng, 10**6 + i, args.input, hidden) for i in range(32)], 4, 0.0, rng,
                           "warmup")).result()
         time.sleep(args.settle)
-        print(f"before: EngineCore RSS {engine_rss_mib(host)}", flush=True)
+        print(f"before: EngineCore RSS {engine_rss_mib()}", flush=True)
         for round_ in range(args.rounds):
             requests = [make_request(rng, round_ * args.requests + i, args.input, hidden) for i in range(args.requests)]
             started = time.perf_counter()
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - started
             del requests
             time.sleep(args.settle)
-            print(f"round {round_ + 1}: {outcomes} in {seconds:.1f} s; EngineCore RSS {engine_rss_mib(host)}", flush=True)
+            print(f"round {round_ + 1}: {outcomes} in {seconds:.1f} s; EngineCore RSS {engine_rss_mib()}", flush=True)
     finally:
         host.shutdown()
     return 0

@@ -28,14 +28,20 @@ from clients.triton_client import GenerateInputs, grpc_inputs, single_request_st
 ERROR_CODES = {"epd_error_codes": True}
 
 
+def request_mix(rng: random.Random) -> tuple[list[tuple[int, int]], int]:
+    """The soak's mix: the sizes of 0-4 images (48..160 px a side; one image most often) and 8-24 tokens."""
+    count = rng.choice([0, 1, 1, 2, 3, 4])
+    return [(rng.randint(48, 160), rng.randint(48, 160)) for _ in range(count)], rng.randint(8, 24)
+
+
 def make_request(rng: random.Random, seed: int) -> GenerateInputs:
     from clients.images import image_bytes
 
-    count = rng.choice([0, 1, 1, 2, 3, 4])
-    images = [image_bytes(rng.randint(48, 160), rng.randint(48, 160), seed=seed * 5 + i) for i in range(count)]
-    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * count
+    sizes, max_tokens = request_mix(rng)
+    images = [image_bytes(w, h, seed=seed * 5 + i) for i, (w, h) in enumerate(sizes)]
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(sizes)
     return GenerateInputs(prompt=f"{placeholders}Request {seed}: describe.", images=images, stream=rng.random() < 0.5,
-                          sampling={"temperature": 0.0, "max_tokens": rng.randint(8, 24), "ignore_eos": True})
+                          sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
 
 
 async def one(url: str, model: str, inputs: GenerateInputs, cancel: bool, timeout: float) -> tuple[str, float]:

@@ -1,4 +1,4 @@
-"""An orchestrator colocated with the engine of the stage that streams the tokens (decoupled).
+"""An orchestrator colocated with the engine of the stage given the embeddings: pd (E+PD) or prefill (E/P/D).
 
 Topology ``stages.pd.orchestrator: colocated`` (E+PD, model ``epd``) or ``stages.prefill.orchestrator: colocated``
 (E/P/D, model ``epd``, or ``epd_disagg`` beside E+PD). One model, one stub per instance: the orchestrator

@@ -42,7 +42,7 @@ class LocalStages:
                  prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
                  interval: float = 0.0, local: Stage = Stage.GENERATE):
         """``remote``: the ``StageClient`` of the other stages; ``encode`` at least (``BlsEncoders``), and
-        ``generate`` where the orchestrator asks other generator stages (E/P/D's prefill: ``TritonStages``).
+        ``generate`` where the orchestrator asks other generator stages (E/P/D's decode: ``TritonStages``).
         ``resolver`` and ``limits``: how the local stage parses its metadata-only request (``LayoutMedia``).
         ``prepare``: runs on each parsed request before the engine sees it. ``interval``: the stream interval
         of ``Chunker``."""

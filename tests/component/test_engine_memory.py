@@ -57,12 +57,12 @@ def test_engines_fed_embeddings_keep_no_multimodal_item_cache():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.multimodal.cache.factories import engine_receiver_cache_from_config
 
-    from backend.engine import METADATA_ONLY_ENGINE_DEFAULTS, load_engine_args
+    from backend.engine import load_engine_args, metadata_only_engine_args
 
     def receiver_cache(args):
         return engine_receiver_cache_from_config(AsyncEngineArgs(**args).create_engine_config())
 
     pd_args = load_engine_args(ROOT / "model_repository" / "pd" / "model.json")
-    assert receiver_cache({**METADATA_ONLY_ENGINE_DEFAULTS, **pd_args, "enable_mm_embeds": True}) is None
+    assert receiver_cache(metadata_only_engine_args(pd_args)) is None
     assert receiver_cache({**pd_args, "enable_mm_embeds": True}) is not None  # vLLM's default
     assert receiver_cache(load_engine_args(ROOT / "model_repository" / "llm" / "model.json")) is not None
