@@ -149,7 +149,6 @@ async def run_rate(url: str, model: str, rate: float, requests: list[GenerateInp
     """Each request at its Poisson send time on a stream of its own; the wall time runs to the last answer."""
     import tritonclient.grpc.aio as grpcclient
 
-
     client = grpcclient.InferenceServerClient(url)
     results = Results(progress)
     start = time.perf_counter()

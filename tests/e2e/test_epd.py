@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import time
-import urllib.request
 
 import pytest
 import tritonclient.http as httpclient
@@ -272,13 +271,7 @@ def test_timing_breakdown(server):
 
 
 def _encoder_counts(server) -> tuple[float, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        for name in ("nv_inference_count", "nv_inference_exec_count"):
-            if line.startswith(name + "{") and 'model="encoder"' in line:
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values["nv_inference_count"], values["nv_inference_exec_count"]
+    return (metric(server, "nv_inference_count", model="encoder"), metric(server, "nv_inference_exec_count", model="encoder"))
 
 
 def test_encoder_batches_items_of_concurrent_requests(server, baseline):

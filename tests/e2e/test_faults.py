@@ -120,7 +120,7 @@ def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_s
     with pytest.raises(InferenceServerException, match="embedding pool full"):
         for i in range(10):  # leases nobody reads, until the pool is full
             unread.append(_encode_directly(full_pool_server, image_bytes(64, 48, seed=100 + i)))
-    assert len(unread) in range(1, 10), unread  # some read, not all
+    assert len(unread) in range(1, 10), unread  # the pool took some leases, not all ten
 
     def timed(case):
         started = time.monotonic()

@@ -115,3 +115,13 @@ def test_engine_queue_time_from_two_metric_scrapes():
     after = parse_metrics(METRICS % (1.5, 2.1, 20, 30))  # prefill: 0.5 s / 10, decode: 0.1 s / 20
     assert engine_queue_ms(before, after) == pytest.approx(50 + 5)
     assert engine_queue_ms(after, after) is None and engine_queue_ms({}, {}) is None
+
+
+def test_metrics_of_a_models_instances_are_summed():
+    from clients.bench_report import parse_metrics
+
+    text = ('epd_vllm_queue_time_count_total{instance="pd_0_0",model="pd"} 4\n'
+            'epd_vllm_queue_time_count_total{instance="pd_0_1",model="pd"} 6\n'
+            'epd_vllm_queue_time_count_total{instance="decode_0_0",model="decode"} 5\n')
+    assert parse_metrics(text) == {("epd_vllm_queue_time_count_total", "pd"): 10,
+                                   ("epd_vllm_queue_time_count_total", "decode"): 5}
