@@ -102,10 +102,9 @@ def _sizes(core) -> dict[str, int]:
         out["runner.encoder_cache"] = len(runner.encoder_cache)
         out["runner.encoder_cache_bytes"] = sum(t.numel() * t.element_size() for t in runner.encoder_cache.values()
                                                 if hasattr(t, "numel"))
-    for name in ("mm_receiver_cache",):
-        cache = getattr(core, name, None)
-        if cache is not None:
-            out[name] = repr(type(cache))
+    cache = getattr(core, "mm_receiver_cache", None)
+    if cache is not None:
+        out["mm_receiver_cache"] = repr(type(cache))
     return out
 
 
@@ -120,7 +119,8 @@ def _describe(obj) -> str:
 
 
 def _referrer_chain(obj, depth: int = 6) -> list[str]:
-    """Who keeps ``obj`` alive: referrers, breadth-first, a few per level (frames and our own lists skipped)."""
+    """Who keeps ``obj`` alive: referrers, breadth-first, a few per level (frames and this function's lists
+    skipped; the caller's list of samples shows up as one)."""
     import types
 
     lines = [f"referrers of {_describe(obj)}:"]
@@ -157,18 +157,20 @@ def _dump(directory: str, n: int, previous, libc, core) -> object:
     counts: collections.Counter = collections.Counter()
     tensors: collections.Counter = collections.Counter()
     tensor_bytes: collections.Counter = collections.Counter()
+    target = os.environ.get("EPD_ENGINE_MEMDEBUG_REFERRERS", "MultiModalKwargsItem")
+    samples = []  # a few objects of the target type, whose referrers are listed
     for obj in gc.get_objects():
         counts[type(obj).__qualname__] += 1
+        if len(samples) < 3 and type(obj).__name__ == target:
+            samples.append(obj)
         if isinstance(obj, torch.Tensor):
             try:
-                key = (str(obj.dtype), tuple(obj.shape)[:1] and len(obj.shape), obj.device.type)
+                key = (str(obj.dtype), obj.dim(), obj.device.type)
                 tensors[key] += 1
                 tensor_bytes[key] += obj.untyped_storage().nbytes()
             except Exception:
                 pass
     lines.append(f"gc objects {sum(counts.values())}")
-    target = os.environ.get("EPD_ENGINE_MEMDEBUG_REFERRERS", "MultiModalKwargsItem")
-    samples = [obj for obj in gc.get_objects() if type(obj).__name__ == target][:3]
     for sample in samples:
         lines.extend(_referrer_chain(sample))
     del samples
