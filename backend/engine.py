@@ -60,6 +60,14 @@ def metadata_only_engine_args(model_json: dict[str, Any]) -> dict[str, Any]:
     return {**METADATA_ONLY_ENGINE_DEFAULTS, **model_json, "enable_mm_embeds": True}
 
 
+def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
+    """vLLM's NixlConnector settings of a ``kv_producer`` (prefill) or ``kv_consumer`` (decode) engine: KV
+    buffers in host memory on CPU, in device memory on GPU; a KV that cannot be loaded fails the request
+    (decode has no embeddings to recompute it with)."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cuda" if on_gpu else "cpu",
+            "kv_load_failure_policy": "fail"}
+
+
 def load_engine_args(path: Path) -> dict[str, Any]:
     """Read a model.json; relative paths are resolved against its folder."""
     args = json.loads(Path(path).read_text())

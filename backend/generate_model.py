@@ -18,7 +18,8 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import EngineHost, load_engine_args, metadata_only_engine_args
+from backend.engine import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
+from backend.errors import InvalidInput
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
@@ -42,6 +43,10 @@ class GenerateModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.config):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
         model_dir = Path(args["model_repository"])
+        # A KIND_GPU instance: its engine runs on the instance's GPU (Triton gives each instance one device id)
+        self.on_gpu = args.get("model_instance_kind") == "GPU"
+        if self.on_gpu:  # before anything initializes CUDA in this stub; the EngineCore child inherits it
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
         self.engine_args = self.engine_args_from(load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")))
         self.limits = RequestLimits(
             max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
@@ -110,9 +115,11 @@ class MetadataOnlyModel(GenerateModel):
     """A vLLM model fed metadata-only media (``image_layouts``): ``pd`` and ``prefill`` pull each item's
     embeddings before submitting (``PULL_EMBEDDINGS``); ``decode`` submits the layout alone, since the KV
     it receives already covers the media positions. Nothing is submitted whose embeddings are not here:
-    a failed pull fails that request with UNAVAILABLE."""
+    a failed pull fails that request with UNAVAILABLE. ``prefill`` and ``decode`` also take media
+    (``TAKES_MEDIA``: P/D, an orchestrator that skips the encoders), which their engine then processes."""
 
     PULL_EMBEDDINGS = True
+    TAKES_MEDIA = False
     KV_ROLE: str | None = None  # "kv_producer" (prefill) / "kv_consumer" (decode): vLLM's NixlConnector
     # EngineCore: after a step that ran no model, wait up to this long for new input (model parameter
     # engine_idle_wait_ms; backend.vllm_plugin.patch_idle_wait). "": vLLM's own 1 ms sleep.
@@ -128,15 +135,15 @@ class MetadataOnlyModel(GenerateModel):
 
     def make_resolver(self):
         from backend.encoder import model_identity
-        from backend.request import LayoutMedia
+        from backend.request import LayoutMedia, LayoutOrDecodeMedia
 
-        return LayoutMedia(model_identity(self.engine_args["model"]))
+        identity = model_identity(self.engine_args["model"])
+        return LayoutOrDecodeMedia(identity, self.limits.media) if self.TAKES_MEDIA else LayoutMedia(identity)
 
     def engine_args_from(self, model_json):
         args = metadata_only_engine_args(model_json)
         if self.KV_ROLE:
-            args["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": self.KV_ROLE,
-                                          "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
+            args["kv_transfer_config"] = kv_transfer_config(self.KV_ROLE, self.on_gpu)
         return args
 
     def process_env(self):
@@ -149,6 +156,13 @@ class MetadataOnlyModel(GenerateModel):
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        from backend.layout import LayoutMetadata
+
+        layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
+        if layouts < len(request.images):  # media decoded here (TAKES_MEDIA): the engine processes them
+            if layouts:
+                raise InvalidInput("messages", "give media either as media or as image_layouts, not both")
+            return request
         if not request.images:
             return request
         import torch

@@ -142,6 +142,19 @@ class LayoutMedia:
         return LayoutMetadata.from_json(text, field, expected_model=self.model_identity)
 
 
+class LayoutOrDecodeMedia(DecodeMedia):
+    """``prefill`` / ``decode``: metadata-only items (E/P/D), or media decoded here (P/D: an orchestrator that
+    skips the encoders sends both engines the client's media, as vLLM's own P/D proxy does). One request
+    takes one kind (``prepare`` of the model refuses a mix)."""
+
+    def __init__(self, model_identity: str, limits: MediaLimits = MediaLimits()):
+        super().__init__(limits)
+        self.layouts = LayoutMedia(model_identity)
+
+    def from_layout(self, text, field):
+        return self.layouts.from_layout(text, field)
+
+
 def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limits: RequestLimits = RequestLimits(),
                            fmt: PromptFormat = PromptFormat()) -> GenerateRequest:
     has_text, has_messages = raw.text_input is not None, raw.messages is not None

@@ -244,9 +244,12 @@ _HEADERS = {
           "the embeddings through NIXL. It receives media (original_media) only when the orchestrator runs with\n"
           "metadata-only off (naive EPD) and then decodes and preprocesses them itself. Engine arguments in model.json.",
     "prefill": "E/P/D prefill: vLLM with NixlConnector (kv_producer) fed metadata-only media (image_layouts); it pulls\n"
-               "the embeddings, prefills, and returns kv_transfer_params for decode. Engine arguments in model.json.",
+               "the embeddings, prefills, and returns kv_transfer_params for decode. Given media (image; P/D: the\n"
+               "orchestrator skipped the encoders, request parameter epd_encode=false), its engine processes them.\n"
+               "Engine arguments in model.json.",
     "decode": "E/P/D decode: vLLM with NixlConnector (kv_consumer). It pulls prefill's KV by kv_transfer_params and\n"
-              "takes media as layout metadata only (no embeddings): the KV covers the media positions.",
+              "takes media as layout metadata only (no embeddings): the KV covers the media positions. Given media\n"
+              "(image; P/D, as prefill), its engine processes them.",
     "encoder": "Encoder stage: image processor + vision tower of the checkpoint (tower weights only). Each item's\n"
                "embeddings go into a NIXL-registered lease; the response is the item's layout metadata (JSON).\n"
                "Triton's dynamic batcher gathers items of concurrent requests into one tower forward.",
@@ -336,6 +339,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         inputs.append(("original_media", "TYPE_STRING", -1))  # metadata-only off (naive EPD) only
         outputs.append(("timings", "TYPE_STRING"))
     if kind in ("prefill", "decode"):
+        inputs.append(("image", "TYPE_STRING", -1))  # P/D: an orchestrator that skips the encoders (epd_encode)
         inputs.append(("kv_transfer_params", "TYPE_STRING", 1))
         outputs.append(("kv_transfer_params", "TYPE_STRING"))
     body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind]) + "\n"

@@ -5,7 +5,8 @@ off: the consumer also gets the original media and decodes/preprocesses it, as a
 ``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
 colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D),
 ``epd_disagg_naive`` and ``epd_disagg_colocated`` (E/P/D with the orchestrator colocated with the prefill engine:
-``stages.prefill.orchestrator: colocated``, rendered so likewise). Load (``clients.bench_load``): a concurrency sweep (closed loop,
+``stages.prefill.orchestrator: colocated``, rendered so likewise), ``p_d`` (P/D: E/P/D's prefill and decode without
+the encoders, request parameter ``epd_encode=false``; each engine processes the media, as vLLM's own P/D). Load (``clients.bench_load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
 latencies read from its profile export (``clients.perf_analyzer.load_level``; the load generator shares
@@ -39,6 +40,7 @@ from clients import bench_report
 from clients.bench_load import folder_images, folder_requests, run_concurrency, run_rate, synthetic_requests
 
 NAIVE = {"epd_metadata_only": False}
+P_D = {"epd_encode": False}  # E/P/D's prefill and decode without the encoders: they process the media themselves
 # deployment -> (label, topology mode, model name on the committed repository, request parameters)
 DEPLOYMENTS = {
     "llm": ("llm (one engine)", "baseline", "llm", None),
@@ -48,6 +50,7 @@ DEPLOYMENTS = {
     "epd_disagg": ("E/P/D", "E/P/D", "epd_disagg", None),
     "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
     "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
+    "p_d": ("P/D (no encoder)", "E/P/D", "epd_disagg", P_D),
 }
 # served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
 COLOCATED = {"epd_colocated", "epd_disagg_colocated"}

@@ -21,8 +21,17 @@ from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import TritonStages, grpc_url
 
 
-# Request parameter (bool): this request's metadata-only setting, over the model's `metadata_only` parameter.
+# Request parameters (bool): this request's metadata-only setting, over the model's `metadata_only` parameter;
+# whether it goes through the encoders (false: P/D, E/P/D's prefill and decode process the media themselves).
 METADATA_ONLY_PARAMETER = "epd_metadata_only"
+ENCODE_PARAMETER = "epd_encode"
+
+
+def _bool_parameter(params: dict, name: str) -> bool | None:
+    value = params.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"parameters.{name}", f"expected a bool, got {value!r}")
+    return value
 
 
 def orchestrate(requests, orchestrator: Orchestrator, metrics, submit) -> None:
@@ -35,13 +44,12 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit) -> None:
         tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
         try:
             raw = read_generate_inputs(request)
-            metadata_only = params.get(METADATA_ONLY_PARAMETER)
-            if metadata_only is not None and not isinstance(metadata_only, bool):
-                raise InvalidInput(f"parameters.{METADATA_ONLY_PARAMETER}", f"expected a bool, got {metadata_only!r}")
+            metadata_only = _bool_parameter(params, METADATA_ONLY_PARAMETER)
+            encode = _bool_parameter(params, ENCODE_PARAMETER) is not False
         except Exception as exc:
             send_error(sender, exc, tag)
             continue
-        submit(orchestrator.run(raw, TritonSink(sender, tag), metrics, metadata_only))
+        submit(orchestrator.run(raw, TritonSink(sender, tag), metrics, metadata_only, encode))
 
 
 class TritonPythonModel:
@@ -61,10 +69,11 @@ class TritonPythonModel:
         self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
                                    parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"),
                                    grpc_url(parameter(config, "grpc_url", "")))
+        topology = Topology(parameter(config, "topology", "E+PD"))
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
-                                         limits, Topology(parameter(config, "topology", "E+PD")),
-                                         deadline=float(parameter(config, "request_timeout_seconds", "300")),
-                                         metadata_only=parameter(config, "metadata_only", "true").lower() != "false")
+                                         limits, topology, deadline=float(parameter(config, "request_timeout_seconds", "300")),
+                                         metadata_only=parameter(config, "metadata_only", "true").lower() != "false",
+                                         stages_take_media=topology is Topology.E_P_D)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
 

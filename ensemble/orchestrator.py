@@ -26,6 +26,11 @@ stages are asked once more. Both count in ``timings["retries"]`` and ``RequestOb
 A ``deadline`` (seconds, 0: none) bounds the whole request; past it the request fails with UNAVAILABLE
 naming the phase it was in, and the stage streams still open are closed (their requests cancelled).
 
+P/D (``run(encode=False)``, a request's ``epd_encode=false`` parameter; E/P/D with its own prefill and decode
+models only): no encoder stage; the request goes to prefill and decode as the client sent it, media included,
+and each engine processes the media itself, as vLLM's own P/D disaggregation does (the reference the E/P/D
+outputs are compared with).
+
 Metadata-only off (``metadata_only=False``, the model's parameter or a request's ``epd_metadata_only``
 parameter): the "naive EPD" the metadata-only design is measured against. Encoders still run, and the
 consumer stages still take the embeddings from them, but they also get the client's original media
@@ -83,9 +88,12 @@ class Orchestrator:
     RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 topology: Topology = Topology.E_PD, deadline: float = 0.0, metadata_only: bool = True):
+                 topology: Topology = Topology.E_PD, deadline: float = 0.0, metadata_only: bool = True,
+                 stages_take_media: bool = False):
+        """``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
+        decode models), so a request may skip the encoders (``run(encode=False)``: P/D)."""
         self.stages, self.identity, self.limits, self.topology = stages, identity, limits, topology
-        self.deadline, self.metadata_only = deadline, metadata_only
+        self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
         self.media = EncodedMedia(limits.media)
 
     def validate(self, raw: RawGenerateInputs):
@@ -93,12 +101,17 @@ class Orchestrator:
         return parse_generate_request(raw, self.media, self.limits)
 
     async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None,
-                  metadata_only: bool | None = None) -> Outcome:
-        """``metadata_only``: this request's choice (None: the orchestrator's)."""
+                  metadata_only: bool | None = None, encode: bool = True) -> Outcome:
+        """``metadata_only``: this request's choice (None: the orchestrator's). ``encode=False``: P/D, the
+        encoders are skipped and the generator stages get the client's request as it came, media included."""
         started = time.perf_counter()
         state = _State(observer)
         state.metadata_only = self.metadata_only if metadata_only is None else metadata_only
+        state.encode = encode
         try:
+            if not encode and not self.stages_take_media:
+                raise InvalidInput("parameters.epd_encode", "false needs E/P/D with prefill and decode models of their "
+                                   "own (they then process the media); this deployment's engines take metadata-only media")
             async with asyncio.timeout(self.deadline or None):
                 await self._run(raw, sink, state, started)
         except TimeoutError:
@@ -114,13 +127,16 @@ class Orchestrator:
         timings = state.timings
         request = self.validate(raw)
         while True:
-            state.phase = "encoding"
-            layouts = await self._encode_all(request.images, state)
-            timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
-            rewritten = replace(
-                raw, images=(), image_layouts=tuple(layouts),
-                original_media=() if state.metadata_only else tuple(item.data for item in request.images),
-                messages=json.dumps(request.conversation) if request.conversation is not None else None)
+            if state.encode:
+                state.phase = "encoding"
+                layouts = await self._encode_all(request.images, state)
+                timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
+                rewritten = replace(
+                    raw, images=(), image_layouts=tuple(layouts),
+                    original_media=() if state.metadata_only else tuple(item.data for item in request.images),
+                    messages=json.dumps(request.conversation) if request.conversation is not None else None)
+            else:  # P/D: the request as it came (validated above); prefill and decode process its media
+                rewritten = raw
             try:
                 await self._generate(rewritten, sink, state, started)
                 return
@@ -211,7 +227,7 @@ class _State:
         self.outcome, self.tokens, self.sent = Outcome.ERROR, 0, False
         self.request_retries = 0
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
-        self.metadata_only = True
+        self.metadata_only, self.encode = True, True
 
     def retried(self, what: str) -> None:
         if what == "request":

@@ -53,6 +53,8 @@ def stage_values(raw: RawGenerateInputs) -> dict:
     for name in ("text_input", "messages", "sampling_parameters", "kv_transfer_params"):
         if getattr(raw, name) is not None:
             values[name] = getattr(raw, name)
+    if raw.images:  # P/D: the client's media, for prefill and decode to process
+        values["image"] = list(raw.images)
     if raw.image_layouts:
         values["image_layouts"] = [layout.encode() for layout in raw.image_layouts]
     if raw.original_media:  # metadata-only off (naive EPD)

@@ -8,5 +8,6 @@ from backend.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
+    TAKES_MEDIA = True  # P/D: an orchestrator that skips the encoders sends the client's media
     KV_ROLE = "kv_consumer"
     PULL_EMBEDDINGS = False

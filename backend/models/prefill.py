@@ -8,6 +8,7 @@ from backend.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
+    TAKES_MEDIA = True  # P/D: an orchestrator that skips the encoders sends the client's media
     KV_ROLE = "kv_producer"
     # Finished requests keep the EngineCore stepping (a model-less step every ~1 ms) until decode has read
     # their KV; new requests and aborts still wake it at once, so the wait delays only freeing those blocks.

@@ -101,10 +101,15 @@ def test_baseline_depends_on_the_image(baseline):
     assert baseline["two_images"].text != baseline["two_images_same"].text
 
 
-@pytest.mark.parametrize("model", ["epd", "epd_disagg"])  # E+PD, and E/P/D (prefill -> NIXL KV -> decode)
+P_D = {"epd_encode": False}  # P/D: no encoder stage; prefill and decode process the media themselves
+
+
+# E+PD; E/P/D (encoders -> prefill -> NIXL KV -> decode); P/D, the same prefill and decode without the encoders
+@pytest.mark.parametrize("model, parameters", [("epd", None), ("epd_disagg", None), ("epd_disagg", P_D)],
+                         ids=["E+PD", "E/P/D", "P/D"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_epd_returns_the_baseline_tokens(server, baseline, name, model):
-    got = ask(server, model, **CASES[name])
+def test_epd_returns_the_baseline_tokens(server, baseline, name, model, parameters):
+    got = ask(server, model, **CASES[name], parameters=parameters)
     want = baseline[name]
     assert got.text == want.text
     assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
@@ -336,3 +341,23 @@ def test_perf_analyzer_drives_epd_with_the_request_parameters_of_the_rows(server
         assert all(s.tokens == 4 and 0 < s.ttft <= s.latency for s in samples), samples
         time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # counters come in batches (CounterBatch)
         assert _wait_for(decodes, lambda v: v == before + moved) == before + moved
+
+
+def test_p_d_skips_the_encoders_and_its_engines_process_the_media(server, baseline):
+    """epd_encode=false on E/P/D: the encoder is not asked, prefill and decode each decode every image
+    themselves, and the tokens are E/P/D's; E+PD's pd takes metadata-only media, so epd refuses it there."""
+    case = CASES["chat_data_url_and_tensor"]  # a data URL and a tensor image
+    counts = lambda: {m: metric(server, "epd_media_decodes_total", model=m) for m in ("prefill", "decode")}
+    encoder_before, before = _encoder_counts(server)[0], counts()
+    got = ask(server, "epd_disagg", **case, parameters=P_D)
+    assert got.text == ask(server, "epd_disagg", **case).text == baseline["chat_data_url_and_tensor"].text
+    assert got.timings["items"] == 0 and "encoders" not in got.timings and got.timings["prefill_ms"] > 0
+    want = {m: before[m] + 2 for m in before}
+    assert _wait_for(counts, lambda v: v == want) == want
+    assert _encoder_counts(server)[0] == encoder_before + 2  # the second request's two items only
+    with pytest.raises(GenerateError) as info:
+        ask(server, "epd", **case, parameters=P_D)
+    assert info.value.message.startswith("parameters.epd_encode: false needs E/P/D"), info.value.message
+    with pytest.raises(GenerateError) as info:
+        ask(server, "epd_disagg", **case, parameters={"epd_encode": "no"})
+    assert info.value.message.startswith("parameters.epd_encode: expected a bool"), info.value.message

@@ -41,3 +41,12 @@ def test_vllm_errors_map_to_domain_errors():
     assert _domain_error(QueueOverflowError(), req).code is ErrorCode.UNAVAILABLE
     other = RuntimeError("boom")
     assert _domain_error(other, req) is other
+
+
+def test_kv_buffers_live_where_the_engine_runs():
+    """NixlConnector's KV buffers: host memory for a CPU instance, device memory for a KIND_GPU one."""
+    from backend.engine import kv_transfer_config
+
+    assert kv_transfer_config("kv_producer", on_gpu=False) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
+    assert kv_transfer_config("kv_consumer", on_gpu=True)["kv_buffer_device"] == "cuda"

@@ -184,3 +184,28 @@ def test_consumers_media_time_adds_up_over_prefill_and_decode():
     _merge(timings, {"media_ms": 2.25})
     _merge(timings, None)
     assert timings == {"items": 1, "media_ms": 3.75, "transfer_ms": 2.0}
+
+
+def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
+    """encode=False (P/D): no encode call; prefill and decode both get the client's media and messages
+    unchanged (they process the media themselves); a deployment whose stages take metadata-only media refuses."""
+    from ensemble.orchestrator import Stage, Topology
+
+    url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
+    messages = json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}])
+    raw = RawGenerateInputs(messages=messages, images=(b"TENSOR",), sampling_parameters='{"max_tokens": 5}')
+    stages, sink = FakeStages(), FakeSink()
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), Topology.E_P_D, stages_take_media=True)
+    assert asyncio.run(orchestrator.run(raw, sink, encode=False)) is Outcome.OK
+    assert stages.encoded == [] and stages.stages_called == [Stage.PREFILL, Stage.DECODE]
+    for sent in stages.generated:
+        assert sent.images == (b"TENSOR",) and sent.messages == messages and sent.image_layouts == ()
+    assert json.loads(stages.generated[1].kv_transfer_params)["remote_block_ids"] == [[1]]
+    assert sink.chunks[-1][0].timings["items"] == 0
+
+    for topology, take_media in ((Topology.E_PD, False), (Topology.E_P_D, False)):
+        stages, sink = FakeStages(), FakeSink()
+        outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), topology, stages_take_media=take_media)
+                              .run(raw, sink, encode=False))
+        assert outcome is Outcome.ERROR and stages.generated == [] and stages.encoded == []
+        assert [type(e) for e in sink.errors] == [InvalidInput] and sink.errors[0].field == "parameters.epd_encode"
