@@ -1,4 +1,4 @@
-"""Batched counter increments for the Triton models' custom metrics (no Triton import: unit-tested with fake
+"""Batched counter increments (and gauge values) for the Triton models' custom metrics (no Triton import: unit-tested with fake
 metrics). ``backend.triton_io``'s ``RequestMetrics`` and ``EngineMetrics`` add to a ``CounterBatch``; its
 thread hands the sums to Triton."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ class CounterBatch:
 
     def __init__(self):
         self._pending: dict[int, list] = {}  # id(metric) -> [metric, amount]
+        self._gauges: dict[int, list] = {}   # id(gauge) -> [gauge, latest value]
         self._lock = threading.Lock()      # guards _pending
         self._flushing = threading.Lock()  # one thread talks to Triton at a time
         self._stop = threading.Event()
@@ -40,12 +41,20 @@ class CounterBatch:
             else:
                 entry[1] += amount
 
+    def set(self, gauge, value: float) -> None:
+        """A gauge's value; the latest one set before a flush is handed over."""
+        with self._lock:
+            self._gauges[id(gauge)] = [gauge, value]
+
     def flush(self) -> None:
         with self._flushing:
             with self._lock:
                 pending, self._pending = self._pending, {}
+                gauges, self._gauges = self._gauges, {}
             for metric, amount in pending.values():
                 metric.increment(amount)
+            for gauge, value in gauges.values():
+                gauge.set(value)
 
     def close(self) -> None:
         """Stop the thread and flush; call while the stub's shared memory is alive (``finalize``)."""

@@ -17,6 +17,9 @@ What vLLM measures (``vllm/v1/metrics/stats.py``), and what each field of ``Stat
   the first), vLLM's time per output token;
 - ``queue`` / ``prefill`` / ``decode``: per finished request, the time it waited in the engine's queue
   (QUEUED -> SCHEDULED), from scheduling to its first token, and from its first token to its last.
+- ``kv_cache_usage``: from the step's scheduler stats, the fraction of the engine's KV cache blocks held
+  by requests after the step (blocks kept only as prefix cache count as free); 0 once every request's
+  blocks are back, e.g. prefill's after decode read them, decode's after an abort.
 
 No Triton import here: the logger and the conversion are unit-tested with fake stats.
 """
@@ -48,6 +51,7 @@ class StatsDelta:
     queue: Samples = field(default_factory=Samples)
     prefill: Samples = field(default_factory=Samples)
     decode: Samples = field(default_factory=Samples)
+    kv_cache_usage: float | None = None  # fraction of KV cache blocks in use after the step (scheduler stats)
 
     SAMPLED = ("ttft", "inter_token", "queue", "prefill", "decode")
 
@@ -82,8 +86,12 @@ def stat_logger_factory(observer: StatsObserver) -> Callable:
             self.engine_index = engine_index
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-            if iteration_stats is not None:
-                observer.engine_stats(stats_delta(iteration_stats))
+            if iteration_stats is None and scheduler_stats is None:
+                return
+            delta = stats_delta(iteration_stats) if iteration_stats is not None else StatsDelta()
+            if scheduler_stats is not None:
+                delta.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            observer.engine_stats(delta)
 
         def log_engine_initialized(self):
             pass

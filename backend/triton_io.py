@@ -329,7 +329,8 @@ class EngineMetrics:
     """vLLM's own request metrics of an engine-hosting model (``llm``, ``pd``, ``prefill``, ``decode``), as
     Triton custom metrics: a ``backend.engine_stats.StatsObserver`` (see there for what vLLM measures).
 
-    Counters, all labelled ``model``: ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
+    A gauge, ``epd_vllm_kv_cache_usage`` (fraction of KV blocks held by requests), and counters, all labelled
+    ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
     and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
     rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
     consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``.
@@ -356,6 +357,10 @@ class EngineMetrics:
                                   description="Tokens the engine generated"),
         ]
         self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
+        usage = pb_utils.MetricFamily(name="epd_vllm_kv_cache_usage", kind=pb_utils.MetricFamily.GAUGE,
+                                      description="Fraction of the engine's KV cache blocks held by requests, as of its last step")
+        self._families.append(usage)
+        self._kv_usage = usage.Metric(labels=labels)
         self._timings, self._closed = {}, False
         for key, (name, text) in self._TIMINGS.items():
             seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
@@ -373,7 +378,7 @@ class EngineMetrics:
             self._batch.close()
         else:
             self._batch.flush()
-        self._timings, self._prompt, self._generation = {}, None, None
+        self._timings, self._prompt, self._generation, self._kv_usage = {}, None, None, None
         self._families = []
 
     def engine_stats(self, delta) -> None:
@@ -381,6 +386,8 @@ class EngineMetrics:
             return
         self._batch.add(self._prompt, delta.prompt_tokens)
         self._batch.add(self._generation, delta.generation_tokens)
+        if delta.kv_cache_usage is not None:
+            self._batch.set(self._kv_usage, delta.kv_cache_usage)
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
             if samples.count:

@@ -317,8 +317,23 @@ def test_cancelling_epd_aborts_the_pd_request(server):
 
 
 def test_cancelling_e_p_d_aborts_the_decode_request(server):
+    """A cancel during decode stops decode's engine request, and the KV goes back on both sides: decode's
+    (aborted) and prefill's (freed once decode read it), as vLLM's scheduler stats report it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     generated = _tokens_after_cancel(server, "epd_disagg", "decode", img(1))
     assert 3 <= generated < 1000, f"decode generated {generated} tokens for a request cancelled after 3"
+    usage = lambda: {m: metric(server, "epd_vllm_kv_cache_usage", model=m) for m in ("prefill", "decode")}
+    seen = []  # decode's usage while a request cancelled after 1000 tokens runs: the gauge does move
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(ask, server, "epd_disagg", prompt="Count.", images=[img(2)], stream=True,
+                              cancel_after_chunks=1000, sampling={"max_tokens": 3000, "ignore_eos": True})
+        while not running.done():
+            seen.append(usage()["decode"])
+            time.sleep(0.05)
+        assert running.result().cancelled
+    assert max(seen) > 0, seen
+    assert _wait_for(usage, lambda v: not any(v.values()), seconds=10) == {"prefill": 0.0, "decode": 0.0}
     assert ask(server, "epd_disagg", **CASES["one_image_landscape"]).finish_reason is not None
 
 

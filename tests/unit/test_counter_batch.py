@@ -14,6 +14,9 @@ class FakeMetric:
         self.calls.append(amount)
         self.threads.add(threading.current_thread().name)
 
+    def set(self, value):
+        self.calls.append(("set", value))
+
 
 def test_increments_are_summed_and_handed_over_by_the_flusher_thread():
     a, b = FakeMetric(), FakeMetric()
@@ -60,3 +63,16 @@ def test_concurrent_adds_lose_nothing():
         thread.join()
     batch.close()
     assert sum(metric.calls) == 8000
+
+
+def test_a_gauge_gets_the_latest_value_set_before_the_flush():
+    gauge = FakeMetric()
+    batch = CounterBatch()
+    batch.close()  # no flusher thread: flushes happen here
+    batch.set(gauge, 0.5)
+    batch.set(gauge, 0.25)
+    batch.flush()
+    batch.flush()  # nothing new: not set again
+    batch.set(gauge, 0.0)
+    batch.flush()
+    assert gauge.calls == [("set", 0.25), ("set", 0.0)]

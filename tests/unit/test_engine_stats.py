@@ -44,5 +44,7 @@ def test_the_logger_reports_each_step_to_the_observer():
     it = stats.IterationStats()
     it.num_generation_tokens = 1
     logger.record(None, it)
-    logger.record(None, None)  # a scheduler-only update carries no request stats
-    assert [d.generation_tokens for d in seen] == [1]
+    logger.record(None, None)  # nothing to report
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.25), None)  # a scheduler-only update: the KV usage
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.0), it)
+    assert [(d.generation_tokens, d.kv_cache_usage) for d in seen] == [(1, None), (0, 0.25), (1, 0.0)]
