@@ -224,6 +224,10 @@ class EngineHost:
             if handler is not None:
                 self.submit(_cancel_and_wait(handler)).result(timeout=10)
             engine.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again whenever the object goes, which was seen to be at interpreter
+            # exit (a reference outlives this method), where the module globals it uses are gone: a TypeError
+            # printed at every unload. The engine is shut down; make that call a no-op.
+            engine.shutdown = lambda *args, **kwargs: None
             # Measured: an EngineCore with the NIXL connector sometimes outlives shutdown() for more than
             # 20 s; whoever started it makes sure it is gone, or it leaks (memory, /dev/shm) past the server.
             # Wait for the engine processes only: multiprocessing's resource tracker never exits while this

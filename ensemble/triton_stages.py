@@ -30,7 +30,7 @@ from typing import AsyncIterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.errors import Unavailable
+from backend.errors import EpdError, Unavailable
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
@@ -95,6 +95,19 @@ async def _unavailable_if_unreachable(stream, model: str, url: str):
         yield item
 
 
+# Triton's own answers for a model that is not there to serve (unloaded, loading, its stub dead)
+_DOWN = ("Request for unknown model", "is not ready", "is not healthy")
+
+
+def _stage_error(error, model: str):
+    """A stage's error as a domain error; Triton's own "this model cannot serve" answers (untagged, else
+    INTERNAL) are UNAVAILABLE naming the stage."""
+    converted = from_triton_error(error)
+    if type(converted) is EpdError and any(text in str(converted) for text in _DOWN):
+        return Unavailable(f"stage {model} unavailable: {converted}")
+    return converted
+
+
 def _is_final(result) -> bool:
     param = result.get_response().parameters.get("triton_final_response")
     return bool(param and param.bool_param)
@@ -147,7 +160,7 @@ class TritonStages(BlsEncoders):
                     async for result, error in items:
                         if error is not None:
                             finished = True
-                            raise from_triton_error(error)
+                            raise _stage_error(error, self.models[stage])
                         chunk = _chunk(result)
                         finished = chunk.finish_reason is not None or _is_final(result)
                         if chunk.text_output or chunk.finish_reason is not None:

@@ -6,7 +6,10 @@
   UNAVAILABLE naming the item, text-only ones succeed, reading the leases brings service back;
 - an encoder instance (one of two) killed mid-request: its items are encoded again (on the live
   instance, or a clear UNAVAILABLE naming the item and the dead instance), the rest succeeds, the
-  server keeps serving; Triton 2.51 neither restarts the stub nor removes its /dev/shm region."""
+  server keeps serving; Triton 2.51 neither restarts the stub nor removes its /dev/shm region;
+- E/P/D (its own rendering, explicit model control): a request past the deadline fails with UNAVAILABLE naming
+  the phase, its stages' KV comes back, requests alongside succeed; with `prefill` or `decode` unloaded, requests
+  fail with UNAVAILABLE naming the stage after one retry, and succeed again once it is loaded."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +48,7 @@ def _retries(server, what: str = "request") -> float:
 
 def _ask(server, case):
     try:
-        return generate(server.grpc_url, "epd", GenerateInputs(sampling=GREEDY, **case), timeout=120)
+        return generate(server.grpc_url, "epd", GenerateInputs(**{"sampling": GREEDY, **case}), timeout=120)
     except GenerateError as exc:
         return exc
 
@@ -225,3 +228,100 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
         time.sleep(0.1)
     assert _retries(server, "encode") > retries  # items sent to the dead instance were encoded again
     assert len(_stubs(server, "encoder")) == 1
+
+
+DEADLINE = 2.0  # seconds: the E/P/D faults server's request deadline (limits.request_timeout_seconds)
+
+
+@pytest.fixture(scope="module")
+def epd_faults_server(tmp_path_factory):
+    """E/P/D (1E+1P+1D) with a short request deadline, its models loaded and unloaded by the tests
+    (explicit model control)."""
+    repo = tmp_path_factory.mktemp("epd-faults") / "repo"
+    topology = load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu")
+    stages = {**topology.stages, "encoder": dataclasses.replace(topology.stages["encoder"], instances=1)}
+    render(dataclasses.replace(topology, stages=stages, limits={**topology.limits, "request_timeout_seconds": DEADLINE}), repo)
+    before = _shm()
+    with TritonServer(repo, log_path=repo.parent / "server.log",
+                      extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server:
+        yield server
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+
+
+def _wait_unloaded(client, model: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        state = next((m.get("state") for m in client.get_model_repository_index() if m["name"] == model), None)
+        if state == "UNAVAILABLE":
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{model} still not unloaded after {seconds} s")
+
+
+def _kv_usage(server) -> dict[str, float]:
+    return {m: metric(server, "epd_vllm_kv_cache_usage", model=m) for m in ("prefill", "decode")}
+
+
+def test_a_slow_request_fails_at_the_deadline_and_frees_its_stages(epd_faults_server):
+    """A request that runs past the deadline (3000 tokens; 4-token requests take a few tens of ms) fails with
+    UNAVAILABLE naming the deadline and the phase; decode's request is cancelled and both engines' KV comes back;
+    requests sent alongside succeed."""
+    server = epd_faults_server
+    image = dict(prompt="<|vision_start|><|image_pad|><|vision_end|>Describe.", images=[image_bytes(64, 48, seed=7)])
+    assert not isinstance(_ask(server, image), GenerateError)  # warm: NIXL connections made
+    slow = {**image, "sampling": {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}}
+    with ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        late = pool.submit(_ask, server, slow)
+        time.sleep(0.3)
+        quick = list(pool.map(lambda i: _ask(server, dict(prompt=f"Count to {i}.")), range(3)))
+        failed = late.result()
+        elapsed = time.monotonic() - started
+    assert isinstance(failed, GenerateError), failed
+    assert failed.message == f"request: deadline of {DEADLINE:g} s exceeded while generating", failed.message
+    assert DEADLINE <= elapsed < DEADLINE + 5, elapsed
+    assert not any(isinstance(r, GenerateError) for r in quick), quick
+    deadline = time.monotonic() + 10
+    while any(_kv_usage(server).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_an_unavailable_stage_fails_requests_clearly_until_it_is_back(epd_faults_server, stage):
+    """With `decode` (or `prefill`) unloaded, E/P/D requests fail with UNAVAILABLE naming the stage (after the
+    orchestrator's one retry), the server keeps serving, and once the stage is loaded again requests succeed.
+    The KV prefill kept for the decode that never came goes back at the end of vLLM's KV lease (30 s)."""
+    import tritonclient.http as httpclient
+
+    server = epd_faults_server
+    client = httpclient.InferenceServerClient(server.http_url)  # closed below: an open connection delays the stop 30 s
+    case = dict(prompt="<|vision_start|><|image_pad|><|vision_end|>What is it?", images=[image_bytes(80, 64, seed=3)])
+    want = _ask(server, case)
+    assert not isinstance(want, GenerateError), want
+    retries = metric(server, "epd_retries_total", model="epd", what="request")
+    client.unload_model(stage)
+    try:
+        _wait_unloaded(client, stage)
+        failed = [_ask(server, case), _ask(server, dict(prompt="Hello."))]
+        failed_at = time.monotonic()
+        for result in failed:
+            assert isinstance(result, GenerateError), result
+            assert result.message.startswith(f"stage {stage} unavailable: "), result.message
+        assert client.is_model_ready("epd") and client.is_model_ready("encoder")
+        deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
+        while metric(server, "epd_retries_total", model="epd", what="request") < retries + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(server, "epd_retries_total", model="epd", what="request") == retries + 2  # one per request
+    finally:
+        _wait_unloaded(client, stage)  # the old instance's finalize done (it removes its metric families)
+        client.load_model(stage)
+        client.close()
+    again = _ask(server, case)
+    assert not isinstance(again, GenerateError), again
+    assert again.text == want.text
+    while any(_kv_usage(server).values()) and time.monotonic() < failed_at + 45:
+        time.sleep(0.5)
+    assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
