@@ -95,16 +95,17 @@ async def _unavailable_if_unreachable(stream, model: str, url: str):
         yield item
 
 
-# Triton's own answers for a model that is not there to serve (unloaded, loading, its stub dead)
-_DOWN = ("Request for unknown model", "is not ready", "is not healthy")
-
-
 def _stage_error(error, model: str):
-    """A stage's error as a domain error; Triton's own "this model cannot serve" answers (untagged, else
-    INTERNAL) are UNAVAILABLE naming the stage."""
+    """A stage's error as a domain error; Triton's own answers for a model that cannot serve (untagged, else
+    INTERNAL) are UNAVAILABLE naming the stage: a dead stub ("Stub process 'encoder_0_1' is not healthy."),
+    a model unloaded or loading ("Request for unknown model: ...", "... is not ready")."""
     converted = from_triton_error(error)
-    if type(converted) is EpdError and any(text in str(converted) for text in _DOWN):
-        return Unavailable(f"stage {model} unavailable: {converted}")
+    if type(converted) is EpdError:
+        text = str(converted)
+        if "is not healthy" in text:
+            return Unavailable(f"{model} instance down: {text}")
+        if "Request for unknown model" in text or "is not ready" in text:
+            return Unavailable(f"stage {model} unavailable: {text}")
     return converted
 
 
@@ -127,10 +128,7 @@ class BlsEncoders:
                     pb_utils.Tensor("content_key", np.array([[key.encode()]], dtype=np.object_))])
         response = await request.async_exec()
         if response.has_error():
-            error = from_triton_error(response.error())
-            if "is not healthy" in str(error):  # Triton: "Stub process 'encoder_0_1' is not healthy."
-                raise Unavailable(f"{self.encoder_model} instance down: {error}")
-            raise error
+            raise _stage_error(response.error(), self.encoder_model)
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
 
 

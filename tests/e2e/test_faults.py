@@ -325,3 +325,32 @@ def test_an_unavailable_stage_fails_requests_clearly_until_it_is_back(epd_faults
     while any(_kv_usage(server).values()) and time.monotonic() < failed_at + 45:
         time.sleep(0.5)
     assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
+
+
+def test_a_restarted_encoder_is_a_new_producer_its_consumers_reach(epd_faults_server):
+    """The encoder unloaded: requests with media fail with UNAVAILABLE naming the item and the stage (after
+    the item's one re-encode), text-only requests succeed. Loaded again, it is a new producer (new process,
+    NIXL agent and pool): prefill adds it as a remote agent and pulls from it, and a request gives the
+    tokens it gave before."""
+    import tritonclient.http as httpclient
+
+    server = epd_faults_server
+    client = httpclient.InferenceServerClient(server.http_url)
+    case = dict(prompt="<|vision_start|><|image_pad|><|vision_end|>And this?", images=[image_bytes(96, 64, seed=5)])
+    want = _ask(server, case)
+    assert not isinstance(want, GenerateError), want
+    encoders = want.timings["encoders"]
+    client.unload_model("encoder")
+    try:
+        _wait_unloaded(client, "encoder")
+        failed, text_only = _ask(server, case), _ask(server, dict(prompt="Still there?"))
+        assert isinstance(failed, GenerateError), failed
+        assert failed.message.startswith("image[0]: stage encoder unavailable: "), failed.message
+        assert not isinstance(text_only, GenerateError), text_only
+    finally:
+        _wait_unloaded(client, "encoder")
+        client.load_model("encoder")
+        client.close()
+    again = _ask(server, dict(case, images=[image_bytes(96, 64, seed=5)]))
+    assert not isinstance(again, GenerateError), again
+    assert again.text == want.text and again.timings["encoders"] != encoders  # another producer agent
