@@ -32,19 +32,27 @@ class CounterBatch:
         self._thread.start()
 
     def add(self, metric, amount: float) -> None:
-        if not amount:
-            return
+        self.add_many(((metric, amount),))
+
+    def add_many(self, amounts, gauges=()) -> None:
+        """Increments (``(metric, amount)`` pairs) and gauge values (``(gauge, value)``) of one update, in one
+        flush together and in this order: a reader that sees the last of them moved sees the others too
+        (added one by one, a flush between two of them handed over half an update)."""
         with self._lock:
-            entry = self._pending.get(id(metric))
-            if entry is None:
-                self._pending[id(metric)] = [metric, amount]
-            else:
-                entry[1] += amount
+            for metric, amount in amounts:
+                if not amount:
+                    continue
+                entry = self._pending.get(id(metric))
+                if entry is None:
+                    self._pending[id(metric)] = [metric, amount]
+                else:
+                    entry[1] += amount
+            for gauge, value in gauges:
+                self._gauges[id(gauge)] = [gauge, value]
 
     def set(self, gauge, value: float) -> None:
         """A gauge's value; the latest one set before a flush is handed over."""
-        with self._lock:
-            self._gauges[id(gauge)] = [gauge, value]
+        self.add_many((), ((gauge, value),))
 
     def flush(self) -> None:
         with self._flushing:

@@ -262,15 +262,13 @@ class RequestMetrics:
                 self._decodes_seen = total
 
     def transferred(self, nbytes: int, seconds: float) -> None:
-        self._batch.add(self._moved, nbytes)
-        self._batch.add(self._moving, seconds)
+        self._batch.add_many(((self._moved, nbytes), (self._moving, seconds)))
 
     def request_retried(self, what: str) -> None:
         self._batch.add(self._retries[what], 1)
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
-        self._batch.add(self._requests[outcome], 1)
-        self._batch.add(self._tokens, num_output_tokens)
+        self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
 
     def close(self) -> None:
         """Hand over what is pending (and stop the flusher if it is this object's own)."""
@@ -384,12 +382,9 @@ class EngineMetrics:
     def engine_stats(self, delta) -> None:
         if self._closed:
             return
-        self._batch.add(self._prompt, delta.prompt_tokens)
-        self._batch.add(self._generation, delta.generation_tokens)
-        if delta.kv_cache_usage is not None:
-            self._batch.set(self._kv_usage, delta.kv_cache_usage)
+        amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens)]
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
-            if samples.count:
-                self._batch.add(seconds, samples.seconds)
-                self._batch.add(count, samples.count)
+            amounts += [(seconds, samples.seconds), (count, samples.count)]
+        gauges = () if delta.kv_cache_usage is None else ((self._kv_usage, delta.kv_cache_usage),)
+        self._batch.add_many(amounts, gauges)  # one step's figures in one flush

@@ -183,6 +183,7 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
     counts the clients got back, one TTFT / queue / prefill / decode sample per request, one time-per-output-
     token sample per token after the first; and the times are positive and within what the client saw."""
     models = ("llm", "pd", "prefill", "decode")
+    time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # earlier tests' figures are in (vLLM records them after the answer)
     before = {model: _vllm_counters(server, model) for model in models}
     long = CASES["longer_output"]  # 40 tokens, ignore_eos
     llm_a, llm_b = ask(server, "llm", **long), ask(server, "llm", **CASES["two_images"])

@@ -76,3 +76,27 @@ def test_a_gauge_gets_the_latest_value_set_before_the_flush():
     batch.set(gauge, 0.0)
     batch.flush()
     assert gauge.calls == [("set", 0.25), ("set", 0.0)]
+
+
+def test_an_update_is_handed_over_whole_and_in_order():
+    """add_many: one flush gets all of an update's figures, in the order given (a flush between two plain adds
+    would hand over half of it)."""
+    order = []
+
+    class Ordered(FakeMetric):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def increment(self, amount):
+            order.append((self.name, amount))
+
+        def set(self, value):
+            order.append((self.name, "set", value))
+
+    tokens, count, gauge = Ordered("tokens"), Ordered("count"), Ordered("gauge")
+    batch = CounterBatch()
+    batch.close()  # no flusher thread: flushes happen here
+    batch.add_many([(tokens, 44), (count, 0), (count, 1)], [(gauge, 0.5)])
+    batch.flush()
+    assert order == [("tokens", 44), ("count", 1), ("gauge", "set", 0.5)]
