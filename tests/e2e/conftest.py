@@ -128,10 +128,18 @@ def reference(tmp_path_factory):
 def metric(server, name: str, **labels) -> float:
     """The value of ``name`` on the server's metrics endpoint, summed over the series carrying every one of
     ``labels`` (a model's instances each have their own series)."""
+    return metrics(server, (name,), **labels)[name]
+
+
+def metrics(server, names, **labels) -> dict[str, float]:
+    """Several metrics as ``metric`` reads one, all from one scrape (one moment)."""
     want = [f'{k}="{v}"' for k, v in labels.items()]
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") and all(w in line for w in want)]
-    if not values:
-        raise AssertionError(f"{name}{labels} not exported")
-    return sum(values)
+    out = {}
+    for name in names:
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(name + "{") and all(w in line for w in want)]
+        if not values:
+            raise AssertionError(f"{name}{labels} not exported")
+        out[name] = sum(values)
+    return out

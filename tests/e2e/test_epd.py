@@ -11,7 +11,7 @@ from backend.counter_batch import CounterBatch
 from backend.request import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -168,7 +168,9 @@ VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
 
 
 def _vllm_counters(server, model: str) -> dict[str, float]:
-    return {name: metric(server, f"epd_vllm_{name}", model=model) for name in VLLM_COUNTERS}
+    """One scrape: read one by one, the last counter (what ``_moved`` waits on) could move after the first was read."""
+    values = metrics(server, [f"epd_vllm_{name}" for name in VLLM_COUNTERS], model=model)
+    return {name: values[f"epd_vllm_{name}"] for name in VLLM_COUNTERS}
 
 
 def _moved(server, model: str, before: dict, want_requests: int) -> dict[str, float]:
@@ -277,7 +279,8 @@ def test_timing_breakdown(server):
 
 
 def _encoder_counts(server) -> tuple[float, float]:
-    return (metric(server, "nv_inference_count", model="encoder"), metric(server, "nv_inference_exec_count", model="encoder"))
+    values = metrics(server, ("nv_inference_count", "nv_inference_exec_count"), model="encoder")  # one scrape
+    return values["nv_inference_count"], values["nv_inference_exec_count"]
 
 
 def test_encoder_batches_items_of_concurrent_requests(server, baseline):
@@ -290,8 +293,8 @@ def test_encoder_batches_items_of_concurrent_requests(server, baseline):
     with ThreadPoolExecutor(len(names)) as pool:
         results = list(pool.map(lambda n: ask(server, "epd", **CASES[n]), names))
     assert [r.text for r in results] == [baseline[n].text for n in names]
-    items = _encoder_counts(server)[0] - before[0]
-    executions = _encoder_counts(server)[1] - before[1]
+    after = _encoder_counts(server)
+    items, executions = after[0] - before[0], after[1] - before[1]
     assert items == 22 and executions < items, (items, executions)
 
 
