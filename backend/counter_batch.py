@@ -35,7 +35,8 @@ class CounterBatch:
         self.add_many(((metric, amount),))
 
     def add_many(self, amounts, gauges=()) -> None:
-        """Increments (``(metric, amount)`` pairs) and gauge values (``(gauge, value)``) of one update, in one
+        """Increments (``(metric, amount)`` pairs) and gauge values (``(gauge, value)``; the latest before a flush
+        is handed over) of one update, in one
         flush together and in this order: a reader that sees the last of them moved sees the others too
         (added one by one, a flush between two of them handed over half an update)."""
         with self._lock:
@@ -49,10 +50,6 @@ class CounterBatch:
                     entry[1] += amount
             for gauge, value in gauges:
                 self._gauges[id(gauge)] = [gauge, value]
-
-    def set(self, gauge, value: float) -> None:
-        """A gauge's value; the latest one set before a flush is handed over."""
-        self.add_many((), ((gauge, value),))
 
     def flush(self) -> None:
         with self._flushing:

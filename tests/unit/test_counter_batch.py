@@ -69,11 +69,11 @@ def test_a_gauge_gets_the_latest_value_set_before_the_flush():
     gauge = FakeMetric()
     batch = CounterBatch()
     batch.close()  # no flusher thread: flushes happen here
-    batch.set(gauge, 0.5)
-    batch.set(gauge, 0.25)
+    batch.add_many((), [(gauge, 0.5)])
+    batch.add_many((), [(gauge, 0.25)])
     batch.flush()
     batch.flush()  # nothing new: not set again
-    batch.set(gauge, 0.0)
+    batch.add_many((), [(gauge, 0.0)])
     batch.flush()
     assert gauge.calls == [("set", 0.25), ("set", 0.0)]
 
