@@ -36,9 +36,8 @@ class CounterBatch:
 
     def add_many(self, amounts, gauges=()) -> None:
         """Increments (``(metric, amount)`` pairs) and gauge values (``(gauge, value)``; the latest before a flush
-        is handed over) of one update, in one
-        flush together and in this order: a reader that sees the last of them moved sees the others too
-        (added one by one, a flush between two of them handed over half an update)."""
+        is handed over) of one update, in one flush together and in this order: a reader that sees the last of
+        them moved sees the others too (added one by one, a flush between two of them handed over half an update)."""
         with self._lock:
             for metric, amount in amounts:
                 if not amount:
