@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -23,9 +22,11 @@ from backend.errors import InvalidInput
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation
+from backend.cancel_board import CancelBoard
 from backend.counter_batch import CounterBatch
-from backend.triton_io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, TritonSink, read_generate_inputs,
-                               request_parameters, send_error)
+from backend.ports import free_ports
+from backend.triton_io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, in_band_cancel, read_generate_inputs,
+                               request_parameters, send_error, watched_sink)
 
 
 def parameter(config: dict, key: str, default: str) -> str:
@@ -66,6 +67,7 @@ class GenerateModel:
             os.environ[key] = value
         self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
         self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
+        self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
 
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
@@ -84,6 +86,8 @@ class GenerateModel:
             sender = request.get_response_sender()
             params = request_parameters(request)
             tag = bool(params.get(ERROR_CODES_PARAMETER))
+            if in_band_cancel(sender, params, self.cancels, tag):
+                continue
             try:
                 parsed = parse_generate_request(read_generate_inputs(request), self.resolver, self.limits)
             except Exception as exc:
@@ -91,24 +95,20 @@ class GenerateModel:
                 continue
             finally:
                 self.metrics.media_decodes(decode_counter.count)
-            self.host.submit(stream_generation(self.host, parsed, TritonSink(sender, tag), self.metrics,
-                                               prepare=self.prepare, interval=self.stream_interval))
+            request_id, sink = watched_sink(request, sender, self.cancels, tag)
+            self.host.submit(self.cancels.tracking(request_id, stream_generation(
+                self.host, parsed, sink, self.metrics, prepare=self.prepare, interval=self.stream_interval)))
         return None
 
     def finalize(self) -> None:
         self.host.shutdown()
+        self.cancels.close()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
         # engine's stat logger may still hold engine_metrics, so its metrics are freed explicitly.
         self.metric_batch.close()
         self.engine_metrics.close()
         self.metrics.close()
         del self.metrics, self.engine_metrics, self.metric_batch
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MetadataOnlyModel(GenerateModel):
@@ -149,7 +149,7 @@ class MetadataOnlyModel(GenerateModel):
     def process_env(self):
         if not self.KV_ROLE:
             return {}
-        port = parameter(self.config, "nixl_side_channel_port", "") or str(free_port())
+        port = parameter(self.config, "nixl_side_channel_port", "") or str(free_ports()[0])
         return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "EPD_NIXL_POLL_DELAY_US": parameter(self.config, "nixl_poll_delay_us", "5000"),
                 "EPD_ENGINE_IDLE_WAIT_MS": parameter(self.config, "engine_idle_wait_ms", self.IDLE_WAIT_MS),

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.cancel_board import CANCEL_PARAMETER
 from backend.counter_batch import CounterBatch
 from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code, Overloaded
 from backend.request import RawGenerateInputs
@@ -27,8 +28,6 @@ log = logging.getLogger(__name__)
 # Orchestrators therefore ask their stages (request parameter ERROR_CODES_PARAMETER) to put the code in
 # front of the message: "[UNAVAILABLE] ...".
 ERROR_CODES_PARAMETER = "epd_error_codes"
-
-
 
 
 def request_parameters(request) -> dict:
@@ -145,9 +144,11 @@ class TritonSink:
 
     CANCEL_CHECK_SECONDS = 0.02
 
-    def __init__(self, sender, tag_error_codes: bool = False):
+    def __init__(self, sender, tag_error_codes: bool = False, cancelled=None):
+        """``cancelled``: another check, asked first (``CancelBoard.watch``: an in-band cancel)."""
         self._sender = sender
         self._tag = tag_error_codes
+        self._also_cancelled = cancelled
         self._cancelled = False
         self._checked = float("-inf")
         self._completed = False
@@ -156,7 +157,7 @@ class TritonSink:
         now = time.monotonic()
         if not self._cancelled and now - self._checked >= self.CANCEL_CHECK_SECONDS:
             self._checked = now
-            self._cancelled = self._sender.is_cancelled()
+            self._cancelled = bool(self._also_cancelled and self._also_cancelled()) or self._sender.is_cancelled()
         return self._cancelled
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
@@ -200,6 +201,28 @@ class TritonSink:
             self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 - already closed by the server side
             log.warning("could not complete the request: %s", exc)
+
+
+def in_band_cancel(sender, params: dict, board, tag_code: bool) -> bool:
+    """Answer the request (of ``sender`` and ``params``) if it is a cancel (``CANCEL_PARAMETER``: the id of
+    the request to cancel): cancel that one on ``board`` and complete this one (the final flag, no response).
+    False: not a cancel."""
+    target = params.get(CANCEL_PARAMETER)
+    if target is None:
+        return False
+    if not isinstance(target, str) or not target:
+        send_error(sender, InvalidInput(f"parameters.{CANCEL_PARAMETER}", f"expected a request id, got {target!r}"), tag_code)
+    else:
+        board.cancel(target)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    return True
+
+
+def watched_sink(request, sender, board, tag_code: bool) -> tuple[str, "TritonSink"]:
+    """The request's id and its sink, which also sees in-band cancels of that id (registered on ``board``:
+    the caller ends the registration with ``board.tracking``)."""
+    request_id = request.request_id() or ""
+    return request_id, TritonSink(sender, tag_code, board.watch(request_id) if request_id else None)
 
 
 def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:

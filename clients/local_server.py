@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -55,14 +55,9 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        socks = [socket.socket() for _ in range(3)]
-        try:
-            for s in socks:
-                s.bind(("127.0.0.1", 0))
-            return cls(*(s.getsockname()[1] for s in socks))
-        finally:
-            for s in socks:
-                s.close()
+        from backend.ports import free_ports
+
+        return cls(*free_ports(3))
 
     @classmethod
     def from_env(cls) -> "Ports":
@@ -232,12 +227,14 @@ class TritonServer:
         # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.
-        self.leftover_shm = sorted(name for name in regions if os.path.exists(f"/dev/shm/{name}"))
+        # The same for the in-band cancel boards of its models (backend.cancel_board), which unload removes.
+        boards = [p.name for p in Path("/dev/shm").glob(f"epd-cancel-{self.proc.pid}-*")]
+        self.leftover_shm = sorted([name for name in regions if os.path.exists(f"/dev/shm/{name}")] + boards)
         for name in self.leftover_shm:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except OSError:
-                pass
+            if name in boards:
+                shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
+            else:
+                Path(f"/dev/shm/{name}").unlink(missing_ok=True)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -1,7 +1,8 @@
 """Soak: many mixed requests against one deployment, some clients cancelling, and what is left afterwards.
 
 Requests (seeded): text-only or 1-4 synthetic images of 48..160 px, streaming or not, 8-24 greedy tokens;
-``--cancel-fraction`` of the streaming ones are cancelled by their client after the first chunk. Every
+``--cancel-fraction`` of the streaming ones are cancelled by their client after the first chunk (``--cancel-via``:
+in band by default; a gRPC stream cancel can deadlock or crash Triton 2.51's gRPC frontend). Every
 request must end (a response, an error, or the client's own cancel) within ``--timeout`` seconds, else it
 counts as hung. Reported: completions, cancels, errors by code (the clients ask the server to put the code
 in front of error messages), hung requests, latency p50/p99, and before/after (after a short settle) the
@@ -19,11 +20,12 @@ import re
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections import Counter
 from pathlib import Path
 
 from clients.bench_report import percentile
-from clients.triton_client import GenerateInputs, grpc_inputs, single_request_stream
+from clients.triton_client import GenerateInputs, cancel_in_band, grpc_inputs, single_request_stream
 
 ERROR_CODES = {"epd_error_codes": True}
 
@@ -44,45 +46,58 @@ def make_request(rng: random.Random, seed: int) -> GenerateInputs:
                           sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
 
 
-async def one(url: str, model: str, inputs: GenerateInputs, cancel: bool, timeout: float) -> tuple[str, float]:
-    """Outcome ('ok', 'cancelled', 'hung' or the error code) and seconds."""
+async def one(url: str, model: str, inputs: GenerateInputs, cancel: str | None, timeout: float) -> tuple[str, float]:
+    """Outcome ('ok', 'cancelled', 'hung' or the error code) and seconds. ``cancel``: None, or how the client
+    cancels after the first response: "grpc" cancels the stream, "request" cancels in band
+    (``clients.triton_client.cancel_in_band``) and reads the stream to its end."""
     import tritonclient.grpc.aio as aio
 
     client = aio.InferenceServerClient(url)
-    request = {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "parameters": ERROR_CODES}
+    request_id = uuid.uuid4().hex
+    request = {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "parameters": ERROR_CODES,
+               "request_id": request_id}
     started = time.perf_counter()
     try:
         async with single_request_stream(client, request) as stream:
-            return await _outcome(stream, cancel, timeout, started)
+            cancelling = (lambda: cancel_in_band(client, model, request_id, ERROR_CODES)) if cancel == "request" else None
+            return await _outcome(stream, cancel, cancelling, timeout, started)
     finally:
         await client.close()
 
 
-async def _outcome(stream, cancel: bool, timeout: float, started: float) -> tuple[str, float]:
+async def _outcome(stream, cancel: str | None, cancelling, timeout: float, started: float) -> tuple[str, float]:
+    cancelled = False
     try:
         async with asyncio.timeout(timeout):
             async for result, error in stream:
                 if error is not None:
                     match = re.match(r"\[([A-Z_]+)\]", error.message())
                     return (match.group(1) if match else "UNTAGGED"), time.perf_counter() - started
-                if cancel:
-                    stream.cancel()
-                    return "cancelled", time.perf_counter() - started
+                if cancel and not cancelled:
+                    cancelled = True
+                    if cancel == "grpc":
+                        stream.cancel()
+                        return "cancelled", time.perf_counter() - started
+                    await cancelling()
+                    stream.done_writing()  # then the stream ends once the server has stopped the request
+                    continue
                 finish = result.as_numpy("finish_reason")
                 if finish is not None and finish.size and finish.reshape(-1)[0]:
-                    return "ok", time.perf_counter() - started
-        return "ENDED_WITHOUT_FINAL", time.perf_counter() - started
+                    return ("cancelled" if cancelled else "ok"), time.perf_counter() - started
+        return ("cancelled" if cancelled else "ENDED_WITHOUT_FINAL"), time.perf_counter() - started
     except TimeoutError:
         stream.cancel()
         return "hung", time.perf_counter() - started
 
 
-async def drive(url: str, model: str, count: int, concurrency: int, cancel_fraction: float, timeout: float, seed: int):
+async def drive(url: str, model: str, count: int, concurrency: int, cancel_fraction: float, timeout: float, seed: int,
+                cancel_via: str = "grpc"):
     from tqdm import tqdm
 
     rng = random.Random(seed)
     requests = [make_request(rng, i) for i in range(count)]
-    jobs = [(inputs, inputs.stream and rng.random() < cancel_fraction * 2) for inputs in requests]  # half stream
+    jobs = [(inputs, cancel_via if inputs.stream and rng.random() < cancel_fraction * 2 else None)  # half stream
+            for inputs in requests]
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
@@ -140,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--deployment", default="E/P/D", choices=("baseline", "E+PD", "E/P/D"))
     parser.add_argument("--cancel-fraction", type=float, default=0.1, help="of all requests (all streaming)")
+    parser.add_argument("--cancel-via", choices=("grpc", "request"), default="request",
+                        help="how clients cancel: in band (a request naming the request's id; the default) or by "
+                             "cancelling the gRPC stream, which can deadlock or crash Triton 2.51 (docs/robustness.md)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--settle", type=float, default=5.0, help="seconds to wait before the after-snapshot")
@@ -156,14 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         model = "llm" if "llm" in served else "epd"
         (ROOT / ".cache").mkdir(exist_ok=True)
         with TritonServer(Path(repo), log_path=ROOT / ".cache" / "soak-server.log") as server:
-            print(f"{args.deployment}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})")
+            print(f"{args.deployment}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)}); "
+                  f"clients cancel via {args.cancel_via}")
             asyncio.run(drive(server.grpc_url, model, args.warmup, 4, 0.0, args.timeout, seed=10**6))
             time.sleep(args.settle)
             before = snapshot(server)
             outcomes, latencies, wall, rss_rounds = Counter(), [], 0.0, []
             for round_ in range(args.rounds):
                 counts, times, seconds = asyncio.run(drive(server.grpc_url, model, args.requests, args.concurrency,
-                                                           args.cancel_fraction, args.timeout, args.seed + round_))
+                                                           args.cancel_fraction, args.timeout, args.seed + round_,
+                                                           args.cancel_via))
                 outcomes.update(counts)
                 latencies += times
                 wall += seconds

@@ -99,8 +99,14 @@ END_OF_STREAM_SECONDS = 5.0
 class _Stream:
     """tritonclient's gRPC response iterator (``stream_infer``), remembering whether it was cancelled."""
 
-    def __init__(self, inner):
-        self._inner, self.cancelled = inner, False
+    def __init__(self, inner, done: asyncio.Event | None = None):
+        self._inner, self.cancelled, self._done = inner, False, done
+
+    def done_writing(self) -> None:
+        """Close the request side now: the stream then ends once the server has completed the request (a bare
+        final flag, e.g. after an in-band cancel, sends no response over gRPC; only the stream's end shows it)."""
+        if self._done is not None:
+            self._done.set()
 
     def __aiter__(self):
         return self
@@ -141,13 +147,35 @@ async def single_request_stream(client, request: dict):
         yield request
         await done.wait()
 
-    stream = _Stream(client.stream_infer(requests()))
+    stream = _Stream(client.stream_infer(requests()), done)
     try:
         yield stream
     finally:
         done.set()
         if not stream.cancelled:
             await read_to_end(stream)
+
+
+async def cancel_in_band(client, model: str, request_id: str, parameters: dict | None = None,
+                         timeout: float = END_OF_STREAM_SECONDS) -> None:
+    """Cancel the request ``request_id`` of ``model`` (one of this project's) in band: a second request, on
+    its own stream of ``client`` (``tritonclient.grpc.aio``), whose parameter ``epd_cancel`` names it
+    (``backend.cancel_board``). Raises the server's error, or TimeoutError."""
+    from backend.cancel_board import CANCEL_PARAMETER
+
+    async def one_request():  # then the request side closes, so the stream ends once the server answered
+        yield {"model_name": model, "inputs": [], "parameters": {**(parameters or {}), CANCEL_PARAMETER: request_id}}
+
+    stream, failed = client.stream_infer(one_request()), None
+    try:
+        async with asyncio.timeout(timeout):
+            async for _result, error in stream:  # no response: the model sends the final flag alone
+                failed = failed or error
+    except TimeoutError:
+        stream.cancel()
+        raise
+    if failed is not None:
+        raise failed
 
 
 def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], started: float,
@@ -167,11 +195,20 @@ def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], st
 
 
 def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
-                  timeout: float = 300.0, cancel_after_chunks: int | None = None) -> GenerateResult:
+                  timeout: float = 300.0, cancel_after_chunks: int | None = None, cancel_via: str = "grpc") -> GenerateResult:
     """One request over a gRPC bidirectional stream. With ``cancel_after_chunks`` the client cancels
-    the request once that many text chunks have arrived (as a user closing the stream would)."""
+    the request once that many text chunks have arrived: ``cancel_via="grpc"`` cancels the stream (as a user
+    closing it would), ``"request"`` sends an in-band cancel on the same stream (a request whose parameter
+    ``epd_cancel`` is the request's id, ``backend.cancel_board``) and reads on to the request's final
+    response, which the model sends once it has stopped."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
+
+    from backend.cancel_board import CANCEL_PARAMETER
+
+    if cancel_via not in ("grpc", "request"):
+        raise ValueError(f"cancel_via: expected grpc or request, got {cancel_via!r}")
+    request_id = uuid.uuid4().hex
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
@@ -180,7 +217,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, grpc_inputs(inputs.as_values()), request_id=uuid.uuid4().hex,
+        client.async_stream_infer(model, grpc_inputs(inputs.as_values()), request_id=request_id,
                                   enable_empty_final_response=True, parameters=inputs.parameters)
         while True:
             try:
@@ -204,13 +241,16 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 finished = True
                 break
-            if cancel_after_chunks is not None and len(result.chunks) >= cancel_after_chunks:
-                client.stop_stream(cancel_requests=True)
+            if cancel_after_chunks is not None and len(result.chunks) >= cancel_after_chunks and not result.cancelled:
                 result.cancelled = True
-                break
+                if cancel_via == "grpc":
+                    client.stop_stream(cancel_requests=True)
+                    break
+                client.async_stream_infer(model, [], request_id=f"cancel-{request_id}",
+                                          parameters={CANCEL_PARAMETER: request_id})
     finally:
         # Unfinished (timeout, error, cancel): cancel the stream, or stop_stream waits for the server forever.
-        client.stop_stream(cancel_requests=not finished and not result.cancelled)
+        client.stop_stream(cancel_requests=not finished and not (result.cancelled and cancel_via == "grpc"))
         client.close()
     result.total = time.perf_counter() - started
     result.text = "".join(result.chunks)

@@ -58,7 +58,7 @@ class TritonPythonModel(MetadataOnlyModel):
             metadata_only=parameter(self.config, "metadata_only", "true").lower() != "false")
 
     def execute(self, requests):
-        orchestrate(requests, self.orchestrator, self.metrics, self.host.submit)
+        orchestrate(requests, self.orchestrator, self.metrics, self.host.submit, self.cancels)
         return None
 
     def finalize(self):

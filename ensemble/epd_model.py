@@ -15,8 +15,9 @@ from backend.loop import LoopThread
 from backend.media import MediaLimits
 from backend.request import RequestLimits
 from backend.errors import InvalidInput
-from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, TritonSink, read_generate_inputs,
-                               request_parameters, send_error)
+from backend.cancel_board import CancelBoard
+from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, in_band_cancel, read_generate_inputs,
+                               request_parameters, send_error, watched_sink)
 from ensemble.orchestrator import Identity, Orchestrator, Topology
 from ensemble.triton_stages import TritonStages, grpc_url
 
@@ -34,14 +35,16 @@ def _bool_parameter(params: dict, name: str) -> bool | None:
     return value
 
 
-def orchestrate(requests, orchestrator: Orchestrator, metrics, submit) -> None:
+def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: CancelBoard) -> None:
     """``execute`` of the orchestrator models (this one and ``ensemble.colocated_model``): read each request
-    (a bad one is answered with its error at once) and ``submit`` the orchestrator's run of it to the model's
-    event loop."""
+    (a bad one is answered with its error at once; an in-band cancel cancels on ``cancels``) and ``submit``
+    the orchestrator's run of it to the model's event loop."""
     for request in requests:
         sender = request.get_response_sender()
         params = request_parameters(request)
         tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
+        if in_band_cancel(sender, params, cancels, tag):
+            continue
         try:
             raw = read_generate_inputs(request)
             metadata_only = _bool_parameter(params, METADATA_ONLY_PARAMETER)
@@ -49,7 +52,8 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit) -> None:
         except Exception as exc:
             send_error(sender, exc, tag)
             continue
-        submit(orchestrator.run(raw, TritonSink(sender, tag), metrics, metadata_only, encode))
+        request_id, sink = watched_sink(request, sender, cancels, tag)
+        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, metadata_only, encode)))
 
 
 class TritonPythonModel:
@@ -76,9 +80,10 @@ class TritonPythonModel:
                                          stages_take_media=topology is Topology.E_P_D)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
+        self.cancels = CancelBoard.for_model(args["model_name"])
 
     def execute(self, requests):
-        orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit)
+        orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit, self.cancels)
         return None
 
     def finalize(self):
@@ -87,5 +92,6 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - unloading anyway
             pb_utils.Logger.log_warn(f"epd: closing the stage client: {exc}")
         self.loop.stop()
+        self.cancels.close()
         self.metrics.close()  # pending counts, while the stub's shared memory is alive
         del self.metrics

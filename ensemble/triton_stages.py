@@ -11,8 +11,10 @@ the GIL back; the stub's message thread holds the iterator-map mutex while it wa
 mutex; and a thread starting another decoupled call holds the GIL while it waits for the map mutex.
 Before that, the same stub also crashed (heap corruption: the stub frees finished iterators' numpy
 arrays without the GIL, fixed upstream only in python_backend r25.01). A gRPC stream has neither
-problem, can be cancelled (Triton then cancels the stage's request, which aborts its engine request)
-and keeps the stage's error codes.
+problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
+the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``backend.cancel_board``). A
+stage request the orchestrator gives up on (its client cancelled, the deadline passed) is cancelled in band,
+by a second request naming its request id; the stage aborts its engine request and ends the stream.
 
 ``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``ensemble.colocated_model``) pairs it
 with its in-process generator (``ensemble.local_stages``).
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import uuid
 from typing import AsyncIterator
 
 import numpy as np
@@ -34,12 +38,13 @@ from backend.errors import EpdError, Unavailable
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
-from clients.triton_client import grpc_inputs, single_request_stream
+from clients.triton_client import cancel_in_band, grpc_inputs, single_request_stream
 from ensemble.orchestrator import Stage
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 KV_OUTPUT = "kv_transfer_params"
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
+log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
 
 
@@ -149,8 +154,9 @@ class TritonStages(BlsEncoders):
         if self._client is None:
             self._client = aio.InferenceServerClient(self.url)
         outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
+        request_id = f"epd-{uuid.uuid4().hex}"
         request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
-                   "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs]}
+                   "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
         finished = False
         async with single_request_stream(self._client, request) as stream:
             try:
@@ -166,8 +172,17 @@ class TritonStages(BlsEncoders):
                         if finished:
                             return
             finally:
-                if not finished:
-                    stream.cancel()
+                if not finished:  # the block's exit then reads the stream to its end, which the stage closes
+                    await self._cancel(self.models[stage], request_id)
+
+    async def _cancel(self, model: str, request_id: str) -> None:
+        """Cancel a stage request in band (``backend.cancel_board``: cancelling the gRPC stream can deadlock
+        Triton 2.51's gRPC frontend). Should this fail, the stream is still read to its end, and cancelled
+        after ``clients.triton_client.END_OF_STREAM_SECONDS`` (``read_to_end``)."""
+        try:
+            await cancel_in_band(self._client, model, request_id, _TAGGED)
+        except Exception as exc:  # noqa: BLE001 - the stream's own end is the fallback
+            log.warning("cancelling %s request %s in band: %s", model, request_id, exc)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -300,11 +300,16 @@ def test_encoder_batches_items_of_concurrent_requests(server, baseline):
 
 def _tokens_after_cancel(server, orchestrator: str, stage: str, image: bytes) -> float:
     """Cancel a 3000-token request through ``orchestrator`` after 3 chunks; return the tokens ``stage``
-    generated for it, once its request has ended (aborted) and the count has settled."""
+    generated for it, once its request has ended (aborted) and the count has settled. The stage's request ends
+    within 3 s: the orchestrator's in-band cancel worked (its fallback, reading the stream to its end and then
+    cancelling it, takes over only after 5 s)."""
     before = metric(server, "epd_generated_tokens_total", model=stage)
+    cancelled = lambda: metric(server, "epd_requests_total", model=stage, outcome="cancelled")
+    cancels_before = cancelled()
     result = ask(server, orchestrator, prompt="Count.", images=[image], stream=True, cancel_after_chunks=3,
                  sampling={"max_tokens": 3000, "ignore_eos": True})
     assert result.cancelled
+    assert _wait_for(cancelled, lambda n: n > cancels_before, seconds=3) == cancels_before + 1
     deadline, generated = time.monotonic() + 30, None
     while time.monotonic() < deadline:
         now = metric(server, "epd_generated_tokens_total", model=stage)

@@ -60,10 +60,10 @@ def expected(reference):
     return {name: out for (name, _, _), out in zip(CASES, outputs)}
 
 
-def ask(server, protocol="grpc", cancel_after_chunks=None, **inputs) -> GenerateResult:
+def ask(server, protocol="grpc", cancel_after_chunks=None, cancel_via="grpc", **inputs) -> GenerateResult:
     inputs.setdefault("sampling", GREEDY)
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks}
+    extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks, "cancel_via": cancel_via}
     return generate(url, "llm", GenerateInputs(**inputs), protocol=protocol, timeout=120, **extra)
 
 
@@ -110,12 +110,16 @@ def test_streaming_and_non_streaming_agree(server, expected, protocol):
     assert with_prompt.text == inputs["prompt"] + whole.text
 
 
-def test_cancellation_stops_generation(server):
+@pytest.mark.parametrize("via", ["grpc", "request"])
+def test_cancellation_stops_generation(server, via):
+    """A client cancels after 3 chunks: by cancelling the gRPC stream, or in band (a request on the same stream
+    whose parameter ``epd_cancel`` names the request's id; then the request's final response ends the stream)."""
     cancelled_before = metric(server, "epd_requests_total", model="llm", outcome="cancelled")
     tokens_before = metric(server, "epd_generated_tokens_total", model="llm")
     result = ask(server, prompt="Count forever.", sampling={"max_tokens": 3000, "ignore_eos": True},
-                 cancel_after_chunks=3)
-    assert result.cancelled and len(result.chunks) == 3
+                 cancel_after_chunks=3, cancel_via=via)
+    assert result.cancelled and (len(result.chunks) == 3 if via == "grpc" else 3 <= len(result.chunks) < 1000)
+    assert result.finish_reason is None
     deadline = time.monotonic() + 20
     while metric(server, "epd_requests_total", model="llm", outcome="cancelled") == cancelled_before:
         assert time.monotonic() < deadline, "the cancelled request never finished in the model"
@@ -146,6 +150,13 @@ def test_bad_input_is_invalid_arg_naming_the_field(server, protocol, name, input
     assert info.value.message.startswith(field), info.value.message
     if protocol == "http":
         assert info.value.status == "400"
+
+
+@pytest.mark.parametrize("target", [5, "", True])
+def test_an_in_band_cancel_without_a_request_id_is_invalid_arg(server, target):
+    with pytest.raises(GenerateError) as info:
+        ask(server, prompt="x", parameters={"epd_cancel": target, "epd_error_codes": True})
+    assert info.value.message.startswith("[INVALID_ARG] parameters.epd_cancel: expected a request id"), info.value.message
 
 
 def test_server_keeps_serving_after_bad_input(server, expected):
