@@ -91,7 +91,7 @@ async def _outcome(stream, cancel: str | None, cancelling, timeout: float, start
 
 
 async def drive(url: str, model: str, count: int, concurrency: int, cancel_fraction: float, timeout: float, seed: int,
-                cancel_via: str = "grpc"):
+                cancel_via: str = "request"):
     from tqdm import tqdm
 
     rng = random.Random(seed)

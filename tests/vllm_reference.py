@@ -11,10 +11,11 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
-from backend.engine import load_engine_args, prepare_process
+from backend.engine import load_engine_args, prepare_process, private_ipc_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +38,15 @@ def main(cases_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     args = load_engine_args(ROOT / "model_repository" / "llm" / "model.json")
-    llm = LLM(**args)
+    ipc_dir = private_ipc_dir()  # vLLM leaves its IPC socket files behind
+    try:
+        results = _generate(LLM(**args), cases_path, SamplingParams, Image)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    Path(out_path).write_text(json.dumps(results))
+
+
+def _generate(llm, cases_path: str, SamplingParams, Image) -> list[dict]:
     results = []
     for case in json.loads(Path(cases_path).read_text()):
         params = SamplingParams(**case["sampling"])
@@ -52,7 +61,7 @@ def main(cases_path: str, out_path: str) -> None:
         completion = out.outputs[0]
         results.append({"text": completion.text, "token_ids": list(completion.token_ids),
                         "num_input_tokens": len(out.prompt_token_ids), "finish_reason": completion.finish_reason})
-    Path(out_path).write_text(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
