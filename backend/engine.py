@@ -133,14 +133,18 @@ def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
     return exc
 
 
+_IPC_BASE: str | None = None
+
+
 def private_ipc_dir() -> str:
     """A new directory for vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, inherited by the EngineCore), under
     the one configured, else the temp directory. vLLM names its sockets ``<base>/<uuid4>`` and leaves the
     files behind: measured, 12 sockets left in /tmp by one start and stop of the ``llm`` test server, ~1,000
     after a day of tests. The host removes its directory at shutdown."""
-    base = os.environ.get("EPD_VLLM_RPC_BASE") or os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    os.environ.setdefault("EPD_VLLM_RPC_BASE", base)  # later hosts of this process: the same base, not our dir
-    path = tempfile.mkdtemp(prefix="epd-vllm-ipc-", dir=base)
+    global _IPC_BASE
+    if _IPC_BASE is None:  # later hosts of this process: the same base, not an earlier host's directory
+        _IPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="epd-vllm-ipc-", dir=_IPC_BASE)
     os.environ["VLLM_RPC_BASE_PATH"] = path
     return path
 

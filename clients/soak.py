@@ -59,13 +59,23 @@ async def one(url: str, model: str, inputs: GenerateInputs, cancel: str | None, 
     started = time.perf_counter()
     try:
         async with single_request_stream(client, request) as stream:
-            cancelling = (lambda: cancel_in_band(client, model, request_id, ERROR_CODES)) if cancel == "request" else None
-            return await _outcome(stream, cancel, cancelling, timeout, started)
+            async def cancel_stream() -> bool:
+                stream.cancel()
+                return True  # the outcome is decided: nothing more comes
+
+            async def cancel_request() -> bool:
+                await cancel_in_band(client, model, request_id, ERROR_CODES)
+                stream.done_writing()  # then the stream ends once the server has stopped the request
+                return False
+
+            cancelling = {None: None, "grpc": cancel_stream, "request": cancel_request}[cancel]
+            return await _outcome(stream, cancelling, timeout, started)
     finally:
         await client.close()
 
 
-async def _outcome(stream, cancel: str | None, cancelling, timeout: float, started: float) -> tuple[str, float]:
+async def _outcome(stream, cancel, timeout: float, started: float) -> tuple[str, float]:
+    """``cancel``: None, or what cancels after the first response (True: the request ends there)."""
     cancelled = False
     try:
         async with asyncio.timeout(timeout):
@@ -73,13 +83,10 @@ async def _outcome(stream, cancel: str | None, cancelling, timeout: float, start
                 if error is not None:
                     match = re.match(r"\[([A-Z_]+)\]", error.message())
                     return (match.group(1) if match else "UNTAGGED"), time.perf_counter() - started
-                if cancel and not cancelled:
+                if cancel is not None and not cancelled:
                     cancelled = True
-                    if cancel == "grpc":
-                        stream.cancel()
+                    if await cancel():
                         return "cancelled", time.perf_counter() - started
-                    await cancelling()
-                    stream.done_writing()  # then the stream ends once the server has stopped the request
                     continue
                 finish = result.as_numpy("finish_reason")
                 if finish is not None and finish.size and finish.reshape(-1)[0]:
