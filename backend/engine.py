@@ -237,8 +237,7 @@ class EngineHost:
         if engine is not None:
             import psutil
 
-            children = psutil.Process().children(recursive=True)
-            engines = [proc for proc in children if _engine_process(proc)]
+            engines = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
             # Stop the output handler first, or it logs the engine's exit as an EngineDeadError.
             handler = getattr(engine, "output_handler", None)
             if handler is not None:
@@ -248,21 +247,31 @@ class EngineHost:
             # exit (a reference outlives this method), where the module globals it uses are gone: a TypeError
             # printed at every unload. The engine is shut down; make that call a no-op.
             engine.shutdown = lambda *args, **kwargs: None
-            # Measured: an EngineCore with the NIXL connector sometimes outlives shutdown() for more than
-            # 20 s; whoever started it makes sure it is gone, or it leaks (memory, /dev/shm) past the server.
-            # Wait for the engine processes only: multiprocessing's resource tracker never exits while this
-            # process lives (waiting for it cost every unload 5 s); it is ended with the rest, as before.
-            _, alive = psutil.wait_procs(engines, timeout=5)
-            alive = [proc for proc in children if _alive(proc)]
-            for proc in alive:
-                proc.kill()
-            psutil.wait_procs(alive, timeout=5)
+            stop_engine_processes(engines)
         self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
         del engine
         gc.collect()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def stop_engine_processes(engines, timeout: float = 5.0) -> None:
+    """Make sure the engine processes (``_engine_process``) are gone: wait ``timeout`` s, then kill them.
+
+    Measured: an EngineCore with the NIXL connector sometimes outlives ``shutdown()`` for more than 20 s, and
+    vLLM itself kills every EngineCore it waited 5 s for; whoever started it makes sure it is gone, or it
+    leaks (memory, /dev/shm) past the server. multiprocessing's resource tracker is left alone: it never exits
+    while this process lives, and when this process exits it unlinks what a killed EngineCore registered with
+    it and could not remove itself (the POSIX semaphore ``/dev/shm/sem.mp-*`` of tqdm's lock, one per engine,
+    made while the weights load). Killing the tracker here too left those behind: 4 per server stop."""
+    import psutil
+
+    _, alive = psutil.wait_procs(engines, timeout=timeout)
+    alive = [proc for proc in alive if _alive(proc)]
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _alive(proc) -> bool:

@@ -28,6 +28,10 @@ BLS either way, and the engines still take metadata-only requests. Example::
     python -m backend.topology render topologies/cpu-e-p-d.yaml --out /tmp/repo
     python -m backend.topology check topologies/gpu-e-p-d.yaml --machine gpu
 
+An orchestrator reaches ``pd``, ``prefill`` and ``decode`` over gRPC at their ``endpoint`` (a stage key):
+``local`` (the default) is the server the orchestrator runs in, whatever ports it was started on
+(``backend.server_address``); ``host:port`` is another server.
+
 Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
 for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
 ``topologies/default.yaml`` (a test checks they agree).
@@ -45,13 +49,16 @@ from typing import Any
 
 import yaml
 
+from backend.server_address import LOCAL, EndpointError, check_endpoint
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = {"baseline": ("llm",), "E+PD": ("encoder", "pd", "epd"), "E/P/D": ("encoder", "prefill", "decode", "epd")}
 ENGINE_STAGES = ("llm", "pd", "prefill", "decode")
 GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
-STAGE_KEYS = {"instances", "device", "gpus", "orchestrator"}
+STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
+REMOTE_STAGES = ("pd", "prefill", "decode")  # reached by an orchestrator over gRPC: they take an endpoint
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
 HOSTS = {"E+PD": "pd", "E/P/D": "prefill"}  # deployment -> the stage that can host its orchestrator
 COLOCATED = "epd:E+PD:colocated"  # model kind: E+PD's orchestrator and the pd engine in one model
@@ -75,6 +82,7 @@ class StageSpec:
     device: str = "cpu"
     gpus: tuple[int, ...] = ()
     orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
+    endpoint: str = "local"  # REMOTE_STAGES: where the orchestrator reaches it over gRPC (backend.server_address)
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,17 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
         raise TopologyError(f"{where}.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator")
     if orchestrator not in ORCHESTRATORS:
         raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
-    return StageSpec(instances, device, tuple(gpus), orchestrator)
+    endpoint = doc.get("endpoint", LOCAL)
+    if "endpoint" in doc and stage not in REMOTE_STAGES:
+        raise TopologyError(f"{where}.endpoint: only {', '.join(REMOTE_STAGES)} are reached over gRPC "
+                            f"(the encoder is reached through BLS, in the same server)")
+    if "endpoint" in doc and orchestrator == "colocated":
+        raise TopologyError(f"{where}.endpoint: this stage runs inside its colocated orchestrator; nothing reaches it over gRPC")
+    try:
+        check_endpoint(stage, endpoint if isinstance(endpoint, str) else repr(endpoint))
+    except EndpointError as exc:
+        raise TopologyError(f"{where.rsplit(': ', 1)[0]}: {exc}") from None
+    return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint)
 
 
 # -- rendering ---------------------------------------------------------------------------------------
@@ -318,7 +336,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
         if mode == "E/P/D":  # decode over gRPC; this model's engine is prefill's (a KV producer)
-            params.update(decode_model="decode", nixl_side_channel_port="",
+            params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
@@ -328,7 +346,9 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
         body += "\n" + _instances(topology.stages["epd"]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
-        names.update({"generator_model": "pd"} if mode == "E+PD" else {"prefill_model": "prefill", "decode_model": "decode"})
+        names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint} if mode == "E+PD" else
+                     {"prefill_model": "prefill", "prefill_endpoint": topology.stages["prefill"].endpoint,
+                      "decode_model": "decode", "decode_endpoint": topology.stages["decode"].endpoint})
         if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,

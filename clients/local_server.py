@@ -4,6 +4,11 @@ Used by ``make serve`` (foreground), ``make demo``, the e2e tests and the benchm
 the Python backend come from the ``nvidia-pytriton`` wheel in the project venv (see scripts/setup.sh).
 
     python -m clients.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
+    .venv/bin/tritonserver --model-repository model_repository --grpc-port 9001 ...   # tritonserver's own flags
+
+``.venv/bin/tritonserver`` (the console script ``tritonserver``, ``exec_tritonserver``) is the real binary
+with the environment the Python backend needs and the venv's backend and cache directories; any flag
+tritonserver takes is passed through (addresses default to 127.0.0.1 unless given).
 """
 from __future__ import annotations
 
@@ -66,16 +71,28 @@ class Ports:
 
 
 def command(repository: Path, ports: Ports, extra: list[str] = ()) -> list[str]:
+    return tritonserver_argv([f"--model-repository={repository}", f"--http-port={ports.http}",
+                              f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}", *extra])
+
+
+def tritonserver_argv(args: list[str]) -> list[str]:
+    """The real binary with ``args``, after the defaults of this venv for the flags ``args`` does not give:
+    its backend and cache directories, 127.0.0.1 addresses, no GPU metrics on a machine without a GPU (else
+    NVML/DCGM failures are logged at every start)."""
     home = triton_home()
-    return [
-        str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
-        f"--backend-directory={home / 'backends'}", f"--cache-directory={home / 'caches'}",
-        "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
-        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
-        # No GPU, no GPU metrics: without this, NVML/DCGM failures are logged at every start.
-        *([] if Path("/dev/nvidia0").exists() else ["--allow-gpu-metrics=false"]),
-        *extra,
-    ]
+    defaults = {"--backend-directory": home / "backends", "--cache-directory": home / "caches",
+                "--http-address": "127.0.0.1", "--grpc-address": "127.0.0.1", "--metrics-address": "127.0.0.1"}
+    if not Path("/dev/nvidia0").exists():
+        defaults["--allow-gpu-metrics"] = "false"
+    given = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    return [str(home / "bin" / "tritonserver"),
+            *(f"{flag}={value}" for flag, value in defaults.items() if flag not in given), *args]
+
+
+def exec_tritonserver() -> None:
+    """The ``tritonserver`` console script: exec the real binary with the Python backend's environment."""
+    argv = tritonserver_argv(sys.argv[1:])
+    os.execve(argv[0], argv, server_env())
 
 
 def group_members(pgid: int) -> list[int]:
@@ -112,7 +129,11 @@ class TritonServer:
     """A tritonserver child process; ``with TritonServer(...) as s:`` waits for ready and always stops it."""
 
     def __init__(self, repository: Path = DEFAULT_REPOSITORY, ports: Ports | None = None,
-                 log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None):
+                 log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None,
+                 argv: list[str] | None = None):
+        """``argv``: start this command instead of tritonserver (e.g. ``make serve``, the console script), in a
+        session of its own, with ``env`` as is; it must serve on ``ports``."""
+        self.argv = argv
         self.repository = Path(repository)
         self.ports = ports or Ports.free()
         self._own_ports = ports is None  # picked here: picked again if another process takes one first
@@ -125,6 +146,7 @@ class TritonServer:
         self.stop_seconds: float | None = None  # SIGTERM to exit
         self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
         self.regions: set[str] = set()  # the stubs' /dev/shm regions, seen when ready and at stop
+        self.server_pid: int | None = None  # tritonserver's (proc's, unless argv is a launcher), once ready
 
     @property
     def http_url(self) -> str:
@@ -160,10 +182,9 @@ class TritonServer:
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
         try:
-            env = server_env(self.env)
-            env.setdefault("EPD_TRITON_GRPC_URL", self.grpc_url)  # where `epd` reaches its generator stages
-            self.proc = subprocess.Popen(command(self.repository, self.ports, self.extra_args), stdout=out,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            argv = self.argv or command(self.repository, self.ports, self.extra_args)
+            env = dict(os.environ if self.env is None else self.env) if self.argv else server_env(self.env)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if self.log_path:
                 out.close()
@@ -175,6 +196,7 @@ class TritonServer:
                                    f"{'; removed the /dev/shm regions its stubs left' if self.leftover_shm else ''}")
             if self.is_ready() and self._metrics_up():
                 self.ready_seconds = time.monotonic() - started
+                self.server_pid = self._server_pid()
                 self.regions |= stub_regions(self.proc.pid)
                 return self
             time.sleep(0.25)
@@ -205,7 +227,7 @@ class TritonServer:
         regions = self.regions | stub_regions(self.proc.pid)
         if self.proc.poll() is None:
             started = time.monotonic()
-            self.proc.send_signal(signal.SIGTERM)
+            os.kill(self._server_pid(), signal.SIGTERM)  # a launcher (make serve) exits with its server
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -228,13 +250,25 @@ class TritonServer:
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.
         # The same for the in-band cancel boards of its models (backend.cancel_board), which unload removes.
-        boards = [p.name for p in Path("/dev/shm").glob(f"epd-cancel-{self.proc.pid}-*")]
+        boards = [p.name for p in Path("/dev/shm").glob(f"epd-cancel-{self.server_pid or self.proc.pid}-*")]
         self.leftover_shm = sorted([name for name in regions if os.path.exists(f"/dev/shm/{name}")] + boards)
         for name in self.leftover_shm:
             if name in boards:
                 shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
             else:
                 Path(f"/dev/shm/{name}").unlink(missing_ok=True)
+
+    def _server_pid(self) -> int:
+        """The tritonserver process: ours, or the one a launcher command (``argv``) started in our session."""
+        if not self.argv:
+            return self.proc.pid
+        for pid in group_members(self.proc.pid):
+            try:
+                if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "tritonserver":
+                    return pid
+            except OSError:
+                continue
+        return self.proc.pid
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -8,7 +8,7 @@ it (``backend.generate_model.MetadataOnlyModel``: engine, vLLM metrics, the ``pr
 - E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
 - E/P/D: prefill's engine (NixlConnector ``kv_producer``, the settings of ``backend.models.prefill``); ``prepare``
   pulls the embeddings by handle, as for pd. Decode stays a model of its own, asked over the server's gRPC
-  endpoint (``TritonStages``; ``grpc_url`` parameter, else ``$EPD_TRITON_GRPC_URL``, else ``127.0.0.1:8001``)
+  endpoint (``TritonStages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.server_address``)
   with prefill's ``kv_transfer_params``; its stream is relayed to the client.
 
 Same Triton interface as ``llm`` and the proxy ``epd``. Media go to the ``encoder`` model over BLS, the host
@@ -30,15 +30,23 @@ from backend.models.prefill import TritonPythonModel as PrefillModel
 from ensemble.epd_model import orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
-from ensemble.triton_stages import BlsEncoders, TritonStages, grpc_url
+from backend.server_address import EndpointError
+from ensemble.triton_stages import BlsEncoders, TritonStages, stage_urls
 
 
 class TritonPythonModel(MetadataOnlyModel):
     def initialize(self, args):
+        config = json.loads(args["model_config"])
         try:
-            self.mode = Topology(parameter(json.loads(args["model_config"]), "topology", "E+PD"))
+            self.mode = Topology(parameter(config, "topology", "E+PD"))
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: parameter topology: {exc}") from None
+        try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
+            urls = stage_urls(lambda name, default: parameter(config, name, default),
+                              (Stage.DECODE,) if self.mode is Topology.E_P_D else ())
+        except EndpointError as exc:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
+        self.watch = None
         if self.mode is Topology.E_P_D:  # this engine is prefill's: KV producer, pulls the embeddings
             self.KV_ROLE, self.IDLE_WAIT_MS = PrefillModel.KV_ROLE, PrefillModel.IDLE_WAIT_MS
         super().initialize(args)  # the engine (the host stage's arguments), the consumer, the metrics, self.limits
@@ -46,8 +54,8 @@ class TritonPythonModel(MetadataOnlyModel):
         if self.mode is Topology.E_PD:
             remote, local = BlsEncoders(encoders), Stage.GENERATE
         else:
-            remote = TritonStages(encoders, decode_model=parameter(self.config, "decode_model", "decode"),
-                                  url=grpc_url(parameter(self.config, "grpc_url", "")))
+            remote = TritonStages(urls, encoders, decode_model=parameter(self.config, "decode_model", "decode"))
+            self.watch = self.host.submit(remote.watch())
             local = Stage.PREFILL
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
@@ -62,6 +70,8 @@ class TritonPythonModel(MetadataOnlyModel):
         return None
 
     def finalize(self):
+        if self.watch is not None:
+            self.watch.cancel()
         try:
             self.host.submit(self.stages.aclose()).result(timeout=5)
         except Exception as exc:  # noqa: BLE001 - unloading anyway

@@ -18,8 +18,9 @@ from backend.errors import InvalidInput
 from backend.cancel_board import CancelBoard
 from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, in_band_cancel, read_generate_inputs,
                                request_parameters, send_error, watched_sink)
-from ensemble.orchestrator import Identity, Orchestrator, Topology
-from ensemble.triton_stages import TritonStages, grpc_url
+from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
+from backend.server_address import EndpointError
+from ensemble.triton_stages import TritonStages, stage_urls
 
 
 # Request parameters (bool): this request's metadata-only setting, over the model's `metadata_only` parameter;
@@ -70,16 +71,21 @@ class TritonPythonModel:
                               allowed_local_media_path=parameter(config, "allowed_local_media_path", ""),
                               allowed_media_domains=tuple(d.strip().lower() for d in parameter(
                                   config, "allowed_media_domains", "").split(",") if d.strip())))
-        self.stages = TritonStages(parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
-                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"),
-                                   grpc_url(parameter(config, "grpc_url", "")))
         topology = Topology(parameter(config, "topology", "E+PD"))
+        roles = (Stage.GENERATE,) if topology is Topology.E_PD else (Stage.PREFILL, Stage.DECODE)
+        try:
+            urls = stage_urls(lambda name, default: parameter(config, name, default), roles)
+        except EndpointError as exc:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
+        self.stages = TritonStages(urls, parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
+                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"))
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, topology, deadline=float(parameter(config, "request_timeout_seconds", "300")),
                                          metadata_only=parameter(config, "metadata_only", "true").lower() != "false",
                                          stages_take_media=topology is Topology.E_P_D)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
+        self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses
         self.cancels = CancelBoard.for_model(args["model_name"])
 
     def execute(self, requests):
@@ -87,6 +93,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.watch.cancel()
         try:
             self.loop.submit(self.stages.aclose()).result(timeout=5)
         except Exception as exc:  # noqa: BLE001 - unloading anyway

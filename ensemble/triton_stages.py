@@ -19,15 +19,18 @@ by a second request naming its request id; the stage aborts its engine request a
 ``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``ensemble.colocated_model``) pairs it
 with its in-process generator (``ensemble.local_stages``).
 
-The endpoint is the ``grpc_url`` model parameter, else ``$EPD_TRITON_GRPC_URL`` (``clients.local_server``
-sets it), else ``127.0.0.1:8001``, tritonserver's default.
+Each generator stage's gRPC address comes from the topology (its ``endpoint``, rendered as the orchestrator's
+``<role>_endpoint`` parameter): ``local`` is this server's own gRPC endpoint, read from its command line at load
+(``backend.server_address``). ``watch`` checks after load that every stage answers there and logs the outcome, so a
+deployment whose stages cannot be reached says so before a request fails.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-import os
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -35,6 +38,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.errors import EpdError, Unavailable
+from backend.server_address import LOCAL, resolve
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
 from backend.triton_io import ERROR_CODES_PARAMETER, from_triton_error
@@ -43,13 +47,10 @@ from ensemble.orchestrator import Stage
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 KV_OUTPUT = "kv_transfer_params"
-DEFAULT_GRPC_URL = "127.0.0.1:8001"
 log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton_io)
-
-
-def grpc_url(configured: str = "") -> str:
-    return configured or os.environ.get("EPD_TRITON_GRPC_URL") or DEFAULT_GRPC_URL
+ENDPOINT_PARAMETERS = {Stage.GENERATE: "generator_endpoint", Stage.PREFILL: "prefill_endpoint",
+                       Stage.DECODE: "decode_endpoint"}  # the orchestrator's config parameter per stage role
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
@@ -96,7 +97,8 @@ async def _unavailable_if_unreachable(stream, model: str, url: str):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise
-            raise Unavailable(f"stage {model} not reachable over gRPC at {url}: {exc.code().name} {exc.details()}") from None
+            raise Unavailable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
+                              f"{exc.code().name} {exc.details()}") from None
         yield item
 
 
@@ -119,6 +121,15 @@ def _is_final(result) -> bool:
     return bool(param and param.bool_param)
 
 
+def stage_urls(config_parameter, stages) -> dict[Stage, str]:
+    """The gRPC address of each of ``stages`` from the orchestrator's ``<role>_endpoint`` parameters
+    (``config_parameter(name, default)``); raises ``backend.server_address.EndpointError`` naming the stage."""
+    models = {Stage.GENERATE: ("generator_model", "pd"), Stage.PREFILL: ("prefill_model", "prefill"),
+              Stage.DECODE: ("decode_model", "decode")}
+    return {stage: resolve(config_parameter(*models[stage]), config_parameter(ENDPOINT_PARAMETERS[stage], LOCAL))
+            for stage in stages}
+
+
 class BlsEncoders:
     """The encoder half of a ``StageClient``: one non-decoupled BLS call per item (also used by the
     colocated E+PD model, ``ensemble.colocated_model``, whose generator runs in process)."""
@@ -138,29 +149,72 @@ class BlsEncoders:
 
 
 class TritonStages(BlsEncoders):
-    def __init__(self, encoder_model: str = "encoder", generator_model: str = "pd", prefill_model: str = "prefill",
-                 decode_model: str = "decode", url: str = DEFAULT_GRPC_URL):
+    """``urls``: the gRPC address of each generator stage role this orchestrator asks (``backend.server_address``);
+    one client per address."""
+
+    def __init__(self, urls: dict[Stage, str], encoder_model: str = "encoder", generator_model: str = "pd",
+                 prefill_model: str = "prefill", decode_model: str = "decode"):
         super().__init__(encoder_model)
         self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self.url = url
-        self._client = None  # tritonclient.grpc.aio client, made on the event loop at first use
+        self.urls = dict(urls)
+        self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
+
+    def _client(self, stage: Stage):
+        import tritonclient.grpc.aio as aio
+
+        url = self.urls[stage]
+        if url not in self._clients:
+            self._clients[url] = aio.InferenceServerClient(url)
+        return self._clients[url]
+
+    async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
+        """After load: wait until every stage answers ready at its address; log that once (INFO), or, while one
+        does not after ``warn_after`` seconds, an ERROR naming the stage, the address and the last answer (then
+        keep waiting: a stage may load late). Returns stage model -> address. Cancelled at unload."""
+        import tritonclient.grpc.aio as aio
+
+        waiting = {self.models[stage]: stage for stage in self.urls}
+        started, warned, last = time.monotonic(), False, {}
+        while waiting:
+            for model, stage in list(waiting.items()):
+                # A channel of its own per probe: one that failed to connect (the server's endpoints open only
+                # after every model loaded) backs off before it tries again, and would fail requests meanwhile.
+                probe = aio.InferenceServerClient(self.urls[stage])
+                try:
+                    if await probe.is_model_ready(model):
+                        del waiting[model]
+                        continue
+                    last[model] = "not ready"
+                except Exception as exc:  # noqa: BLE001 - the answer is what we log
+                    last[model] = str(exc)
+                finally:
+                    await probe.close()
+            if waiting and not warned and time.monotonic() - started > warn_after:
+                warned = True
+                for model, stage in waiting.items():
+                    pb_utils.Logger.log_error(
+                        f"stage {model} not reachable over gRPC at {self.urls[stage]} after {warn_after:.0f} s "
+                        f"({last.get(model)}): requests that need it fail UNAVAILABLE; check its endpoint in the topology")
+            if waiting:
+                await asyncio.sleep(interval if not warned else 5.0)
+        reached = {self.models[stage]: url for stage, url in self.urls.items()}
+        pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
+        return reached
 
     async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
         """Stream the stage's chunks. If the consumer stops early (``aclose``: its client cancelled), the
         gRPC stream is cancelled, and with it the stage's request."""
         import tritonclient.grpc as grpcclient
-        import tritonclient.grpc.aio as aio
 
-        if self._client is None:
-            self._client = aio.InferenceServerClient(self.url)
+        client, url = self._client(stage), self.urls[stage]
         outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
         request_id = f"epd-{uuid.uuid4().hex}"
         request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
         finished = False
-        async with single_request_stream(self._client, request) as stream:
+        async with single_request_stream(client, request) as stream:
             try:
-                async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], self.url)) as items:
+                async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], url)) as items:
                     async for result, error in items:
                         if error is not None:
                             finished = True
@@ -173,18 +227,18 @@ class TritonStages(BlsEncoders):
                             return
             finally:
                 if not finished:  # the block's exit then reads the stream to its end, which the stage closes
-                    await self._cancel(self.models[stage], request_id)
+                    await self._cancel(client, self.models[stage], request_id)
 
-    async def _cancel(self, model: str, request_id: str) -> None:
+    async def _cancel(self, client, model: str, request_id: str) -> None:
         """Cancel a stage request in band (``backend.cancel_board``: cancelling the gRPC stream can deadlock
         Triton 2.51's gRPC frontend). Should this fail, the stream is still read to its end, and cancelled
         after ``clients.triton_client.END_OF_STREAM_SECONDS`` (``read_to_end``)."""
         try:
-            await cancel_in_band(self._client, model, request_id, _TAGGED)
+            await cancel_in_band(client, model, request_id, _TAGGED)
         except Exception as exc:  # noqa: BLE001 - the stream's own end is the fallback
             log.warning("cancelling %s request %s in band: %s", model, request_id, exc)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()

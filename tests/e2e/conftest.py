@@ -50,11 +50,24 @@ def left_behind(held: set[str], settle: float = 2.0) -> set[str]:
 
 
 def _mapped_by(pid: int) -> set[str]:
+    """The /dev/shm entries ``pid`` maps, matched by inode: a POSIX semaphore (``sem.mp-*``) is mapped under the
+    temporary name it was made with (``/dev/shm/sem.XXXXXX (deleted)``), not under its own."""
     try:
         with open(f"/proc/{pid}/maps") as maps:
-            return {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
+            inodes = {int(line.split()[4]) for line in maps if "/dev/shm/" in line}
     except OSError:
         return set()
+    return {name for name, inode in _shm_inodes().items() if inode in inodes}
+
+
+def _shm_inodes() -> dict[str, int]:
+    inodes = {}
+    for name in _shm():
+        try:
+            inodes[name] = os.stat(f"/dev/shm/{name}").st_ino
+        except OSError:
+            pass
+    return inodes
 
 
 def orphaned_shm(new: set[str]) -> set[str]:
@@ -62,11 +75,7 @@ def orphaned_shm(new: set[str]) -> set[str]:
     under test, e.g. the session server, legitimately holds its own)."""
     mapped: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                mapped |= {os.path.basename(line.split()[-1]) for line in maps if "/dev/shm/" in line}
-        except OSError:
-            pass
+        mapped |= _mapped_by(int(pid))
     return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
 
 
@@ -86,6 +95,7 @@ def settled_orphans(before: set[str], seconds: float = 5.0) -> set[str]:
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
     srv = TritonServer(log_path=log)
+    before = _shm()
     try:
         srv.start(timeout=300)
     except Exception:
@@ -102,6 +112,8 @@ def server(tmp_path_factory):
     assert not srv.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {srv.leftover_shm}"
     leaked = left_behind(held)
     assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
+    new = settled_orphans(before)  # every entry new since the start that no live process holds, semaphores too
+    assert not new, f"/dev/shm entries left after the server stopped: {sorted(new)}"
 
 
 class Reference:

@@ -109,6 +109,20 @@ def test_each_deployment_places_its_own_orchestrator():
         load(DEFAULT, "cpu").with_orchestrator("colocated", "baseline")
 
 
+def test_stage_endpoints_render_into_the_orchestrators(tmp_path):
+    def param(config, key):
+        return next(line for line in config.splitlines() if f'key: "{key}"' in line).split('string_value: "')[1].split('"')[0]
+    files = render_files(load(DEFAULT, "cpu"), Path("/r"))  # local: this server's gRPC endpoint, whatever its port
+    assert param(files["epd/config.pbtxt"], "generator_endpoint") == "local"
+    assert param(files["epd_disagg/config.pbtxt"], "prefill_endpoint") == param(files["epd_disagg/config.pbtxt"], "decode_endpoint") == "local"
+    doc = {"checkpoint": "m", "serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"endpoint": "10.0.0.2:9001"},
+                                                           "decode": {"endpoint": "decode-host:8001"}, "epd": {}}}
+    config = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))["epd/config.pbtxt"]
+    assert (param(config, "prefill_endpoint"), param(config, "decode_endpoint")) == ("10.0.0.2:9001", "decode-host:8001")
+    doc["stages"] = {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {"endpoint": "d:7"}}
+    assert param(render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))["epd/config.pbtxt"], "decode_endpoint") == "d:7"
+
+
 def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
     path = ROOT / "topologies" / "gpu-e-p-d.yaml"
     files = render_files(load(path, "gpu"), Path("/r"))
@@ -155,6 +169,10 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"serve": ["E+PD"], "stages": {"encoder": {}, "pd": {}, "prefill": {"orchestrator": "colocated"}, "epd": {}}},
      "stages: prefill not used by serve"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}}}, "stages: pd not used by serve"),
+    ({"stages": {"encoder": {"endpoint": "h:1"}, "pd": {}, "epd": {}}}, "stages.encoder.endpoint: only pd, prefill, decode"),
+    ({"stages": {"encoder": {}, "pd": {"endpoint": "h"}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got 'h'"),
+    ({"stages": {"encoder": {}, "pd": {"endpoint": 9001}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got '9001'"),
+    ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated", "endpoint": "h:1"}}}, "stages.pd.endpoint: this stage runs inside"),
 ])
 def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragment):
     doc = {**BASE, **change}

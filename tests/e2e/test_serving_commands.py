@@ -1,0 +1,89 @@
+"""E2E: the README's ways of starting the server, run as a user runs them, on ports other than Triton's
+defaults: ``make serve`` with the port variables and ``.venv/bin/tritonserver`` with tritonserver's own flags.
+Through each, an image request to ``epd`` (E+PD) and ``epd_disagg`` (E/P/D) gives ``llm``'s tokens: the
+orchestrators find their stages on whatever gRPC port the server has (``backend.server_address``), with no
+environment variable set for them. A server without gRPC refuses to load ``epd``, saying why."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+
+import pytest
+
+from clients.local_server import ROOT, VENV, Ports, TritonServer
+from clients.triton_client import GenerateInputs, generate
+from tests.e2e.conftest import _shm, settled_orphans
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.e2e
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+def _user_env() -> dict[str, str]:
+    """The caller's environment without anything a test harness might have set for the orchestrators."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+
+
+def _same_tokens_through_every_deployment(server: TritonServer) -> None:
+    inputs = GenerateInputs(prompt=f"{PH}Describe the picture.", images=[image_bytes(72, 56, seed=5)], sampling=GREEDY)
+    answers = {model: generate(server.grpc_url, model, inputs, timeout=120) for model in ("llm", "epd", "epd_disagg")}
+    assert answers["epd"].text == answers["llm"].text == answers["epd_disagg"].text
+    assert answers["epd"].timings["items"] == answers["epd_disagg"].timings["items"] == 1  # through the encoder
+    other = generate(server.grpc_url, "epd", GenerateInputs(prompt=f"{PH}Describe the picture.", sampling=GREEDY,
+                                                            images=[image_bytes(72, 56, seed=6)]), timeout=120)
+    assert other.text != answers["epd"].text  # the answer depends on the image
+
+
+def _stopped_clean(server: TritonServer, before: set[str]) -> None:
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not server.leftover_shm, server.leftover_shm
+    assert not (left := settled_orphans(before)), f"/dev/shm entries left after the stop: {sorted(left)}"
+
+
+def test_make_serve_on_other_ports(tmp_path):
+    ports = Ports.free()
+    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env,
+                          argv=[shutil.which("make") or "make", "-C", str(ROOT), "serve"])
+    before = _shm()
+    with server:
+        _same_tokens_through_every_deployment(server)
+    _stopped_clean(server, before)
+
+
+def test_tritonserver_run_directly_with_its_own_flags(tmp_path):
+    ports = Ports.free()
+    argv = [str(VENV / "bin" / "tritonserver"), "--model-repository", str(ROOT / "model_repository"),
+            "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
+    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=_user_env(), argv=argv)
+    before = _shm()
+    with server:
+        _same_tokens_through_every_deployment(server)
+    _stopped_clean(server, before)
+
+
+def test_a_server_without_grpc_refuses_epd_naming_the_stage(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "epd", repo / "epd")  # alone: its load fails before any stage is asked
+    checkpoint = ROOT / "models" / "tiny-qwen2-vl"
+    config = (repo / "epd" / "config.pbtxt").read_text()
+    (repo / "epd" / "config.pbtxt").write_text(config.replace('"../../models/tiny-qwen2-vl"', f'"{checkpoint}"'))
+    ports = Ports.free()
+    argv = [str(VENV / "bin" / "tritonserver"), f"--model-repository={repo}", "--allow-grpc=false",
+            "--exit-on-error=false", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+            f"--metrics-port={ports.metrics}"]
+    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=_user_env(), argv=argv)
+    server.is_ready = server._metrics_up  # not ready by design (epd failed): wait for the endpoints
+    before = _shm()
+    with server:
+        request = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            [epd] = json.loads(resp.read())
+    assert epd["state"] == "UNAVAILABLE", epd
+    assert "stage pd is reached over this server's gRPC endpoint" in epd["reason"], epd
+    assert "--allow-grpc=false" in epd["reason"] and "stages.pd.endpoint" in epd["reason"], epd
+    _stopped_clean(server, before)
