@@ -10,8 +10,6 @@ against the whole checkpoint).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,21 +17,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from backend.checkpoint import model_identity
+
 TOWER_PREFIXES = ("visual.", "model.visual.")
-
-
-def model_identity(model_dir: str | Path) -> str:
-    """A short fingerprint of a checkpoint (architecture, config and weight files) that producer and
-    consumer compare, so embeddings never cross between different models."""
-    model_dir = Path(model_dir)
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        h.update(path.name.encode())
-        h.update(str(path.stat().st_size).encode())
-        with open(path, "rb") as fh:  # the safetensors header names every tensor with its offsets
-            h.update(fh.read(1 << 16))
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type", "unknown")
-    return f"{model_type}:{h.hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -127,13 +113,6 @@ def _tower_class(model_type: str):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         return Qwen2_5_VisionTransformerPretrainedModel
     raise ValueError(f"no vision tower known for model_type {model_type!r}")
-
-
-def processing_options(model_dir: str | Path) -> str:
-    """The image processor settings that change an item's embeddings, as canonical JSON (part of the content key)."""
-    path = Path(model_dir) / "preprocessor_config.json"
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)

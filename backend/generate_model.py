@@ -134,7 +134,7 @@ class MetadataOnlyModel(GenerateModel):
             self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user
 
     def make_resolver(self):
-        from backend.encoder import model_identity
+        from backend.checkpoint import model_identity
         from backend.request import LayoutMedia, LayoutOrDecodeMedia
 
         identity = model_identity(self.engine_args["model"])

@@ -96,16 +96,19 @@ class Topology:
     limits: dict[str, Any] = field(default_factory=dict)
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
 
-    def only(self, mode: str, engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
-        """This topology serving ``mode`` alone (its stages only), with ``engine_args`` laid over its own
-        and other fields replaced by ``changes``."""
-        if mode not in DEPLOYMENTS:
-            raise TopologyError(f"unknown deployment {mode!r}; known: {', '.join(DEPLOYMENTS)}")
-        stages = deployment_stages(mode, self.colocated)
-        missing = [stage for stage in stages if stage not in self.stages]
+    def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
+        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only),
+        with ``engine_args`` laid over its own and other fields replaced by ``changes``."""
+        modes = (mode,) if isinstance(mode, str) else tuple(mode)
+        unknown = [m for m in modes if m not in DEPLOYMENTS]
+        if unknown or not modes:
+            raise TopologyError(f"unknown deployment {', '.join(map(repr, unknown))}; known: {', '.join(DEPLOYMENTS)}")
+        colocated = self.colocated
+        stages = [stage for m in modes for stage in deployment_stages(m, colocated)]
+        missing = sorted({stage for stage in stages if stage not in self.stages})
         if missing:
-            raise TopologyError(f"{self.name}: cannot serve {mode} alone, no settings for {', '.join(missing)}")
-        return replace(self, name=f"{self.name}-{mode}", serve=(mode,), checkpoint=self.checkpoint.resolve(),
+            raise TopologyError(f"{self.name}: cannot serve {' + '.join(modes)} alone, no settings for {', '.join(missing)}")
+        return replace(self, name=f"{self.name}-{'-'.join(modes)}", serve=modes, checkpoint=self.checkpoint.resolve(),
                        stages={s: self.stages[s] for s in stages},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 

@@ -1,8 +1,10 @@
-"""``make demo``: start tritonserver, ask ``llm`` (one engine) and ``epd`` (encoder + pd, metadata-only)
-about one real image, print each streamed answer with time to first token and total time, stop the server.
+"""``make demo``: serve ``llm`` (one engine) and ``epd`` (encoder + pd, metadata-only) from the default topology,
+ask both about one real image, print each streamed answer with its times, then the verdict: did E+PD give the
+baseline's tokens? Exit status 0 only if it did.
 
-The image is a PNG drawn here (no downloads): a few coloured shapes, written to ``.cache/demo.png``
-and sent as a file, exactly as a user of ``clients.chat`` would send one.
+The server loads only what the demo asks (``topologies/default.yaml`` rendered for baseline + E+PD into
+``.cache/demo/repo``: two vLLM engines, not the default repository's four). The image is a PNG drawn here
+(no downloads), written to ``.cache/demo.png`` and sent as a file, as a user of ``clients.chat`` would send one.
 """
 from __future__ import annotations
 
@@ -13,8 +15,14 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from backend.topology import load, render
 from clients import chat
 from clients.local_server import ROOT, Ports, TritonServer
+from clients.triton_client import GenerateError, GenerateResult, generate
+
+SERVED = ("baseline", "E+PD")  # llm, and encoder + pd + epd
+NOTE = ("[demo] the model is a tiny one with random weights (built locally, no downloads): its answers are noise;\n"
+        "       what matters is that E+PD (epd) gives exactly the baseline's (llm) tokens")
 
 
 def draw_demo_image(path: Path) -> Path:
@@ -28,24 +36,57 @@ def draw_demo_image(path: Path) -> Path:
     return path
 
 
+def ask(url: str, model: str, image: Path, question: str, max_tokens: int) -> GenerateResult:
+    """One streamed request, as ``clients.chat`` sends it; the answer is printed as it arrives."""
+    args = chat.build_parser().parse_args(["--model", model, "--image", str(image), "--max-tokens", str(max_tokens), question])
+    result = generate(url, model, chat.make_inputs(args), on_text=lambda t: print(t, end="", flush=True), timeout=300)
+    ttft = f"{result.ttft * 1000:.1f} ms" if result.ttft is not None else "n/a"
+    print(f"\n    tokens={result.num_output_tokens} TTFT={ttft} total={result.total * 1000:.1f} ms")
+    if result.timings:
+        print("    stages: " + " ".join(f"{k}={v}" for k, v in result.timings.items() if k != "encoders"))
+    return result
+
+
+def verdict(answers: dict[str, GenerateResult], baseline: str = "llm") -> bool:
+    """Print whether every model gave the baseline's answer (same text, same number of tokens)."""
+    reference = answers[baseline]
+    same = True
+    for model, result in answers.items():
+        if model == baseline:
+            continue
+        equal = result.text == reference.text and result.num_output_tokens == reference.num_output_tokens
+        same &= equal
+        print(f"[demo] {baseline} and {model} gave the same {reference.num_output_tokens} tokens: {'yes' if equal else 'NO'}")
+    return same
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", help="model to ask (repeatable; default: llm and epd)")
     parser.add_argument("--question", default="What shapes and colours are in this picture?")
+    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     image = draw_demo_image(ROOT / ".cache" / "demo.png")
-    ports = Ports.free()  # the demo's own server must not collide with a `make serve` already running
-    log = ROOT / ".cache" / "demo-server.log"
-    print(f"[demo] starting tritonserver (log: {log}) ...", flush=True)
+    repo = ROOT / ".cache" / "demo" / "repo"
+    render(load(ROOT / "topologies" / "default.yaml").only(SERVED), repo)
+    log = ROOT / ".cache" / "demo" / "server.log"
+    print(f"[demo] starting tritonserver with llm, encoder, pd, epd (log: {log}) ...", flush=True)
     started = time.monotonic()
-    with TritonServer(ports=ports, log_path=log) as server:
+    answers: dict[str, GenerateResult] = {}
+    # free ports: the demo's own server must not collide with a `make serve` already running
+    with TritonServer(repo, ports=Ports.free(), log_path=log) as server:
         print(f"[demo] server ready in {server.ready_seconds:.1f} s; gRPC {server.grpc_url}", flush=True)
-        code = 0
-        for model in args.model or ["llm", "epd"]:
-            print(f"\n[demo] {model} <- {image.name} + {args.question!r}", flush=True)
-            code |= chat.main(["--url", server.grpc_url, "--model", model, "--image", str(image), args.question])
-    print(f"[demo] server stopped; demo took {time.monotonic() - started:.1f} s")
-    return code
+        print(NOTE)
+        for model in ("llm", "epd"):
+            print(f"\n[demo] {model} <- {image.name} + {args.question!r}\n    ", end="", flush=True)
+            try:
+                answers[model] = ask(server.grpc_url, model, image, args.question, args.max_tokens)
+            except GenerateError as exc:
+                print(f"\n[demo] {model} failed: {exc}", file=sys.stderr)
+    print(f"\n[demo] server stopped; demo took {time.monotonic() - started:.1f} s")
+    if len(answers) < 2:
+        print("[demo] nothing to compare: a model failed (see above and the server log)")
+        return 1
+    return 0 if verdict(answers) else 1
 
 
 if __name__ == "__main__":

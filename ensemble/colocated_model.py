@@ -24,7 +24,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from backend.encoder import model_identity, processing_options
+from backend.checkpoint import model_identity, processing_options
 from backend.generate_model import MetadataOnlyModel, parameter
 from backend.models.prefill import TritonPythonModel as PrefillModel
 from ensemble.epd_model import orchestrate

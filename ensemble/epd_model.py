@@ -8,7 +8,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from backend.encoder import model_identity, processing_options
+from backend.checkpoint import model_identity, processing_options
 from backend.engine import prepare_process
 from backend.generate_model import parameter
 from backend.loop import LoopThread

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backend.encoder import EncodeJob, EncoderService, VisionEncoder, processing_options
+from backend.checkpoint import processing_options
+from backend.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.engine import prepare_process
 from backend.generate_model import parameter
 from backend.layout import content_key

@@ -16,9 +16,9 @@ import tritonclient.http as httpclient
 from backend.counter_batch import CounterBatch
 from backend.topology import StageSpec, load, render
 from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind, metric
-from tests.e2e.test_epd import CASES, GREEDY, ask, img
+from tests.e2e.test_epd import CASES, ask, img
 
 pytestmark = pytest.mark.e2e
 

@@ -199,7 +199,7 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
     server = two_encoder_server
     stubs = _stubs(server, "encoder")
     assert len(stubs) == 2, stubs
-    with_media = [dict(prompt=f"<|vision_start|><|image_pad|><|vision_end|>" * 3 + f"Compare {i}.",
+    with_media = [dict(prompt="<|vision_start|><|image_pad|><|vision_end|>" * 3 + f"Compare {i}.",
                        images=[image_bytes(112, 112, seed=10 * i + k) for k in range(3)]) for i in range(8)]
     text_only = [dict(prompt=f"Count to {i}.") for i in range(3)]
     victim = min(stubs)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.encoder import EncodeJob, EncoderService, VisionEncoder, processing_options
+from backend.checkpoint import processing_options
+from backend.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.layout import LayoutMetadata, TransferHandle
 from backend.media import MediaLimits
 from tests.images import make_image

@@ -39,6 +39,8 @@ def test_one_deployment_alone_with_engine_overrides(tmp_path):
     assert (tmp_path / "repo" / "decode" / json.loads(files["decode/model.json"])["model"]).resolve() == \
         (ROOT / "models" / "tiny-qwen2-vl").resolve()
     assert load(DEFAULT, "cpu").only("baseline").models() == {"llm": "llm"}
+    assert load(DEFAULT, "cpu").only(("baseline", "E+PD")).models() == {"llm": "llm", "encoder": "encoder", "pd": "pd",
+                                                                          "epd": "epd:E+PD"}  # what make demo serves
     with pytest.raises(TopologyError, match="no settings for llm"):
         load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("baseline")
     for name in ("cpu-e-pd-colocated", "cpu-e-p-d-colocated"):  # a colocated deployment has no epd stage to need

@@ -1,0 +1,30 @@
+"""What identifies a checkpoint's embeddings: the model (``model_identity``) and the image processor settings
+(``processing_options``), both parts of an item's content key. Light on purpose (no torch): the orchestrators
+import it at load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """A short fingerprint of a checkpoint (architecture, config and weight files) that producer and
+    consumer compare, so embeddings never cross between different models."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as fh:  # the safetensors header names every tensor with its offsets
+            h.update(fh.read(1 << 16))
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type", "unknown")
+    return f"{model_type}:{h.hexdigest()[:16]}"
+
+
+def processing_options(model_dir: str | Path) -> str:
+    """The image processor settings that change an item's embeddings, as canonical JSON (part of the content key)."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
