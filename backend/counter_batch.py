@@ -1,4 +1,4 @@
-"""Batched counter increments (and gauge values) for the Triton models' custom metrics (no Triton import: unit-tested with fake
+"""Batched counter increments (gauge values, histogram observations) for the Triton models' custom metrics (no Triton import: unit-tested with fake
 metrics). ``backend.triton_io``'s ``RequestMetrics`` and ``EngineMetrics`` add to a ``CounterBatch``; its
 thread hands the sums to Triton."""
 from __future__ import annotations
@@ -25,6 +25,7 @@ class CounterBatch:
     def __init__(self):
         self._pending: dict[int, list] = {}  # id(metric) -> [metric, amount]
         self._gauges: dict[int, list] = {}   # id(gauge) -> [gauge, latest value]
+        self._observations: list[tuple] = []  # (histogram metric, value), in order
         self._lock = threading.Lock()      # guards _pending
         self._flushing = threading.Lock()  # one thread talks to Triton at a time
         self._stop = threading.Event()
@@ -34,10 +35,11 @@ class CounterBatch:
     def add(self, metric, amount: float) -> None:
         self.add_many(((metric, amount),))
 
-    def add_many(self, amounts, gauges=()) -> None:
-        """Increments (``(metric, amount)`` pairs) and gauge values (``(gauge, value)``; the latest before a flush
-        is handed over) of one update, in one flush together and in this order: a reader that sees the last of
-        them moved sees the others too (added one by one, a flush between two of them handed over half an update)."""
+    def add_many(self, amounts, gauges=(), observations=()) -> None:
+        """Increments (``(metric, amount)`` pairs), gauge values (``(gauge, value)``; the latest before a flush
+        is handed over) and histogram observations (``(histogram, value)``, each one handed over) of one update, in
+        one flush together and in this order: a reader that sees the last of them moved sees the others too
+        (added one by one, a flush between two of them handed over half an update)."""
         with self._lock:
             for metric, amount in amounts:
                 if not amount:
@@ -49,12 +51,19 @@ class CounterBatch:
                     entry[1] += amount
             for gauge, value in gauges:
                 self._gauges[id(gauge)] = [gauge, value]
+            self._observations.extend(observations)
+
+    def observe(self, histogram, value: float) -> None:
+        self.add_many((), (), ((histogram, value),))
 
     def flush(self) -> None:
         with self._flushing:
             with self._lock:
                 pending, self._pending = self._pending, {}
                 gauges, self._gauges = self._gauges, {}
+                observations, self._observations = self._observations, []
+            for histogram, value in observations:
+                histogram.observe(value)
             for metric, amount in pending.values():
                 metric.increment(amount)
             for gauge, value in gauges.values():

@@ -31,15 +31,19 @@ from typing import Callable, Protocol
 
 @dataclass
 class Samples:
-    """A sum and a count: Prometheus summary-style, so rates and means come out of two counters."""
+    """A sum and a count (Prometheus summary-style, so rates and means come out of two counters), and the
+    samples themselves (one step's: for histograms)."""
 
     seconds: float = 0.0
     count: int = 0
+    values: list[float] = field(default_factory=list)
 
     def add(self, values) -> None:
         for value in values:
-            self.seconds += max(0.0, float(value))
+            value = max(0.0, float(value))
+            self.seconds += value
             self.count += 1
+            self.values.append(value)
 
 
 @dataclass

@@ -95,7 +95,7 @@ class GenerateModel:
                 continue
             finally:
                 self.metrics.media_decodes(decode_counter.count)
-            request_id, sink = watched_sink(request, sender, self.cancels, tag)
+            request_id, sink = watched_sink(request, sender, self.cancels, tag, self.metrics)
             self.host.submit(self.cancels.tracking(request_id, stream_generation(
                 self.host, parsed, sink, self.metrics, prepare=self.prepare, interval=self.stream_interval)))
         return None

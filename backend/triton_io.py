@@ -144,14 +144,16 @@ class TritonSink:
 
     CANCEL_CHECK_SECONDS = 0.02
 
-    def __init__(self, sender, tag_error_codes: bool = False, cancelled=None):
-        """``cancelled``: another check, asked first (``CancelBoard.watch``: an in-band cancel)."""
+    def __init__(self, sender, tag_error_codes: bool = False, cancelled=None, timer: "RequestMetrics | None" = None):
+        """``cancelled``: another check, asked first (``CancelBoard.watch``: an in-band cancel). ``timer`` is told
+        the time from now (the request read in ``execute``) to its first text and to its final response."""
         self._sender = sender
         self._tag = tag_error_codes
         self._also_cancelled = cancelled
         self._cancelled = False
         self._checked = float("-inf")
         self._completed = False
+        self._timer, self._started, self._first = timer, time.monotonic(), True
 
     def is_cancelled(self) -> bool:
         now = time.monotonic()
@@ -181,6 +183,13 @@ class TritonSink:
         except Exception:
             self.close()
             raise
+        if self._timer is not None:
+            elapsed = time.monotonic() - self._started
+            if self._first and chunk.text_output:
+                self._first = False
+                self._timer.first_text(elapsed)
+            if final:
+                self._timer.final_response(elapsed, chunk.timings)
         self._completed = final
 
     def send_error(self, exc: BaseException) -> None:
@@ -218,11 +227,11 @@ def in_band_cancel(sender, params: dict, board, tag_code: bool) -> bool:
     return True
 
 
-def watched_sink(request, sender, board, tag_code: bool) -> tuple[str, "TritonSink"]:
+def watched_sink(request, sender, board, tag_code: bool, timer: "RequestMetrics | None" = None) -> tuple[str, "TritonSink"]:
     """The request's id and its sink, which also sees in-band cancels of that id (registered on ``board``:
-    the caller ends the registration with ``board.tracking``)."""
+    the caller ends the registration with ``board.tracking``) and reports its latencies to ``timer``."""
     request_id = request.request_id() or ""
-    return request_id, TritonSink(sender, tag_code, board.watch(request_id) if request_id else None)
+    return request_id, TritonSink(sender, tag_code, board.watch(request_id) if request_id else None, timer)
 
 
 def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:
@@ -238,6 +247,11 @@ def metric_labels(model_name: str, instance: str) -> dict[str, str]:
     return {"model": model_name, **({"instance": instance} if instance else {})}
 
 
+# Histogram buckets (seconds) of every latency histogram: 100 us (a GPU handoff) to 60 s (a long CPU request).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class RequestMetrics:
     """``backend.serving.RequestObserver`` as Triton custom metrics on the metrics port (batched:
     ``CounterBatch``, so they lag by up to its ``FLUSH_SECONDS``; ``close`` in ``finalize``).
@@ -249,7 +263,20 @@ class RequestMetrics:
     model (``pd``, ``prefill``) and the time the pulls took.
     ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
+
+    Histograms (``LATENCY_BUCKETS``, seconds), per request, from the request read in ``execute`` (``TritonSink``):
+    ``epd_request_ttft_seconds`` (to its first text) and ``epd_request_duration_seconds`` (to its final response);
+    from the final response's timings: ``epd_encode_duration_seconds`` (the encode phase of a request with media,
+    at an orchestrator) and ``epd_transfer_duration_seconds`` (pulling its embeddings, where that was done or
+    relayed).
     """
+
+    _HISTOGRAMS = {
+        "ttft": ("epd_request_ttft_seconds", "Seconds from a request's arrival at the model to its first text"),
+        "duration": ("epd_request_duration_seconds", "Seconds from a request's arrival at the model to its final response"),
+        "encode": ("epd_encode_duration_seconds", "Seconds a request's media took to encode (orchestrators)"),
+        "transfer": ("epd_transfer_duration_seconds", "Seconds a request's embeddings took to pull"),
+    }
 
     def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
         requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
@@ -264,8 +291,16 @@ class RequestMetrics:
                                       description="Embedding bytes pulled from encoders")
         moving = pb_utils.MetricFamily(name="epd_transfer_seconds_total", kind=pb_utils.MetricFamily.COUNTER,
                                        description="Seconds spent pulling embeddings from encoders")
-        self._families = (requests, tokens, decodes, retries, moved, moving)  # a family must outlive its metrics
         labels = metric_labels(model_name, instance)
+        histogram = pb_utils.MetricFamily.HISTOGRAM
+        self._histograms = {}
+        histogram_families = []
+        for key, (name, text) in self._HISTOGRAMS.items():
+            family = pb_utils.MetricFamily(name=name, kind=histogram, description=text)
+            histogram_families.append(family)
+            self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
+        # a family must outlive its metrics
+        self._families = (requests, tokens, decodes, retries, moved, moving, *histogram_families)
         self._moved, self._moving = moved.Metric(labels=labels), moving.Metric(labels=labels)
         self._retries = {w: retries.Metric(labels={**labels, "what": w}) for w in ("encode", "request")}
         self._requests = {o: requests.Metric(labels={**labels, "outcome": o.value}) for o in Outcome}
@@ -292,6 +327,19 @@ class RequestMetrics:
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
+
+    def first_text(self, seconds: float) -> None:
+        self._batch.observe(self._histograms["ttft"], seconds)
+
+    def final_response(self, seconds: float, timings: dict | None) -> None:
+        """A request's final response, ``seconds`` after it was read, with its timing breakdown (if any)."""
+        observations = [(self._histograms["duration"], seconds)]
+        if timings:
+            if timings.get("items") and timings.get("encode_ms") is not None:
+                observations.append((self._histograms["encode"], timings["encode_ms"] / 1000))
+            if timings.get("transfer_bytes") and timings.get("transfer_ms") is not None:
+                observations.append((self._histograms["transfer"], timings["transfer_ms"] / 1000))
+        self._batch.add_many((), (), observations)
 
     def close(self) -> None:
         """Hand over what is pending (and stop the flusher if it is this object's own)."""
@@ -354,7 +402,8 @@ class EngineMetrics:
     ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
     and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
     rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
-    consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``.
+    consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``; and a
+    histogram of the queue time, ``epd_vllm_queue_duration_seconds`` (``LATENCY_BUCKETS``).
     """
 
     _TIMINGS = {
@@ -382,6 +431,10 @@ class EngineMetrics:
                                       description="Fraction of the engine's KV cache blocks held by requests, as of its last step")
         self._families.append(usage)
         self._kv_usage = usage.Metric(labels=labels)
+        queue = pb_utils.MetricFamily(name="epd_vllm_queue_duration_seconds", kind=pb_utils.MetricFamily.HISTOGRAM,
+                                      description="Seconds finished requests waited in the engine's queue")
+        self._families.append(queue)
+        self._queue = queue.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         self._timings, self._closed = {}, False
         for key, (name, text) in self._TIMINGS.items():
             seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
@@ -399,7 +452,7 @@ class EngineMetrics:
             self._batch.close()
         else:
             self._batch.flush()
-        self._timings, self._prompt, self._generation, self._kv_usage = {}, None, None, None
+        self._timings, self._prompt, self._generation, self._kv_usage, self._queue = {}, None, None, None, None
         self._families = []
 
     def engine_stats(self, delta) -> None:
@@ -410,4 +463,5 @@ class EngineMetrics:
             samples = getattr(delta, key)
             amounts += [(seconds, samples.seconds), (count, samples.count)]
         gauges = () if delta.kv_cache_usage is None else ((self._kv_usage, delta.kv_cache_usage),)
-        self._batch.add_many(amounts, gauges)  # one step's figures in one flush
+        observations = [(self._queue, value) for value in delta.queue.values]
+        self._batch.add_many(amounts, gauges, observations)  # one step's figures in one flush

@@ -53,7 +53,7 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: 
         except Exception as exc:
             send_error(sender, exc, tag)
             continue
-        request_id, sink = watched_sink(request, sender, cancels, tag)
+        request_id, sink = watched_sink(request, sender, cancels, tag, metrics)
         submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, metadata_only, encode)))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import time
+import urllib.request
 
 import pytest
 import tritonclient.http as httpclient
@@ -213,6 +214,58 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
     prefill = moved["prefill"]  # prefill runs each request for one token
     assert prefill["prompt_tokens_total"] == via_pd_decode.num_input_tokens
     assert prefill["generation_tokens_total"] == 1 and prefill["time_per_output_token_count_total"] == 0
+
+
+HISTOGRAMS = ("epd_request_ttft_seconds", "epd_request_duration_seconds", "epd_encode_duration_seconds",
+              "epd_transfer_duration_seconds", "epd_vllm_queue_duration_seconds")
+
+
+def _histograms(server) -> dict[tuple[str, str, str], float]:
+    """(series, model, le) -> value over every model's instances, ``le`` empty for _sum and _count: one scrape."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    out: dict[tuple[str, str, str], float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if not name.startswith(HISTOGRAMS):
+            continue
+        labels = dict(part.split("=", 1) for part in line.split("{", 1)[1].rsplit("}", 1)[0].split(","))
+        key = (name, labels["model"].strip('"'), labels.get("le", "").strip('"'))
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_latency_histograms_as_clients_see_them(server):
+    """Prometheus histograms (Triton 2.51's Python-backend HISTOGRAM kind): one TTFT and one end-to-end sample per
+    request at llm, epd and epd_disagg, within what the client measured; encode and transfer samples equal to the
+    request's own timings; vLLM's queue time as the summary counter has it; cumulative buckets up to +Inf."""
+    time.sleep(2 * CounterBatch.FLUSH_SECONDS)
+    before = _histograms(server)
+    vllm_before = metrics(server, ["epd_vllm_queue_time_seconds_total"], model="llm")["epd_vllm_queue_time_seconds_total"]
+    results = {model: ask(server, model, **CASES["one_image_landscape"]) for model in ("llm", "epd", "epd_disagg")}
+    moved = lambda h: {k: v - before.get(k, 0.0) for k, v in h.items()}
+    delta = moved(_wait_for(lambda: _histograms(server), lambda h: all(
+        moved(h).get(("epd_request_duration_seconds_count", m, ""), 0) >= 1 for m in results)
+        and moved(h).get(("epd_vllm_queue_duration_seconds_count", "llm", ""), 0) >= 1))
+    for model, result in results.items():
+        for name, bound in (("epd_request_ttft_seconds", result.ttft), ("epd_request_duration_seconds", result.total)):
+            assert delta[(f"{name}_count", model, "")] == 1, (name, model)
+            assert 0 < delta[(f"{name}_sum", model, "")] <= bound, (name, model, bound)
+            assert delta[(f"{name}_bucket", model, "+Inf")] == 1
+            buckets = sorted((float(le), value) for (series, m, le), value in delta.items()
+                             if series == f"{name}_bucket" and m == model and le != "+Inf")
+            assert [v for _, v in buckets] == sorted(v for _, v in buckets) and buckets[-1][1] == 1  # cumulative
+            first = next(le for le, value in buckets if value == 1)
+            assert delta[(f"{name}_sum", model, "")] <= first  # the sample is in the first bucket that counts it
+    for model in ("epd", "epd_disagg"):
+        timings = results[model].timings
+        assert delta[("epd_encode_duration_seconds_count", model, "")] == 1
+        assert abs(delta[("epd_encode_duration_seconds_sum", model, "")] - timings["encode_ms"] / 1000) < 1e-6
+        assert abs(delta[("epd_transfer_duration_seconds_sum", model, "")] - timings["transfer_ms"] / 1000) < 1e-6
+    assert delta[("epd_transfer_duration_seconds_count", "pd", "")] == 1  # pd pulled epd's item
+    assert delta.get(("epd_encode_duration_seconds_count", "llm", ""), 0) == 0  # llm has no encoder stage
+    vllm_moved = metrics(server, ["epd_vllm_queue_time_seconds_total"], model="llm")["epd_vllm_queue_time_seconds_total"] - vllm_before
+    assert delta[("epd_vllm_queue_duration_seconds_count", "llm", "")] == 1
+    assert abs(delta[("epd_vllm_queue_duration_seconds_sum", "llm", "")] - vllm_moved) < 1e-6
 
 
 def test_pd_is_metadata_only(server):

@@ -100,3 +100,25 @@ def test_an_update_is_handed_over_whole_and_in_order():
     batch.add_many([(tokens, 44), (count, 0), (count, 1)], [(gauge, 0.5)])
     batch.flush()
     assert order == [("tokens", 44), ("count", 1), ("gauge", "set", 0.5)]
+
+
+class FakeHistogram:
+    def __init__(self, log):
+        self.log = log
+
+    def observe(self, value):
+        self.log.append(("observe", value))
+
+
+def test_observations_are_each_handed_over_before_the_increments_of_their_update():
+    log: list = []
+    histogram, counter = FakeHistogram(log), FakeMetric()
+    counter.increment = lambda amount: log.append(("increment", amount))
+    batch = CounterBatch()
+    try:
+        batch.add_many(((counter, 1),), (), ((histogram, 0.25), (histogram, 0.5)))
+        batch.observe(histogram, 2.0)
+        batch.flush()
+        assert log == [("observe", 0.25), ("observe", 0.5), ("observe", 2.0), ("increment", 1)]
+    finally:
+        batch.close()
