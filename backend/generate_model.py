@@ -130,8 +130,12 @@ class MetadataOnlyModel(GenerateModel):
         if self.PULL_EMBEDDINGS:
             from backend.transfer.consumer import EmbeddingConsumer
 
+            from backend.transfer.announce import ProducerWatcher, directory
+
             self.consumer = EmbeddingConsumer(role=self.name)
             self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user
+            # connect to this server's encoders ahead of the first pull, on the pulls' thread
+            self.producers = ProducerWatcher(directory(), lambda handle: self.pulls.submit(self.consumer.warm, handle))
 
     def make_resolver(self):
         from backend.checkpoint import model_identity
@@ -199,5 +203,6 @@ class MetadataOnlyModel(GenerateModel):
     def finalize(self):
         super().finalize()
         if self.PULL_EMBEDDINGS:
+            self.producers.close()
             self.pulls.shutdown(wait=True)
             self.consumer.close()  # sends the releases still queued

@@ -249,8 +249,11 @@ class TritonServer:
         # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.
-        # The same for the in-band cancel boards of its models (backend.cancel_board), which unload removes.
-        boards = [p.name for p in Path("/dev/shm").glob(f"epd-cancel-{self.server_pid or self.proc.pid}-*")]
+        # The same for the in-band cancel boards of its models (backend.cancel_board) and its encoders'
+        # announcements (backend.transfer.announce), which unload removes.
+        server = self.server_pid or self.proc.pid
+        boards = [p.name for pattern in (f"epd-cancel-{server}-*", f"epd-producers-{server}")
+                  for p in Path("/dev/shm").glob(pattern)]
         self.leftover_shm = sorted([name for name in regions if os.path.exists(f"/dev/shm/{name}")] + boards)
         for name in self.leftover_shm:
             if name in boards:

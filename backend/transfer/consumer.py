@@ -80,6 +80,27 @@ class EmbeddingConsumer:
         self.bytes_pulled = 0
         self.items_pulled = 0
 
+    def warm(self, handle) -> None:
+        """Connect to a producer before any pull from it (``handle``: its pool's, ``EmbeddingPool.pool_handle``):
+        add its agent, map its pool (or open its VRAM pool) where a pull on this host will copy from it, and
+        start the release thread, so that the first pull costs what later ones do. Never raises (the first
+        pull connects if this did not). Call it where pulls run (not thread-safe)."""
+        try:
+            self._peer(handle)
+            if self.same_host_copy and handle.host == self.host:
+                if handle.ipc_handle and self._use_ipc:
+                    self._ipc_view(handle)
+                    self._tag_table(handle)
+                elif handle.shm_path and (pool := self._pool_view(handle)) is not None and pool.numel() >= 2 * HEADER:
+                    # the ops of a pull (``_copy_same_host``, ``pull_image_embeds``) once: their first call
+                    # costs more than a whole later pull
+                    part = pool[:HEADER].clone()
+                    torch.cat([part.view(torch.int64), part.view(torch.int64)])
+                    torch.tensor([[1, 2, 2]], dtype=torch.int64)
+            self._start_release_thread()
+        except Exception as exc:  # noqa: BLE001 - an optimisation only
+            log.warning("could not connect ahead to embedding producer %s: %s", handle.agent_name, exc)
+
     def pull(self, layout: LayoutMetadata) -> torch.Tensor:
         return self.pull_many([layout])[0]
 
@@ -208,11 +229,14 @@ class EmbeddingConsumer:
     def _notify(self, peer: str, lease_ids: str) -> None:
         """Queue ``release:<ids>`` for ``peer``. The data is already here: a notification that fails only
         leaves the leases to expire at the producer (logged; the peer is reconnected on the next pull)."""
+        self._start_release_thread()
+        self._releases.put((peer, lease_ids))
+
+    def _start_release_thread(self) -> None:
         if self._release_thread is None:
             self._release_thread = threading.Thread(target=self._send_releases, name="embedding-releases",
                                                     daemon=True)
             self._release_thread.start()
-        self._releases.put((peer, lease_ids))
 
     def _send_releases(self) -> None:
         """The release thread: releases queued within ``RELEASE_BATCH_SECONDS`` of each other go out as one

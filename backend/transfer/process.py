@@ -1,5 +1,5 @@
 """A real EmbeddingPool in a child process, driven over a pipe: the producer side of the component
-tests and of the transfer benchmark (clients/bench_transfer.py). Commands: ("publish", tensor) -> handle doc; ("state", lease_id); ("release",
+tests and of the transfer benchmark (clients/bench_transfer.py). Commands: ("publish", tensor) -> handle doc; ("pool_handle",) -> the pool's handle doc; ("state", lease_id); ("release",
 lease_id); ("corrupt", lease_id); ("stats",); ("cpu",) -> process CPU seconds; ("stop",)."""
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def _serve(conn, pool_bytes: int, lease_seconds: float, alloc_timeout: float, de
                     nbytes = int(pool.buffer[lease.offset + 8: lease.offset + 16].view(torch.int64)[0])
                     pool.buffer[lease.offset + HEADER: lease.offset + HEADER + nbytes].bitwise_xor_(0x5A)
                     conn.send(("ok", None))
+                elif cmd == "pool_handle":
+                    conn.send(("ok", pool.pool_handle().to_doc()))
                 elif cmd == "stats":
                     conn.send(("ok", pool.stats()))
                 elif cmd == "cpu":

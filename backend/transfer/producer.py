@@ -156,6 +156,14 @@ class EmbeddingPool:
                               ipc_handle=self.ipc_handle, pid=os.getpid(), pool_bytes=self.buffer.numel(),
                               tag_table=self.tag_table, tag_slot=max(lease.slot, 0))
 
+    def pool_handle(self) -> TransferHandle:
+        """The pool itself, no lease (no descriptors, nothing to read): what ``backend.transfer.announce`` tells
+        consumers on this host, so they connect to it before their first pull."""
+        return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=b"",
+                              lease_id="", nbytes=0, expires_at=0.0, host=self.host, shm_path=self.shm_path,
+                              ipc_handle=self.ipc_handle, pid=os.getpid(), pool_bytes=self.buffer.numel(),
+                              tag_table=self.tag_table)
+
     def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
         """End a lease (idempotent). Returns False if it was not open."""
         with self._cond:

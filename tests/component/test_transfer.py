@@ -170,3 +170,31 @@ def test_idle_agents_do_not_spin(consumer):
         time.sleep(2.0)
         used = producer.call("cpu") - before
         assert used < 0.2, f"idle producer used {used / 2.0:.0%} of a core"  # a spinning agent uses ~100%
+
+
+def test_warm_connects_ahead_so_the_first_pull_adds_no_peer_and_maps_nothing():
+    """``EmbeddingConsumer.warm`` with the pool's announced handle (``backend.transfer.announce``): the first pull
+    then finds the producer's agent added and its pool mapped, and returns the right bytes."""
+    from backend.layout import TransferHandle
+
+    tensor = torch.randn(24, 64)
+    with ProducerProcess() as producer:
+        consumer = EmbeddingConsumer()
+        try:
+            pool = TransferHandle.from_doc(producer.call("pool_handle"), "announcement")
+            assert pool.lease_id == "" and pool.nbytes == 0 and pool.shm_path
+            consumer.warm(pool)
+            assert pool.agent_name in consumer._peers and (pool.agent_name, "pool") in consumer._maps
+            added = []
+            consumer.agent.add_remote_agent = lambda metadata: added.append(metadata)  # must not be needed now
+            mapped = dict(consumer._maps)
+            layout = make_layout(producer.call("publish", tensor), tensor)
+            assert torch.equal(consumer.pull(layout), tensor)
+            assert added == [] and consumer._maps == mapped and consumer.paths["shared_memory"] == 1
+            assert producer.wait_state(layout.handle.lease_id, None) is None  # released as usual
+        finally:
+            consumer.close()
+        dead = EmbeddingConsumer()
+        dead.warm(TransferHandle.from_doc({**producer.call("pool_handle"), "agent_metadata": "AAAA"}, "x"))  # bad: logged
+        assert dead._peers == {}
+        dead.close()
