@@ -78,7 +78,7 @@ def recipe_fingerprint() -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
-def _build_tokenizer(out: Path):
+def _build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,7 +92,7 @@ def _build_tokenizer(out: Path):
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, model_max_length=4096, chat_template=CHAT_TEMPLATE,
+        unk_token=None, model_max_length=4096, chat_template=chat_template,
     )
     fast.save_pretrained(out)
     return fast
@@ -108,6 +108,24 @@ def _config_dict(vocab_size: int) -> dict:
         "vision": dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2,
                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
     }
+
+
+def _reinit(model, seed: int = SEED) -> None:
+    """Matrices std 1/sqrt(fan_in), token embeddings std 1, biases 0 (see the module docstring). Tied embeddings
+    (the output layer is the embedding matrix) get std 1/sqrt(hidden) instead: at std 1 each token's own
+    embedding dominates its logits and the model repeats its last prompt token whatever the image."""
+    import torch
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                embedding = "embed_tokens" in name
+                std = (1.0 / math.sqrt(param.shape[1]) if tied else 1.0) if embedding else 1.0 / math.sqrt(param[0].numel())
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                param.zero_()
 
 
 def _build_model(out: Path, tokenizer) -> None:
@@ -127,14 +145,7 @@ def _build_model(out: Path, tokenizer) -> None:
     )
     torch.manual_seed(SEED)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.dim() >= 2:
-                std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(param[0].numel())
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-            elif name.endswith("bias"):
-                param.zero_()
+    _reinit(model)
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
 
@@ -170,12 +181,99 @@ def build(out: Path, force: bool = False) -> bool:
     return True
 
 
+# -- a checkpoint shaped like a real one ------------------------------------------------------------
+# The special tokens' ids in Qwen2-VL / Qwen2.5-VL checkpoints (their config and generation config name them).
+QWEN_SPECIAL_IDS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>", 151652: "<|vision_start|>",
+                    151653: "<|vision_end|>", 151654: "<|vision_pad|>", 151655: "<|image_pad|>", 151656: "<|video_pad|>"}
+LIKE_RECIPE = 2  # bump when build_like makes other weights or files
+LIKE_FILES = ("config.json", "preprocessor_config.json", "generation_config.json", "chat_template.json")
+
+
+def _remap_ids(doc, ids: dict[int, int]):
+    """``doc`` with every ``*_token_id`` field (an int or a list, at any depth) mapped through ``ids``."""
+    if not isinstance(doc, dict):
+        return doc
+    out = {}
+    for key, value in doc.items():
+        if key.endswith("token_id"):
+            value = [ids.get(v, v) for v in value] if isinstance(value, list) else ids.get(value, value)
+        out[key] = _remap_ids(value, ids)
+    return out
+
+
+def shaped_config(real: dict, vocab_size: int, ids: dict[int, int], layers: int, vision_layers: int) -> dict:
+    """A real checkpoint's config.json, kept as it is (field names, rope scaling, window sizes, tied embeddings,
+    dtype) but for: ``layers`` language-model layers, ``vision_layers`` tower blocks (Qwen2.5-VL: windowed
+    attention in all but the last, which attends fully), and the tokenizer's vocabulary size and special ids."""
+    doc = _remap_ids(json.loads(json.dumps(real)), ids)
+    doc.update(num_hidden_layers=layers, vocab_size=vocab_size)
+    if "max_window_layers" in doc:
+        doc["max_window_layers"] = min(doc["max_window_layers"], layers)
+    vision = doc["vision_config"]
+    vision["depth"] = vision_layers
+    if "fullatt_block_indexes" in vision:
+        vision["fullatt_block_indexes"] = [vision_layers - 1]
+    return doc
+
+
+def build_like(source: Path, out: Path, layers: int = 2, vision_layers: int = 2, force: bool = False) -> bool:
+    """Build at ``out`` a random-weight checkpoint shaped like the real one whose files are in ``source``
+    (``LIKE_FILES``: its config, image processor, generation config and chat template; ``shaped_config`` says
+    what changes), with this module's tokenizer. Returns False when an identical one already exists."""
+    import torch
+    import transformers
+
+    source, out = Path(source), Path(out)
+    texts = {name: (source / name).read_text() for name in LIKE_FILES if (source / name).exists()}
+    fingerprint = hashlib.sha256(json.dumps({"recipe": recipe_fingerprint(), "like": LIKE_RECIPE, "files": texts, "layers": layers,
+                                             "vision_layers": vision_layers}, sort_keys=True).encode()).hexdigest()[:16]
+    info = out / "BUILD_INFO.json"
+    if not force and info.exists() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".like-model-", dir=out.parent))
+    try:
+        template = json.loads(texts["chat_template.json"])["chat_template"] if "chat_template.json" in texts else CHAT_TEMPLATE
+        tokenizer = _build_tokenizer(tmp, template)
+        ids = {real: tokenizer.convert_tokens_to_ids(token) for real, token in QWEN_SPECIAL_IDS.items()}
+        config_doc = shaped_config(json.loads(texts["config.json"]), len(tokenizer), ids, layers, vision_layers)
+        (tmp / "config.json").write_text(json.dumps(config_doc, indent=2))
+        config = transformers.AutoConfig.from_pretrained(tmp)  # the real file's format, read as loaders read it
+        torch.manual_seed(SEED)
+        model = getattr(transformers, config_doc["architectures"][0])(config).to(torch.float32)
+        _reinit(model)
+        model.save_pretrained(tmp, safe_serialization=True)
+        # save_pretrained rewrote them in this transformers' format: the real files' format, as a user has it
+        (tmp / "config.json").write_text(json.dumps(config_doc, indent=2))
+        for name in ("preprocessor_config.json", "generation_config.json", "chat_template.json"):
+            if name in texts:
+                doc = json.loads(texts[name])
+                (tmp / name).write_text(json.dumps(_remap_ids(doc, ids), indent=2))
+        processor = json.loads(texts["preprocessor_config.json"]).get("processor_class", "Qwen2VLProcessor")
+        (tmp / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+        (tmp / "BUILD_INFO.json").write_text(json.dumps({"fingerprint": fingerprint, "like": str(source),
+                                                         "layers": layers, "vision_layers": vision_layers}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models/tiny-qwen2-vl"))
+    parser.add_argument("--like", type=Path, help="a folder with a real checkpoint's config.json (and processor, "
+                                                  "generation config, chat template): build one shaped like it")
+    parser.add_argument("--layers", type=int, default=2, help="--like: language-model layers")
+    parser.add_argument("--vision-layers", type=int, default=2, help="--like: vision tower blocks")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)
-    built = build(args.out, force=args.force)
+    if args.like:
+        built = build_like(args.like, args.out, args.layers, args.vision_layers, force=args.force)
+    else:
+        built = build(args.out, force=args.force)
     print(f"{'built' if built else 'up to date'}: {args.out}")
     return 0
 

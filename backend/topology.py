@@ -163,8 +163,12 @@ def _check_keys(doc: dict, allowed: set[str], where: str) -> None:
         raise TopologyError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
 
 
-def load(path: Path, machine: str | None = None) -> Topology:
-    path = Path(path)
+def load(path: Path, machine: str | None = None, checkpoint: Path | None = None) -> Topology:
+    """The topology in ``path`` for a ``machine`` kind (default: this one's); ``checkpoint``: a checkpoint directory
+    that replaces the file's (which must then exist and hold a config.json)."""
+    path, override = Path(path), checkpoint
+    if override is not None and not (Path(override) / "config.json").is_file():
+        raise TopologyError(f"checkpoint {override}: not a checkpoint directory (no config.json)")
     try:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -208,7 +212,8 @@ def load(path: Path, machine: str | None = None) -> Topology:
     interval = doc.get("stream_interval_ms", 0)
     if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
         raise TopologyError(f"{path}: stream_interval_ms: expected a number >= 0, got {interval!r}")
-    return Topology(name=str(doc.get("name") or path.stem), checkpoint=(path.parent / checkpoint),
+    return Topology(name=str(doc.get("name") or path.stem),
+                    checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                     transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval))
 
@@ -330,7 +335,11 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
             "dims: [ 1 ] optional: true", "dims: [ 1 ]").replace("\n]", ',\n  { name: "content_key" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n]')
         body += _io("output", [("layout", "TYPE_STRING", 1)]) + "\n" + _instances(spec) + "\n"
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
-        return header + body + _params({"model": checkpoint, **transfer, **limits})
+        # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
+        # computes in float32, and embeddings of another dtype would change the tokens)
+        dtype = topology.engine_args.get("dtype")
+        engine_dtype = {"encoder_dtype": dtype} if isinstance(dtype, str) and dtype != "auto" else {}
+        return header + body + _params({"model": checkpoint, **engine_dtype, **transfer, **limits})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind in COLOCATED_KINDS.values():
         mode = kind.split(":")[1]
@@ -414,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("topology", type=Path)
     parser.add_argument("--out", type=Path, help="model repository to write (render)")
     parser.add_argument("--machine", choices=("cpu", "gpu"), help="the machine kind it is for (default: this one)")
+    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory instead of the topology's")
     args = parser.parse_args(argv)
     try:
-        topology = load(args.topology, args.machine)
+        topology = load(args.topology, args.machine, args.checkpoint)
     except TopologyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

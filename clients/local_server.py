@@ -280,12 +280,35 @@ class TritonServer:
         self.stop()
 
 
+def render_topology(topology: Path, checkpoint: Path | None = None) -> Path:
+    """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``."""
+    from backend.topology import load, render
+
+    served = load(topology, checkpoint=checkpoint)
+    out = ROOT / ".cache" / "repositories" / served.name
+    render(served, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run tritonserver in the foreground on 127.0.0.1.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--topology", type=Path, help="render this topology and serve it (instead of --model-repository)")
+    parser.add_argument("--checkpoint", type=Path, help="with --topology: serve this checkpoint directory")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
-    cmd = command(args.model_repository.resolve(), Ports.from_env(), args.extra)
+    if args.checkpoint and not args.topology:
+        parser.error("--checkpoint goes with --topology")
+    repository = args.model_repository.resolve()
+    if args.topology:
+        from backend.topology import TopologyError
+
+        try:
+            repository = render_topology(args.topology, args.checkpoint)
+        except TopologyError as exc:
+            parser.exit(2, f"error: {exc}\n")
+        print(f"rendered {args.topology} into {repository}", flush=True)
+    cmd = command(repository, Ports.from_env(), args.extra)
     os.execve(cmd[0], cmd, server_env())
 
 
