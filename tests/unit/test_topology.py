@@ -181,3 +181,23 @@ def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragme
     with pytest.raises(TopologyError) as info:
         load(_write(tmp_path, doc), "cpu")
     assert fragment in str(info.value)
+
+
+def test_checkpoint_topologies_render_for_a_checkpoint_directory(tmp_path):
+    checkpoint = tmp_path / "Qwen2-VL-2B-Instruct"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    gpu = load(ROOT / "topologies" / "checkpoint-gpu.yaml", "gpu", checkpoint)
+    assert gpu.checkpoint == checkpoint.resolve() and gpu.models() == {"llm": "llm", "encoder": "encoder", "pd": "pd",
+                                                                       "epd": "epd:E+PD"}
+    files = render_files(gpu, tmp_path / "repo")
+    args = json.loads(files["pd/model.json"])
+    assert (tmp_path / "repo" / "pd" / args["model"]).resolve() == checkpoint.resolve()
+    assert args["kv_cache_memory_bytes"] is None and args["dtype"] == "bfloat16" and "distributed_executor_backend" not in args
+    assert "kind: KIND_GPU gpus: [ 0 ]" in files["encoder/config.pbtxt"]
+    assert 'key: "encoder_dtype" value: { string_value: "bfloat16" }' in files["encoder/config.pbtxt"]
+    cpu = render_files(load(ROOT / "topologies" / "checkpoint-cpu.yaml", "cpu", checkpoint), tmp_path / "repo")
+    assert json.loads(cpu["llm/model.json"])["max_model_len"] == 16384
+    assert 'key: "encoder_dtype" value: { string_value: "float32" }' in cpu["encoder/config.pbtxt"]
+    with pytest.raises(TopologyError, match="not a checkpoint directory"):
+        load(ROOT / "topologies" / "checkpoint-cpu.yaml", "cpu", tmp_path / "missing")
