@@ -128,9 +128,8 @@ class MetadataOnlyModel(GenerateModel):
     def initialize(self, args):
         super().initialize(args)
         if self.PULL_EMBEDDINGS:
-            from backend.transfer.consumer import EmbeddingConsumer
-
             from backend.transfer.announce import ProducerWatcher, directory
+            from backend.transfer.consumer import EmbeddingConsumer
 
             self.consumer = EmbeddingConsumer(role=self.name)
             self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user

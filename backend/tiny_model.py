@@ -8,6 +8,9 @@ token embeddings with std 1, which makes different images give different tokens.
 
 CLI: ``python -m backend.tiny_model --out models/tiny-qwen2-vl``. The output directory
 holds a ``BUILD_INFO.json`` fingerprint; a second run with the same recipe is a no-op.
+
+``--like DIR`` (``build_like``) builds instead a checkpoint shaped like a real one from its published files
+(config, image processor, generation config, chat template: tests/data/checkpoints), with fewer layers.
 """
 from __future__ import annotations
 
@@ -160,25 +163,35 @@ def _build_processor(out: Path) -> None:
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
 
 
-def build(out: Path, force: bool = False) -> bool:
-    """Build the checkpoint at ``out``. Returns False when an identical one already exists."""
-    fingerprint = recipe_fingerprint()
+def _build_once(out: Path, fingerprint: str, make, force: bool = False) -> bool:
+    """``make(tmp) -> info`` builds a checkpoint into a temporary folder beside ``out``, which then replaces
+    ``out`` with ``BUILD_INFO.json`` (``info`` and the fingerprint). False: ``out`` has this fingerprint already."""
+    out = Path(out)
     info = out / "BUILD_INFO.json"
     if not force and info.exists() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".build-model-", dir=out.parent))
     try:
-        tokenizer = _build_tokenizer(tmp)
-        _build_model(tmp, tokenizer)
-        _build_processor(tmp)
-        (tmp / "BUILD_INFO.json").write_text(json.dumps({"fingerprint": fingerprint, "seed": SEED}))
+        details = make(tmp)
+        (tmp / "BUILD_INFO.json").write_text(json.dumps({"fingerprint": fingerprint, **details}))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
+
+
+def build(out: Path, force: bool = False) -> bool:
+    """Build the checkpoint at ``out``. Returns False when an identical one already exists."""
+    def make(tmp: Path) -> dict:
+        tokenizer = _build_tokenizer(tmp)
+        _build_model(tmp, tokenizer)
+        _build_processor(tmp)
+        return {"seed": SEED}
+
+    return _build_once(out, recipe_fingerprint(), make, force)
 
 
 # -- a checkpoint shaped like a real one ------------------------------------------------------------
@@ -223,16 +236,13 @@ def build_like(source: Path, out: Path, layers: int = 2, vision_layers: int = 2,
     import torch
     import transformers
 
-    source, out = Path(source), Path(out)
+    source = Path(source)
     texts = {name: (source / name).read_text() for name in LIKE_FILES if (source / name).exists()}
-    fingerprint = hashlib.sha256(json.dumps({"recipe": recipe_fingerprint(), "like": LIKE_RECIPE, "files": texts, "layers": layers,
-                                             "vision_layers": vision_layers}, sort_keys=True).encode()).hexdigest()[:16]
-    info = out / "BUILD_INFO.json"
-    if not force and info.exists() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
-        return False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".like-model-", dir=out.parent))
-    try:
+    fingerprint = hashlib.sha256(json.dumps({"recipe": recipe_fingerprint(), "like": LIKE_RECIPE, "files": texts,
+                                             "layers": layers, "vision_layers": vision_layers},
+                                            sort_keys=True).encode()).hexdigest()[:16]
+
+    def make(tmp: Path) -> dict:
         template = json.loads(texts["chat_template.json"])["chat_template"] if "chat_template.json" in texts else CHAT_TEMPLATE
         tokenizer = _build_tokenizer(tmp, template)
         ids = {real: tokenizer.convert_tokens_to_ids(token) for real, token in QWEN_SPECIAL_IDS.items()}
@@ -247,18 +257,12 @@ def build_like(source: Path, out: Path, layers: int = 2, vision_layers: int = 2,
         (tmp / "config.json").write_text(json.dumps(config_doc, indent=2))
         for name in ("preprocessor_config.json", "generation_config.json", "chat_template.json"):
             if name in texts:
-                doc = json.loads(texts[name])
-                (tmp / name).write_text(json.dumps(_remap_ids(doc, ids), indent=2))
+                (tmp / name).write_text(json.dumps(_remap_ids(json.loads(texts[name]), ids), indent=2))
         processor = json.loads(texts["preprocessor_config.json"]).get("processor_class", "Qwen2VLProcessor")
         (tmp / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
-        (tmp / "BUILD_INFO.json").write_text(json.dumps({"fingerprint": fingerprint, "like": str(source),
-                                                         "layers": layers, "vision_layers": vision_layers}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return True
+        return {"like": str(source), "layers": layers, "vision_layers": vision_layers}
+
+    return _build_once(out, fingerprint, make, force)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,10 @@ import triton_python_backend_utils as pb_utils
 from backend.checkpoint import model_identity, processing_options
 from backend.generate_model import MetadataOnlyModel, parameter
 from backend.models.prefill import TritonPythonModel as PrefillModel
+from backend.server_address import EndpointError
 from ensemble.epd_model import orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
-from backend.server_address import EndpointError
 from ensemble.triton_stages import BlsEncoders, TritonStages, stage_urls
 
 

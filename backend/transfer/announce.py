@@ -100,6 +100,8 @@ class ProducerWatcher:
             self._seen[path.name] = inode
             if _alive(handle.pid):
                 self.on_new(handle)
+            else:  # a producer killed before it could withdraw: nobody else will remove its file
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._stop.set()

@@ -47,13 +47,13 @@ def test_a_dead_producer_is_neither_handed_over_nor_left_behind(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     announce(handle("encoder-dead", dead.pid), where)
+    live = announce(handle("encoder-live", os.getpid()), where)
+    assert sorted(p.name for p in where.iterdir()) == ["encoder-live.json"]  # announcing removed the dead one's
+    announce(handle("encoder-dead", dead.pid), where)
     seen: list[TransferHandle] = []
     watcher = ProducerWatcher(where, seen.append, interval=0.02)
     try:
-        time.sleep(0.2)
-        assert seen == []
-        live = announce(handle("encoder-live", os.getpid()), where)
-        assert sorted(p.name for p in where.iterdir()) == ["encoder-live.json"]  # the dead one's is gone
+        assert wait_for(lambda: not (where / "encoder-dead.json").exists())  # and so does a watcher
         assert wait_for(lambda: [h.agent_name for h in seen] == ["encoder-live"])
     finally:
         watcher.close()
