@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
-from backend.errors import InvalidInput, Unavailable
+from backend.protocol.errors import InvalidInput, Unavailable
 from backend.loop import LoopThread
 from backend.request import GenerateRequest
 

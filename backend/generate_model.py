@@ -18,7 +18,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from backend.engine import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.media import MediaLimits, decode_counter
 from backend.request import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.serving import stream_generation

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 
 # Leading bytes of the formats PIL is asked to open; anything else is tried as base64.
 _MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.media import MediaLimits, decode_image
 
 

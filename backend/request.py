@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.layout import LayoutMetadata
 from backend.media import MediaLimits, decode_image, load_image_url, read_image_url
 from backend.sampling import parse_sampling_parameters

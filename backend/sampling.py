@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any, Callable
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 
 FIELD = "sampling_parameters"
 

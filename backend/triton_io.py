@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.cancel_board import CANCEL_PARAMETER
 from backend.counter_batch import CounterBatch
-from backend.errors import Cancelled, ErrorCode, EpdError, InvalidInput, Unavailable, error_code, Overloaded
+from backend.protocol.errors import ErrorCode, EpdError, InvalidInput, decode, encode, error_code
 from backend.request import RawGenerateInputs
 from backend.serving import Outcome, ResponseChunk
 
@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 # Triton 2.51 turns every error of a BLS response into INTERNAL, and its gRPC stream errors carry no code.
-# Orchestrators therefore ask their stages (request parameter ERROR_CODES_PARAMETER) to put the code in
-# front of the message: "[UNAVAILABLE] ...".
+# Orchestrators therefore ask their stages (request parameter ERROR_CODES_PARAMETER) for the error envelope
+# (backend.protocol.errors: "[UNAVAILABLE] ..." and a details line); clients may ask for it too.
 ERROR_CODES_PARAMETER = "epd_error_codes"
 
 
@@ -42,34 +42,20 @@ def wants_error_codes(request) -> bool:
     return bool(request_parameters(request).get(ERROR_CODES_PARAMETER))
 
 
-def from_triton_error(error) -> EpdError:
+def from_triton_error(error, stage: str = "") -> EpdError:
     """A stage's error (a BLS response's TritonError or a gRPC InferenceServerException: both have
-    ``message()``) as a domain error with the same code and message."""
-    message = error.message()
-    kind = ErrorCode.INTERNAL
-    if message.startswith("["):
-        tag, _, rest = message[1:].partition("] ")
-        if tag in ErrorCode.__members__:
-            kind, message = ErrorCode[tag], rest
-    if kind is ErrorCode.INVALID_ARG:
-        field, _, problem = message.partition(": ")
-        return InvalidInput(field, problem) if problem else InvalidInput("request", message)
-    if kind is ErrorCode.UNAVAILABLE:
-        return Overloaded(message) if message.startswith(Overloaded.PREFIX) else Unavailable(message)
-    if kind is ErrorCode.CANCELLED:
-        return Cancelled(message)
-    return EpdError(message)
+    ``message()``) as the domain error its envelope describes (``backend.protocol.errors.decode``)."""
+    return decode(error.message(), stage)
 
 
 def to_triton_error(exc: BaseException, tag_code: bool = False):
+    """``exc`` as a TritonError of its code; ``tag_code``: the message is the error envelope."""
     code = error_code(exc)
     message = str(exc) if isinstance(exc, EpdError) else f"internal error: {type(exc).__name__}: {exc}"
-    if tag_code:
-        message = f"[{code.value}] {message}"
     if code is ErrorCode.INTERNAL:
         log.error("request failed: %s", message, exc_info=exc)
     # Looked up per call: the stub adds TritonError to pb_utils after importing model.py.
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value))
+    return pb_utils.TritonError(encode(exc) if tag_code else message, getattr(pb_utils.TritonError, code.value))
 
 
 def _array(request, name: str):

@@ -14,7 +14,7 @@ from backend.generate_model import parameter
 from backend.loop import LoopThread
 from backend.media import MediaLimits
 from backend.request import RequestLimits
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.cancel_board import CancelBoard
 from backend.triton_io import (ERROR_CODES_PARAMETER, RequestMetrics, in_band_cancel, read_generate_inputs,
                                request_parameters, send_error, watched_sink)

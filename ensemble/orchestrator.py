@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
-from backend.errors import InvalidInput, Overloaded, Unavailable
+from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.layout import content_key
 from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
@@ -208,11 +208,11 @@ class Orchestrator:
             except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
                 raise InvalidInput(item.field, exc.problem) from None
             except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
-                raise Unavailable(f"{item.field}: {exc}") from None
+                raise Overloaded(str(exc), item.field) from None
             except Exception as exc:
                 if attempt == self.RETRIES:
-                    if isinstance(exc, Unavailable) and not str(exc).startswith(item.field):
-                        raise Unavailable(f"{item.field}: {exc}") from None
+                    if isinstance(exc, Unavailable) and exc.field != item.field:
+                        raise Unavailable(str(exc), item.field) from None
                     raise
                 state.retried("encode")
         raise AssertionError("unreachable")
@@ -238,12 +238,11 @@ class _State:
 
 
 def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavailable:
-    """A stage names the item it could not get as ``image_layouts[i]``; the client sent it as ``items[i].field``."""
-    message = str(exc)
-    if message.startswith("image_layouts["):
-        index, _, rest = message[len("image_layouts["):].partition("]")
-        if index.isdigit() and int(index) < len(items):
-            return Unavailable(f"{items[int(index)].field}{rest}")
+    """A stage names the item it could not get by its own field, ``image_layouts[i]``; the client sent it as
+    ``items[i].field``."""
+    name, _, index = exc.field.partition("[")
+    if name == "image_layouts" and index[:-1].isdigit() and int(index[:-1]) < len(items):
+        return type(exc)(exc.problem, items[int(index[:-1])].field)
     return exc
 
 

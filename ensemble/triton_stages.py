@@ -37,7 +37,7 @@ from typing import AsyncIterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.errors import EpdError, Unavailable
+from backend.protocol.errors import Unavailable
 from backend.server_address import LOCAL, resolve
 from backend.request import MediaBytes, RawGenerateInputs
 from backend.serving import ResponseChunk
@@ -102,20 +102,6 @@ async def _unavailable_if_unreachable(stream, model: str, url: str):
         yield item
 
 
-def _stage_error(error, model: str):
-    """A stage's error as a domain error; Triton's own answers for a model that cannot serve (untagged, else
-    INTERNAL) are UNAVAILABLE naming the stage: a dead stub ("Stub process 'encoder_0_1' is not healthy."),
-    a model unloaded or loading ("Request for unknown model: ...", "... is not ready")."""
-    converted = from_triton_error(error)
-    if type(converted) is EpdError:
-        text = str(converted)
-        if "is not healthy" in text:
-            return Unavailable(f"{model} instance down: {text}")
-        if "Request for unknown model" in text or "is not ready" in text:
-            return Unavailable(f"stage {model} unavailable: {text}")
-    return converted
-
-
 def _is_final(result) -> bool:
     param = result.get_response().parameters.get("triton_final_response")
     return bool(param and param.bool_param)
@@ -144,7 +130,7 @@ class BlsEncoders:
                     pb_utils.Tensor("content_key", np.array([[key.encode()]], dtype=np.object_))])
         response = await request.async_exec()
         if response.has_error():
-            raise _stage_error(response.error(), self.encoder_model)
+            raise from_triton_error(response.error(), self.encoder_model)
         return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
 
 
@@ -218,7 +204,7 @@ class TritonStages(BlsEncoders):
                     async for result, error in items:
                         if error is not None:
                             finished = True
-                            raise _stage_error(error, self.models[stage])
+                            raise from_triton_error(error, self.models[stage])
                         chunk = _chunk(result)
                         finished = chunk.finish_reason is not None or _is_final(result)
                         if chunk.text_output or chunk.finish_reason is not None:

@@ -156,11 +156,11 @@ class FakeLayoutResolver:
     text is the item; media bytes or URLs are refused."""
 
     def from_tensor(self, data, field):
-        from backend.errors import InvalidInput
+        from backend.protocol.errors import InvalidInput
         raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media bytes")
 
     def from_url(self, url, field):
-        from backend.errors import InvalidInput
+        from backend.protocol.errors import InvalidInput
         raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media URLs")
 
     def from_layout(self, text, field):

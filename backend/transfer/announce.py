@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from backend.errors import EpdError
+from backend.protocol.errors import EpdError
 from backend.layout import TransferHandle
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 
-from backend.errors import Unavailable
+from backend.protocol.errors import Unavailable
 from backend.layout import LayoutMetadata, host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
@@ -131,7 +131,7 @@ class EmbeddingConsumer:
                     else:
                         payload, path = self._read(handle, peer), "nixl"
                 except Unavailable as exc:
-                    raise Unavailable(f"{names[index]}: {exc}" if names[index] else str(exc)) from None
+                    raise Unavailable(str(exc), names[index]) from None
                 results[index] = self._count(layout, payload.view(_DTYPES[layout.dtype]).reshape(layout.shape), path)
             if pending:
                 self._finish_ipc(pending, results, names)
@@ -215,7 +215,7 @@ class EmbeddingConsumer:
             self._notify(peer, ",".join(lease_ids))
         if failed:
             index, message = failed
-            raise Unavailable(f"{names[index]}: {message}" if names[index] else message)
+            raise Unavailable(message, names[index])
 
     def _stream(self, device) -> int:
         """This consumer's copy stream on the producer pool's GPU, as a raw ``cudaStream_t`` (made once:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backend.errors import Overloaded
+from backend.protocol.errors import Overloaded
 from backend.layout import TransferHandle, host_identity
 from backend.transfer.agent import create_agent
 

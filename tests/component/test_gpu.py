@@ -30,7 +30,7 @@ def test_vram_pool_is_read_into_host_memory_through_nixl():
         tensor = torch.randn(64, 128)
         layout = make_layout(producer.call("publish", tensor), tensor)
         producer.call("release", layout.handle.lease_id)
-        from backend.errors import Unavailable
+        from backend.protocol.errors import Unavailable
         with pytest.raises(Unavailable, match="released or expired"):
             consumer.pull(layout)
 
@@ -61,7 +61,7 @@ def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
 
 
 def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
-    from backend.errors import Unavailable
+    from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
     from backend.transfer.process import ProducerProcess, make_layout
 
@@ -110,7 +110,7 @@ def test_packed_encoder_on_gpu_matches_transformers():
 
 
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
-    from backend.errors import Unavailable
+    from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
     from backend.transfer.process import ProducerProcess, make_layout
 
@@ -139,7 +139,7 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
     fails, whether the consumer checks the producer's host tag table or copies the trailer tag back."""
     import dataclasses
 
-    from backend.errors import Unavailable
+    from backend.protocol.errors import Unavailable
     from backend.transfer import cuda_ipc
     from backend.transfer.consumer import EmbeddingConsumer
     from backend.transfer.process import ProducerProcess, make_layout

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from backend.errors import Overloaded, Unavailable
+from backend.protocol.errors import Overloaded, Unavailable
 from backend.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.producer import EmbeddingPool

@@ -29,7 +29,7 @@ def test_vllm_errors_map_to_domain_errors():
     QueueOverflowError, VLLMValidationError = exceptions.QueueOverflowError, exceptions.VLLMValidationError
 
     from backend.engine import _domain_error
-    from backend.errors import ErrorCode
+    from backend.protocol.errors import ErrorCode
     from backend.request import GenerateRequest
 
     req = GenerateRequest(prompt=None, conversation=[{"role": "user", "content": "p"}], images=(), sampling={})

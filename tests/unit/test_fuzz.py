@@ -6,7 +6,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.layout import LayoutMetadata
 from backend.media import MediaLimits
 from backend.request import EncodedMedia, LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request

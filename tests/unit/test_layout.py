@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.layout import SCHEMA_VERSION, LayoutMetadata, TransferHandle
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from backend.errors import InvalidInput, Unavailable
+from backend.protocol.errors import InvalidInput, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
 from ensemble.local_stages import LocalStages
@@ -88,7 +88,7 @@ def test_finished_requests_are_not_aborted():
 
 
 def test_a_lost_embedding_is_encoded_again_and_nothing_reaches_the_engine_before():
-    pull, engine = FakePull(Unavailable("image_layouts[0]: embedding lease 1a expired before it was read"), 1), FakeEngine()
+    pull, engine = FakePull(Unavailable("embedding lease 1a expired before it was read", "image_layouts[0]"), 1), FakeEngine()
     stages, encoders = colocated(engine=engine, pull=pull)
     observer = RecordingObserver()
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
@@ -98,7 +98,7 @@ def test_a_lost_embedding_is_encoded_again_and_nothing_reaches_the_engine_before
 
 
 def test_a_lost_embedding_twice_fails_naming_the_clients_item():
-    pull = FakePull(Unavailable("image_layouts[1]: embedding lease 2b expired before it was read"), 2)
+    pull = FakePull(Unavailable("embedding lease 2b expired before it was read", "image_layouts[1]"), 2)
     stages, _ = colocated(pull=pull)
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
     assert outcome is Outcome.ERROR

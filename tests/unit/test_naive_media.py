@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.media import MediaLimits, decode_counter
 from backend.naive_media import process_original_media
 from clients.images import image_bytes

@@ -2,7 +2,7 @@ import asyncio
 import base64
 import json
 
-from backend.errors import InvalidInput, Overloaded, Unavailable
+from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.request import RawGenerateInputs, RequestLimits
 from backend.serving import Outcome
 from ensemble.orchestrator import Identity, Orchestrator
@@ -94,7 +94,7 @@ def test_a_failed_encode_is_retried_once_and_recovers():
 
 
 def test_a_lost_embedding_is_encoded_again_and_the_request_retried():
-    stages = FakeStages(generate_error=Unavailable("image_layouts[0]: lease expired"), generate_failures=1)
+    stages = FakeStages(generate_error=Unavailable("lease expired", "image_layouts[0]"), generate_failures=1)
     observer = RecordingObserver()
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True), observer=observer)
     assert outcome is Outcome.OK and observer.retried == ["request"]
@@ -106,7 +106,7 @@ def test_no_retry_once_the_client_got_text_or_after_the_second_failure():
     stages = FakeStages(generate_error=Unavailable("decode went away"), generate_failures=1, fail_after_chunks=1)
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True))
     assert outcome is Outcome.ERROR and len(stages.generated) == 1 and isinstance(sink.errors[0], Unavailable)
-    stages = FakeStages(generate_error=Unavailable("image_layouts[1]: lease expired"), generate_failures=2)
+    stages = FakeStages(generate_error=Unavailable("lease expired", "image_layouts[1]"), generate_failures=2)
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
     assert outcome is Outcome.ERROR and len(stages.generated) == 2
     assert str(sink.errors[0]) == "image[1]: lease expired"  # named as the client sent it

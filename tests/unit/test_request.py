@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.request import (DecodeMedia, EncodedMedia, LayoutMedia, PromptFormat, RawGenerateInputs, RequestLimits,
                              parse_generate_request)
 from tests.fakes import render_chat

@@ -1,6 +1,6 @@
 import pytest
 
-from backend.errors import ErrorCode, InvalidInput
+from backend.protocol.errors import ErrorCode, InvalidInput
 from backend.sampling import parse_sampling_parameters
 
 

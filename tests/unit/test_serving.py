@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from backend.errors import InvalidInput
+from backend.protocol.errors import InvalidInput
 from backend.request import GenerateRequest
 from backend.serving import Outcome, stream_generation
 from tests.fakes import FakeEngine, FakeSink, RecordingObserver
