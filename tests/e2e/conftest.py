@@ -35,7 +35,8 @@ def held_shm(pid: int) -> set[str]:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return set()
-    return {name for proc in procs for name in _mapped_by(proc.pid)}
+    entries = _shm_inodes()
+    return {name for proc in procs for name in _mapped_by(proc.pid, entries)}
 
 
 def left_behind(held: set[str], settle: float = 2.0) -> set[str]:
@@ -44,20 +45,22 @@ def left_behind(held: set[str], settle: float = 2.0) -> set[str]:
     a machine where other checkouts' servers create and remove /dev/shm entries at the same time."""
     time.sleep(settle)
     mapped = set()
+    entries = _shm_inodes()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        mapped |= _mapped_by(int(pid))
+        mapped |= _mapped_by(int(pid), entries)
     return {name for name in held if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
 
 
-def _mapped_by(pid: int) -> set[str]:
+def _mapped_by(pid: int, entries: dict[str, int] | None = None) -> set[str]:
     """The /dev/shm entries ``pid`` maps, matched by inode: a POSIX semaphore (``sem.mp-*``) is mapped under the
-    temporary name it was made with (``/dev/shm/sem.XXXXXX (deleted)``), not under its own."""
+    temporary name it was made with (``/dev/shm/sem.XXXXXX (deleted)``), not under its own. ``entries``: the
+    entries' inodes (``_shm_inodes``), when the caller asks for many processes."""
     try:
         with open(f"/proc/{pid}/maps") as maps:
             inodes = {int(line.split()[4]) for line in maps if "/dev/shm/" in line}
     except OSError:
         return set()
-    return {name for name, inode in _shm_inodes().items() if inode in inodes}
+    return {name for name, inode in (entries or _shm_inodes()).items() if inode in inodes}
 
 
 def _shm_inodes() -> dict[str, int]:
@@ -74,8 +77,9 @@ def orphaned_shm(new: set[str]) -> set[str]:
     """Of ``new`` /dev/shm entries, those no live process maps (a server still running beside the one
     under test, e.g. the session server, legitimately holds its own)."""
     mapped: set[str] = set()
+    entries = _shm_inodes()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        mapped |= _mapped_by(int(pid))
+        mapped |= _mapped_by(int(pid), entries)
     return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
 
 
