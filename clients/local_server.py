@@ -60,7 +60,7 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        from backend.ports import free_ports
+        from backend.deploy.ports import free_ports
 
         return cls(*free_ports(3))
 
@@ -249,7 +249,7 @@ class TritonServer:
         # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.
-        # The same for the in-band cancel boards of its models (backend.cancel_board) and its encoders'
+        # The same for the in-band cancel boards of its models (backend.triton.cancel_board) and its encoders'
         # announcements (backend.transfer.announce), which unload removes.
         server = self.server_pid or self.proc.pid
         boards = [p.name for pattern in (f"epd-cancel-{server}-*", f"epd-producers-{server}")
@@ -282,7 +282,7 @@ class TritonServer:
 
 def render_topology(topology: Path, checkpoint: Path | None = None) -> Path:
     """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``."""
-    from backend.topology import load, render
+    from backend.deploy.topology import load, render
 
     served = load(topology, checkpoint=checkpoint)
     out = ROOT / ".cache" / "repositories" / served.name
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--checkpoint goes with --topology")
     repository = args.model_repository.resolve()
     if args.topology:
-        from backend.topology import TopologyError
+        from backend.deploy.topology import TopologyError
 
         try:
             repository = render_topology(args.topology, args.checkpoint)

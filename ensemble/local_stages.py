@@ -1,11 +1,11 @@
 """A ``StageClient`` with one generator stage in this process: the colocated orchestrators.
 
-Who uses it: ``ensemble.colocated_model`` (topology ``stages.pd.orchestrator: colocated`` for E+PD,
+Who uses it: ``backend.triton.models.colocated`` (topology ``stages.pd.orchestrator: colocated`` for E+PD,
 ``stages.prefill.orchestrator: colocated`` for E/P/D), whose model hosts the orchestrator and a vLLM engine
 in one Triton stub. ``local`` names the stage that engine serves: ``Stage.GENERATE`` (E+PD: prefill and
 decode, the pd engine) or ``Stage.PREFILL`` (E/P/D: a KV producer, one token per request). Everything else goes
 to ``remote``, a ``StageClient`` of other Triton models: encoders over BLS (both), and for E/P/D the decode stage
-over the server's gRPC endpoint (``ensemble.triton_stages.TritonStages``), whose stream the orchestrator relays.
+over the server's gRPC endpoint (``backend.triton.stage_client.TritonStages``), whose stream the orchestrator relays.
 Per response of the local stage that saves a second stub's response, tritonserver forwarding it, and parsing it
 in the orchestrator's gRPC client.
 
@@ -13,7 +13,7 @@ What the local ``generate`` keeps of the stage's own model (``pd``, ``prefill``)
 that model parses it (``LayoutMedia``: layouts only, media refused; prefill: ``kv_transfer_params``
 ``do_remote_decode``), ``prepare`` runs before the engine (pull every item's embeddings by handle; a failed pull
 raises ``Unavailable`` before anything is submitted and the orchestrator's recovery encodes again and
-retries), the responses follow ``backend.serving.Chunker`` (stream interval, prompt in front of non-streaming
+retries), the responses follow ``backend.engine.serving.Chunker`` (stream interval, prompt in front of non-streaming
 output; prefill's final chunk carries the ``kv_transfer_params`` decode needs), and a stream closed before its
 final chunk (client cancel, deadline) aborts the engine request. Prefill's blocks stay held after its final
 chunk until decode has read them (or vLLM's abort timeout frees them).
@@ -30,8 +30,8 @@ import contextlib
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
-from backend.request import GenerateRequest, MediaBytes, MediaResolver, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.serving import Chunker, GenerationEngine, ResponseChunk
+from backend.request.generate import GenerateRequest, MediaBytes, MediaResolver, RawGenerateInputs, RequestLimits, parse_generate_request
+from backend.engine.serving import Chunker, GenerationEngine, ResponseChunk
 from ensemble.orchestrator import Stage
 
 

@@ -34,12 +34,12 @@ outputs are compared with).
 Metadata-only off (``metadata_only=False``, the model's parameter or a request's ``epd_metadata_only``
 parameter): the "naive EPD" the metadata-only design is measured against. Encoders still run, and the
 consumer stages still take the embeddings from them, but they also get the client's original media
-(``original_media``) and decode and preprocess it themselves (``backend.naive_media``), as a consumer
+(``original_media``) and decode and preprocess it themselves (``backend.diagnostics.naive_media``), as a consumer
 given the unmodified request would; the time that costs comes back as ``timings["media_ms"]`` (summed
 over prefill and decode in E/P/D).
 
 Written against ``StageClient`` so it runs with a fake in unit tests (``tests/fakes.py``) and with
-Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model (``ensemble.triton_stages``).
+Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model (``backend.triton.stage_client``).
 """
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
-from backend.layout import content_key
-from backend.request import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
+from backend.protocol.layout import content_key
+from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
+from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
 
 
 class Topology(enum.Enum):

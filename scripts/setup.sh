@@ -43,7 +43,7 @@ else
 fi
 
 "$PY" scripts/post_install.py
-"$PY" -m backend.tiny_model --out "$MODEL_DIR"
+"$PY" -m backend.deploy.tiny_model --out "$MODEL_DIR"
 "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api; assert numpy.__version__ == '1.26.4', numpy.__version__" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api"; exit 1; }
 say "done in $(( $(date +%s) - started )) s"

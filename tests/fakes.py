@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from backend.engine import GenerationDelta
-from backend.request import GenerateRequest
-from backend.serving import Outcome, ResponseChunk
+from backend.engine.host import GenerationDelta
+from backend.request.generate import GenerateRequest
+from backend.engine.serving import Outcome, ResponseChunk
 
 
 def render_chat(conversation) -> str:
@@ -128,7 +128,7 @@ class FakeStages:
             self.active -= 1
 
     async def generate(self, inputs, stage=None):
-        from backend.serving import ResponseChunk
+        from backend.engine.serving import ResponseChunk
         from ensemble.orchestrator import Stage
 
         self.generated.append(inputs)

@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from backend.engine import load_engine_args, prepare_process, private_ipc_dir
+from backend.engine.host import load_engine_args, prepare_process, private_ipc_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """Domain errors, the one vocabulary of failure shared by every stage, and their envelope on the wire.
 
 Logic code raises these; each Triton adapter maps them to a ``TritonError`` code in one place
-(``backend.triton_io.to_triton_error``). Anything else that escapes is an internal error.
+(``backend.triton.io.to_triton_error``). Anything else that escapes is an internal error.
 
 Between stages an error travels as text: Triton 2.51 turns every BLS response error into INTERNAL and its gRPC
 stream errors carry a message only. A caller that asks for it (request parameter ``epd_error_codes``) gets the

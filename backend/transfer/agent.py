@@ -46,7 +46,7 @@ POLL_DELAY_ENV = "EPD_NIXL_POLL_DELAY_US"
 def patch_process_agents(poll_delay_us: int = DEFAULT_POLL_DELAY_US) -> None:
     """Process-wide: every NIXL agent created from now on polls with ``poll_delay_us``. For processes
     whose agents others create, such as vLLM's NixlConnector in an EngineCore process (through the
-    vLLM plugin ``backend.vllm_plugin``). Idempotent."""
+    vLLM plugin ``backend.engine.patches``). Idempotent."""
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # what vLLM sets when it imports NIXL first
     from nixl import _api
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from backend.protocol.errors import EpdError
-from backend.layout import TransferHandle
+from backend.protocol.layout import TransferHandle
 
 log = logging.getLogger(__name__)
 PREFIX = "epd-producers-"

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from backend.protocol.errors import Unavailable
-from backend.layout import LayoutMetadata, host_identity
+from backend.protocol.layout import LayoutMetadata, host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 

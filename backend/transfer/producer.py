@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from backend.protocol.errors import Overloaded
-from backend.layout import TransferHandle, host_identity
+from backend.protocol.layout import TransferHandle, host_identity
 from backend.transfer.agent import create_agent
 
 HEADER = 16

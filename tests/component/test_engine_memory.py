@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 GEMM_SHAPES = r"""
 import os, sys
-from backend.engine import prepare_process
+from backend.engine.host import prepare_process
 prepare_process()
 import torch
 from vllm import _custom_ops as ops
@@ -57,7 +57,7 @@ def test_engines_fed_embeddings_keep_no_multimodal_item_cache():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.multimodal.cache.factories import engine_receiver_cache_from_config
 
-    from backend.engine import load_engine_args, metadata_only_engine_args
+    from backend.engine.host import load_engine_args, metadata_only_engine_args
 
     def receiver_cache(args):
         return engine_receiver_cache_from_config(AsyncEngineArgs(**args).create_engine_config())

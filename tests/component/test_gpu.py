@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_vram_pool_is_read_into_host_memory_through_nixl():
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.transfer.process import ProducerProcess, make_layout
+    from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer()
     with ProducerProcess(pool_bytes=64 << 20, device="cuda") as producer:
@@ -36,8 +36,8 @@ def test_vram_pool_is_read_into_host_memory_through_nixl():
 
 
 def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
-    from backend.encoder import VisionEncoder
-    from backend.layout import LayoutMetadata
+    from backend.encode.encoder import VisionEncoder
+    from backend.protocol.layout import LayoutMetadata
     from backend.transfer.consumer import EmbeddingConsumer
     from backend.transfer.producer import EmbeddingPool
     from tests.images import make_image
@@ -63,7 +63,7 @@ def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
 def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
     from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.transfer.process import ProducerProcess, make_layout
+    from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
     to_gpu, to_host = EmbeddingConsumer(device="cuda"), EmbeddingConsumer(device="cpu")
     try:
@@ -94,7 +94,7 @@ def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
 
 
 def test_packed_encoder_on_gpu_matches_transformers():
-    from backend.encoder import VisionEncoder
+    from backend.encode.encoder import VisionEncoder
     from tests.images import make_image
 
     model = ROOT / "models" / "tiny-qwen2-vl"
@@ -112,7 +112,7 @@ def test_packed_encoder_on_gpu_matches_transformers():
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
     from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.transfer.process import ProducerProcess, make_layout
+    from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer(device="cuda")
     try:
@@ -142,7 +142,7 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
     from backend.protocol.errors import Unavailable
     from backend.transfer import cuda_ipc
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.transfer.process import ProducerProcess, make_layout
+    from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer(device="cuda")
     try:

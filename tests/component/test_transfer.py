@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from backend.protocol.errors import Overloaded, Unavailable
-from backend.layout import LayoutMetadata
+from backend.protocol.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.producer import EmbeddingPool
-from backend.transfer.process import ProducerProcess, make_layout
+from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
 pytestmark = pytest.mark.component
 
@@ -175,7 +175,7 @@ def test_idle_agents_do_not_spin(consumer):
 def test_warm_connects_ahead_so_the_first_pull_adds_no_peer_and_maps_nothing():
     """``EmbeddingConsumer.warm`` with the pool's announced handle (``backend.transfer.announce``): the first pull
     then finds the producer's agent added and its pool mapped, and returns the right bytes."""
-    from backend.layout import TransferHandle
+    from backend.protocol.layout import TransferHandle
 
     tensor = torch.randn(24, 64)
     with ProducerProcess() as producer:

@@ -1,7 +1,7 @@
 """E2E: a real checkpoint's layout served the documented way. Checkpoints shaped like Qwen2-VL-2B-Instruct and
 Qwen2.5-VL-3B-Instruct (their own config.json, image processor, generation config and chat template, in
 tests/data/checkpoints: rope scaling, window attention, tied embeddings, the processor's 3136..12845056 pixels;
-two layers, random weights; ``backend.tiny_model.build_like``) go through
+two layers, random weights; ``backend.deploy.tiny_model.build_like``) go through
 ``clients.local_server --topology topologies/checkpoint-cpu.yaml --checkpoint DIR``, and ``epd`` gives ``llm``'s
 tokens on images of several sizes, in prompts and chat messages, one and two per request."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from backend.tiny_model import build_like
+from backend.deploy.tiny_model import build_like
 from clients.local_server import ROOT, VENV, Ports, TritonServer
 from clients.triton_client import GenerateInputs, generate
 from tests.e2e.conftest import _shm, settled_orphans

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import tritonclient.http as httpclient
 
-from backend.counter_batch import CounterBatch
-from backend.topology import StageSpec, load, render
+from backend.triton.counter_batch import CounterBatch
+from backend.deploy.topology import StageSpec, load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind, metric

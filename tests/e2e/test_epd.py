@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 import tritonclient.http as httpclient
 
-from backend.counter_batch import CounterBatch
-from backend.request import PromptFormat
+from backend.triton.counter_batch import CounterBatch
+from backend.request.generate import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
 from tests.e2e.conftest import metric, metrics
@@ -402,10 +402,10 @@ def test_cancelling_e_p_d_aborts_the_decode_request(server):
 
 
 def test_perf_analyzer_drives_epd_with_the_request_parameters_of_the_rows(server, tmp_path):
-    """perf_analyzer as the benchmark's load generator (``clients.perf_analyzer.load_level``): every request
+    """perf_analyzer as the benchmark's load generator (``clients.bench.perf_analyzer.load_level``): every request
     streams to a final response, and a row's request parameters reach the orchestrator (naive rows: pd decodes
     every image itself, so its decode counter moves by the request count; metadata-only rows: it stays)."""
-    from clients.perf_analyzer import load_level
+    from clients.bench.perf_analyzer import load_level
 
     requests = [GenerateInputs(prompt="Describe it.", images=[img(i + 40)], sampling={"temperature": 0.0, "max_tokens": 4,
                                                                                        "ignore_eos": True})

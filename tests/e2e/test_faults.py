@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.topology import load, render
+from backend.deploy.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
 from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans
@@ -116,7 +116,7 @@ def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_s
 
     from tritonclient.utils import InferenceServerException
 
-    from backend.layout import LayoutMetadata
+    from backend.protocol.layout import LayoutMetadata
     from backend.transfer.consumer import EmbeddingConsumer
 
     unread = []

@@ -6,8 +6,8 @@ import time
 import pytest
 import tritonclient.http as httpclient
 
-from backend.counter_batch import CounterBatch
-from backend.request import PromptFormat
+from backend.triton.counter_batch import CounterBatch
+from backend.request.generate import PromptFormat
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
 from tests.e2e.conftest import metric

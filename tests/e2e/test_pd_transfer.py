@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from backend.encoder import VisionEncoder
-from backend.layout import LayoutMetadata
+from backend.encode.encoder import VisionEncoder
+from backend.protocol.layout import LayoutMetadata
 from backend.transfer.producer import HEADER, EmbeddingPool
 from clients.local_server import ROOT
 from clients.triton_client import GenerateError, GenerateInputs, generate

@@ -1,7 +1,7 @@
 """E2E: the README's ways of starting the server, run as a user runs them, on ports other than Triton's
 defaults: ``make serve`` with the port variables and ``.venv/bin/tritonserver`` with tritonserver's own flags.
 Through each, an image request to ``epd`` (E+PD) and ``epd_disagg`` (E/P/D) gives ``llm``'s tokens: the
-orchestrators find their stages on whatever gRPC port the server has (``backend.server_address``), with no
+orchestrators find their stages on whatever gRPC port the server has (``backend.deploy.server_address``), with no
 environment variable set for them. A server without gRPC refuses to load ``epd``, saying why."""
 from __future__ import annotations
 

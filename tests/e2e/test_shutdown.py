@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.topology import load, render
+from backend.deploy.topology import load, render
 from clients.local_server import ROOT, TritonServer
-from clients.soak import drive
+from clients.tools.soak import drive
 from clients.triton_client import GenerateError, GenerateInputs, generate
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
@@ -67,7 +67,7 @@ def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
 
 
 def _vllm_ipc_leftovers() -> set[str]:
-    """vLLM's ZMQ IPC socket files and the engines' private directories for them (backend.engine.private_ipc_dir)."""
+    """vLLM's ZMQ IPC socket files and the engines' private directories for them (backend.engine.host.private_ipc_dir)."""
     tmp = Path(tempfile.gettempdir())
     return {p.name for p in tmp.iterdir() if p.name.startswith("epd-vllm-ipc-") or p.is_socket()}
 

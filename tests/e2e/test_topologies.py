@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.topology import load, render
+from backend.deploy.topology import load, render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateInputs, generate
 from tests.images import image_bytes

@@ -5,7 +5,7 @@ import subprocess
 import time
 from dataclasses import replace
 
-from backend.layout import TransferHandle
+from backend.protocol.layout import TransferHandle
 from backend.transfer.announce import ProducerWatcher, announce, directory, withdraw
 
 

@@ -7,9 +7,9 @@ import statistics
 import numpy as np
 import pytest
 
-from clients.bench_e2e import parse_args
-from clients.bench_load import folder_requests, rate_schedule, synthetic_requests
-from clients.bench_report import (CSV_FIELDS, Sample, csv_rows, markdown_table, percentile, plot_latency_cdf,
+from clients.bench.e2e import parse_args
+from clients.bench.load import folder_requests, rate_schedule, synthetic_requests
+from clients.bench.report import (CSV_FIELDS, Sample, csv_rows, markdown_table, percentile, plot_latency_cdf,
                                   plot_throughput, summarise, write_csv)
 
 
@@ -108,7 +108,7 @@ nv_inference_count{model="epd",version="1"} 3
 
 
 def test_engine_queue_time_from_two_metric_scrapes():
-    from clients.bench_report import engine_queue_ms, parse_metrics
+    from clients.bench.report import engine_queue_ms, parse_metrics
 
     before = parse_metrics(METRICS % (1.0, 2.0, 10, 10))
     assert before[("epd_vllm_queue_time_count_total", "decode")] == 10 and len(before) == 4
@@ -118,7 +118,7 @@ def test_engine_queue_time_from_two_metric_scrapes():
 
 
 def test_metrics_of_a_models_instances_are_summed():
-    from clients.bench_report import parse_metrics
+    from clients.bench.report import parse_metrics
 
     text = ('epd_vllm_queue_time_count_total{instance="pd_0_0",model="pd"} 4\n'
             'epd_vllm_queue_time_count_total{instance="pd_0_1",model="pd"} 6\n'

@@ -2,7 +2,7 @@
 import threading
 import time
 
-from backend.counter_batch import CounterBatch
+from backend.triton.counter_batch import CounterBatch
 
 
 class FakeMetric:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.checkpoint import processing_options
-from backend.encoder import EncodeJob, EncoderService, VisionEncoder
-from backend.layout import LayoutMetadata, TransferHandle
-from backend.media import MediaLimits
+from backend.encode.checkpoint import processing_options
+from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
+from backend.protocol.layout import LayoutMetadata, TransferHandle
+from backend.request.media import MediaLimits
 from tests.images import make_image
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-vl"
@@ -105,10 +105,10 @@ def test_a_bad_item_fails_its_request_only_even_beside_cached_items(encoder):
 
 
 def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch):
-    import backend.layout
+    import backend.protocol.layout
 
-    real, calls = backend.layout.content_key, []
-    monkeypatch.setattr(backend.layout, "content_key", lambda *args: calls.append(args) or real(*args))
+    real, calls = backend.protocol.layout.content_key, []
+    monkeypatch.setattr(backend.protocol.layout, "content_key", lambda *args: calls.append(args) or real(*args))
     service, counting, _ = _service(encoder, 1 << 20)
     a = _png(64, 48, 1)
     own = real(a, service.processing, service.encoder.identity)

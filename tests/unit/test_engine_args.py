@@ -3,7 +3,7 @@ import json
 import pytest
 from pathlib import Path
 
-from backend.engine import load_engine_args
+from backend.engine.host import load_engine_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,9 +28,9 @@ def test_vllm_errors_map_to_domain_errors():
     exceptions = pytest.importorskip("vllm.exceptions")  # absent on the GPU machine only
     QueueOverflowError, VLLMValidationError = exceptions.QueueOverflowError, exceptions.VLLMValidationError
 
-    from backend.engine import _domain_error
+    from backend.engine.host import _domain_error
     from backend.protocol.errors import ErrorCode
-    from backend.request import GenerateRequest
+    from backend.request.generate import GenerateRequest
 
     req = GenerateRequest(prompt=None, conversation=[{"role": "user", "content": "p"}], images=(), sampling={})
     too_long = _domain_error(VLLMValidationError("too long", parameter="input_tokens", value=5000), req)
@@ -45,7 +45,7 @@ def test_vllm_errors_map_to_domain_errors():
 
 def test_kv_buffers_live_where_the_engine_runs():
     """NixlConnector's KV buffers: host memory for a CPU instance, device memory for a KIND_GPU one."""
-    from backend.engine import kv_transfer_config
+    from backend.engine.host import kv_transfer_config
 
     assert kv_transfer_config("kv_producer", on_gpu=False) == {
         "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}

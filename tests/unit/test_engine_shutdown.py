@@ -1,4 +1,4 @@
-"""``backend.engine.stop_engine_processes`` on real processes: an engine process killed while it holds a POSIX
+"""``backend.engine.host.stop_engine_processes`` on real processes: an engine process killed while it holds a POSIX
 semaphore (as vLLM's EngineCore holds tqdm's) leaves nothing in /dev/shm once its host exits, because
 multiprocessing's resource tracker is left to unlink it."""
 import os
@@ -11,7 +11,7 @@ from clients.local_server import ROOT
 HOST = r'''
 import multiprocessing as mp, os, sys, time
 import psutil
-from backend.engine import _engine_process, stop_engine_processes
+from backend.engine.host import _engine_process, stop_engine_processes
 
 def semaphores():
     return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}

@@ -2,7 +2,7 @@
 stats classes, so a change of their fields in a vLLM upgrade fails here."""
 import pytest
 
-from backend.engine_stats import StatsDelta, stat_logger_factory, stats_delta
+from backend.engine.stats import StatsDelta, stat_logger_factory, stats_delta
 
 stats = pytest.importorskip("vllm.v1.metrics.stats")  # absent on the GPU machine only
 

@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.protocol.errors import InvalidInput
-from backend.layout import LayoutMetadata
-from backend.media import MediaLimits
-from backend.request import EncodedMedia, LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.sampling import parse_sampling_parameters
+from backend.protocol.layout import LayoutMetadata
+from backend.request.media import MediaLimits
+from backend.request.generate import EncodedMedia, LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request
+from backend.request.sampling import parse_sampling_parameters
 from tests.unit.test_layout import layout
 
 FUZZ = settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])

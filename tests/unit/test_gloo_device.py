@@ -1,4 +1,4 @@
-"""``backend.vllm_plugin.share_gloo_device``: gloo process groups of one process share one transport device
+"""``backend.engine.patches.share_gloo_device``: gloo process groups of one process share one transport device
 (one loop thread that wakes every 10 ms instead of one per group), and the groups still work."""
 import json
 import subprocess
@@ -13,7 +13,7 @@ import json, sys, tempfile
 from pathlib import Path
 import torch, torch.distributed as dist
 if sys.argv[1] == "shared":
-    from backend.vllm_plugin import share_gloo_device
+    from backend.engine.patches import share_gloo_device
     share_gloo_device()
     share_gloo_device()  # idempotent
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)

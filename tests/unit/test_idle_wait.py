@@ -1,4 +1,4 @@
-"""``backend.vllm_plugin.patch_idle_wait``: an EngineCore step that ran no model while requests wait on the KV
+"""``backend.engine.patches.patch_idle_wait``: an EngineCore step that ran no model while requests wait on the KV
 connector is followed by a wait on the input queue that new input ends at once (vLLM's own loop: 1 ms sleep,
 step again). Runs vLLM's real ``EngineCoreProc._process_engine_step`` on a stand-in engine."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from backend.vllm_plugin import patch_idle_wait
+from backend.engine.patches import patch_idle_wait
 
 WAIT = 0.2
 

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from backend.protocol.errors import InvalidInput
-from backend.layout import SCHEMA_VERSION, LayoutMetadata, TransferHandle
+from backend.protocol.layout import SCHEMA_VERSION, LayoutMetadata, TransferHandle
 
 
 def layout(**overrides) -> LayoutMetadata:

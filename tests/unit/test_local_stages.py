@@ -1,5 +1,5 @@
 """The colocated orchestrators: ``Orchestrator`` over ``LocalStages`` (encoders and prefill faked, the streamed
-stage an in-process engine, ``FakeEngine``), as ``ensemble.colocated_model`` runs them: E+PD (pd's engine here)
+stage an in-process engine, ``FakeEngine``), as ``backend.triton.models.colocated`` runs them: E+PD (pd's engine here)
 and E/P/D (prefill's engine here, decode remote)."""
 import asyncio
 import json
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from backend.protocol.errors import InvalidInput, Unavailable
-from backend.request import RawGenerateInputs, RequestLimits
-from backend.serving import Outcome
+from backend.request.generate import RawGenerateInputs, RequestLimits
+from backend.engine.serving import Outcome
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver

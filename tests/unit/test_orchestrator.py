@@ -3,8 +3,8 @@ import base64
 import json
 
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
-from backend.request import RawGenerateInputs, RequestLimits
-from backend.serving import Outcome
+from backend.request.generate import RawGenerateInputs, RequestLimits
+from backend.engine.serving import Outcome
 from ensemble.orchestrator import Identity, Orchestrator
 from tests.fakes import FakeSink, FakeStages, RecordingObserver
 

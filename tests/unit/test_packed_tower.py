@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.packed_tower import PackedTower, _grid_plan, packed_attention
+from backend.encode.packed_tower import PackedTower, _grid_plan, packed_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = [(1, 4, 4), (1, 8, 6), (1, 16, 22), (2, 6, 10), (1, 2, 30)]  # patches; (2, ...) is a two-frame item
@@ -35,7 +35,7 @@ def _check(tower, cfg, grid):
 
 def test_qwen2_vl_tower_matches_transformers():
     from transformers import AutoConfig
-    from backend.encoder import VisionEncoder
+    from backend.encode.encoder import VisionEncoder
     encoder = VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl", impl="transformers")
     cfg = AutoConfig.from_pretrained(ROOT / "models" / "tiny-qwen2-vl").vision_config
     _check(encoder.tower, cfg, GRIDS)
@@ -76,6 +76,6 @@ def test_attention_fallback_is_per_sequence():
 
 
 def test_unknown_encoder_impl_is_refused():
-    from backend.encoder import VisionEncoder
+    from backend.encode.encoder import VisionEncoder
     with pytest.raises(ValueError, match="encoder impl must be 'packed' or 'transformers'"):
         VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl", impl="flash")

@@ -5,8 +5,8 @@ import struct
 
 from PIL import Image
 
-from clients.bench_report import Sample
-from clients.perf_analyzer import export_samples, input_entry, make_inputs
+from clients.bench.report import Sample
+from clients.bench.perf_analyzer import export_samples, input_entry, make_inputs
 from clients.triton_client import GenerateInputs
 
 

@@ -1,7 +1,7 @@
-"""backend.ports: listener ports are picked outside the ephemeral range that outgoing connections draw from."""
+"""backend.deploy.ports: listener ports are picked outside the ephemeral range that outgoing connections draw from."""
 import socket
 
-from backend import ports
+from backend.deploy import ports
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range():

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from backend.protocol.errors import InvalidInput
-from backend.request import (DecodeMedia, EncodedMedia, LayoutMedia, PromptFormat, RawGenerateInputs, RequestLimits,
+from backend.request.generate import (DecodeMedia, EncodedMedia, LayoutMedia, PromptFormat, RawGenerateInputs, RequestLimits,
                              parse_generate_request)
 from tests.fakes import render_chat
 from tests.images import image_bytes

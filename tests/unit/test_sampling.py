@@ -1,7 +1,7 @@
 import pytest
 
 from backend.protocol.errors import ErrorCode, InvalidInput
-from backend.sampling import parse_sampling_parameters
+from backend.request.sampling import parse_sampling_parameters
 
 
 def test_valid_parameters_are_typed():

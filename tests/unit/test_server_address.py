@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from backend.server_address import EndpointError, grpc_address, resolve, server_argv
+from backend.deploy.server_address import EndpointError, grpc_address, resolve, server_argv
 
 
 @pytest.mark.parametrize("argv, address", [

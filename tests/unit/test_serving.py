@@ -3,8 +3,8 @@ import asyncio
 import pytest
 
 from backend.protocol.errors import InvalidInput
-from backend.request import GenerateRequest
-from backend.serving import Outcome, stream_generation
+from backend.request.generate import GenerateRequest
+from backend.engine.serving import Outcome, stream_generation
 from tests.fakes import FakeEngine, FakeSink, RecordingObserver
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.topology import TopologyError, load, render_files
+from backend.deploy.topology import TopologyError, load, render_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "topologies" / "default.yaml"
@@ -15,7 +15,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
     expected = render_files(load(DEFAULT, "cpu"), repo)
     on_disk = {str(p.relative_to(repo)): p.read_text() for p in repo.rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
-    assert on_disk == expected, "re-render: python -m backend.topology render topologies/default.yaml --out model_repository"
+    assert on_disk == expected, "re-render: python -m backend.deploy.topology render topologies/default.yaml --out model_repository"
 
 
 @pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated"])
@@ -55,7 +55,7 @@ def test_colocated_orchestrator_renders_one_epd_model_with_pd_s_engine_and_insta
     assert sorted(files) == ["encoder/1/model.py", "encoder/config.pbtxt", "epd/1/model.py", "epd/config.pbtxt",
                              "epd/model.json"]  # no pd model: its engine runs in epd
     config = files["epd/config.pbtxt"]
-    assert "from ensemble.colocated_model import TritonPythonModel" in files["epd/1/model.py"]
+    assert "from backend.triton.models.colocated import TritonPythonModel" in files["epd/1/model.py"]
     assert 'name: "image" data_type: TYPE_STRING' in config and "image_layouts" not in config  # llm's interface
     assert 'name: "timings"' in config and "decoupled: true" in config
     assert 'key: "orchestrator" value: { string_value: "colocated" }' in config
@@ -68,7 +68,7 @@ def test_colocated_beside_e_p_d_keeps_the_proxy_for_e_p_d():
     assert topology.models() == {"llm": "llm", "encoder": "encoder", "epd": "epd:E+PD:colocated",
                                  "prefill": "prefill", "decode": "decode", "epd_disagg": "epd:E/P/D"}
     files = render_files(topology, Path("/r"))
-    assert "ensemble.epd_model" in files["epd_disagg/1/model.py"] and "pd/config.pbtxt" not in files
+    assert "backend.triton.models.epd" in files["epd_disagg/1/model.py"] and "pd/config.pbtxt" not in files
     alone = load(DEFAULT, "cpu").only("E+PD").with_orchestrator("colocated")
     assert alone.models() == {"encoder": "encoder", "epd": "epd:E+PD:colocated"} and "epd" not in alone.stages
     assert alone.with_orchestrator("proxy").models() == {"encoder": "encoder", "pd": "pd", "epd": "epd:E+PD"}
@@ -84,7 +84,7 @@ def test_e_p_d_orchestrator_colocated_with_prefill_renders_one_epd_model_with_pr
     assert topology.models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated", "decode": "decode"}
     files = render_files(topology, Path("/r"))
     assert "prefill/config.pbtxt" not in files and "decode/config.pbtxt" in files  # prefill's engine runs in epd
-    assert "from ensemble.colocated_model import TritonPythonModel" in files["epd/1/model.py"]
+    assert "from backend.triton.models.colocated import TritonPythonModel" in files["epd/1/model.py"]
     config = files["epd/config.pbtxt"]
     assert 'name: "image" data_type: TYPE_STRING' in config and "image_layouts" not in config  # llm's interface
     assert 'name: "kv_transfer_params"' not in config and 'name: "timings"' in config and "decoupled: true" in config

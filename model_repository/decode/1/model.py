@@ -1,2 +1,2 @@
-"""Triton Python-backend entry point of `decode`: the model class lives in backend.models.decode."""
-from backend.models.decode import TritonPythonModel  # noqa: F401
+"""Triton Python-backend entry point of `decode`: the model class lives in backend.triton.models.decode."""
+from backend.triton.models.decode import TritonPythonModel  # noqa: F401

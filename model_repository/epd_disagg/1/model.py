@@ -1,2 +1,2 @@
-"""Triton Python-backend entry point of `epd_disagg`: the model class lives in ensemble.epd_model."""
-from ensemble.epd_model import TritonPythonModel  # noqa: F401
+"""Triton Python-backend entry point of `epd_disagg`: the model class lives in backend.triton.models.epd."""
+from backend.triton.models.epd import TritonPythonModel  # noqa: F401

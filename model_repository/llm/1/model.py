@@ -1,2 +1,2 @@
-"""Triton Python-backend entry point of `llm`: the model class lives in backend.models.llm."""
-from backend.models.llm import TritonPythonModel  # noqa: F401
+"""Triton Python-backend entry point of `llm`: the model class lives in backend.triton.models.llm."""
+from backend.triton.models.llm import TritonPythonModel  # noqa: F401

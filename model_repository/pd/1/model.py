@@ -1,2 +1,2 @@
-"""Triton Python-backend entry point of `pd`: the model class lives in backend.models.pd."""
-from backend.models.pd import TritonPythonModel  # noqa: F401
+"""Triton Python-backend entry point of `pd`: the model class lives in backend.triton.models.pd."""
+from backend.triton.models.pd import TritonPythonModel  # noqa: F401

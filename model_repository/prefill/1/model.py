@@ -1,2 +1,2 @@
-"""Triton Python-backend entry point of `prefill`: the model class lives in backend.models.prefill."""
-from backend.models.prefill import TritonPythonModel  # noqa: F401
+"""Triton Python-backend entry point of `prefill`: the model class lives in backend.triton.models.prefill."""
+from backend.triton.models.prefill import TritonPythonModel  # noqa: F401

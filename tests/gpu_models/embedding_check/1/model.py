@@ -5,14 +5,14 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import prepare_process
+from backend.engine.host import prepare_process
 
 
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
         import torch
-        from backend.encoder import VisionEncoder
+        from backend.encode.encoder import VisionEncoder
         from backend.transfer.consumer import EmbeddingConsumer
 
         config = json.loads(args["model_config"])
@@ -24,8 +24,8 @@ class TritonPythonModel:
         self.consumer = EmbeddingConsumer(role="check", device=self.device)
 
     def execute(self, requests):
-        from backend.layout import LayoutMetadata
-        from backend.media import MediaLimits, decode_image
+        from backend.protocol.layout import LayoutMetadata
+        from backend.request.media import MediaLimits, decode_image
 
         responses = []
         for request in requests:

@@ -1,0 +1,34 @@
+"""Naive EPD's downstream media work, for the metadata-only on/off comparison.
+
+A metadata-only consumer (``pd``, ``prefill``, ``decode``) normally gets each media item's layout metadata
+only. With metadata-only off (the orchestrator's ``metadata_only`` parameter), the orchestrator also sends
+the original media (``original_media``), as a naive EPD forwards the client's request unchanged; the
+consumer then does what such a consumer's input processor does before its embeddings come from the
+encoder's cache: decode each item and run the image processor on it. Its result is checked against the
+encoder's layout (same ``image_grid_thw``) and otherwise dropped: the embeddings still come from the encoder.
+
+Who calls it: ``MetadataOnlyModel.prepare``, on the engine loop (where vLLM's own input processing runs);
+the seconds it took are reported as ``timings["media_ms"]``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from backend.protocol.errors import InvalidInput
+from backend.request.media import MediaLimits, decode_image
+
+
+def process_original_media(media: Sequence[bytes], layouts: Sequence, processor, limits: MediaLimits) -> float:
+    """Decode and preprocess ``media`` (one per layout, in order); return the seconds it took.
+    ``processor`` is a Hugging Face image processor (called with ``images=[...]``)."""
+    if len(media) != len(layouts):
+        raise InvalidInput("original_media", f"{len(media)} items for {len(layouts)} image_layouts")
+    started = time.perf_counter()
+    for i, (data, layout) in enumerate(zip(media, layouts)):
+        field = f"original_media[{i}]"
+        image = decode_image(data, field, limits)
+        grid = tuple(int(x) for x in processor(images=[image], return_tensors="np")["image_grid_thw"][0])
+        if grid != tuple(layout.image_grid_thw):
+            raise InvalidInput(field, f"processes to image_grid_thw {list(grid)}, its layout says {list(layout.image_grid_thw)}")
+    return time.perf_counter() - started

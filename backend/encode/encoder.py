@@ -1,0 +1,237 @@
+"""The vision encoder: a checkpoint's image processor and vision tower, without its language model.
+
+Who calls it: the ``encoder`` model; ``VisionEncoder.load(model_dir)`` once in ``initialize``, then
+``encode(images)`` per batch. Items from many requests go through one processor call and one tower
+forward (the Qwen2-VL tower attends within each image via ``cu_seqlens``), and the output is split
+back per item. The embeddings are what vLLM's language model expects as ``image_embeds``.
+
+Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
+against the whole checkpoint).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from backend.encode.checkpoint import model_identity
+
+TOWER_PREFIXES = ("visual.", "model.visual.")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    seconds: float
+    bytes_read: int
+    checkpoint_bytes: int
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    embeddings: torch.Tensor             # [tokens, hidden]
+    image_grid_thw: tuple[int, int, int]
+
+
+class VisionEncoder:
+    def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
+                 device: torch.device, dtype: torch.dtype, forward=None):
+        self.tower, self.processor, self.merge_size = tower, processor, merge_size
+        self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
+        self.forward = forward or _transformers_forward(tower)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+             impl: str = "packed", compile: bool = False) -> "VisionEncoder":
+        """``impl``: ``packed`` (``backend.encode.packed_tower``: one varlen-attention pass over the batch) or
+        ``transformers`` (the checkpoint's own module, the reference); ``compile``: torch.compile the packed
+        blocks (CUDA only)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoImageProcessor
+
+        model_dir = Path(model_dir)
+        started = time.perf_counter()
+        config = AutoConfig.from_pretrained(model_dir)
+        tower_cls = _tower_class(config.model_type)
+        dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
+        tower = tower_cls._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
+        state, read = {}, 0
+        files = sorted(model_dir.glob("*.safetensors"))
+        for path in files:
+            with safe_open(path, "pt", device="cpu") as fh:
+                for key in fh.keys():
+                    prefix = next((p for p in TOWER_PREFIXES if key.startswith(p)), None)
+                    if prefix:
+                        tensor = fh.get_tensor(key)
+                        state[key[len(prefix):]] = tensor
+                        read += tensor.numel() * tensor.element_size()
+        if not state:
+            raise ValueError(f"{model_dir}: no vision-tower tensors (prefixes {TOWER_PREFIXES})")
+        tower.load_state_dict(state, strict=True)
+        if torch.device(device).type == "cuda" and dtype == torch.float32:
+            # fp32 means fp32: TF32 convolutions/matmuls (cuDNN's default) move embeddings by ~1e-3
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
+        tower = tower.to(device=device, dtype=dtype).eval()
+        processor = AutoImageProcessor.from_pretrained(model_dir)
+        report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
+        if impl not in ("packed", "transformers"):
+            raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
+        forward = None
+        if impl == "packed":
+            from backend.encode.packed_tower import PackedTower
+            forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
+        return cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
+                   torch.device(device), dtype, forward)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[EncodedItem]:
+        if not images:
+            return []
+        batch = self.processor(images=images, return_tensors="pt")
+        grid = batch["image_grid_thw"]
+        pixels = batch["pixel_values"].to(self.device, self.dtype)
+        embeds = self.forward(pixels, grid)
+        sizes = (grid.prod(-1) // (self.merge_size ** 2)).tolist()
+        return [EncodedItem(e, tuple(int(x) for x in g)) for e, g in zip(embeds.split(sizes), grid.tolist())]
+
+
+def _transformers_forward(tower):
+    def forward(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        out = tower(pixels, grid_thw=grid.to(pixels.device))
+        return getattr(out, "pooler_output", out)
+    return forward
+
+
+def _tower_class(model_type: str):
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VisionTransformerPretrainedModel
+    raise ValueError(f"no vision tower known for model_type {model_type!r}")
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One media item of one Triton request in a batch."""
+
+    request_index: int
+    data: bytes
+    content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
+    own_key: str = ""  # the key computed in this process from ``data``, if already done (the cache's key)
+
+
+class EmbeddingCache:
+    """Embeddings of recently encoded items by content key, least recently used out first, at most
+    ``max_bytes`` of tensors (0: off). Keys are computed here from the bytes (never taken from the caller,
+    so a request cannot plant embeddings under another item's key)."""
+
+    def __init__(self, max_bytes: int):
+        import collections
+
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._items: "collections.OrderedDict[str, EncodedItem]" = collections.OrderedDict()
+
+    def get(self, key: str) -> "EncodedItem | None":
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: str, item: EncodedItem) -> None:
+        size = item.embeddings.numel() * item.embeddings.element_size()
+        if size > self.max_bytes or key in self._items:
+            return
+        self._items[key] = item
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.embeddings.numel() * old.embeddings.element_size()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class EncoderService:
+    """Decode -> one batched tower forward -> publish, for the items of several requests at once.
+
+    Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
+    ``run`` returns, per request index, the layout JSON documents of its items or the exception that
+    failed it; a bad item fails only its own request. Items whose embeddings are in the cache
+    (``cache_bytes`` > 0; same bytes, processing options and model) are published again without being
+    decoded or encoded (``cache_hits``); every item gets its own lease either way.
+    """
+
+    def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
+        from backend.request.media import decode_image
+
+        self.encoder, self.pool, self.limits, self._decode = encoder, pool, limits, decode_image
+        self.processing = processing
+        self.cache = EmbeddingCache(cache_bytes)
+        self.items_encoded = 0
+        self.cache_hits = 0
+        self.encode_seconds = 0.0
+
+    def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
+        from backend.protocol.layout import LayoutMetadata, content_key
+
+        results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
+        ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
+        for job in jobs:
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity)) if self.cache.max_bytes else ""
+            cached = self.cache.get(key) if key else None
+            if cached is not None:
+                ready.append([job, cached, key, None])
+                continue
+            try:
+                ready.append([job, None, key, self._decode(job.data, "image", self.limits)])
+            except Exception as exc:
+                results[job.request_index] = exc
+        # a request with one bad item fails whole; its other items are not encoded
+        ready = [r for r in ready if not isinstance(results[r[0].request_index], BaseException)]
+        misses = [i for i, entry in enumerate(ready) if entry[1] is None]
+        if not ready:
+            return results
+        if misses:
+            started = time.perf_counter()
+            try:
+                encoded = self.encoder.encode([ready[i][3] for i in misses])
+            except Exception as exc:
+                for i in misses:
+                    results[ready[i][0].request_index] = exc
+                ready = [entry for entry in ready if not isinstance(results[entry[0].request_index], BaseException)]
+                encoded, misses = [], []
+            self.encode_seconds += time.perf_counter() - started
+            self.items_encoded += len(encoded)
+            for index, item in zip(misses, encoded):
+                ready[index][1] = item
+                if ready[index][2]:
+                    self.cache.put(ready[index][2], item)
+        self.cache_hits += len(ready) - len(misses)
+        leases: dict[int, list[str]] = {}
+        # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
+        # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
+        deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
+        for job, item, _, _ in ready:
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            try:
+                handle = self.pool.publish(item.embeddings, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                results[job.request_index] = exc
+                for lease_id in leases.pop(job.request_index, []):  # the request failed: free what it got
+                    self.pool.release(lease_id)
+                continue
+            leases.setdefault(job.request_index, []).append(handle.lease_id)
+            layout = LayoutMetadata(content_key=job.content_key, modality="image", model=self.encoder.identity,
+                                    dtype=str(item.embeddings.dtype).removeprefix("torch."),
+                                    shape=tuple(item.embeddings.shape), image_grid_thw=item.image_grid_thw,
+                                    handle=handle)
+            results[job.request_index].append(layout.to_json())
+        return results

@@ -1,0 +1,247 @@
+"""The vision tower's forward, packed: every item of a batch in one pass, attention over cu_seqlens.
+
+Who calls it: ``backend.encode.encoder.VisionEncoder`` (``impl="packed"``, the default), with the weights of the
+checkpoint's own transformers tower module (``PackedTower(tower, vision_config)`` borrows them; nothing is
+copied). Supports the Qwen2-VL tower (full attention per image, LayerNorm, fc1/fc2 MLP) and the Qwen2.5-VL
+tower (window attention except in ``fullatt_block_indexes``, RMSNorm, gated MLP).
+
+What differs from transformers' forward (same weights, same math):
+- attention: one variable-length kernel over the whole batch (``torch.nn.attention.varlen.varlen_attn``,
+  flash attention, on CUDA); elsewhere, items of equal length are stacked and run through one
+  ``scaled_dot_product_attention`` per distinct length. transformers' SDPA path loops over every image
+  (and, in Qwen2.5-VL, over every 8x8 window: 16 kernel calls per 448 px image per layer);
+- the patch embedding is one matmul (the Conv3d has kernel == stride, so it is a linear map of each patch);
+- positions, window orders and cu_seqlens depend only on each item's grid: computed once per grid shape
+  and cached, then concatenated per batch (no per-image Python work in the forward);
+- on CUDA, ``compile=True`` runs one block function through ``torch.compile`` (weights are its inputs, so
+  all layers share one graph; shapes are dynamic), which fuses the norms, rotary and residual adds;
+  batches under ``COMPILE_MIN_TOKENS`` patches, and anything compile cannot take, run eager.
+
+The output equals transformers' ``pooler_output`` (the merged embeddings vLLM takes as ``image_embeds``):
+fp32 to ~1e-6 (``tests/unit/test_packed_tower.py``), bf16 within bf16 rounding (``docs/gpu.md``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_plan(t: int, h: int, w: int, merge: int, window: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """For one item of ``t x h x w`` patches: (positions [n, 2] as (row, col) in the processor's token order,
+    merge-unit order for window attention [n / merge^2] (identity when ``window`` is 0), window lengths in
+    tokens)."""
+    units_h, units_w = h // merge, w // merge
+    # tokens come merge-unit by merge-unit (row-major over units), merge x merge patches inside each unit
+    r = torch.arange(h).view(units_h, merge, 1, 1).expand(units_h, merge, units_w, merge)
+    c = torch.arange(w).view(1, 1, units_w, merge).expand(units_h, merge, units_w, merge)
+    rows = r.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    cols = c.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    positions = torch.stack([rows, cols], dim=-1)
+    if not window:
+        return positions, torch.arange(t * units_h * units_w), (h * w,) * t
+    ur = torch.arange(units_h).view(-1, 1).expand(units_h, units_w).reshape(-1)
+    uc = torch.arange(units_w).view(1, -1).expand(units_h, units_w).reshape(-1)
+    win_h, win_w = -(-units_h // window), -(-units_w // window)
+    win_id = (ur // window) * win_w + uc // window                       # windows row-major over the image
+    key = win_id * (window * window) + (ur % window) * window + uc % window  # then row-major inside a window
+    order = torch.argsort(key)
+    per_frame = units_h * units_w
+    order = torch.cat([order + f * per_frame for f in range(t)])
+    counts = torch.bincount(win_id, minlength=win_h * win_w)
+    lengths = tuple(int(n) * merge * merge for n in counts.tolist() if n) * t
+    return positions, order, lengths
+
+
+# Below this many patches a batch runs eager even with compile=True: measured on an H200 (docs/gpu.md),
+# the compiled block is slower for one 448 px image (1,024 patches) and faster from 8 of them.
+COMPILE_MIN_TOKENS = 4096
+
+
+class PackedTower(torch.nn.Module):
+    def __init__(self, tower: torch.nn.Module, vision_config, compile: bool = False):
+        super().__init__()
+        self.tower = tower
+        cfg = vision_config
+        self.merge = int(cfg.spatial_merge_size)
+        self.windowed = hasattr(cfg, "fullatt_block_indexes") and getattr(cfg, "window_size", 0)
+        self.window = int(cfg.window_size) // self.merge // int(cfg.patch_size) if self.windowed else 0
+        self.full_blocks = set(getattr(cfg, "fullatt_block_indexes", ()) or ()) if self.windowed else None
+        proj = tower.patch_embed.proj
+        self.embed_dim = proj.weight.shape[0]
+        self.num_heads = int(cfg.num_heads)
+        self.head_dim = self.embed_dim // self.num_heads
+        inv_freq = getattr(tower.rotary_pos_emb, "inv_freq", None)
+        if inv_freq is None:
+            dim = self.head_dim // 2
+            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq.detach().float().clone(), persistent=False)
+        self.compile = compile
+        self._block_fn = None
+
+    # -- per-batch metadata ----------------------------------------------------------------------
+    def _plan(self, grid: list[tuple[int, int, int]], device: torch.device):
+        positions, unit_order, lengths, units = [], [], [], 0
+        for t, h, w in grid:
+            pos, order, lens = _grid_plan(t, h, w, self.merge, self.window)
+            positions.append(pos)
+            unit_order.append(order + units)
+            lengths.extend(lens)
+            units += t * (h // self.merge) * (w // self.merge)
+        image_lengths = [h * w for t, h, w in grid for _ in range(t)]
+        plan = {
+            "positions": torch.cat(positions).to(device, non_blocking=True),
+            "full": _cu(image_lengths, device),
+        }
+        if self.windowed:
+            order = torch.cat(unit_order)
+            plan["unit_order"] = order.to(device, non_blocking=True)
+            plan["unit_restore"] = torch.argsort(order).to(device, non_blocking=True)
+            plan["window"] = _cu(lengths, device)
+        return plan
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq                       # [n, 2, head_dim / 4]
+        freqs = freqs.flatten(1)                                                     # (rows | cols)
+        emb = torch.cat([freqs, freqs], dim=-1)                                      # [n, head_dim]
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    # -- forward ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor | list) -> torch.Tensor:
+        grid = [tuple(int(v) for v in row) for row in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+        tower = self.tower
+        weight = tower.patch_embed.proj.weight
+        device, dtype = weight.device, weight.dtype
+        plan = self._plan(grid, device)
+        x = F.linear(pixels.to(device=device, dtype=dtype), weight.reshape(self.embed_dim, -1))
+        cos, sin = self._rotary(plan["positions"])
+        n, unit = x.shape[0], self.merge * self.merge
+        if self.windowed:
+            order = plan["unit_order"]
+            x = x.view(-1, unit, self.embed_dim)[order].view(n, self.embed_dim)
+            cos = cos.view(-1, unit, *cos.shape[1:])[order].view(cos.shape)
+            sin = sin.view(-1, unit, *sin.shape[1:])[order].view(sin.shape)
+        block_fn = self._block() if n >= COMPILE_MIN_TOKENS else _block_eager
+        for index, blk in enumerate(tower.blocks):
+            cu, lengths = plan["window"] if self.windowed and index not in self.full_blocks else plan["full"]
+            x = block_fn(x, cos, sin, cu, max(lengths), lengths, *_block_weights(blk))
+        out = tower.merger(x)
+        if self.windowed:
+            out = out[plan["unit_restore"]]
+        return out
+
+    def _block(self):
+        if self._block_fn is None:
+            self._block_fn = _block_eager
+            if self.compile and self.tower.patch_embed.proj.weight.is_cuda:
+                try:
+                    self._block_fn = torch.compile(_block_compiled, dynamic=True)
+                except Exception as exc:  # noqa: BLE001 - eager is always correct
+                    log.warning("torch.compile unavailable for the packed tower, running eager: %s", exc)
+        return self._block_fn
+
+
+def _cu(lengths: list[int], device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu.to(device, non_blocking=True), tuple(lengths)
+
+
+def _block_weights(blk) -> tuple:
+    """The block's tensors and norm kinds, in ``_block_eager``'s argument order."""
+    mlp = blk.mlp
+    if hasattr(mlp, "gate_proj"):
+        mlp_w = (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+                 mlp.down_proj.weight, mlp.down_proj.bias, _act_name(mlp.act_fn))
+    else:
+        mlp_w = (None, None, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, _act_name(mlp.act))
+    return (_norm(blk.norm1), _norm(blk.norm2), blk.attn.qkv.weight, blk.attn.qkv.bias,
+            blk.attn.proj.weight, blk.attn.proj.bias, blk.attn.num_heads, *mlp_w)
+
+
+def _norm(module) -> tuple:
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is not None:
+        return ("rms", module.weight, None, float(eps))
+    return ("layer", module.weight, module.bias, float(module.eps))
+
+
+def _act_name(fn) -> str:
+    name = type(fn).__name__.lower()
+    for known in ("quickgelu", "silu", "gelutanh", "gelu"):
+        if known in name:
+            return known
+    raise ValueError(f"packed tower: unsupported activation {type(fn).__name__}")
+
+
+def _apply_norm(x, spec):
+    kind, weight, bias, eps = spec
+    if kind == "rms":  # as transformers: normalise in fp32, back to the input dtype, then scale
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def _activate(x, name):
+    if name == "quickgelu":
+        return x * torch.sigmoid(1.702 * x)
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelutanh" else "none")
+
+
+def _rotate(x, cos, sin):
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def _block_eager(x, cos, sin, cu, max_len, lengths, norm1, norm2, qkv_w, qkv_b, proj_w, proj_b, heads,
+                 gate_w, gate_b, up_w, up_b, down_w, down_b, act):
+    n, dim = x.shape
+    qkv = F.linear(_apply_norm(x, norm1), qkv_w, qkv_b).view(n, 3, heads, dim // heads)
+    q, k, v = qkv.unbind(1)
+    out = packed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, cu, max_len, lengths)
+    x = x + F.linear(out.reshape(n, dim), proj_w, proj_b)
+    h = _apply_norm(x, norm2)
+    up = F.linear(h, up_w, up_b)
+    h = _activate(F.linear(h, gate_w, gate_b), act) * up if gate_w is not None else _activate(up, act)
+    return x + F.linear(h, down_w, down_b)
+
+
+def _block_compiled(x, cos, sin, cu, max_len, lengths, *rest):
+    return _block_eager(x, cos, sin, cu, max_len, None, *rest)
+
+
+def packed_attention(q, k, v, cu: torch.Tensor, max_len: int, lengths) -> torch.Tensor:
+    """Non-causal attention within each packed sequence. ``q, k, v``: [tokens, heads, head_dim];
+    ``cu``: int32 [sequences + 1] on q's device; ``lengths``: the same boundaries as host ints (for the
+    fallback; may be None on CUDA)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+    if lengths is None:
+        lengths = tuple(torch.diff(cu).tolist())
+    out = torch.empty_like(q)
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths):
+        if length:
+            by_length.setdefault(length, []).append(start)
+    for length, group in by_length.items():
+        index = (torch.tensor(group, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        shape = (len(group), length, q.shape[1], q.shape[2])
+        qs, ks, vs = (t[index].view(shape).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)
+        out[index] = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+    return out

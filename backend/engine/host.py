@@ -1,0 +1,299 @@
+"""Hosting one in-process vLLM ``AsyncLLM`` inside a Triton Python model (or any process).
+
+Who calls it: a generating model's ``initialize`` calls ``EngineHost.start(engine_args)``; ``execute``
+schedules coroutines with ``submit``; ``finalize`` calls ``shutdown``. The engine lives on a private
+asyncio loop in a daemon thread, because the Triton stub's ``execute`` must return at once for a
+decoupled model while responses keep streaming.
+
+Engine arguments come from a ``model.json`` beside ``config.pbtxt`` and go straight to
+``AsyncEngineArgs`` (like Triton's vllm_backend); relative paths in it are resolved against its folder.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import locale
+import os
+import shutil
+import sys
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Coroutine
+
+from backend.protocol.errors import InvalidInput, Unavailable
+from backend.engine.loop import LoopThread
+from backend.request.generate import GenerateRequest
+
+PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
+
+# Measured on 2 cores (see RECIPES): more OpenMP threads per engine made a 16-token request 50x slower,
+# and the default binds every engine to core 0. Set before vLLM/torch are imported; the operator's
+# environment wins.
+PROCESS_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    # oneDNN's process-wide primitive cache (default 1024 entries) keeps a primitive for every GEMM shape
+    # it has seen, ~0.6-1 MiB each whatever the weight size; a prefilling engine meets a new token count
+    # almost every step, so its EngineCore grew by hundreds of MiB over a soak (docs/robustness.md, "Soak").
+    # vLLM's CPU GEMMs already keep their own primitives (32 most recent shapes per layer), so the global
+    # cache only adds memory; measured: 0.2-0.9 ms more for a GEMM whose shape left vLLM's cache.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
+    # vLLM's CPU worker makes a dozen gloo process groups (world size 1 here), each with a transport device
+    # of its own whose loop thread wakes every 10 ms: ~1,300 wake-ups a second, ~1.2% of a core per idle
+    # engine. The project's vLLM plugin gives them one shared device (backend.engine.patches.share_gloo_device).
+    "EPD_GLOO_SHARED_DEVICE": "1",
+}
+
+# Engine arguments of the engines fed embeddings or layouts (pd, prefill, decode), under model.json's.
+# vLLM's multimodal processor cache (mm_processor_cache_gb, 4 GiB by default) keeps every item the
+# engine received, in the EngineCore too, until that budget (counted in tensor bytes) is full: pulled
+# embeddings are never processed again, so for them it only grows the EngineCore (~13 KiB an item).
+METADATA_ONLY_ENGINE_DEFAULTS = {"mm_processor_cache_gb": 0}
+
+
+def metadata_only_engine_args(model_json: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of an engine fed embeddings or layouts (pd, prefill, decode): model.json's over
+    ``METADATA_ONLY_ENGINE_DEFAULTS``, with ``enable_mm_embeds`` (what such an engine needs to work)."""
+    return {**METADATA_ONLY_ENGINE_DEFAULTS, **model_json, "enable_mm_embeds": True}
+
+
+def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
+    """vLLM's NixlConnector settings of a ``kv_producer`` (prefill) or ``kv_consumer`` (decode) engine: KV
+    buffers in host memory on CPU, in device memory on GPU; a KV that cannot be loaded fails the request
+    (decode has no embeddings to recompute it with)."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cuda" if on_gpu else "cpu",
+            "kv_load_failure_policy": "fail"}
+
+
+def load_engine_args(path: Path) -> dict[str, Any]:
+    """Read a model.json; relative paths are resolved against its folder."""
+    args = json.loads(Path(path).read_text())
+    if not isinstance(args, dict) or "model" not in args:
+        raise ValueError(f"{path}: expected a JSON object with at least a 'model' key")
+    for key in PATH_KEYS:
+        value = args.get(key)
+        if isinstance(value, str) and value and not os.path.isabs(value) and value.startswith("."):
+            args[key] = str((Path(path).parent / value).resolve())
+    return args
+
+
+def prepare_process() -> None:
+    """Process-wide settings for a Triton stub: the UTF-8 locale vLLM/torch need (the stub's is ASCII),
+    the environment defaults above, and torch's intra-op threads.
+
+    Threads: the model files import torch before ``initialize`` runs, so ``OMP_NUM_THREADS`` set here
+    comes too late for this process's pool; it is applied with ``torch.set_num_threads``. Measured on
+    the 2-core machine: the tiny vision tower takes 2.1 ms of CPU per image with one thread and 4.6 ms
+    with two (same wall time), and under load, with every stage sharing the cores, the spinning second
+    thread made the encoder cost ~11 ms of CPU per image."""
+    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    for key, value in PROCESS_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """What one engine step added: new text, cumulative counts, and the finish reason when done."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    kv_transfer_params: dict | None = None  # from a KV producer's final output (prefill)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
+    """Map vLLM's exceptions to domain errors: request faults (its VLLMClientError family, and the
+    ValueErrors its input processing raises) -> InvalidInput naming the field; overload and a dead
+    engine -> Unavailable; anything else stays internal."""
+    from vllm.exceptions import GracefulHTTPError, RetryableRequestError, VLLMClientError
+
+    if type(exc).__name__ == "EngineDeadError" or isinstance(exc, (GracefulHTTPError, RetryableRequestError)):
+        return Unavailable(f"engine unavailable: {exc}")
+    if isinstance(exc, (VLLMClientError, ValueError)):
+        parameter = getattr(exc, "parameter", None)
+        field = (request.prompt_field if parameter in (None, "input_tokens", "prompt")
+                 else f"sampling_parameters.{parameter}")
+        return InvalidInput(field, str(exc))
+    return exc
+
+
+_IPC_BASE: str | None = None
+
+
+def private_ipc_dir() -> str:
+    """A new directory for vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, inherited by the EngineCore), under
+    the one configured, else the temp directory. vLLM names its sockets ``<base>/<uuid4>`` and leaves the
+    files behind: measured, 12 sockets left in /tmp by one start and stop of the ``llm`` test server, ~1,000
+    after a day of tests. The host removes its directory at shutdown."""
+    global _IPC_BASE
+    if _IPC_BASE is None:  # later hosts of this process: the same base, not an earlier host's directory
+        _IPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="epd-vllm-ipc-", dir=_IPC_BASE)
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    return path
+
+
+class EngineHost:
+    def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None):
+        self._loop, self._engine, self._tokenizer, self._ipc_dir = loop, engine, tokenizer, ipc_dir
+
+    @classmethod
+    def start(cls, engine_args: dict[str, Any], stats_observer=None) -> "EngineHost":
+        """``stats_observer``: a ``backend.engine.stats.StatsObserver`` given vLLM's request metrics."""
+        prepare_process()
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        loop = LoopThread("vllm-engine-loop")
+        ipc_dir = private_ipc_dir()
+
+        args = dict(engine_args)
+        if isinstance(args.get("kv_transfer_config"), dict):
+            from vllm.config import KVTransferConfig
+            args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+
+        loggers = None
+        if stats_observer is not None:
+            from backend.engine.stats import stat_logger_factory
+            loggers = [stat_logger_factory(stats_observer)]
+
+        async def create():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
+
+        try:
+            engine = loop.submit(create()).result()
+        except BaseException:
+            loop.stop()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
+        return cls(loop, engine, tokenizer, ipc_dir)
+
+    def submit(self, coro: Coroutine) -> Future:
+        return self._loop.submit(coro)
+
+    def prompt_text(self, request: GenerateRequest) -> str:
+        """The prompt the engine sees: ``text_input`` as is, or the conversation through the chat template."""
+        if request.prompt is not None:
+            return request.prompt
+        return self._tokenizer.apply_chat_template(request.conversation, tokenize=False, add_generation_prompt=True)
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        try:
+            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput("sampling_parameters", str(exc)) from None
+        prompt: dict[str, Any] = {"prompt": self.prompt_text(request)}
+        if request.image_embeds is not None:
+            embeds, grid_thw = request.image_embeds
+            # embeds None: layout only (a KV consumer whose KV already covers the media positions)
+            item = {"image_grid_thw": grid_thw} if embeds is None else {"image_embeds": embeds, "image_grid_thw": grid_thw}
+            prompt["multi_modal_data"] = {"image": item}
+        elif request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        produced = 0
+        try:
+            async for out in self._engine.generate(prompt, params, request_id):
+                completion = out.outputs[0]
+                produced += len(completion.token_ids)
+                if out.finished and completion.finish_reason == "error":  # e.g. the KV could not be loaded
+                    raise Unavailable(f"the engine failed this request (finish_reason=error"
+                                      f"{', a KV transfer' if request.kv_transfer_params else ''})")
+                yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
+                                      completion.finish_reason if out.finished else None,
+                                      getattr(out, "kv_transfer_params", None) if out.finished else None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _domain_error(exc, request) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its EngineCore child) and the loop thread; safe to call twice."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            import psutil
+
+            engines = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
+            # Stop the output handler first, or it logs the engine's exit as an EngineDeadError.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None:
+                self.submit(_cancel_and_wait(handler)).result(timeout=10)
+            engine.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again whenever the object goes, which was seen to be at interpreter
+            # exit (a reference outlives this method), where the module globals it uses are gone: a TypeError
+            # printed at every unload. The engine is shut down; make that call a no-op.
+            engine.shutdown = lambda *args, **kwargs: None
+            stop_engine_processes(engines)
+        self._loop.stop()
+        # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
+        del engine
+        gc.collect()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def stop_engine_processes(engines, timeout: float = 5.0) -> None:
+    """Make sure the engine processes (``_engine_process``) are gone: wait ``timeout`` s, then kill them.
+
+    Measured: an EngineCore with the NIXL connector sometimes outlives ``shutdown()`` for more than 20 s, and
+    vLLM itself kills every EngineCore it waited 5 s for; whoever started it makes sure it is gone, or it
+    leaks (memory, /dev/shm) past the server. multiprocessing's resource tracker is left alone: it never exits
+    while this process lives, and when this process exits it unlinks what a killed EngineCore registered with
+    it and could not remove itself (the POSIX semaphore ``/dev/shm/sem.mp-*`` of tqdm's lock, one per engine,
+    made while the weights load). Killing the tracker here too left those behind: 4 per server stop."""
+    import psutil
+
+    _, alive = psutil.wait_procs(engines, timeout=timeout)
+    alive = [proc for proc in alive if _alive(proc)]
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _engine_process(proc) -> bool:
+    """A child that exits when the engine shuts down: not multiprocessing's resource tracker, which runs
+    until this process exits (its pipe closes)."""
+    import psutil
+
+    try:
+        return not any("resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+async def _cancel_and_wait(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

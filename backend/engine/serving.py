@@ -1,0 +1,143 @@
+"""Streaming one generate request from an engine to a response sink.
+
+Who calls it: a generating model schedules ``stream_generation`` on its engine loop for each request
+it has parsed. The sink is the Triton response sender behind an adapter (``backend.triton.io``) or a
+fake in unit tests. Contract, whatever happens: the sink gets exactly one final signal (a final
+chunk, an error, or a bare close after a client cancel), and a cancelled request is aborted in the
+engine so it stops generating and frees its KV.
+"""
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+from backend.engine.host import GenerationDelta
+from backend.request.generate import GenerateRequest
+
+
+@dataclass(frozen=True)
+class ResponseChunk:
+    text_output: str
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    timings: dict | None = None  # stage breakdown on an orchestrator's final response
+    kv_transfer_params: dict | None = None  # a prefill stage's handle to its KV, for decode
+
+
+class ResponseSink(Protocol):
+    def is_cancelled(self) -> bool: ...
+    def send(self, chunk: ResponseChunk, final: bool) -> None: ...
+    def send_error(self, exc: BaseException) -> None:
+        """Send ``exc`` as the request's final response."""
+    def close(self) -> None:
+        """Send the final flag with no response (after a client cancel)."""
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestObserver(Protocol):
+    def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None: ...
+    def request_retried(self, what: str) -> None: ...  # orchestrators: "encode" (one item) or "request"
+
+
+class GenerationEngine(Protocol):
+    def prompt_text(self, request: GenerateRequest) -> str: ...
+    def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]: ...
+    async def abort(self, request_id: str) -> None: ...
+
+
+async def stream_generation(engine: GenerationEngine, request: GenerateRequest, sink: ResponseSink,
+                            observer: RequestObserver | None = None, request_id: str | None = None,
+                            prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
+                            interval: float = 0.0) -> Outcome:
+    """Run one request to its end. ``prepare`` (e.g. pulling embeddings) runs first; its failure is
+    the request's error, and nothing is submitted to the engine.
+
+    Streaming sends the first text at once, then at most one response per ``interval`` seconds: text of
+    the steps in between waits for the next step at least ``interval`` after the last send (or the end).
+    0 sends every step's text (vLLM itself merges steps a slow reader has not taken yet)."""
+    request_id = request_id or uuid.uuid4().hex
+    last: GenerationDelta | None = None
+    outcome = Outcome.ERROR
+    try:
+        if prepare is not None:
+            request = await prepare(request)
+        chunker = Chunker(engine, request, interval)
+        async for delta in engine.generate(request, request_id):
+            last = delta
+            if sink.is_cancelled():
+                await engine.abort(request_id)
+                sink.close()
+                outcome = Outcome.CANCELLED
+                return outcome
+            chunk = chunker.add(delta)
+            if chunk is not None:
+                sink.send(chunk, final=delta.finished)
+            if delta.finished:
+                outcome = Outcome.OK
+                return outcome
+        raise RuntimeError("engine stream ended without a finished output")
+    except BaseException as exc:
+        outcome = Outcome.ERROR
+        await _abort_quietly(engine, request_id)
+        sink.send_error(exc)
+        if not isinstance(exc, Exception):
+            raise
+        return outcome
+    finally:
+        if observer is not None:
+            observer.request_finished(outcome, last.num_output_tokens if last else 0)
+
+
+class Chunker:
+    """Engine deltas -> the responses a client gets (``stream_generation``'s rules, also used by an in-process
+    generator stage): streaming sends the first text at once, then at most one response per ``interval``
+    seconds (and the final one); non-streaming sends one final response, the prompt in front unless
+    ``exclude_input_in_output``."""
+
+    def __init__(self, engine: GenerationEngine, request: GenerateRequest, interval: float = 0.0):
+        self.engine, self.request, self.interval = engine, request, interval
+        self.pieces: list[str] = []
+        self.last_sent = float("-inf")
+
+    def add(self, delta: GenerationDelta) -> ResponseChunk | None:
+        """The response to send after ``delta``, or None (nothing to send yet)."""
+        request, pieces = self.request, self.pieces
+        pieces.append(delta.text)
+        if request.stream:
+            now = time.monotonic()
+            if delta.finished or (any(pieces) and now - self.last_sent >= self.interval):
+                self.last_sent = now
+                chunk = _chunk(request, delta, "".join(pieces))
+                pieces.clear()
+                return chunk
+        elif delta.finished:
+            prefix = "" if request.exclude_input_in_output else self.engine.prompt_text(request)
+            return _chunk(request, delta, prefix + "".join(pieces))
+        return None
+
+
+def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> ResponseChunk:
+    if not delta.finished:
+        return ResponseChunk(text)
+    return ResponseChunk(
+        text, finish_reason=delta.finish_reason,
+        num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
+        num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
+        timings=request.timings, kv_transfer_params=delta.kv_transfer_params,
+    )
+
+
+async def _abort_quietly(engine: GenerationEngine, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:  # the engine may already be gone; the request's error is what matters
+        pass

@@ -1,0 +1,103 @@
+"""vLLM's own request metrics, taken from its stat-logger interface, for the engine-hosting models.
+
+Who calls it: ``EngineHost.start`` passes ``stat_logger_factory(observer)`` to
+``AsyncLLM.from_engine_args(stat_loggers=...)``. vLLM then calls the logger's ``record`` on the engine's
+output-handler task (the engine loop thread) once per engine step with that step's ``IterationStats``;
+``stats_delta`` turns them into plain totals for that step and the observer adds them to its counters
+(``backend.triton.io.EngineMetrics`` on the metrics port; a list in unit tests).
+
+What vLLM measures (``vllm/v1/metrics/stats.py``), and what each field of ``StatsDelta`` is:
+
+- ``prompt_tokens`` / ``generation_tokens``: prompt tokens of the requests that finished in this step
+  (what clients get as ``num_input_tokens``), and tokens sampled in this step (of every request,
+  cancelled ones included);
+- ``ttft``: per request, the time from its arrival at the engine (``AsyncLLM.generate``) to its first
+  token; one sample per request that got one;
+- ``inter_token``: the time between two consecutive tokens of one request (one sample per token after
+  the first), vLLM's time per output token;
+- ``queue`` / ``prefill`` / ``decode``: per finished request, the time it waited in the engine's queue
+  (QUEUED -> SCHEDULED), from scheduling to its first token, and from its first token to its last.
+- ``kv_cache_usage``: from the step's scheduler stats, the fraction of the engine's KV cache blocks held
+  by requests after the step (blocks kept only as prefix cache count as free); 0 once every request's
+  blocks are back, e.g. prefill's after decode read them, decode's after an abort.
+
+No Triton import here: the logger and the conversion are unit-tested with fake stats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+
+@dataclass
+class Samples:
+    """A sum and a count (Prometheus summary-style, so rates and means come out of two counters), and the
+    samples themselves (one step's: for histograms)."""
+
+    seconds: float = 0.0
+    count: int = 0
+    values: list[float] = field(default_factory=list)
+
+    def add(self, values) -> None:
+        for value in values:
+            value = max(0.0, float(value))
+            self.seconds += value
+            self.count += 1
+            self.values.append(value)
+
+
+@dataclass
+class StatsDelta:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Samples = field(default_factory=Samples)
+    inter_token: Samples = field(default_factory=Samples)
+    queue: Samples = field(default_factory=Samples)
+    prefill: Samples = field(default_factory=Samples)
+    decode: Samples = field(default_factory=Samples)
+    kv_cache_usage: float | None = None  # fraction of KV cache blocks in use after the step (scheduler stats)
+
+    SAMPLED = ("ttft", "inter_token", "queue", "prefill", "decode")
+
+
+class StatsObserver(Protocol):
+    def engine_stats(self, delta: StatsDelta) -> None: ...
+
+
+def stats_delta(iteration_stats) -> StatsDelta:
+    """One engine step's ``IterationStats`` as totals (see the module docstring)."""
+    finished = list(getattr(iteration_stats, "finished_requests", ()) or ())
+    delta = StatsDelta(prompt_tokens=sum(int(r.num_prompt_tokens) for r in finished),
+                       generation_tokens=int(iteration_stats.num_generation_tokens))
+    delta.ttft.add(iteration_stats.time_to_first_tokens_iter)
+    delta.inter_token.add(iteration_stats.inter_token_latencies_iter)
+    delta.queue.add(r.queued_time for r in finished)
+    delta.prefill.add(r.prefill_time for r in finished)
+    delta.decode.add(r.decode_time for r in finished)
+    return delta
+
+
+def stat_logger_factory(observer: StatsObserver) -> Callable:
+    """A per-engine ``StatLoggerFactory`` for ``AsyncLLM(stat_loggers=[...])`` reporting to ``observer``.
+
+    Passing a logger turns vLLM's stats collection on even with ``disable_log_stats`` (which then only
+    keeps vLLM's periodic log line off); vLLM also keeps its own Prometheus logger, in this process's
+    registry, which nothing serves."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class TritonStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if iteration_stats is None and scheduler_stats is None:
+                return
+            delta = stats_delta(iteration_stats) if iteration_stats is not None else StatsDelta()
+            if scheduler_stats is not None:
+                delta.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            observer.engine_stats(delta)
+
+        def log_engine_initialized(self):
+            pass
+
+    return TritonStatLogger

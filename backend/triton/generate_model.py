@@ -1,0 +1,207 @@
+"""The Triton adapter shared by the vLLM-hosting models (``llm``, ``pd``): read config once, host the
+engine, convert tensors, hand each parsed request to ``backend.engine.serving``. Each ``model.py`` subclasses
+``GenerateModel`` and names what differs (how media are resolved, what runs before generation).
+
+Imported by ``model.py`` files only (it imports ``triton_io``, hence ``pb_utils``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from backend.engine.host import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
+from backend.protocol.errors import InvalidInput
+from backend.request.media import MediaLimits, decode_counter
+from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
+from backend.engine.serving import stream_generation
+from backend.triton.cancel_board import CancelBoard
+from backend.triton.counter_batch import CounterBatch
+from backend.deploy.ports import free_ports
+from backend.triton.io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, in_band_cancel, read_generate_inputs,
+                               request_parameters, send_error, watched_sink)
+
+
+def parameter(config: dict, key: str, default: str) -> str:
+    return config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+
+class GenerateModel:
+    """Subclasses implement ``make_resolver`` and may override ``prepare`` (runs on the engine loop
+    before generation; its errors fail that request only) and ``engine_args_from`` (the engine arguments
+    made of model.json's)."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        self.config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        if not pb_utils.using_decoupled_model_transaction_policy(self.config):
+            raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
+        model_dir = Path(args["model_repository"])
+        # A KIND_GPU instance: its engine runs on the instance's GPU (Triton gives each instance one device id)
+        self.on_gpu = args.get("model_instance_kind") == "GPU"
+        if self.on_gpu:  # before anything initializes CUDA in this stub; the EngineCore child inherits it
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
+        self.engine_args = self.engine_args_from(load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")))
+        self.limits = RequestLimits(
+            max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
+            media=MediaLimits(
+                max_image_pixels=int(parameter(self.config, "max_image_pixels", "16000000")),
+                max_item_bytes=int(parameter(self.config, "max_item_bytes", str(32 << 20))),
+                allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
+                allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
+            ),
+        )
+        self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation
+        self.resolver = self.make_resolver()
+        self.metric_batch = CounterBatch()  # this model's counters, handed to Triton a few times a second
+        instance = args.get("model_instance_name", "")  # a label of each instance's metrics (metric_labels)
+        self.metrics = RequestMetrics(self.name, self.metric_batch, instance)
+        for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
+            os.environ[key] = value
+        self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
+        self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
+        self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
+
+    def make_resolver(self) -> MediaResolver:
+        raise NotImplementedError
+
+    def engine_args_from(self, model_json: dict[str, Any]) -> dict[str, Any]:
+        return model_json
+
+    def process_env(self) -> dict[str, str]:
+        return {}
+
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        return request
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            params = request_parameters(request)
+            tag = bool(params.get(ERROR_CODES_PARAMETER))
+            if in_band_cancel(sender, params, self.cancels, tag):
+                continue
+            try:
+                parsed = parse_generate_request(read_generate_inputs(request), self.resolver, self.limits)
+            except Exception as exc:
+                send_error(sender, exc, tag)
+                continue
+            finally:
+                self.metrics.media_decodes(decode_counter.count)
+            request_id, sink = watched_sink(request, sender, self.cancels, tag, self.metrics)
+            self.host.submit(self.cancels.tracking(request_id, stream_generation(
+                self.host, parsed, sink, self.metrics, prepare=self.prepare, interval=self.stream_interval)))
+        return None
+
+    def finalize(self) -> None:
+        self.host.shutdown()
+        self.cancels.close()
+        # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
+        # engine's stat logger may still hold engine_metrics, so its metrics are freed explicitly.
+        self.metric_batch.close()
+        self.engine_metrics.close()
+        self.metrics.close()
+        del self.metrics, self.engine_metrics, self.metric_batch
+
+
+class MetadataOnlyModel(GenerateModel):
+    """A vLLM model fed metadata-only media (``image_layouts``): ``pd`` and ``prefill`` pull each item's
+    embeddings before submitting (``PULL_EMBEDDINGS``); ``decode`` submits the layout alone, since the KV
+    it receives already covers the media positions. Nothing is submitted whose embeddings are not here:
+    a failed pull fails that request with UNAVAILABLE. ``prefill`` and ``decode`` also take media
+    (``TAKES_MEDIA``: P/D, an orchestrator that skips the encoders), which their engine then processes."""
+
+    PULL_EMBEDDINGS = True
+    TAKES_MEDIA = False
+    KV_ROLE: str | None = None  # "kv_producer" (prefill) / "kv_consumer" (decode): vLLM's NixlConnector
+    # EngineCore: after a step that ran no model, wait up to this long for new input (model parameter
+    # engine_idle_wait_ms; backend.engine.patches.patch_idle_wait). "": vLLM's own 1 ms sleep.
+    IDLE_WAIT_MS = ""
+
+    def initialize(self, args):
+        super().initialize(args)
+        if self.PULL_EMBEDDINGS:
+            from backend.transfer.announce import ProducerWatcher, directory
+            from backend.transfer.consumer import EmbeddingConsumer
+
+            self.consumer = EmbeddingConsumer(role=self.name)
+            self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user
+            # connect to this server's encoders ahead of the first pull, on the pulls' thread
+            self.producers = ProducerWatcher(directory(), lambda handle: self.pulls.submit(self.consumer.warm, handle))
+
+    def make_resolver(self):
+        from backend.encode.checkpoint import model_identity
+        from backend.request.generate import LayoutMedia, LayoutOrDecodeMedia
+
+        identity = model_identity(self.engine_args["model"])
+        return LayoutOrDecodeMedia(identity, self.limits.media) if self.TAKES_MEDIA else LayoutMedia(identity)
+
+    def engine_args_from(self, model_json):
+        args = metadata_only_engine_args(model_json)
+        if self.KV_ROLE:
+            args["kv_transfer_config"] = kv_transfer_config(self.KV_ROLE, self.on_gpu)
+        return args
+
+    def process_env(self):
+        if not self.KV_ROLE:
+            return {}
+        port = parameter(self.config, "nixl_side_channel_port", "") or str(free_ports()[0])
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "EPD_NIXL_POLL_DELAY_US": parameter(self.config, "nixl_poll_delay_us", "5000"),
+                "EPD_ENGINE_IDLE_WAIT_MS": parameter(self.config, "engine_idle_wait_ms", self.IDLE_WAIT_MS),
+                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        from backend.protocol.layout import LayoutMetadata
+
+        layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
+        if layouts < len(request.images):  # media decoded here (TAKES_MEDIA): the engine processes them
+            if layouts:
+                raise InvalidInput("messages", "give media either as media or as image_layouts, not both")
+            return request
+        if not request.images:
+            return request
+        import torch
+
+        timings = {}
+        if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
+            from backend.diagnostics.naive_media import process_original_media
+
+            seconds = process_original_media(request.original_media, request.images, self.image_processor(),
+                                             self.limits.media)
+            self.metrics.media_decodes(decode_counter.count)
+            timings["media_ms"] = round(seconds * 1000, 3)
+        grid = torch.tensor([list(layout.image_grid_thw) for layout in request.images], dtype=torch.int64)
+        if not self.PULL_EMBEDDINGS:
+            return replace(request, images=(), image_embeds=(None, grid), timings=timings or None)
+        from backend.transfer.consumer import pull_image_embeds
+
+        started = time.perf_counter()
+        embeds = await asyncio.get_running_loop().run_in_executor(
+            self.pulls, pull_image_embeds, self.consumer, request.images)
+        seconds = time.perf_counter() - started
+        timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
+        self.metrics.transferred(timings["transfer_bytes"], seconds)
+        return replace(request, images=(), image_embeds=embeds, timings=timings)
+
+    def image_processor(self):
+        """The checkpoint's image processor, loaded at the first request with ``original_media``."""
+        if getattr(self, "_image_processor", None) is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
+        return self._image_processor
+
+    def finalize(self):
+        super().finalize()
+        if self.PULL_EMBEDDINGS:
+            self.producers.close()
+            self.pulls.shutdown(wait=True)
+            self.consumer.close()  # sends the releases still queued

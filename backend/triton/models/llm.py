@@ -1,0 +1,12 @@
+"""``llm``: the single-engine baseline. One in-process vLLM AsyncLLM, given the raw media.
+
+Adapter only (see DESIGN.md): ``backend.triton.generate_model`` reads the config, hosts the engine and
+streams; here we say that media are decoded in this model.
+"""
+from backend.triton.generate_model import GenerateModel
+from backend.request.generate import DecodeMedia
+
+
+class TritonPythonModel(GenerateModel):
+    def make_resolver(self):
+        return DecodeMedia(self.limits.media)

@@ -1,0 +1,230 @@
+"""``StageClient`` for the ``epd`` model: encoders over BLS, generator stages over the server's gRPC endpoint.
+
+``encode`` is one non-decoupled BLS call (``async_exec``) to the encoder model per item; Triton's dynamic
+batcher gathers the items of concurrent requests.
+
+``generate`` streams a generator stage (``pd``, ``prefill``, ``decode``) through the server's own gRPC
+endpoint (tritonclient's asyncio client, on the model's event loop), not through decoupled BLS. Measured,
+with gdb on a stuck ``epd`` stub, after ~1,700 requests at concurrency 16: Triton 2.51's decoupled BLS
+can deadlock the stub. A thread in ``ResponseIterator::Next`` holds the iterator's mutex while it takes
+the GIL back; the stub's message thread holds the iterator-map mutex while it waits for that iterator
+mutex; and a thread starting another decoupled call holds the GIL while it waits for the map mutex.
+Before that, the same stub also crashed (heap corruption: the stub frees finished iterators' numpy
+arrays without the GIL, fixed upstream only in python_backend r25.01). A gRPC stream has neither
+problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
+the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``backend.triton.cancel_board``). A
+stage request the orchestrator gives up on (its client cancelled, the deadline passed) is cancelled in band,
+by a second request naming its request id; the stage aborts its engine request and ends the stream.
+
+``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``backend.triton.models.colocated``) pairs it
+with its in-process generator (``ensemble.local_stages``).
+
+Each generator stage's gRPC address comes from the topology (its ``endpoint``, rendered as the orchestrator's
+``<role>_endpoint`` parameter): ``local`` is this server's own gRPC endpoint, read from its command line at load
+(``backend.deploy.server_address``). ``watch`` checks after load that every stage answers there and logs the outcome, so a
+deployment whose stages cannot be reached says so before a request fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.protocol.errors import Unavailable
+from backend.deploy.server_address import LOCAL, resolve
+from backend.request.generate import MediaBytes, RawGenerateInputs
+from backend.engine.serving import ResponseChunk
+from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
+from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
+from ensemble.orchestrator import Stage
+
+GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
+KV_OUTPUT = "kv_transfer_params"
+log = logging.getLogger(__name__)
+_TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
+ENDPOINT_PARAMETERS = {Stage.GENERATE: "generator_endpoint", Stage.PREFILL: "prefill_endpoint",
+                       Stage.DECODE: "decode_endpoint"}  # the orchestrator's config parameter per stage role
+
+
+def stage_values(raw: RawGenerateInputs) -> dict:
+    """The shared interface's input values of a stage request (``backend.triton.grpc_stream.grpc_inputs``)."""
+    values: dict = {}
+    for name in ("text_input", "messages", "sampling_parameters", "kv_transfer_params"):
+        if getattr(raw, name) is not None:
+            values[name] = getattr(raw, name)
+    if raw.images:  # P/D: the client's media, for prefill and decode to process
+        values["image"] = list(raw.images)
+    if raw.image_layouts:
+        values["image_layouts"] = [layout.encode() for layout in raw.image_layouts]
+    if raw.original_media:  # metadata-only off (naive EPD)
+        values["original_media"] = list(raw.original_media)
+    for name in ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens"):
+        values[name] = bool(getattr(raw, name))
+    return values
+
+
+def _chunk(result) -> ResponseChunk:
+    def value(name):
+        array = result.as_numpy(name)
+        if array is None or not array.size:
+            return None
+        item = array.reshape(-1)[0]
+        return item.decode("utf-8") if isinstance(item, bytes) else int(item)
+    timings, kv_params = value("timings"), value(KV_OUTPUT)
+    return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
+                         value("num_output_tokens"), json.loads(timings) if timings else None,
+                         json.loads(kv_params) if kv_params else None)
+
+
+async def _unavailable_if_unreachable(stream, model: str, url: str):
+    """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
+    lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above)."""
+    import grpc
+
+    iterator = stream.__aiter__()
+    while True:
+        try:
+            item = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise
+            raise Unavailable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
+                              f"{exc.code().name} {exc.details()}") from None
+        yield item
+
+
+def _is_final(result) -> bool:
+    param = result.get_response().parameters.get("triton_final_response")
+    return bool(param and param.bool_param)
+
+
+def stage_urls(config_parameter, stages) -> dict[Stage, str]:
+    """The gRPC address of each of ``stages`` from the orchestrator's ``<role>_endpoint`` parameters
+    (``config_parameter(name, default)``); raises ``backend.deploy.server_address.EndpointError`` naming the stage."""
+    models = {Stage.GENERATE: ("generator_model", "pd"), Stage.PREFILL: ("prefill_model", "prefill"),
+              Stage.DECODE: ("decode_model", "decode")}
+    return {stage: resolve(config_parameter(*models[stage]), config_parameter(ENDPOINT_PARAMETERS[stage], LOCAL))
+            for stage in stages}
+
+
+class BlsEncoders:
+    """The encoder half of a ``StageClient``: one non-decoupled BLS call per item (also used by the
+    colocated E+PD model, ``backend.triton.models.colocated``, whose generator runs in process)."""
+
+    def __init__(self, encoder_model: str = "encoder"):
+        self.encoder_model = encoder_model
+
+    async def encode(self, item: MediaBytes, key: str) -> str:
+        request = pb_utils.InferenceRequest(
+            model_name=self.encoder_model, requested_output_names=["layout"], parameters=_TAGGED,
+            inputs=[pb_utils.Tensor("image", np.array([[item.data]], dtype=np.object_)),
+                    pb_utils.Tensor("content_key", np.array([[key.encode()]], dtype=np.object_))])
+        response = await request.async_exec()
+        if response.has_error():
+            raise from_triton_error(response.error(), self.encoder_model)
+        return pb_utils.get_output_tensor_by_name(response, "layout").as_numpy().reshape(-1)[0].decode()
+
+
+class TritonStages(BlsEncoders):
+    """``urls``: the gRPC address of each generator stage role this orchestrator asks (``backend.deploy.server_address``);
+    one client per address."""
+
+    def __init__(self, urls: dict[Stage, str], encoder_model: str = "encoder", generator_model: str = "pd",
+                 prefill_model: str = "prefill", decode_model: str = "decode"):
+        super().__init__(encoder_model)
+        self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
+        self.urls = dict(urls)
+        self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
+
+    def _client(self, stage: Stage):
+        import tritonclient.grpc.aio as aio
+
+        url = self.urls[stage]
+        if url not in self._clients:
+            self._clients[url] = aio.InferenceServerClient(url)
+        return self._clients[url]
+
+    async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
+        """After load: wait until every stage answers ready at its address; log that once (INFO), or, while one
+        does not after ``warn_after`` seconds, an ERROR naming the stage, the address and the last answer (then
+        keep waiting: a stage may load late). Returns stage model -> address. Cancelled at unload."""
+        import tritonclient.grpc.aio as aio
+
+        waiting = {self.models[stage]: stage for stage in self.urls}
+        started, warned, last = time.monotonic(), False, {}
+        while waiting:
+            for model, stage in list(waiting.items()):
+                # A channel of its own per probe: one that failed to connect (the server's endpoints open only
+                # after every model loaded) backs off before it tries again, and would fail requests meanwhile.
+                probe = aio.InferenceServerClient(self.urls[stage])
+                try:
+                    if await probe.is_model_ready(model):
+                        del waiting[model]
+                        continue
+                    last[model] = "not ready"
+                except Exception as exc:  # noqa: BLE001 - the answer is what we log
+                    last[model] = str(exc)
+                finally:
+                    await probe.close()
+            if waiting and not warned and time.monotonic() - started > warn_after:
+                warned = True
+                for model, stage in waiting.items():
+                    pb_utils.Logger.log_error(
+                        f"stage {model} not reachable over gRPC at {self.urls[stage]} after {warn_after:.0f} s "
+                        f"({last.get(model)}): requests that need it fail UNAVAILABLE; check its endpoint in the topology")
+            if waiting:
+                await asyncio.sleep(interval if not warned else 5.0)
+        reached = {self.models[stage]: url for stage, url in self.urls.items()}
+        pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
+        return reached
+
+    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
+        """Stream the stage's chunks. If the consumer stops early (``aclose``: its client cancelled), the
+        gRPC stream is cancelled, and with it the stage's request."""
+        import tritonclient.grpc as grpcclient
+
+        client, url = self._client(stage), self.urls[stage]
+        outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
+        request_id = f"epd-{uuid.uuid4().hex}"
+        request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
+                   "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
+        finished = False
+        async with single_request_stream(client, request) as stream:
+            try:
+                async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], url)) as items:
+                    async for result, error in items:
+                        if error is not None:
+                            finished = True
+                            raise from_triton_error(error, self.models[stage])
+                        chunk = _chunk(result)
+                        finished = chunk.finish_reason is not None or _is_final(result)
+                        if chunk.text_output or chunk.finish_reason is not None:
+                            yield chunk
+                        if finished:
+                            return
+            finally:
+                if not finished:  # the block's exit then reads the stream to its end, which the stage closes
+                    await self._cancel(client, self.models[stage], request_id)
+
+    async def _cancel(self, client, model: str, request_id: str) -> None:
+        """Cancel a stage request in band (``backend.triton.cancel_board``: cancelling the gRPC stream can deadlock
+        Triton 2.51's gRPC frontend). Should this fail, the stream is still read to its end, and cancelled
+        after ``backend.triton.grpc_stream.END_OF_STREAM_SECONDS`` (``read_to_end``)."""
+        try:
+            await cancel_in_band(client, model, request_id, _TAGGED)
+        except Exception as exc:  # noqa: BLE001 - the stream's own end is the fallback
+            log.warning("cancelling %s request %s in band: %s", model, request_id, exc)
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()

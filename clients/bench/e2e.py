@@ -1,0 +1,268 @@
+"""End-to-end serving benchmark: several deployments side by side, one run, one table.
+
+Deployments (``--models``): ``llm`` (the baseline), ``epd`` (E+PD), ``epd_naive`` (E+PD with metadata-only
+off: the consumer also gets the original media and decodes/preprocesses it, as a naive EPD),
+``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
+colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D),
+``epd_disagg_naive`` and ``epd_disagg_colocated`` (E/P/D with the orchestrator colocated with the prefill engine:
+``stages.prefill.orchestrator: colocated``, rendered so likewise), ``p_d`` (P/D: E/P/D's prefill and decode without
+the encoders, request parameter ``epd_encode=false``; each engine processes the media, as vLLM's own P/D). Load (``clients.bench.load``): a concurrency sweep (closed loop,
+``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
+``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
+latencies read from its profile export (``clients.bench.perf_analyzer.load_level``; the load generator shares
+the server's cores, and the Python one costs ~2-3 ms of CPU per request). Dataset: synthetic
+images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--max-tokens`` greedy tokens
+with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
+TTFT, time per output token and end-to-end latency p50/p90/p99, the p50 stage breakdown from the
+orchestrators' ``timings`` (encode, transfer, media, prefill, generate); a markdown table on stdout, a
+progress bar on stderr, and with ``--out DIR`` results.json (rows and every sample), results.csv,
+latency_cdf.png, ttft_cdf.png and throughput.png.
+
+Servers: by default each deployment runs on a server of its own rendered from ``--topology``, one after
+the other (on a 2-core machine, idle engines of the other deployments would otherwise share the cores);
+deployments of one topology mode (``epd`` and ``epd_naive``) share their server and run in turn.
+``--shared`` benchmarks the models of one server started on the committed repository instead, and
+``--url`` a server that is already running. ``--compile`` runs the engines with torch.compile.
+
+    python -m clients.bench.e2e --models llm,epd,epd_disagg --concurrency 1,4,16 --requests 200 --compile
+    python -m clients.bench.e2e --models epd,epd_naive --rate 5,10 --requests 100 --images 2 --out .cache/bench
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from clients.bench import report as bench_report
+from clients.bench.load import folder_images, folder_requests, run_concurrency, run_rate, synthetic_requests
+
+NAIVE = {"epd_metadata_only": False}
+P_D = {"epd_encode": False}  # E/P/D's prefill and decode without the encoders: they process the media themselves
+# deployment -> (label, topology mode, model name on the committed repository, request parameters)
+DEPLOYMENTS = {
+    "llm": ("llm (one engine)", "baseline", "llm", None),
+    "epd": ("E+PD", "E+PD", "epd", None),
+    "epd_naive": ("E+PD naive (metadata-only off)", "E+PD", "epd", NAIVE),
+    "epd_colocated": ("E+PD colocated", "E+PD", "epd", None),
+    "epd_disagg": ("E/P/D", "E/P/D", "epd_disagg", None),
+    "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
+    "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
+    "p_d": ("P/D (no encoder)", "E/P/D", "epd_disagg", P_D),
+}
+# served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
+COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
+
+
+def server_group(key: str) -> tuple[str, str]:
+    """Deployments of one group share a server: (topology mode, where E+PD's orchestrator runs)."""
+    return DEPLOYMENTS[key][1], "colocated" if key in COLOCATED else "proxy"
+
+
+class Bench:
+    """One run's settings; ``run_server`` benchmarks deployments against one server."""
+
+    def __init__(self, args):
+        self.args = args
+        self.mode = "rate" if args.rate else "concurrency"
+        self.levels = [float(v) for v in (args.rate or args.concurrency).split(",")]
+        self.media = folder_images(args.image_dir) if args.image_dir else None
+        self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
+        self.rows: list[dict] = []
+        self.samples: dict[tuple[str, float], list[bench_report.Sample]] = {}
+
+    def _fresh(self, count: int) -> int:
+        """The first seed of ``count`` requests never sent before in this run: every level and deployment
+        gets its own images, so neither the encoder's embedding cache nor vLLM's processor cache serves an
+        image a previous row already sent."""
+        self._next_seed = getattr(self, "_next_seed", 0) + count
+        return self._next_seed - count
+
+    def requests(self, count: int, parameters: dict | None, first: int = 0):
+        a = self.args
+        made = (folder_requests(self.media, count, a.images, a.max_tokens, first) if self.media is not None
+                else synthetic_requests(count, a.images, self.sizes, a.max_tokens, first))
+        for inputs in made:
+            inputs.parameters = parameters
+        return made
+
+    async def _level(self, url: str, model: str, level: float, requests, progress):
+        """(results, wall seconds, CPU seconds of a load generator process other than this one)."""
+        if self.args.load_generator == "perf_analyzer":
+            from clients.bench import perf_analyzer
+            from clients.bench.load import Results
+            from clients.local_server import ROOT
+
+            samples, errors, wall, cpu = await asyncio.to_thread(
+                perf_analyzer.load_level, url, model, int(level), requests, ROOT / ".cache" / "bench-perf-analyzer",
+                self.args.max_tokens)
+            results = Results(progress)
+            results.samples, results.errors = samples, ["no final response"] * errors
+            progress.update(len(requests))
+            return results, wall, cpu
+        if self.mode == "rate":
+            return *await run_rate(url, model, level, requests, progress, seed=self.args.seed), 0.0
+        return *await run_concurrency(url, model, int(level), requests, progress), 0.0
+
+    async def run_server(self, url: str, deployments: list[tuple[str, str]], metrics_url: str | None = None,
+                         server_pid: int | None = None) -> None:
+        """``deployments``: (deployment key, model name on this server), benchmarked in turn; with ``metrics_url``
+        each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level; with ``server_pid``
+        (a server started here) ``cpu_ms``: CPU ms per request of each of its processes and of the load generator
+        (``clients.tools.proc_cpu``)."""
+        from clients.tools import proc_cpu
+
+        from tqdm import tqdm
+
+        a = self.args
+        total = len(deployments) * (len(self.levels) * a.requests + a.warmup)
+        with tqdm(total=total, desc=f"requests ({', '.join(k for k, _ in deployments)})", unit="req",
+                  file=sys.stderr, disable=a.no_progress) as progress:
+            for key, model in deployments:
+                await run_concurrency(url, model, 2, self.requests(a.warmup, DEPLOYMENTS[key][3], first=10**6), progress)
+            rows = []
+            for level in self.levels:  # deployments of one server alternate per level: drift hits them alike
+                for key, model in deployments:
+                    label, _, _, parameters = DEPLOYMENTS[key]
+                    before = _scrape(metrics_url)
+                    cpu_before = proc_cpu.snapshot(server_pid)
+                    results, wall, load_cpu = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
+                    cpu = proc_cpu.per_request(cpu_before, proc_cpu.snapshot(server_pid), a.requests)
+                    if load_cpu:  # perf_analyzer, a child process: with this one's (idle) share
+                        cpu["load generator"] = round(cpu.get("load generator", 0.0) + load_cpu * 1000 / a.requests, 2)
+                    rows.append(bench_report.summarise(label, self.mode, level, results.samples, len(results.errors), wall))
+                    rows[-1]["cpu_ms"] = cpu
+                    rows[-1]["cpu_busy"] = round(sum(cpu.values()) * a.requests / 1000 / wall / (os.cpu_count() or 1), 3)
+                    if metrics_url:
+                        rows[-1]["vllm_queue_ms"] = bench_report.engine_queue_ms(before, _scrape(metrics_url))
+                    self.samples[(label, level)] = results.samples
+                    for error in results.errors[:3]:
+                        print(f"{label} @ {level:g}: {error}", file=sys.stderr)
+            order = [DEPLOYMENTS[key][0] for key, _ in deployments]
+            self.rows += sorted(rows, key=lambda r: order.index(r["deployment"]))
+
+    def settings(self) -> dict:
+        a = self.args
+        return {"deployments": a.models.split(","), "mode": self.mode, "levels": self.levels, "requests": a.requests,
+                "images": a.images, "dataset": str(a.image_dir) if a.image_dir else f"synthetic {a.image_sizes}",
+                "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
+                "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
+                "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator}
+
+
+def _scrape(metrics_url: str | None) -> dict:
+    if not metrics_url:
+        return {}
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return bench_report.parse_metrics(resp.read().decode())
+
+
+def run_isolated(bench: Bench, keys: list[str]) -> None:
+    """One server per topology mode, rendered from ``--topology``, started and stopped in turn."""
+    import tempfile
+
+    from backend.deploy.topology import load, render
+    from clients.local_server import ROOT, TritonServer
+
+    a = bench.args
+    base = load(a.topology)
+    for mode, where in dict.fromkeys(server_group(k) for k in keys):
+        group = [k for k in keys if server_group(k) == (mode, where)]
+        changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
+        topology = base.only(mode, {"enforce_eager": False} if a.compile else None, **changes)
+        if mode != "baseline":
+            topology = topology.with_orchestrator(where, mode)
+        with tempfile.TemporaryDirectory(prefix="bench-") as repo:
+            served = render(topology, Path(repo))
+            target = "llm" if "llm" in served else "epd"
+            (ROOT / ".cache").mkdir(exist_ok=True)
+            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}{'-' + where if mode != 'baseline' else ''}.log"
+            with TritonServer(Path(repo), log_path=log) as server:
+                print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
+                asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url, server.proc.pid))
+
+
+def write_outputs(bench: Bench, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(bench_report.results_json(bench.rows, bench.samples, bench.settings()),
+                                                 indent=1, default=str))
+    bench_report.write_csv(out / "results.csv", bench.rows)
+    bench_report.plot_latency_cdf(bench.samples, out / "latency_cdf.png", "latency")
+    bench_report.plot_latency_cdf(bench.samples, out / "ttft_cdf.png", "ttft")
+    bench_report.plot_throughput(bench.rows, out / "throughput.png")
+    print(f"wrote {out}/results.json, results.csv, latency_cdf.png, ttft_cdf.png, throughput.png", file=sys.stderr)
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llm,epd,epd_disagg", help=f"deployments, of {', '.join(DEPLOYMENTS)}")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", default="1,4,16", help="closed loop: requests in flight, a sweep")
+    load.add_argument("--rate", help="open loop: Poisson arrivals at these requests/s, a sweep")
+    parser.add_argument("--requests", type=int, default=200, help="requests per deployment and load level")
+    parser.add_argument("--images", type=int, default=1, help="images per request")
+    parser.add_argument("--image-sizes", default="64x48,80x64,96x96,112x112", help="synthetic images: WxH,...")
+    parser.add_argument("--image-dir", type=Path, help="take the images from this folder instead (name order, round-robin)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output length (greedy, ignore_eos)")
+    parser.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
+                        help="python: tritonclient's asyncio gRPC streams (clients.bench.load); perf_analyzer: the C++ "
+                             "client of Triton (as genai-perf runs it), TTFT from its profile export; concurrency only")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="arrival times of --rate")
+    parser.add_argument("--url", help="host:port of a running server's gRPC endpoint (default: start servers)")
+    parser.add_argument("--shared", action="store_true", help="one server on the committed repository for all deployments")
+    parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parents[2] / "topologies" / "default.yaml",
+                        help="topology the per-deployment servers are rendered from")
+    parser.add_argument("--compile", action="store_true", help="engines with torch.compile (enforce_eager: false)")
+    parser.add_argument("--stream-interval-ms", type=float, help="the topology's stream_interval_ms for the servers started here")
+    parser.add_argument("--out", type=Path, help="write results.json, results.csv and the PNG plots here")
+    parser.add_argument("--json", type=Path, help="write the rows (JSON) here too")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.load_generator == "perf_analyzer" and args.rate:
+        parser.error("--load-generator perf_analyzer runs the concurrency sweep (--concurrency), not --rate")
+    unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
+    if unknown:
+        parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
+    if args.shared and COLOCATED & set(args.models.split(",")):
+        parser.error("--shared: the committed repository serves E+PD and E/P/D with the proxy orchestrator; "
+                     "benchmark the colocated deployments on servers of their own (leave --shared out) or with --url")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    bench, keys = Bench(args), args.models.split(",")
+    if args.url:
+        asyncio.run(bench.run_server(args.url, [(k, DEPLOYMENTS[k][2]) for k in keys]))
+    elif args.shared:
+        from clients.local_server import ROOT, TritonServer
+
+        with TritonServer(log_path=ROOT / ".cache" / "bench-e2e-server.log") as server:
+            print(f"server ready in {server.ready_seconds:.1f} s", file=sys.stderr)
+            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys], server.metrics_url,
+                                         server.proc.pid))
+    else:
+        run_isolated(bench, keys)
+    s = bench.settings()
+    load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
+    print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}, "
+          f"{args.max_tokens} greedy tokens (ignore_eos); servers: {s['servers']}; engines "
+          f"{'compiled' if args.compile and not args.url else 'as configured'}; load generator {args.load_generator}"
+          + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")
+    print(bench_report.markdown_table(bench.rows))
+    if any(row.get("cpu_ms") for row in bench.rows):
+        print("\n" + bench_report.cpu_table(bench.rows))
+    if args.out:
+        write_outputs(bench, args.out)
+    if args.json:
+        args.json.write_text(json.dumps(bench.rows, indent=2))
+    return bench.rows
+
+
+if __name__ == "__main__":
+    main()

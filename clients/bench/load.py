@@ -1,0 +1,169 @@
+"""The benchmark driver's requests and load (``clients.bench.e2e``): datasets, a closed-loop concurrency
+mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC streaming.
+
+- Datasets: ``synthetic_requests`` (random-pixel PNGs of the given sizes) or ``folder_requests`` (the
+  images of a folder, in name order, reused round-robin); ``images`` per request, ``max_tokens`` greedy
+  tokens with ``ignore_eos`` so every request generates the same length.
+- ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
+  request when the previous one finished (closed loop: the load adapts to the server).
+- ``run_rate``: requests sent at Poisson arrival times (``rate_schedule``: exponential gaps of mean
+  1/rate, seeded), each on its own stream, whatever the server's state (open loop: queues grow when the
+  rate exceeds what the server can do, which is what a rate sweep is for).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from pathlib import Path
+
+from clients.bench.report import Sample
+from clients.triton_client import GenerateInputs, grpc_inputs, read_to_end, single_request_stream
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+
+
+def _prompt(i: int) -> str:
+    return f"Request {i}: what is in the picture?"
+
+
+def _sampling(max_tokens: int) -> dict:
+    return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def synthetic_requests(count: int, images: int, sizes: list[tuple[int, int]], max_tokens: int, first: int = 0) -> list[GenerateInputs]:
+    from clients.images import image_bytes
+
+    out = []
+    for seed in range(first, first + count):
+        media = [image_bytes(*sizes[(seed + i) % len(sizes)], seed=seed * 7 + i) for i in range(images)]
+        out.append(GenerateInputs(prompt=_prompt(seed), images=media, sampling=_sampling(max_tokens), stream=True))
+    return out
+
+
+def folder_images(folder: Path) -> list[bytes]:
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise SystemExit(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return [p.read_bytes() for p in files]
+
+
+def folder_requests(media: list[bytes], count: int, images: int, max_tokens: int, first: int = 0) -> list[GenerateInputs]:
+    """Request ``i`` takes ``images`` consecutive items of ``media`` from item ``i * images`` on, wrapping."""
+    return [GenerateInputs(prompt=_prompt(i), images=[media[(i * images + k) % len(media)] for k in range(images)],
+                           sampling=_sampling(max_tokens), stream=True) for i in range(first, first + count)]
+
+
+def rate_schedule(rate: float, count: int, seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of ``count`` Poisson arrivals at ``rate`` requests/s; the first at 0.
+    ``rate`` inf: all at once."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    rng, at, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(at)
+        at += 0.0 if rate == float("inf") else rng.expovariate(rate)
+    return times
+
+
+async def _read_response(stream, started: float) -> tuple[Sample | None, str | None]:
+    """Read one request's responses from ``stream`` up to its final one."""
+    ttft, tokens, timings, responses = None, 0, {}, 0
+    async for result, error in stream:
+        if error is not None:
+            return None, str(error)
+        responses += 1
+        text = result.as_numpy("text_output")
+        if ttft is None and text is not None and text.size and text.reshape(-1)[0]:
+            ttft = time.perf_counter() - started
+        count = result.as_numpy("num_output_tokens")
+        if count is not None:
+            tokens = int(count.reshape(-1)[0])
+        stage = result.as_numpy("timings")
+        if stage is not None:
+            timings = json.loads(stage.reshape(-1)[0])
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            latency = time.perf_counter() - started
+            return Sample(ttft or latency, latency, tokens, timings, responses), None
+    return None, "stream ended before the final response"
+
+
+def _request(model: str, inputs: GenerateInputs) -> dict:
+    request = {"model_name": model, "inputs": grpc_inputs(inputs.as_values()), "request_id": uuid.uuid4().hex,
+               "enable_empty_final_response": True}
+    if inputs.parameters:
+        request["parameters"] = inputs.parameters
+    return request
+
+
+class Results:
+    def __init__(self, progress):
+        self.samples: list[Sample] = []
+        self.errors: list[str] = []
+        self.progress = progress
+
+    def add(self, sample: Sample | None, error: str | None) -> None:
+        if sample is not None:
+            self.samples.append(sample)
+        if error is not None:
+            self.errors.append(error)
+        self.progress.update(1)
+
+
+async def _closed_loop_client(url: str, model: str, jobs: asyncio.Queue, results: Results) -> None:
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (item := await outbox.get()) is not None:
+            yield item
+
+    stream = client.stream_infer(requests())
+    try:
+        while not jobs.empty():
+            inputs = jobs.get_nowait()
+            started = time.perf_counter()
+            await outbox.put(_request(model, inputs))
+            results.add(*await _read_response(stream, started))
+    finally:
+        await outbox.put(None)
+        await read_to_end(stream)  # before closing the channel: see read_to_end
+        await client.close()
+
+
+async def run_concurrency(url: str, model: str, concurrency: int, requests: list[GenerateInputs], progress) -> tuple[Results, float]:
+    jobs: asyncio.Queue = asyncio.Queue()
+    for inputs in requests:
+        jobs.put_nowait(inputs)
+    results = Results(progress)
+    started = time.perf_counter()
+    await asyncio.gather(*(_closed_loop_client(url, model, jobs, results) for _ in range(concurrency)))
+    return results, time.perf_counter() - started
+
+
+async def run_rate(url: str, model: str, rate: float, requests: list[GenerateInputs], progress, seed: int = 0) -> tuple[Results, float]:
+    """Each request at its Poisson send time on a stream of its own; the wall time runs to the last answer."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    results = Results(progress)
+    start = time.perf_counter()
+
+    async def one(at: float, inputs: GenerateInputs) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        started = time.perf_counter()
+        try:
+            async with single_request_stream(client, _request(model, inputs)) as stream:
+                results.add(*await _read_response(stream, started))
+        except Exception as exc:  # noqa: BLE001 - a failed request is an error row, not the end of the run
+            results.add(None, f"{type(exc).__name__}: {exc}")
+
+    try:
+        await asyncio.gather(*(one(at, inputs) for at, inputs in zip(rate_schedule(rate, len(requests), seed), requests)))
+    finally:
+        await client.close()
+    return results, time.perf_counter() - start

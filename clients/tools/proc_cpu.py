@@ -1,0 +1,66 @@
+"""CPU seconds per process of a served model repository, labelled by role (for ``clients.bench.e2e``).
+
+``snapshot(server_pid)``: the CPU time (user + system) so far of every live process in the server's process
+group, and of this process (the load generator), keyed by pid with a role label: ``tritonserver``,
+``stub <model>`` (a Python-backend stub; its first argument is ``<repo>/<model>/<version>/model.py``),
+``EngineCore <model>`` (a vLLM engine process, a child of that model's stub), ``load generator``, or the
+process name. ``per_request(before, after, requests)``: milliseconds of CPU per request per label, over the
+processes alive in both snapshots (processes of one label are summed).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from clients.local_server import group_members
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[str, int, float, list[bytes]] | None:
+    """(name, parent pid, CPU seconds, command line) of ``pid``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    name = stat[stat.index("(") + 1: stat.rindex(")")]
+    return name, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, cmdline
+
+
+def _label(name: str, cmdline: list[bytes]) -> str:
+    program = cmdline[0].decode(errors="replace").split("/")[-1] if cmdline and cmdline[0] else name
+    if program.endswith("_stub") and len(cmdline) > 1:
+        return f"stub {cmdline[1].decode(errors='replace').split('/')[-3]}"
+    if program == "tritonserver":
+        return "tritonserver"
+    return name
+
+
+def snapshot(server_pid: int | None) -> dict[int, tuple[str, float]]:
+    """pid -> (label, CPU seconds) for the server's group and this process."""
+    stats = {pid: _stat(pid) for pid in (group_members(server_pid) if server_pid else [])}
+    labels = {pid: _label(s[0], s[3]) for pid, s in stats.items() if s}
+    out = {}
+    for pid, s in stats.items():
+        if not s:
+            continue
+        label = labels[pid]
+        if "EngineCor" in s[0] and labels.get(s[1], "").startswith("stub "):
+            label = f"EngineCore {labels[s[1]][5:]}"
+        out[pid] = (label, s[2])
+    own = _stat(os.getpid())
+    if own:
+        out[os.getpid()] = ("load generator", own[2])
+    return out
+
+
+def per_request(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], requests: int) -> dict[str, float]:
+    """Label -> ms of CPU per request between the snapshots, largest first."""
+    used: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        if pid in before:
+            used[label] = used.get(label, 0.0) + seconds - before[pid][1]
+    return {label: round(seconds * 1000 / max(requests, 1), 2)
+            for label, seconds in sorted(used.items(), key=lambda kv: -kv[1])}
