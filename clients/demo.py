@@ -15,7 +15,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from backend.deploy.topology import load, render
+from backend.deploy.topology import load
+from backend.deploy.render import render
 from clients import chat
 from clients.local_server import ROOT, Ports, TritonServer
 from clients.triton_client import GenerateError, GenerateResult, generate

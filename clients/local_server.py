@@ -282,7 +282,8 @@ class TritonServer:
 
 def render_topology(topology: Path, checkpoint: Path | None = None) -> Path:
     """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``."""
-    from backend.deploy.topology import load, render
+    from backend.deploy.topology import load
+    from backend.deploy.render import render
 
     served = load(topology, checkpoint=checkpoint)
     out = ROOT / ".cache" / "repositories" / served.name

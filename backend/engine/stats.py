@@ -4,7 +4,7 @@ Who calls it: ``EngineHost.start`` passes ``stat_logger_factory(observer)`` to
 ``AsyncLLM.from_engine_args(stat_loggers=...)``. vLLM then calls the logger's ``record`` on the engine's
 output-handler task (the engine loop thread) once per engine step with that step's ``IterationStats``;
 ``stats_delta`` turns them into plain totals for that step and the observer adds them to its counters
-(``backend.triton.io.EngineMetrics`` on the metrics port; a list in unit tests).
+(``backend.triton.metrics.EngineMetrics`` on the metrics port; a list in unit tests).
 
 What vLLM measures (``vllm/v1/metrics/stats.py``), and what each field of ``StatsDelta`` is:
 

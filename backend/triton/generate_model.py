@@ -25,8 +25,9 @@ from backend.engine.serving import stream_generation
 from backend.triton.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
-from backend.triton.io import (ERROR_CODES_PARAMETER, EngineMetrics, RequestMetrics, in_band_cancel, read_generate_inputs,
-                               request_parameters, send_error, watched_sink)
+from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
+                               watched_sink)
+from backend.triton.metrics import EngineMetrics, RequestMetrics
 
 
 def parameter(config: dict, key: str, default: str) -> str:

@@ -165,7 +165,8 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
     """One server per topology mode, rendered from ``--topology``, started and stopped in turn."""
     import tempfile
 
-    from backend.deploy.topology import load, render
+    from backend.deploy.topology import load
+    from backend.deploy.render import render
     from clients.local_server import ROOT, TritonServer
 
     a = bench.args

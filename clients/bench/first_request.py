@@ -13,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from backend.deploy.topology import load, render
+from backend.deploy.topology import load
+from backend.deploy.render import render
 from clients.images import image_bytes
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateInputs, generate

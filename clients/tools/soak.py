@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parents[2] / "topologies" / "default.yaml")
     args = parser.parse_args(argv)
 
-    from backend.deploy.topology import load, render
+    from backend.deploy.topology import load
+    from backend.deploy.render import render
     from clients.local_server import ROOT, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="soak-") as repo:

@@ -14,7 +14,8 @@ import pytest
 import tritonclient.http as httpclient
 
 from backend.triton.counter_batch import CounterBatch
-from backend.deploy.topology import StageSpec, load, render
+from backend.deploy.topology import StageSpec, load
+from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind, metric

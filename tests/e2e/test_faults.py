@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.deploy.topology import load, render
+from backend.deploy.topology import load
+from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, generate
 from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _repository(out: Path) -> Path:
-    from backend.deploy.topology import load, render_files
+    from backend.deploy.topology import load
+    from backend.deploy.render import render_files
     topology = load(ROOT / "topologies" / "gpu-e-p-d.yaml", machine="gpu")
     for relative, text in render_files(topology, out).items():
         if relative.startswith("encoder/"):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.deploy.topology import load, render
+from backend.deploy.topology import load
+from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.tools.soak import drive
 from clients.triton_client import GenerateError, GenerateInputs, generate

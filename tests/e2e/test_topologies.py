@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.deploy.topology import load, render
+from backend.deploy.topology import load
+from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateInputs, generate
 from tests.images import image_bytes

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.deploy.topology import TopologyError, load, render_files
+from backend.deploy.topology import TopologyError, load
+from backend.deploy.render import render_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "topologies" / "default.yaml"

@@ -23,7 +23,8 @@ from backend.protocol.layout import content_key
 from backend.request.media import MediaLimits
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
-from backend.triton.io import EncoderMetrics, to_triton_error, wants_error_codes
+from backend.triton.io import to_triton_error, wants_error_codes
+from backend.triton.metrics import EncoderMetrics
 
 METRICS_SECONDS = 1.0
 

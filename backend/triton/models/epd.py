@@ -16,8 +16,9 @@ from backend.request.media import MediaLimits
 from backend.request.generate import RequestLimits
 from backend.protocol.errors import InvalidInput
 from backend.triton.cancel_board import CancelBoard
-from backend.triton.io import (ERROR_CODES_PARAMETER, RequestMetrics, in_band_cancel, read_generate_inputs,
-                               request_parameters, send_error, watched_sink)
+from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
+                               watched_sink)
+from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import TritonStages, stage_urls

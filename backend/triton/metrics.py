@@ -1,0 +1,242 @@
+"""The Triton models' custom metrics (on the metrics port): per-request counters and latency histograms, the
+encoder's pool and cache, vLLM's own engine figures. Increments go through ``CounterBatch``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from backend.engine.serving import Outcome
+from backend.triton.counter_batch import CounterBatch
+
+log = logging.getLogger(__name__)
+
+
+def metric_labels(model_name: str, instance: str) -> dict[str, str]:
+    """Labels of a model instance's custom metrics: ``model`` and, given, ``instance`` (the instance's name,
+    ``args["model_instance_name"]``). Each instance is a stub process with counters of its own; instances
+    sharing one metric (same labels) overwrote each other's gauges, and each stub deleted the shared metric at
+    unload: glibc heap aborts in the stubs at every stop with two encoder instances (docs/robustness.md)."""
+    return {"model": model_name, **({"instance": instance} if instance else {})}
+
+
+# Histogram buckets (seconds) of every latency histogram: 100 us (a GPU handoff) to 60 s (a long CPU request).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RequestMetrics:
+    """``backend.engine.serving.RequestObserver`` as Triton custom metrics on the metrics port (batched:
+    ``CounterBatch``, so they lag by up to its ``FLUSH_SECONDS``; ``close`` in ``finalize``).
+
+    ``epd_requests_total{model,outcome}``: finished requests by outcome (ok, cancelled, error).
+    ``epd_generated_tokens_total{model}``: tokens generated, counting those of cancelled requests.
+    ``epd_media_decodes_total{model}``: media items decoded in the model's process (0 for ``pd``).
+    ``epd_transfer_bytes_total{model}`` / ``epd_transfer_seconds_total{model}``: embedding bytes pulled by the
+    model (``pd``, ``prefill``) and the time the pulls took.
+    ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
+    encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
+
+    Histograms (``LATENCY_BUCKETS``, seconds), per request, from the request read in ``execute`` (``TritonSink``):
+    ``epd_request_ttft_seconds`` (to its first text) and ``epd_request_duration_seconds`` (to its final response);
+    from the final response's timings: ``epd_encode_duration_seconds`` (the encode phase of a request with media,
+    at an orchestrator) and ``epd_transfer_duration_seconds`` (pulling its embeddings, where that was done or
+    relayed).
+    """
+
+    _HISTOGRAMS = {
+        "ttft": ("epd_request_ttft_seconds", "Seconds from a request's arrival at the model to its first text"),
+        "duration": ("epd_request_duration_seconds", "Seconds from a request's arrival at the model to its final response"),
+        "encode": ("epd_encode_duration_seconds", "Seconds a request's media took to encode (orchestrators)"),
+        "transfer": ("epd_transfer_duration_seconds", "Seconds a request's embeddings took to pull"),
+    }
+
+    def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
+        requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
+                                         description="Finished generate requests by outcome")
+        tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
+                                       description="Tokens generated, including those of cancelled requests")
+        decodes = pb_utils.MetricFamily(name="epd_media_decodes_total", kind=pb_utils.MetricFamily.COUNTER,
+                                        description="Media items decoded (PIL) in the model's process")
+        retries = pb_utils.MetricFamily(name="epd_retries_total", kind=pb_utils.MetricFamily.COUNTER,
+                                        description="Orchestrator retries (encode: one item; request: all items and the stages)")
+        moved = pb_utils.MetricFamily(name="epd_transfer_bytes_total", kind=pb_utils.MetricFamily.COUNTER,
+                                      description="Embedding bytes pulled from encoders")
+        moving = pb_utils.MetricFamily(name="epd_transfer_seconds_total", kind=pb_utils.MetricFamily.COUNTER,
+                                       description="Seconds spent pulling embeddings from encoders")
+        labels = metric_labels(model_name, instance)
+        histogram = pb_utils.MetricFamily.HISTOGRAM
+        self._histograms = {}
+        histogram_families = []
+        for key, (name, text) in self._HISTOGRAMS.items():
+            family = pb_utils.MetricFamily(name=name, kind=histogram, description=text)
+            histogram_families.append(family)
+            self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
+        # a family must outlive its metrics
+        self._families = (requests, tokens, decodes, retries, moved, moving, *histogram_families)
+        self._moved, self._moving = moved.Metric(labels=labels), moving.Metric(labels=labels)
+        self._retries = {w: retries.Metric(labels={**labels, "what": w}) for w in ("encode", "request")}
+        self._requests = {o: requests.Metric(labels={**labels, "outcome": o.value}) for o in Outcome}
+        self._tokens = tokens.Metric(labels=labels)
+        self._decodes = decodes.Metric(labels=labels)
+        self._decodes_seen = 0
+        self._decodes_lock = threading.Lock()
+        self._batch = batch or CounterBatch()
+        self._own_batch = batch is None
+
+    def media_decodes(self, total: int) -> None:
+        """Report the process's decode counter (``backend.request.media.decode_counter``). Called from ``execute``
+        and, with metadata-only off, from the engine loop."""
+        with self._decodes_lock:
+            if total > self._decodes_seen:
+                self._batch.add(self._decodes, total - self._decodes_seen)
+                self._decodes_seen = total
+
+    def transferred(self, nbytes: int, seconds: float) -> None:
+        self._batch.add_many(((self._moved, nbytes), (self._moving, seconds)))
+
+    def request_retried(self, what: str) -> None:
+        self._batch.add(self._retries[what], 1)
+
+    def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
+        self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
+
+    def first_text(self, seconds: float) -> None:
+        self._batch.observe(self._histograms["ttft"], seconds)
+
+    def final_response(self, seconds: float, timings: dict | None) -> None:
+        """A request's final response, ``seconds`` after it was read, with its timing breakdown (if any)."""
+        observations = [(self._histograms["duration"], seconds)]
+        if timings:
+            if timings.get("items") and timings.get("encode_ms") is not None:
+                observations.append((self._histograms["encode"], timings["encode_ms"] / 1000))
+            if timings.get("transfer_bytes") and timings.get("transfer_ms") is not None:
+                observations.append((self._histograms["transfer"], timings["transfer_ms"] / 1000))
+        self._batch.add_many((), (), observations)
+
+    def close(self) -> None:
+        """Hand over what is pending (and stop the flusher if it is this object's own)."""
+        if self._own_batch:
+            self._batch.close()
+        else:
+            self._batch.flush()
+
+
+class EncoderMetrics:
+    """The ``encoder`` model's work and its embedding pool, as Triton custom metrics (``refresh`` copies
+    the service's counters and the pool's stats; the encoder model calls it once a second).
+
+    Labels ``model`` and ``instance`` (each instance is a stub with its own pool: sum over instances).
+    ``epd_encoder_items_total{model}``, ``epd_encoder_compute_seconds_total{model}`` (image processor + tower
+    forward), ``epd_encoder_cache_hits_total{model}`` (items published from the embedding cache), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
+    ``epd_pool_capacity_bytes{model}``, ``epd_pool_released_total{model}`` (read by their consumer, or
+    released), ``epd_pool_expired_total{model}`` (expired before anyone read them).
+    """
+
+    _FAMILIES = {
+        "epd_encoder_items_total": ("COUNTER", "Media items encoded"),
+        "epd_encoder_compute_seconds_total": ("COUNTER", "Seconds in the image processor and tower"),
+        "epd_encoder_cache_hits_total": ("COUNTER", "Media items served from the encoder's embedding cache"),
+        "epd_pool_leases": ("GAUGE", "Open embedding leases"),
+        "epd_pool_used_bytes": ("GAUGE", "Embedding pool bytes held by open leases"),
+        "epd_pool_capacity_bytes": ("GAUGE", "Embedding pool size"),
+        "epd_pool_released_total": ("COUNTER", "Leases released (read by their consumer or released)"),
+        "epd_pool_expired_total": ("COUNTER", "Leases that expired before anyone read them"),
+    }
+
+    def __init__(self, model_name: str, instance: str = ""):
+        self._families = {name: pb_utils.MetricFamily(name=name, kind=getattr(pb_utils.MetricFamily, kind), description=text)
+                          for name, (kind, text) in self._FAMILIES.items()}
+        labels = metric_labels(model_name, instance)
+        self._metrics = {name: family.Metric(labels=labels) for name, family in self._families.items()}
+        self._seen = {name: 0.0 for name in self._FAMILIES}
+        self._lock = threading.Lock()
+
+    def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0) -> None:
+        values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
+                  "epd_encoder_cache_hits_total": cache_hits,
+                  "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
+                  "epd_pool_capacity_bytes": stats.capacity_bytes, "epd_pool_released_total": stats.released_total,
+                  "epd_pool_expired_total": stats.expired_total}
+        with self._lock:
+            for name, value in values.items():
+                if self._FAMILIES[name][0] == "GAUGE":
+                    self._metrics[name].set(value)
+                elif value > self._seen[name]:
+                    self._metrics[name].increment(value - self._seen[name])
+                self._seen[name] = value
+
+
+class EngineMetrics:
+    """vLLM's own request metrics of an engine-hosting model (``llm``, ``pd``, ``prefill``, ``decode``), as
+    Triton custom metrics: a ``backend.engine.stats.StatsObserver`` (see there for what vLLM measures).
+
+    A gauge, ``epd_vllm_kv_cache_usage`` (fraction of KV blocks held by requests), and counters, all labelled
+    ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
+    and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
+    rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
+    consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``; and a
+    histogram of the queue time, ``epd_vllm_queue_duration_seconds`` (``LATENCY_BUCKETS``).
+    """
+
+    _TIMINGS = {
+        "ttft": ("epd_vllm_time_to_first_token", "from a request's arrival at the engine to its first token"),
+        "inter_token": ("epd_vllm_time_per_output_token", "between two consecutive output tokens of a request"),
+        "queue": ("epd_vllm_queue_time", "finished requests waited in the engine's queue (queued to scheduled)"),
+        "prefill": ("epd_vllm_prefill_time", "finished requests' time from scheduling to their first token"),
+        "decode": ("epd_vllm_decode_time", "finished requests' time from their first token to their last"),
+    }
+
+    def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
+        """``batch``: the model's ``CounterBatch`` (shared with its ``RequestMetrics``)."""
+        self._batch = batch or CounterBatch()
+        self._own_batch = batch is None
+        counter = pb_utils.MetricFamily.COUNTER
+        labels = metric_labels(model_name, instance)
+        self._families = [
+            pb_utils.MetricFamily(name="epd_vllm_prompt_tokens_total", kind=counter,
+                                  description="Prompt tokens of the requests the engine finished"),
+            pb_utils.MetricFamily(name="epd_vllm_generation_tokens_total", kind=counter,
+                                  description="Tokens the engine generated"),
+        ]
+        self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
+        usage = pb_utils.MetricFamily(name="epd_vllm_kv_cache_usage", kind=pb_utils.MetricFamily.GAUGE,
+                                      description="Fraction of the engine's KV cache blocks held by requests, as of its last step")
+        self._families.append(usage)
+        self._kv_usage = usage.Metric(labels=labels)
+        queue = pb_utils.MetricFamily(name="epd_vllm_queue_duration_seconds", kind=pb_utils.MetricFamily.HISTOGRAM,
+                                      description="Seconds finished requests waited in the engine's queue")
+        self._families.append(queue)
+        self._queue = queue.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
+        self._timings, self._closed = {}, False
+        for key, (name, text) in self._TIMINGS.items():
+            seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
+            count = pb_utils.MetricFamily(name=f"{name}_count_total", kind=counter, description=f"Samples: {text}")
+            self._families += [seconds, count]
+            self._timings[key] = (seconds.Metric(labels=labels), count.Metric(labels=labels))
+
+    def close(self) -> None:
+        """Free the Triton metric objects now, while the stub's shared memory is alive. vLLM's logger keeps
+        this observer for as long as the engine object lives, which was seen to be until interpreter exit:
+        freeing a MetricFamily then segfaulted the stub (``Metric::SaveToSharedMemory`` in
+        ``~MetricFamily``), leaving its /dev/shm region behind. Later stats are ignored."""
+        self._closed = True
+        if self._own_batch:
+            self._batch.close()
+        else:
+            self._batch.flush()
+        self._timings, self._prompt, self._generation, self._kv_usage, self._queue = {}, None, None, None, None
+        self._families = []
+
+    def engine_stats(self, delta) -> None:
+        if self._closed:
+            return
+        amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens)]
+        for key, (seconds, count) in self._timings.items():
+            samples = getattr(delta, key)
+            amounts += [(seconds, samples.seconds), (count, samples.count)]
+        gauges = () if delta.kv_cache_usage is None else ((self._kv_usage, delta.kv_cache_usage),)
+        observations = [(self._queue, value) for value in delta.queue.values]
+        self._batch.add_many(amounts, gauges, observations)  # one step's figures in one flush
