@@ -125,7 +125,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
             if err is not None:
                 # An error is the request's last response (the server completed it): cancelling the stream
                 # now only races Triton 2.51's gRPC frontend, which can then leak the request and keep the
-                # model from unloading at shutdown (docs/robustness.md, "Shutdown").
+                # model from unloading at shutdown (docs/results/robustness.md, "Shutdown").
                 finished = True
                 if isinstance(err, InferenceServerException):
                     # gRPC stream errors carry only a message (ModelStreamInferResponse.error_message).

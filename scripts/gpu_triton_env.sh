@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network, Python 3.12 with CUDA torch preinstalled): make .venv the way
-# clients.local_server expects it, from files carried in .tri/ (see docs/gpu.md for how they are made):
+# clients.local_server expects it, from files carried in .tri/ (see docs/results/gpu.md for how they are made):
 #   triton-gpu.tar.xz   pytriton/tritonserver + nvidia_pytriton.libs from the nvidia-pytriton 0.7.0 wheel
 #   wheels: numpy 1.26.4 (the Python backend of 2.51 needs numpy 1.x), tritonclient 2.51.0,
 #   python-rapidjson and protobuf 4.25 (tritonclient.grpc needs them)

@@ -18,7 +18,7 @@ What differs from transformers' forward (same weights, same math):
   batches under ``COMPILE_MIN_TOKENS`` patches, and anything compile cannot take, run eager.
 
 The output equals transformers' ``pooler_output`` (the merged embeddings vLLM takes as ``image_embeds``):
-fp32 to ~1e-6 (``tests/unit/test_packed_tower.py``), bf16 within bf16 rounding (``docs/gpu.md``).
+fp32 to ~1e-6 (``tests/unit/test_packed_tower.py``), bf16 within bf16 rounding (``docs/results/gpu.md``).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _grid_plan(t: int, h: int, w: int, merge: int, window: int) -> tuple[torch.T
     return positions, order, lengths
 
 
-# Below this many patches a batch runs eager even with compile=True: measured on an H200 (docs/gpu.md),
+# Below this many patches a batch runs eager even with compile=True: measured on an H200 (docs/results/gpu.md),
 # the compiled block is slower for one 448 px image (1,024 patches) and faster from 8 of them.
 COMPILE_MIN_TOKENS = 4096
 

@@ -43,7 +43,7 @@ PROCESS_ENV_DEFAULTS = {
     "VLLM_DO_NOT_TRACK": "1",
     # oneDNN's process-wide primitive cache (default 1024 entries) keeps a primitive for every GEMM shape
     # it has seen, ~0.6-1 MiB each whatever the weight size; a prefilling engine meets a new token count
-    # almost every step, so its EngineCore grew by hundreds of MiB over a soak (docs/robustness.md, "Soak").
+    # almost every step, so its EngineCore grew by hundreds of MiB over a soak (docs/results/robustness.md, "Soak").
     # vLLM's CPU GEMMs already keep their own primitives (32 most recent shapes per layer), so the global
     # cache only adds memory; measured: 0.2-0.9 ms more for a GEMM whose shape left vLLM's cache.
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",

@@ -16,7 +16,7 @@ Three data paths, chosen per handle:
 The same-host paths send the release as a NIXL notification (from a background thread; releases that
 come within ``RELEASE_BATCH_SECONDS`` of each other share one). All check the lease's tag after the copy
 (the region's tags; for CUDA IPC, the producer's host-memory tag table where it can be mapped), so a
-region released or reused mid-copy is detected. ``docs/gpu.md`` has the measured bandwidths.
+region released or reused mid-copy is detected. ``docs/results/gpu.md`` has the measured bandwidths.
 
 A failed transfer drops the producer from the agent's peers, so the next pull reconnects. A producer
 that restarted under the same agent name (new metadata in its handles) is removed and added again

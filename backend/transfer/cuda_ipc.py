@@ -1,7 +1,7 @@
 """Same-host GPU handoff through CUDA IPC: the producer's VRAM pool, opened by consumers on the same host.
 
 Why: NIXL with UCX's defaults moves VRAM between two processes on one GPU through ``cuda_copy`` at
-0.35-0.55 GB/s (measured on an H200, ``docs/gpu.md``), while a CUDA IPC mapping lets the consumer copy
+0.35-0.55 GB/s (measured on an H200, ``docs/results/gpu.md``), while a CUDA IPC mapping lets the consumer copy
 device-to-device at the GPU's copy bandwidth (~2 TB/s). NIXL stays the path across hosts and the channel
 for release notifications on every path.
 
@@ -156,7 +156,7 @@ _TO_HOST, _TO_DEVICE = 2, 3  # cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice
 def _hot_calls():
     """(memcpy_async, stream_synchronize) for the per-pull calls: the CUDA runtime library torch loaded,
     called through ctypes (~1 us a call; a torch ``copy_`` costs more host time than a 16 MiB
-    device-to-device copy takes, cuda-bindings' wrappers a few us: docs/gpu.md), or cuda-bindings where
+    device-to-device copy takes, cuda-bindings' wrappers a few us: docs/results/gpu.md), or cuda-bindings where
     that library cannot be found in this process."""
     with open("/proc/self/maps") as maps:
         path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)

@@ -3,7 +3,7 @@
 Why: Triton 2.51's gRPC frontend is not safe against a client cancelling a decoupled stream while the model
 is sending on it: its completion-queue thread and the response callback take the stream's two mutexes in
 opposite orders, and the server's whole gRPC streaming deadlocks; other times it segfaults
-(docs/robustness.md, "gRPC stream cancellation"). An orchestrator therefore never cancels its stage streams:
+(docs/results/robustness.md, "gRPC stream cancellation"). An orchestrator therefore never cancels its stage streams:
 it sends the stage a second request whose request parameter ``epd_cancel`` names the first one's request id,
 and reads the first stream to its end, which the stage closes once it has aborted the engine request. Any
 client can cancel the same way.

@@ -1,5 +1,5 @@
 """Batched counter increments (gauge values, histogram observations) for the Triton models' custom metrics (no Triton import: unit-tested with fake
-metrics). ``backend.triton.io``'s ``RequestMetrics`` and ``EngineMetrics`` add to a ``CounterBatch``; its
+metrics). ``backend.triton.metrics``' ``RequestMetrics`` and ``EngineMetrics`` add to a ``CounterBatch``; its
 thread hands the sums to Triton."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class CounterBatch:
     stub's shared memory, answered by the server), and the engine models made more than a dozen per request (request
     outcome, tokens, transfer, and vLLM's per-step and per-request stats), on the engine loop's thread.
     Batched, they cost a few round trips per flush whatever the load, and one thread does every increment
-    (two threads incrementing one counter at once was once followed by a server crash, see docs/epd.md).
+    (concurrent increments of one counter were followed by a server crash: docs/results/epd.md).
     Counters lag by up to ``FLUSH_SECONDS``; ``flush`` hands over what is pending at once.
     """
 

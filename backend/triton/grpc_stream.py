@@ -60,7 +60,7 @@ async def read_to_end(stream, timeout: float = END_OF_STREAM_SECONDS) -> None:
     """Read a gRPC stream whose request side is closed to its end: the server's OK status. A client that closes
     its channel (or drops the call) after the last response but before that status cancels the RPC, and Triton
     2.51's gRPC frontend can then leak the stream's state and the request it holds: the server grows, and the
-    model never unloads, so the server waits out its exit timeout (docs/robustness.md, "Shutdown"). Cancels
+    model never unloads, so the server waits out its exit timeout (docs/results/robustness.md, "Shutdown"). Cancels
     the stream if it has not ended within ``timeout``."""
     try:
         async with asyncio.timeout(timeout):

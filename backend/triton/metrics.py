@@ -18,7 +18,7 @@ def metric_labels(model_name: str, instance: str) -> dict[str, str]:
     """Labels of a model instance's custom metrics: ``model`` and, given, ``instance`` (the instance's name,
     ``args["model_instance_name"]``). Each instance is a stub process with counters of its own; instances
     sharing one metric (same labels) overwrote each other's gauges, and each stub deleted the shared metric at
-    unload: glibc heap aborts in the stubs at every stop with two encoder instances (docs/robustness.md)."""
+    unload: glibc heap aborts in the stubs at every stop with two encoder instances (docs/results/robustness.md)."""
     return {"model": model_name, **({"instance": instance} if instance else {})}
 
 

@@ -4,14 +4,10 @@
 batcher gathers the items of concurrent requests.
 
 ``generate`` streams a generator stage (``pd``, ``prefill``, ``decode``) through the server's own gRPC
-endpoint (tritonclient's asyncio client, on the model's event loop), not through decoupled BLS. Measured,
-with gdb on a stuck ``epd`` stub, after ~1,700 requests at concurrency 16: Triton 2.51's decoupled BLS
-can deadlock the stub. A thread in ``ResponseIterator::Next`` holds the iterator's mutex while it takes
-the GIL back; the stub's message thread holds the iterator-map mutex while it waits for that iterator
-mutex; and a thread starting another decoupled call holds the GIL while it waits for the map mutex.
-Before that, the same stub also crashed (heap corruption: the stub frees finished iterators' numpy
-arrays without the GIL, fixed upstream only in python_backend r25.01). A gRPC stream has neither
-problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
+endpoint (tritonclient's asyncio client, on the model's event loop), not through decoupled BLS: Triton 2.51's
+decoupled BLS deadlocks and crashes the calling stub under load (a lock-order inversion between the response
+iterator, its map and the GIL; heap corruption fixed upstream only in python_backend r25.01; docs/results/epd.md,
+"Limits found"). A gRPC stream has neither problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
 the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``backend.triton.cancel_board``). A
 stage request the orchestrator gives up on (its client cancelled, the deadline passed) is cancelled in band,
 by a second request naming its request id; the stage aborts its engine request and ends the stream.

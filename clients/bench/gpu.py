@@ -1,4 +1,4 @@
-"""GPU benchmark, one run, two side-by-side tables (run it on the GPU machine; docs/gpu.md has the results).
+"""GPU benchmark, one run, two side-by-side tables (run it on the GPU machine; docs/results/gpu.md has the results).
 
 1. Encoder: a Qwen2.5-VL-7B-sized vision tower (670M parameters, random weights, bf16), images of 448 and
    896 px in batches of 1/8/32: img/s and % of the bf16 matmul peak for
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-PEAK_TFLOPS = 791.0  # bf16 dense matmul measured on the H200 (RECIPES.md; 8192^3)
+PEAK_TFLOPS = 791.0  # bf16 dense matmul measured on the H200 (torch.matmul, 8192^3)
 PATCH_DIM = 3 * 2 * 14 * 14
 
 
@@ -148,7 +148,7 @@ def bench_handoff(quick: bool) -> list[dict]:
             row = {"bytes": nbytes}
             for name, consumer in consumers.items():
                 # leases published first, then pulled back to back (the producer idle meanwhile, as for
-                # the bare copy below: two processes busy on one GPU time-slice it, see docs/gpu.md)
+                # the bare copy below: two processes busy on one GPU time-slice it, see docs/results/gpu.md)
                 count = max(2, min(12 if name != "nixl" else 4, (512 << 20) // nbytes - 1))
                 times = []
                 while len(times) < (10 if name != "nixl" else 3):  # rounds of leases until enough samples

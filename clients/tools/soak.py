@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cancel-fraction", type=float, default=0.1, help="of all requests (all streaming)")
     parser.add_argument("--cancel-via", choices=("grpc", "request"), default="request",
                         help="how clients cancel: in band (a request naming the request's id; the default) or by "
-                             "cancelling the gRPC stream, which can deadlock or crash Triton 2.51 (docs/robustness.md)")
+                             "cancelling the gRPC stream, which can deadlock or crash Triton 2.51 (docs/results/robustness.md)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--settle", type=float, default=5.0, help="seconds to wait before the after-snapshot")

@@ -7,7 +7,7 @@ after a random 1-60 responses, and start over, for ``--seconds``. ``--via grpc``
 as hung (the clients then stop). Prints cancels, hung requests, whether the server died, and its stop time.
 
 Triton 2.51, 2 cores (2026-12-01): over gRPC, requests hung (1 run) or the server died (9 runs) within 60 s;
-over HTTP, 9,000-27,000 cancels, no hang, no crash (docs/robustness.md, "gRPC stream cancellation").
+over HTTP, 9,000-27,000 cancels, no hang, no crash (docs/results/robustness.md, "gRPC stream cancellation").
 
     python -m clients.tools.triton_cancel_check --via grpc --seconds 60
 """

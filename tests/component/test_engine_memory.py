@@ -1,4 +1,4 @@
-"""What kept growing in a prefilling EngineCore over a soak (docs/robustness.md, "Soak"), checked without
+"""What kept growing in a prefilling EngineCore over a soak (docs/results/robustness.md, "Soak"), checked without
 starting an engine: oneDNN's process-wide primitive cache, and vLLM's multimodal processor cache in the
 engines fed embeddings. Each check also runs the setting it replaces, so a check that cannot see the
 growth fails."""

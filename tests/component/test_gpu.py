@@ -1,6 +1,6 @@
 """GPU paths: the encoder on CUDA and a VRAM producer pool read by a host-memory consumer through NIXL.
 
-Skipped where no GPU exists (CI); run on the lent GPU machine (see docs/epd.md for the command)."""
+Skipped where no GPU exists (CI); run on the lent GPU machine (see docs/results/epd.md for the command)."""
 from __future__ import annotations
 
 from pathlib import Path

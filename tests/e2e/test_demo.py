@@ -19,4 +19,4 @@ def test_demo_prints_a_verdict_and_exits_zero():
     assert re.search(r"\[demo\] llm and epd gave the same 32 tokens: yes", out), out[-2000:]
     assert re.search(r"stages: items=1 encode_ms=[\d.]+ .*transfer_ms=[\d.]+", out), out[-2000:]
     ready = float(re.search(r"server ready in ([\d.]+) s", out).group(1))
-    print(f"demo server ready in {ready:.1f} s")  # the figure docs/foundation.md quotes (measured, not asserted)
+    print(f"demo server ready in {ready:.1f} s")  # the figure docs/results/foundation.md quotes (measured, not asserted)

@@ -81,7 +81,7 @@ CASES = {
 
 def ask(server, model: str, protocol: str = "grpc", cancel_after_chunks=None, **inputs) -> GenerateResult:
     """Cancels are in band (``epd_cancel``): cancelling the gRPC stream risks Triton 2.51's frontend deadlock
-    (docs/robustness.md); ``tests/e2e/test_llm.py`` covers a stream cancel once."""
+    (docs/results/robustness.md); ``tests/e2e/test_llm.py`` covers a stream cancel once."""
     inputs.setdefault("sampling", GREEDY)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     extra = {} if cancel_after_chunks is None else {"cancel_after_chunks": cancel_after_chunks, "cancel_via": "request"}

@@ -2,7 +2,7 @@
 topologies/gpu-e-p-d.yaml; VRAM leases) and a test consumer model on the GPU that pulls the embeddings
 into its GPU memory and checks them against transformers' tower run on the same image.
 
-Skipped without a GPU (CI); run on the lent GPU machine (docs/gpu.md has the command)."""
+Skipped without a GPU (CI); run on the lent GPU machine (docs/results/gpu.md has the command)."""
 from __future__ import annotations
 
 import shutil

@@ -5,7 +5,7 @@ every model unloads, no stub has to be killed, no /dev/shm region or process is 
 The 30 s hang this guards against comes from Triton 2.51's gRPC frontend: a gRPC call that ends in a
 cancel around its final response (a client closing its channel right after the last response, before the
 server's status; or cancelling after an error response) can make it leak the stream's request, which
-keeps the model from unloading (docs/robustness.md, "Shutdown"). The asyncio clients here open a channel
+keeps the model from unloading (docs/results/robustness.md, "Shutdown"). The asyncio clients here open a channel
 per request and close it after the stream, as the soak's do, and some cancel mid-stream: before
 ``clients.triton_client.read_to_end`` this stop took 30 s. It also caught ``pd``'s unload waiting 5 s on
 multiprocessing's resource tracker (stop 12-17 s here before, 13.5 s in this test with a 10 s bound)."""
@@ -50,7 +50,7 @@ def test_server_stops_quickly_and_cleanly_after_epd_requests(tmp_path):
         text_only = generate(server.grpc_url, "epd", GenerateInputs(prompt="Count.", sampling={"max_tokens": 4, "ignore_eos": True}))
         assert text_only.finish_reason == "length"
         # asyncio clients, a channel each, closed after the stream; a quarter cancel mid-stream (in band: a gRPC
-        # stream cancel can deadlock or crash Triton 2.51, docs/robustness.md)
+        # stream cancel can deadlock or crash Triton 2.51, docs/results/robustness.md)
         outcomes, _, _ = asyncio.run(drive(server.grpc_url, "epd", 32, 8, cancel_fraction=0.25, timeout=120, seed=3,
                                            cancel_via="request"))
         assert outcomes["ok"] + outcomes["cancelled"] == 32 and outcomes["cancelled"] >= 2, outcomes
