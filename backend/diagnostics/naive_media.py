@@ -5,7 +5,7 @@ only. With metadata-only off (the orchestrator's ``metadata_only`` parameter), t
 the original media (``original_media``), as a naive EPD forwards the client's request unchanged; the
 consumer then does what such a consumer's input processor does before its embeddings come from the
 encoder's cache: decode each item and run the image processor on it. Its result is checked against the
-encoder's layout (same ``image_grid_thw``) and otherwise dropped: the embeddings still come from the encoder.
+encoder's layout (same image grid) and otherwise dropped: the embeddings still come from the encoder.
 
 Who calls it: ``MetadataOnlyModel.prepare``, on the engine loop (where vLLM's own input processing runs);
 the seconds it took are reported as ``timings["media_ms"]``.
@@ -29,6 +29,6 @@ def process_original_media(media: Sequence[bytes], layouts: Sequence, processor,
         field = f"original_media[{i}]"
         image = decode_image(data, field, limits)
         grid = tuple(int(x) for x in processor(images=[image], return_tensors="np")["image_grid_thw"][0])
-        if grid != tuple(layout.image_grid_thw):
-            raise InvalidInput(field, f"processes to image_grid_thw {list(grid)}, its layout says {list(layout.image_grid_thw)}")
+        if grid != tuple(layout.media.grid_thw):
+            raise InvalidInput(field, f"processes to image_grid_thw {list(grid)}, its layout says {list(layout.media.grid_thw)}")
     return time.perf_counter() - started

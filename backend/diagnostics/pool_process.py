@@ -93,8 +93,8 @@ class ProducerProcess:
 
 
 def make_layout(handle_doc: dict, tensor: torch.Tensor, grid=(1, 2, 2)):
-    from backend.protocol.layout import LayoutMetadata, TransferHandle
+    from backend.protocol.layout import ImageLayout, LayoutMetadata, TransferHandle
 
-    return LayoutMetadata(content_key="k", modality="image", model="m", dtype=str(tensor.dtype).removeprefix("torch."),
-                          shape=tuple(tensor.shape), image_grid_thw=grid,
-                          handle=TransferHandle.from_doc(handle_doc, "test"))
+    return LayoutMetadata(content_key="k", model="m", dtype=str(tensor.dtype).removeprefix("torch."),
+                          shape=tuple(tensor.shape), handle=TransferHandle.from_doc(handle_doc, "test"),
+                          media=ImageLayout(grid))

@@ -177,7 +177,7 @@ class EncoderService:
         self.encode_seconds = 0.0
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import LayoutMetadata, content_key
+        from backend.protocol.layout import ImageLayout, LayoutMetadata, content_key
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
@@ -229,9 +229,9 @@ class EncoderService:
                     self.pool.release(lease_id)
                 continue
             leases.setdefault(job.request_index, []).append(handle.lease_id)
-            layout = LayoutMetadata(content_key=job.content_key, modality="image", model=self.encoder.identity,
+            layout = LayoutMetadata(content_key=job.content_key, model=self.encoder.identity,
                                     dtype=str(item.embeddings.dtype).removeprefix("torch."),
-                                    shape=tuple(item.embeddings.shape), image_grid_thw=item.image_grid_thw,
-                                    handle=handle)
+                                    shape=tuple(item.embeddings.shape), handle=handle,
+                                    media=ImageLayout(item.image_grid_thw))
             results[job.request_index].append(layout.to_json())
         return results

@@ -1,24 +1,47 @@
 """Layout metadata: the one document that travels through Triton for an encoded media item.
 
 Who writes it: the ``encoder`` model, once per item, after the embeddings are in a producer buffer.
-Who reads it: the ``epd`` orchestrator (passes it on untouched) and the consumer (``pd``), which checks
-the version and the model identity before pulling the embeddings the handle names.
+Who reads it: the ``epd`` orchestrator (passes it on untouched), the consumer (``pd``, ``prefill``), which checks
+the version and the model identity before pulling the embeddings the handle names, and ``decode`` (the
+per-modality block only: the image grid).
 
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
-serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors).
+serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
+
+    {"version": 5, "content_key": "..", "modality": "image", "model": "..", "dtype": "float32",
+     "shape": [64, 1536], "handle": {"transport": "shared_memory", ..}, "image": {"grid_thw": [1, 16, 16]}}
+
+Two parts vary, each named by a discriminator and parsed into its own class:
+
+- ``handle.transport``: how a consumer on the producer's host can read the lease (``TRANSPORTS``). Every handle
+  names a NIXL-registered region (agent, descriptors): the READ any consumer can do, and the channel its release
+  notification takes; ``shared_memory`` and ``cuda_ipc`` add what their same-host fast path needs.
+- ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``). Video or audio add a
+  class there, with their own fields; the common part stays as it is.
 """
 from __future__ import annotations
 
 import base64
+import binascii
+import dataclasses
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+import math
+import string
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from backend.protocol.errors import InvalidInput
 
-SCHEMA_VERSION = 1
-DTYPES = ("float32", "bfloat16", "float16")
-MODALITIES = ("image",)
+# What each version of the document added (a consumer accepts its own version only):
+#   1  content_key, modality, model, dtype, shape, image_grid_thw; handle: agent_name, agent_metadata,
+#      descriptors, lease_id, nbytes, expires_at (NIXL READ of a producer's registered host memory)
+#   2  handle.host, handle.shm_path, handle.offset (same-host copy out of the producer's pool memfd)
+#   3  handle.ipc_handle, handle.pid, handle.pool_bytes (CUDA IPC for VRAM pools)
+#   4  handle.tag_table, handle.tag_slot (a VRAM pool's lease-tag table in host memory)
+#   5  handle.transport: one handle type per transport, with only its own fields; the per-modality block
+#      ("image": {"grid_thw"}) in place of the top-level image_grid_thw
+SCHEMA_VERSION = 5
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
 
 
 def host_identity() -> str:
@@ -31,115 +54,274 @@ def host_identity() -> str:
     return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
 
 
-@dataclass(frozen=True)
-class TransferHandle:
-    """Where the embeddings are and for how long: a lease on a producer's NIXL-registered buffer."""
+# -- wire values ------------------------------------------------------------------------------------
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
 
-    agent_name: str
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return base64.b64decode(_str(value), validate=True)
+
+
+def _ints(value: Any, count: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) != count:
+        raise TypeError(f"expected a list of {count} integers, got {value!r}")
+    return tuple(_int(x) for x in value)
+
+
+_PARSE = {"str": _str, "int": _int, "float": _float, "bytes": _bytes}  # a handle member's type -> its parser
+_HEX_DIGITS = frozenset(string.hexdigits)
+_MISSING = object()
+
+
+# -- transfer handles ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TransferHandle:
+    """Where the embeddings are and for how long: a lease on a producer's NIXL-registered pool. The common part of
+    every transport; parse with ``TransferHandle.from_doc``, which returns the variant ``transport`` names."""
+
+    transport: ClassVar[str] = ""
+    agent_name: str           # the producer's NIXL agent: READs and release notifications go to it
     agent_metadata: bytes     # nixl get_agent_metadata() of the producer
-    descriptors: bytes        # nixl get_serialized_descs() of the leased region
-    lease_id: str
-    nbytes: int
+    descriptors: bytes        # nixl get_serialized_descs() of the leased region (empty for a pool's own handle)
+    lease_id: str             # hex; also the region's tag ("" for a pool's own handle)
+    nbytes: int               # the payload's size
     expires_at: float         # unix time; the producer reclaims the lease after it
     host: str = ""            # producer's host identity (boot id + network namespace)
-    shm_path: str = ""        # same-host fast path: the producer's pool memfd, as /proc/<pid>/fd/<n>
-    offset: int = 0           # the lease's region within that pool
-    ipc_handle: str = ""      # same-host GPU path: the producer's VRAM pool as a CUDA IPC handle (hex)
-    pid: int = 0              # producer's process id (same-host paths: a mapping of a dead producer is dropped)
-    pool_bytes: int = 0       # size of the producer's pool (what an IPC mapping covers)
-    tag_table: str = ""       # VRAM pools: the lease-tag table (host memfd, int64 words), as /proc/<pid>/fd/<n>
-    tag_slot: int = 0         # the lease's word in that table: its id while the lease is open, 0 after
+    pid: int = 0              # producer's process id (announcements of a dead producer are dropped)
+
+    def __post_init__(self):
+        if type(self).transport not in TRANSPORTS:
+            raise TypeError(f"{type(self).__name__} is no transport's handle (one of {', '.join(TRANSPORTS)})")
 
     def to_doc(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["agent_metadata"] = base64.b64encode(self.agent_metadata).decode()
-        doc["descriptors"] = base64.b64encode(self.descriptors).decode()
+        doc: dict[str, Any] = {"transport": self.transport}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            doc[f.name] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
         return doc
 
-    @classmethod
-    def from_doc(cls, doc: dict[str, Any], field: str) -> "TransferHandle":
-        try:
-            handle = cls(agent_name=str(doc["agent_name"]), agent_metadata=base64.b64decode(doc["agent_metadata"]),
-                       descriptors=base64.b64decode(doc["descriptors"]), lease_id=str(doc["lease_id"]),
-                       nbytes=int(doc["nbytes"]), expires_at=float(doc["expires_at"]), host=str(doc.get("host", "")),
-                       shm_path=str(doc.get("shm_path", "")), offset=int(doc.get("offset", 0)),
-                       ipc_handle=str(doc.get("ipc_handle", "")), pid=int(doc.get("pid", 0)),
-                       pool_bytes=int(doc.get("pool_bytes", 0)), tag_table=str(doc.get("tag_table", "")),
-                       tag_slot=int(doc.get("tag_slot", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidInput(f"{field}.handle", f"malformed transfer handle ({exc})") from None
-        if handle.tag_slot < 0:
-            raise InvalidInput(f"{field}.handle", "malformed transfer handle (tag_slot must be >= 0)")
-        if handle.ipc_handle and (len(handle.ipc_handle) != 128 or not _is_hex(handle.ipc_handle)):
-            raise InvalidInput(f"{field}.handle", "malformed transfer handle (ipc_handle must be 64 bytes as hex)")
+    @staticmethod
+    def from_doc(doc: Any, field: str) -> "TransferHandle":
+        """The handle of ``doc`` (the ``handle`` member of layout ``field``), as the class its transport names;
+        anything malformed is InvalidInput naming the member at fault (``<field>.handle.<member>``)."""
+        where = f"{field}.handle"
+        if not isinstance(doc, dict):
+            raise InvalidInput(where, "malformed transfer handle (expected a JSON object)")
+        transport = doc.get("transport")
+        cls = TRANSPORTS.get(transport) if isinstance(transport, str) else None
+        if cls is None:
+            raise InvalidInput(f"{where}.transport", f"unknown transport {transport!r}; this consumer understands "
+                                                     f"{', '.join(TRANSPORTS)}")
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in doc:
+                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle (no {f.name})")
+            try:
+                values[f.name] = _PARSE[f.type](doc[f.name])
+            except (TypeError, ValueError, binascii.Error) as exc:
+                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle ({exc})") from None
+        handle = cls(**values)
+        handle.check(where)
         return handle
 
+    def check(self, where: str) -> None:
+        """Value checks beyond the types (``where``: the handle's field)."""
+        if not set(self.lease_id) <= _HEX_DIGITS:
+            raise InvalidInput(f"{where}.lease_id", "malformed transfer handle (lease_id must be hex)")
+        for f in dataclasses.fields(self):
+            if f.type == "int" and getattr(self, f.name) < 0:
+                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle ({f.name} must be >= 0)")
 
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+
+@dataclass(frozen=True, kw_only=True)
+class NixlHandle(TransferHandle):
+    """A pool only NIXL reads (a VRAM pool where CUDA IPC is not available): the common part alone."""
+
+    transport: ClassVar[str] = "nixl"
 
 
+@dataclass(frozen=True, kw_only=True)
+class SharedMemoryHandle(TransferHandle):
+    """A host-memory pool in a memfd: a consumer on the same host maps it and copies the region itself."""
+
+    transport: ClassVar[str] = "shared_memory"
+    shm_path: str             # the producer's pool memfd, as /proc/<pid>/fd/<n>
+    offset: int = 0           # the lease's region within that pool
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        if not self.shm_path:
+            raise InvalidInput(f"{where}.shm_path", "malformed transfer handle (shm_path must not be empty)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaIpcHandle(TransferHandle):
+    """A VRAM pool: a consumer on the same host opens it through CUDA IPC and copies at device bandwidth."""
+
+    transport: ClassVar[str] = "cuda_ipc"
+    ipc_handle: str           # the producer's VRAM pool as a CUDA IPC handle (64 bytes, hex)
+    pool_bytes: int           # size of the producer's pool (what an IPC mapping covers)
+    offset: int = 0           # the lease's region within that pool
+    tag_table: str = ""       # the lease-tag table (host memfd, int64 words), as /proc/<pid>/fd/<n>; "": none
+    tag_slot: int = 0         # the lease's word in that table: its id while the lease is open, 0 after
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        if len(self.ipc_handle) != 128 or not set(self.ipc_handle) <= _HEX_DIGITS:
+            raise InvalidInput(f"{where}.ipc_handle", "malformed transfer handle (ipc_handle must be 64 bytes as hex)")
+
+
+TRANSPORTS: dict[str, type[TransferHandle]] = {cls.transport: cls for cls in (NixlHandle, SharedMemoryHandle,
+                                                                            CudaIpcHandle)}
+
+
+# -- per-modality blocks ------------------------------------------------------------------------------
+class ModalityLayout:
+    """A modality's block of the document, under the key ``modality``: what a consumer needs of that modality
+    besides the embeddings. A subclass is a frozen dataclass, listed in ``MODALITY_LAYOUTS``."""
+
+    modality: ClassVar[str] = ""
+
+    def to_doc(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "ModalityLayout":
+        """Parse the block (``doc``, a JSON object); ``where``: its field, for errors."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ImageLayout(ModalityLayout):
+    """An image's block: its patch grid (temporal, height, width), what vLLM's ``image_grid_thw`` input wants
+    (M-RoPE positions and placeholder expansion need it; ``decode`` needs nothing else)."""
+
+    modality: ClassVar[str] = "image"
+    grid_thw: tuple[int, int, int]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"grid_thw": list(self.grid_thw)}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "ImageLayout":
+        try:
+            grid = _ints(doc["grid_thw"], 3)
+        except KeyError:
+            raise InvalidInput(f"{where}.grid_thw", "expected three positive ints (missing)") from None
+        except TypeError as exc:
+            raise InvalidInput(f"{where}.grid_thw", f"expected three positive ints ({exc})") from None
+        if min(grid) <= 0:
+            raise InvalidInput(f"{where}.grid_thw", f"expected three positive ints, got {list(grid)}")
+        return cls(grid)
+
+
+MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout,)}
+
+
+# -- the document -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayoutMetadata:
     content_key: str
-    modality: str
     model: str                          # model identity: the checkpoint's fingerprint
     dtype: str
     shape: tuple[int, int]              # [tokens, hidden]
-    image_grid_thw: tuple[int, int, int]
     handle: TransferHandle
+    media: ModalityLayout               # the per-modality block (ImageLayout for an image)
     version: int = SCHEMA_VERSION
 
+    @property
+    def modality(self) -> str:
+        return self.media.modality
+
     def to_json(self) -> str:
-        doc = asdict(self)
-        doc["shape"], doc["image_grid_thw"] = list(self.shape), list(self.image_grid_thw)
-        doc["handle"] = self.handle.to_doc()
+        doc = {"version": self.version, "content_key": self.content_key, "modality": self.modality,
+               "model": self.model, "dtype": self.dtype, "shape": list(self.shape), "handle": self.handle.to_doc(),
+               self.modality: self.media.to_doc()}
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes, field: str, expected_model: str | None = None) -> "LayoutMetadata":
-        """Parse and check a layout document; ``expected_model`` is the consumer's model identity."""
+        """Parse and check a layout document; ``expected_model`` is the consumer's model identity. Anything it does
+        not understand is InvalidInput naming the member at fault (``<field>.<member>``)."""
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidInput(field, f"layout metadata is not valid JSON ({exc})") from None
         if not isinstance(doc, dict):
             raise InvalidInput(field, "layout metadata must be a JSON object")
-        version = doc.get("version")
-        if version != SCHEMA_VERSION:
-            raise InvalidInput(f"{field}.version", f"unsupported layout schema version {version!r}; "
-                                                   f"this consumer understands {SCHEMA_VERSION}")
+        _check_version(doc.get("version", _MISSING), field)
         if expected_model is not None and doc.get("model") != expected_model:
             raise InvalidInput(f"{field}.model", f"embeddings are for model {doc.get('model')!r}, "
                                                  f"this consumer serves {expected_model!r}")
+        modality = doc.get("modality")
+        media_cls = MODALITY_LAYOUTS.get(modality) if isinstance(modality, str) else None
+        if media_cls is None:
+            raise InvalidInput(f"{field}.modality", f"unsupported modality {modality!r}")
+        if not isinstance(doc.get(modality), dict):
+            raise InvalidInput(f"{field}.{modality}", f"malformed layout metadata (no {modality} block)")
         try:
-            layout = cls(content_key=str(doc["content_key"]), modality=doc["modality"], model=str(doc["model"]),
-                         dtype=doc["dtype"], shape=tuple(int(x) for x in doc["shape"]),
-                         image_grid_thw=tuple(int(x) for x in doc["image_grid_thw"]),
-                         handle=TransferHandle.from_doc(doc["handle"], field), version=version)
-        except InvalidInput:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidInput(field, f"malformed layout metadata ({type(exc).__name__}: {exc})") from None
+            common = {name: _member(doc, name, parse, field) for name, parse in _COMMON.items()}
+        except KeyError as exc:
+            raise InvalidInput(field, f"malformed layout metadata (KeyError: {exc})") from None
+        layout = cls(**common, handle=TransferHandle.from_doc(doc.get("handle"), field),
+                     media=media_cls.from_doc(doc[modality], f"{field}.{modality}"))
         layout.validate(field)
         return layout
 
     def validate(self, field: str) -> None:
-        if self.modality not in MODALITIES:
-            raise InvalidInput(f"{field}.modality", f"unsupported modality {self.modality!r}")
         if self.dtype not in DTYPES:
             raise InvalidInput(f"{field}.dtype", f"unsupported dtype {self.dtype!r}")
         if len(self.shape) != 2 or min(self.shape) <= 0:
             raise InvalidInput(f"{field}.shape", f"expected [tokens, hidden] > 0, got {list(self.shape)}")
-        if len(self.image_grid_thw) != 3 or min(self.image_grid_thw) <= 0:
-            raise InvalidInput(f"{field}.image_grid_thw", f"expected three positive ints, got {list(self.image_grid_thw)}")
-        itemsize = 4 if self.dtype == "float32" else 2
-        if self.handle.nbytes != self.shape[0] * self.shape[1] * itemsize:
+        if self.handle.nbytes != self.shape[0] * self.shape[1] * DTYPES[self.dtype]:
             raise InvalidInput(f"{field}.handle.nbytes", "does not match shape and dtype")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return tuple(_int(x) for x in value)
+
+
+_COMMON = {"content_key": _str, "model": _str, "dtype": _str, "shape": _shape}  # the common members' parsers
+
+
+def _member(doc: dict[str, Any], name: str, parse, field: str):
+    """``doc[name]`` through ``parse``; a value of the wrong type is InvalidInput naming ``<field>.<name>``."""
+    try:
+        return parse(doc[name])
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{field}.{name}", f"malformed layout metadata ({exc})") from None
+
+
+def _check_version(version: Any, field: str) -> None:
+    """Only documents of this consumer's own version are read: an older one lacks what this consumer needs to pick
+    a transport, a newer one may carry what it would misread."""
+    if version is _MISSING:
+        raise InvalidInput(f"{field}.version", f"no layout schema version; this consumer understands {SCHEMA_VERSION}")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InvalidInput(f"{field}.version", f"unsupported layout schema version {version!r}; "
+                                               f"this consumer understands {SCHEMA_VERSION}")
+    if version != SCHEMA_VERSION:
+        which = "older" if version < SCHEMA_VERSION else "newer"
+        raise InvalidInput(f"{field}.version", f"unsupported layout schema version {version!r} ({which} than this "
+                                               f"consumer's {SCHEMA_VERSION}: encoder and consumer must be of one "
+                                               f"release)")
 
 
 def content_key(data: bytes, processing: str, model: str) -> str:

@@ -16,7 +16,7 @@ A region is laid out as ``[tag u64 | nbytes u64 | payload | tag u64]``. The tag 
 zeroed when the lease ends, before the region can be reused, so a consumer that reads after the end
 sees a mismatch and fails the item instead of using someone else's bytes (NIXL itself enforces no lease).
 A VRAM pool also keeps each open lease's tag in a host-memory table (a memfd of ``TAG_SLOTS`` int64 words,
-the handle's ``tag_table`` and ``tag_slot``), cleared first when the lease ends: CUDA IPC consumers check
+the ``CudaIpcHandle``'s ``tag_table`` and ``tag_slot``), cleared first when the lease ends: CUDA IPC consumers check
 that word after their copy instead of copying the trailer back from the GPU, one device-to-host copy less
 per item. The region's own tags stay for NIXL readers on other hosts.
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from backend.protocol.errors import Overloaded
-from backend.protocol.layout import TransferHandle, host_identity
+from backend.protocol.layout import CudaIpcHandle, NixlHandle, SharedMemoryHandle, TransferHandle, host_identity
 from backend.transfer.agent import create_agent
 
 HEADER = 16
@@ -83,7 +83,7 @@ class EmbeddingPool:
         self.lease_seconds, self.alloc_timeout, self.poll_interval = lease_seconds, alloc_timeout, poll_interval
         self.agent = create_agent(role, poll_delay_us, agent_name)
         self.device = torch.device(device)
-        self.host = host_identity()
+        self.host, self._pid = host_identity(), os.getpid()
         self._fd, self._map, self._allocation, self.shm_path, self.ipc_handle = None, None, None, "", ""
         self._table_fd, self._table_map, self._table, self._free_slots, self.tag_table = None, None, None, None, ""
         if self.device.type == "cuda":  # VRAM: CUDA IPC for consumers on this host, NIXL READ across hosts
@@ -102,7 +102,7 @@ class EmbeddingPool:
             self._table_map = mmap.mmap(self._table_fd, TAG_SLOTS * 8)
             self._table = np.frombuffer(self._table_map, dtype=np.int64)
             self._free_slots = list(range(TAG_SLOTS - 1, -1, -1))
-            self.tag_table = f"/proc/{os.getpid()}/fd/{self._table_fd}"
+            self.tag_table = f"/proc/{self._pid}/fd/{self._table_fd}"
             self._release_stream = torch.cuda.Stream(device=self.device)
         else:
             self._fd = os.memfd_create(f"epd-{role}-pool", 0)
@@ -110,7 +110,7 @@ class EmbeddingPool:
             os.posix_fallocate(self._fd, 0, pool_bytes)  # pages exist up front: no faults per publish or per pull
             self._map = mmap.mmap(self._fd, pool_bytes)
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-            self.shm_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+            self.shm_path = f"/proc/{self._pid}/fd/{self._fd}"
             self._mem, self._dev_id = "DRAM", 0
         self._base = self.buffer.data_ptr()
         self._reg = self.agent.register_memory(self.buffer)
@@ -150,19 +150,26 @@ class EmbeddingPool:
             if self._table is not None:
                 self._table[lease.slot] = tag
             lease.state = LeaseState.PUBLISHED
-        return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=serialized,
-                              lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at,
-                              host=self.host, shm_path=self.shm_path, offset=lease.offset,
-                              ipc_handle=self.ipc_handle, pid=os.getpid(), pool_bytes=self.buffer.numel(),
-                              tag_table=self.tag_table, tag_slot=max(lease.slot, 0))
+        return self._handle(lease_id=lease.lease_id, nbytes=nbytes, expires_at=lease.expires_at, descriptors=serialized,
+                            offset=lease.offset, tag_slot=max(lease.slot, 0))
 
     def pool_handle(self) -> TransferHandle:
         """The pool itself, no lease (no descriptors, nothing to read): what ``backend.transfer.announce`` tells
         consumers on this host, so they connect to it before their first pull."""
-        return TransferHandle(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=b"",
-                              lease_id="", nbytes=0, expires_at=0.0, host=self.host, shm_path=self.shm_path,
-                              ipc_handle=self.ipc_handle, pid=os.getpid(), pool_bytes=self.buffer.numel(),
-                              tag_table=self.tag_table)
+        return self._handle()
+
+    def _handle(self, lease_id: str = "", nbytes: int = 0, expires_at: float = 0.0, descriptors: bytes = b"",
+                offset: int = 0, tag_slot: int = 0) -> TransferHandle:
+        """A handle of this pool's transport: CUDA IPC for a VRAM pool that has an IPC handle, shared memory
+        for a host pool (its memfd), NIXL alone otherwise."""
+        common = dict(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=descriptors,
+                      lease_id=lease_id, nbytes=nbytes, expires_at=expires_at, host=self.host, pid=self._pid)
+        if self.ipc_handle:
+            return CudaIpcHandle(**common, ipc_handle=self.ipc_handle, pool_bytes=self.buffer.numel(), offset=offset,
+                                 tag_table=self.tag_table, tag_slot=tag_slot)
+        if self.shm_path:
+            return SharedMemoryHandle(**common, shm_path=self.shm_path, offset=offset)
+        return NixlHandle(**common)
 
     def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
         """End a lease (idempotent). Returns False if it was not open."""

@@ -169,8 +169,6 @@ class MetadataOnlyModel(GenerateModel):
             return request
         if not request.images:
             return request
-        import torch
-
         timings = {}
         if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
             from backend.diagnostics.naive_media import process_original_media
@@ -179,10 +177,10 @@ class MetadataOnlyModel(GenerateModel):
                                              self.limits.media)
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        grid = torch.tensor([list(layout.image_grid_thw) for layout in request.images], dtype=torch.int64)
+        from backend.transfer.consumer import image_grid, pull_image_embeds
+
         if not self.PULL_EMBEDDINGS:
-            return replace(request, images=(), image_embeds=(None, grid), timings=timings or None)
-        from backend.transfer.consumer import pull_image_embeds
+            return replace(request, images=(), image_embeds=(None, image_grid(request.images)), timings=timings or None)
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(

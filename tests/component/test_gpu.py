@@ -23,7 +23,7 @@ def test_vram_pool_is_read_into_host_memory_through_nixl():
         for rows in (4, 1000, 32768):  # 2 KiB .. 16 MiB
             tensor = torch.randn(rows, 128)
             doc = producer.call("publish", tensor)
-            assert doc["shm_path"] == ""  # VRAM: no same-host memfd path, a NIXL READ
+            assert doc["transport"] != "shared_memory" and "shm_path" not in doc  # VRAM: no same-host memfd path
             layout = make_layout(doc, tensor)
             assert torch.equal(consumer.pull(layout), tensor)
             assert producer.wait_state(layout.handle.lease_id, None) is None  # released by the notification
@@ -37,7 +37,7 @@ def test_vram_pool_is_read_into_host_memory_through_nixl():
 
 def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
     from backend.encode.encoder import VisionEncoder
-    from backend.protocol.layout import LayoutMetadata
+    from backend.protocol.layout import ImageLayout, LayoutMetadata
     from backend.transfer.consumer import EmbeddingConsumer
     from backend.transfer.producer import EmbeddingPool
     from tests.images import make_image
@@ -53,7 +53,7 @@ def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
     try:
         item = gpu[1]
         handle = pool.publish(item.embeddings)
-        layout = LayoutMetadata("k", "image", "m", "float32", tuple(item.embeddings.shape), item.image_grid_thw, handle)
+        layout = LayoutMetadata("k", "m", "float32", tuple(item.embeddings.shape), handle, ImageLayout(item.image_grid_thw))
         pulled = EmbeddingConsumer().pull(layout)
         assert torch.equal(pulled, item.embeddings.cpu())
     finally:
@@ -72,7 +72,7 @@ def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
                 tensor = torch.randn(rows, 128)
                 for consumer in (to_gpu, to_host):
                     layout = make_layout(producer.call("publish", tensor), tensor)
-                    assert layout.handle.ipc_handle  # same host, VRAM pool: the CUDA IPC path
+                    assert layout.handle.transport == "cuda_ipc" and layout.handle.ipc_handle  # same host, VRAM pool
                     pulled = consumer.pull(layout)
                     assert pulled.device.type == consumer.device.type
                     assert torch.equal(pulled.cpu(), tensor)
@@ -82,12 +82,12 @@ def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
             producer.call("release", layout.handle.lease_id)
             with pytest.raises(Unavailable, match="released or expired"):
                 to_gpu.pull(layout)
-        assert to_gpu._ipc  # the dead producer's mapping is still cached until the next pull notices
+        assert to_gpu._cuda_ipc.mappings  # the dead producer's mapping is still cached until the next pull notices
         with ProducerProcess(pool_bytes=8 << 20, device="cuda") as producer:  # a restarted producer
             tensor = torch.randn(16, 128)
             layout = make_layout(producer.call("publish", tensor), tensor)
             assert torch.equal(to_gpu.pull(layout).cpu(), tensor)
-            assert list(to_gpu._ipc) == [layout.handle.agent_name]  # the dead one's mapping was closed
+            assert list(to_gpu._cuda_ipc.mappings) == [layout.handle.agent_name]  # the dead one's mapping was closed
     finally:
         to_gpu.close()
         to_host.close()
@@ -164,10 +164,10 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
                     cuda_ipc.enqueue_region(src, dst, nbytes, tag_ptr, stream, to_host)
                     assert producer.call("release", layout.handle.lease_id)  # returns once the tags are cleared
 
-            consumer._ipc_api = EndsMidCopy
+            consumer._cuda_ipc.api = EndsMidCopy
             with pytest.raises(Unavailable, match="released or expired during the read"):
                 consumer.pull(layout)
-            consumer._ipc_api = cuda_ipc
+            consumer._cuda_ipc.api = cuda_ipc
             assert consumer.paths["cuda_ipc"] == 0
             tensor = torch.randn(7, 64)
             layout = make_layout(producer.call("publish", tensor), tensor)

@@ -151,15 +151,15 @@ def test_same_host_copy_is_chosen_only_on_the_same_host():
     with ProducerProcess() as producer:
         doc = producer.call("publish", tensor)
         local = EmbeddingConsumer()
-        assert torch.equal(local.pull(make_layout(doc, tensor)), tensor) and len(local._maps) == 1
+        assert torch.equal(local.pull(make_layout(doc, tensor)), tensor) and len(local._shm.maps) == 1
         remote_doc = dict(producer.call("publish", tensor), host="another-host")
         other = EmbeddingConsumer()
-        assert torch.equal(other.pull(make_layout(remote_doc, tensor)), tensor) and other._maps == {}
+        assert torch.equal(other.pull(make_layout(remote_doc, tensor)), tensor) and other._shm.maps == {}
     # the first producer is gone: its mapping is dropped on the next pull
     with ProducerProcess() as again:
         doc = again.call("publish", tensor)
         assert torch.equal(local.pull(make_layout(doc, tensor)), tensor)
-        assert len(local._maps) == 1  # only the live producer's mapping is held
+        assert len(local._shm.maps) == 1  # only the live producer's mapping is held
 
 
 def test_idle_agents_do_not_spin(consumer):
@@ -182,15 +182,15 @@ def test_warm_connects_ahead_so_the_first_pull_adds_no_peer_and_maps_nothing():
         consumer = EmbeddingConsumer()
         try:
             pool = TransferHandle.from_doc(producer.call("pool_handle"), "announcement")
-            assert pool.lease_id == "" and pool.nbytes == 0 and pool.shm_path
+            assert pool.lease_id == "" and pool.nbytes == 0 and pool.shm_path and pool.transport == "shared_memory"
             consumer.warm(pool)
-            assert pool.agent_name in consumer._peers and (pool.agent_name, "pool") in consumer._maps
+            assert pool.agent_name in consumer._peers and (pool.agent_name, "pool") in consumer._shm.maps
             added = []
             consumer.agent.add_remote_agent = lambda metadata: added.append(metadata)  # must not be needed now
-            mapped = dict(consumer._maps)
+            mapped = dict(consumer._shm.maps)
             layout = make_layout(producer.call("publish", tensor), tensor)
             assert torch.equal(consumer.pull(layout), tensor)
-            assert added == [] and consumer._maps == mapped and consumer.paths["shared_memory"] == 1
+            assert added == [] and consumer._shm.maps == mapped and consumer.paths["shared_memory"] == 1
             assert producer.wait_state(layout.handle.lease_id, None) is None  # released as usual
         finally:
             consumer.close()

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from backend.encode.encoder import VisionEncoder
-from backend.protocol.layout import LayoutMetadata
+from backend.protocol.layout import ImageLayout, LayoutMetadata
 from backend.transfer.producer import HEADER, EmbeddingPool
 from clients.local_server import ROOT
 from clients.triton_client import GenerateError, GenerateInputs, generate
@@ -36,9 +36,9 @@ def producer():
 def publish(producer, seed: int = SEED) -> LayoutMetadata:
     encoder, pool = producer
     item = encoder.encode([make_image(*SIZE, seed=seed)])[0]
-    return LayoutMetadata(content_key=f"test-{seed}", modality="image", model=encoder.identity, dtype="float32",
-                          shape=tuple(item.embeddings.shape), image_grid_thw=item.image_grid_thw,
-                          handle=pool.publish(item.embeddings))
+    return LayoutMetadata(content_key=f"test-{seed}", model=encoder.identity, dtype="float32",
+                          shape=tuple(item.embeddings.shape), handle=pool.publish(item.embeddings),
+                          media=ImageLayout(item.image_grid_thw))
 
 
 def ask(server, model, protocol="grpc", **inputs):
@@ -97,7 +97,7 @@ def test_decode_needs_only_the_layout_when_the_kv_covers_the_media(server, produ
     """prefill gets image A's embeddings (by handle) and hands its KV to decode through NIXL; decode gets
     image B's layout (same size, different pixels) and pulls no embeddings: the output is still A's."""
     layout_a, layout_b = publish(producer), publish(producer, seed=SEED + 1)
-    assert layout_a.image_grid_thw == layout_b.image_grid_thw and layout_a.content_key != layout_b.content_key
+    assert layout_a.media.grid_thw == layout_b.media.grid_thw and layout_a.content_key != layout_b.content_key
     first = ask(server, "prefill", prompt=PROMPT, image_layouts=[layout_a.to_json()], stream=False,
                 sampling={"temperature": 0.0, "max_tokens": 1}, kv_transfer_params={"do_remote_decode": True})
     params = first.kv_transfer_params

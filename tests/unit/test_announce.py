@@ -5,13 +5,13 @@ import subprocess
 import time
 from dataclasses import replace
 
-from backend.protocol.layout import TransferHandle
+from backend.protocol.layout import SharedMemoryHandle, TransferHandle
 from backend.transfer.announce import ProducerWatcher, announce, directory, withdraw
 
 
 def handle(name: str, pid: int) -> TransferHandle:
-    return TransferHandle(agent_name=name, agent_metadata=b"meta-" + name.encode(), descriptors=b"", lease_id="",
-                          nbytes=0, expires_at=0.0, host="h", shm_path=f"/proc/{pid}/fd/3", pid=pid, pool_bytes=64)
+    return SharedMemoryHandle(agent_name=name, agent_metadata=b"meta-" + name.encode(), descriptors=b"", lease_id="",
+                              nbytes=0, expires_at=0.0, host="h", shm_path=f"/proc/{pid}/fd/3", pid=pid)
 
 
 def wait_for(condition, seconds=5.0):

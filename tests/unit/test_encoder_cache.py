@@ -11,7 +11,7 @@ import torch
 
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
-from backend.protocol.layout import LayoutMetadata, TransferHandle
+from backend.protocol.layout import LayoutMetadata, NixlHandle
 from backend.request.media import MediaLimits
 from tests.images import make_image
 
@@ -26,8 +26,8 @@ class RecordingPool:
 
     def publish(self, tensor, timeout=None):
         self.published.append(tensor.clone())
-        return TransferHandle(agent_name="fake", agent_metadata=b"", descriptors=b"", lease_id=secrets.token_hex(7),
-                              nbytes=tensor.numel() * tensor.element_size(), expires_at=1e12)
+        return NixlHandle(agent_name="fake", agent_metadata=b"", descriptors=b"", lease_id=secrets.token_hex(7),
+                          nbytes=tensor.numel() * tensor.element_size(), expires_at=1e12)
 
     def release(self, lease_id):
         pass
@@ -68,7 +68,7 @@ def test_a_repeated_item_is_published_from_the_cache_with_the_same_embeddings(en
     assert torch.equal(pool.published[2], pool.published[1]) and torch.equal(pool.published[3], pool.published[0])
     layouts = [LayoutMetadata.from_json(doc, "layout") for doc in first[0] + first[1] + second[0]]
     assert len({layout.handle.lease_id for layout in layouts}) == 4  # a lease per item, cached or not
-    assert layouts[2].image_grid_thw == layouts[1].image_grid_thw and layouts[2].content_key == "kb"
+    assert layouts[2].media.grid_thw == layouts[1].media.grid_thw and layouts[2].content_key == "kb"
 
 
 def test_the_cache_key_comes_from_the_bytes_not_from_the_caller(encoder):

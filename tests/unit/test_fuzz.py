@@ -68,12 +68,14 @@ def test_sampling_parameters(doc):
 
 
 @FUZZ
-@given(path=st.lists(st.sampled_from(["content_key", "modality", "model", "dtype", "shape", "image_grid_thw", "handle",
-                                      "version", "agent", "metadata", "descs", "lease_id", "nbytes", "expires_at",
-                                      "host", "shm_path", "offset"]), min_size=1, max_size=2),
-       value=json_values, drop=st.booleans())
-def test_layout_schema_mutations(path, value, drop):
-    doc = json.loads(layout().to_json())
+@given(path=st.lists(st.sampled_from(["content_key", "modality", "model", "dtype", "shape", "image", "grid_thw",
+                                      "handle", "version", "transport", "agent_name", "agent_metadata", "descriptors",
+                                      "lease_id", "nbytes", "expires_at", "host", "pid", "shm_path", "offset",
+                                      "ipc_handle", "pool_bytes", "tag_table", "tag_slot"]), min_size=1, max_size=2),
+       value=json_values | st.sampled_from(["nixl", "shared_memory", "cuda_ipc", "image"]), drop=st.booleans(),
+       transport=st.sampled_from(["nixl", "shared_memory", "cuda_ipc"]))
+def test_layout_schema_mutations(path, value, drop, transport):
+    doc = json.loads(layout(transport).to_json())
     target = doc
     for key in path[:-1]:
         target = target.get(key) if isinstance(target.get(key), dict) else target

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from backend.protocol.errors import InvalidInput
+from backend.protocol.layout import ImageLayout
 from backend.request.media import MediaLimits, decode_counter
 from backend.diagnostics.naive_media import process_original_media
 from clients.images import image_bytes
@@ -22,7 +23,7 @@ def processor():
 
 
 def layout(grid):
-    return SimpleNamespace(image_grid_thw=grid)
+    return SimpleNamespace(media=ImageLayout(grid))
 
 
 def test_each_item_is_decoded_and_checked_against_its_layout(processor):
