@@ -2,6 +2,7 @@ import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,9 @@ def test_server_argv_reads_a_tritonserver_process_s_command_line(tmp_path):
     proc = subprocess.Popen([str(fake), "30", "--", "--grpc-port=9101"])
     try:
         deadline = time.monotonic() + 10
-        while os.readlink(f"/proc/{proc.pid}/exe") != str(fake) and time.monotonic() < deadline:  # until the exec
-            time.sleep(0.01)
+        while time.monotonic() < deadline and (os.readlink(f"/proc/{proc.pid}/exe") != str(fake)
+                                               or b"--grpc-port" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()):
+            time.sleep(0.01)  # until the exec has replaced the executable and its command line
         argv = server_argv(proc.pid)
         assert argv == [str(fake), "30", "--", "--grpc-port=9101"] and grpc_address(argv) == "127.0.0.1:9101"
     finally:
