@@ -2,7 +2,7 @@
 
 Who uses it: ``backend.triton.models.colocated`` (topology ``stages.pd.orchestrator: colocated`` for E+PD,
 ``stages.prefill.orchestrator: colocated`` for E/P/D), whose model hosts the orchestrator and a vLLM engine
-in one Triton stub. ``local`` names the stage that engine serves: ``Stage.GENERATE`` (E+PD: prefill and
+in one Triton stub. ``local`` names the stage that engine serves: ``Stage.PD`` (E+PD: prefill and
 decode, the pd engine) or ``Stage.PREFILL`` (E/P/D: a KV producer, one token per request). Everything else goes
 to ``remote``, a ``StageClient`` of other Triton models: encoders over BLS (both), and for E/P/D the decode stage
 over the server's gRPC endpoint (``backend.triton.stage_client.TritonStages``), whose stream the orchestrator relays.
@@ -32,7 +32,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from backend.request.generate import GenerateRequest, MediaBytes, MediaResolver, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.engine.serving import Chunker, GenerationEngine, ResponseChunk
-from ensemble.orchestrator import Stage
+from backend.protocol.stages import Stage
 
 
 class LocalStages:
@@ -40,7 +40,7 @@ class LocalStages:
 
     def __init__(self, remote, engine: GenerationEngine, resolver: MediaResolver, limits: RequestLimits,
                  prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
-                 interval: float = 0.0, local: Stage = Stage.GENERATE):
+                 interval: float = 0.0, local: Stage = Stage.PD):
         """``remote``: the ``StageClient`` of the other stages; ``encode`` at least (``BlsEncoders``), and
         ``generate`` where the orchestrator asks other generator stages (E/P/D's decode: ``TritonStages``).
         ``resolver`` and ``limits``: how the local stage parses its metadata-only request (``LayoutMedia``).
@@ -52,7 +52,7 @@ class LocalStages:
     async def encode(self, item: MediaBytes, key: str) -> str:
         return await self.remote.encode(item, key)
 
-    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
+    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         if stage is self.local:
             return self._generate_here(inputs)
         if not hasattr(self.remote, "generate"):

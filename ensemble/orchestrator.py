@@ -1,7 +1,7 @@
 """The ``epd`` orchestration: validate, encode every media item concurrently, rewrite the request to
 metadata-only, stream the generator's output back.
 
-Topologies (``Topology``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
+Deployment modes (``backend.protocol.stages.Disaggregation``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
 to ``prefill`` with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then to
 ``decode`` with the ``kv_transfer_params`` prefill returned (decode pulls the KV through NIXL and needs
 only the media layouts), and streams decode's output.
@@ -44,7 +44,6 @@ Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model 
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import time
 from dataclasses import dataclass, replace
@@ -52,27 +51,17 @@ from typing import AsyncIterator, Protocol
 
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.protocol.layout import content_key
+from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
-
-
-class Topology(enum.Enum):
-    E_PD = "E+PD"
-    E_P_D = "E/P/D"
-
-
-class Stage(enum.Enum):
-    GENERATE = "generate"  # prefill + decode in one engine (pd)
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class StageClient(Protocol):
     async def encode(self, item: MediaBytes, key: str) -> str:
         """Encode one item; returns its layout metadata JSON. Raises ``EpdError``s."""
 
-    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
-        """Stream the generator's chunks; the one carrying ``finish_reason`` is the last. Closing the
+    def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
+        """Stream the chunks of the generator stage ``stage`` (pd, prefill or decode); the one carrying ``finish_reason`` is the last. Closing the
         stream before that (``aclose``) must stop the stage's work for this request."""
 
 
@@ -88,11 +77,12 @@ class Orchestrator:
     RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 topology: Topology = Topology.E_PD, deadline: float = 0.0, metadata_only: bool = True,
+                 mode: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0, metadata_only: bool = True,
                  stages_take_media: bool = False):
-        """``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
+        """``mode``: which generator stages a request goes through (``mode.generators``, the last streams to the
+        client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
         decode models), so a request may skip the encoders (``run(encode=False)``: P/D)."""
-        self.stages, self.identity, self.limits, self.topology = stages, identity, limits, topology
+        self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
         self.media = EncodedMedia(limits.media)
 
@@ -147,12 +137,12 @@ class Orchestrator:
 
     async def _generate(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
-        if self.topology is Topology.E_P_D:
+        if Stage.PREFILL in self.mode.generators:
             state.phase = "prefilling"
             rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
         generate_started = time.perf_counter()
-        stream = self.stages.generate(rewritten, Stage.DECODE if self.topology is Topology.E_P_D else Stage.GENERATE)
+        stream = self.stages.generate(rewritten, self.mode.streamer)
         try:
             async for chunk in stream:
                 if sink.is_cancelled():
@@ -267,4 +257,4 @@ def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
 
-__all__ = ["Orchestrator", "StageClient", "Identity", "Stage", "Topology"]
+__all__ = ["Orchestrator", "StageClient", "Identity"]

@@ -129,7 +129,7 @@ class FakeStages:
 
     async def generate(self, inputs, stage=None):
         from backend.engine.serving import ResponseChunk
-        from ensemble.orchestrator import Stage
+        from backend.protocol.stages import Stage
 
         self.generated.append(inputs)
         self.stages_called.append(stage)

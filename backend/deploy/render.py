@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from backend.deploy.topology import COLOCATED, COLOCATED_KINDS, COLOCATED_PREFILL, ENGINE_STAGES, HOSTS, StageSpec, Topology
+from backend.deploy.topology import ModelKind, StageSpec, Topology
+from backend.protocol.stages import Disaggregation, Stage
 
 
 _GEN_INPUTS = [("text_input", "TYPE_STRING", 1), ("messages", "TYPE_STRING", 1), ("image", "TYPE_STRING", -1),
@@ -20,40 +21,51 @@ _GEN_INPUTS = [("text_input", "TYPE_STRING", 1), ("messages", "TYPE_STRING", 1),
 _GEN_OUTPUTS = [("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"),
                 ("num_input_tokens", "TYPE_UINT32"), ("num_output_tokens", "TYPE_UINT32")]
 _HEADERS = {
-    "llm": "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
-           "Its inputs/outputs are the interface every generating model shares (llm, epd, pd, ...).",
-    "pd": "E+PD consumer: one vLLM AsyncLLM (prefill + decode) fed metadata-only media (image_layouts); it pulls\n"
-          "the embeddings through NIXL. It receives media (original_media) only when the orchestrator runs with\n"
-          "metadata-only off (naive EPD) and then decodes and preprocesses them itself. Engine arguments in model.json.",
-    "prefill": "E/P/D prefill: vLLM with NixlConnector (kv_producer) fed metadata-only media (image_layouts); it pulls\n"
-               "the embeddings, prefills, and returns kv_transfer_params for decode. Given media (image; P/D: the\n"
-               "orchestrator skipped the encoders, request parameter epd_encode=false), its engine processes them.\n"
-               "Engine arguments in model.json.",
-    "decode": "E/P/D decode: vLLM with NixlConnector (kv_consumer). It pulls prefill's KV by kv_transfer_params and\n"
-              "takes media as layout metadata only (no embeddings): the KV covers the media positions. Given media\n"
-              "(image; P/D, as prefill), its engine processes them.",
-    "encoder": "Encoder stage: image processor + vision tower of the checkpoint (tower weights only). Each item's\n"
-               "embeddings go into a NIXL-registered lease; the response is the item's layout metadata (JSON).\n"
-               "Triton's dynamic batcher gathers items of concurrent requests into one tower forward.",
-    "epd:E+PD": "E+PD orchestrator (decoupled): the same interface as llm. Media items go to `encoder` concurrently (BLS);\n"
-                "the request goes on to `pd` metadata-only (image_layouts, over the server's gRPC endpoint); pd's stream\n"
-                "comes back with a timing breakdown.",
-    COLOCATED: "E+PD with the orchestrator colocated (decoupled): the same interface as llm. Media items go to `encoder`\n"
-               "concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM (prefill + decode, as\n"
-               "pd: it pulls the embeddings by handle, never sees media), in process; the stream comes back with a timing\n"
-               "breakdown. Engine arguments in model.json.",
-    COLOCATED_PREFILL: "E/P/D with the orchestrator colocated with prefill (decoupled): the same interface as llm. Media items\n"
-                       "go to `encoder` concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM\n"
-                       "(prefill: NixlConnector kv_producer, pulls the embeddings by handle; 1 token, do_remote_decode), in\n"
-                       "process, then to `decode` with its kv_transfer_params over the server's gRPC endpoint; decode's stream\n"
-                       "comes back with a timing breakdown. Engine arguments in model.json.",
-    "epd:E/P/D": "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
-                 "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
-                 "kv_transfer_params; decode's stream comes back with a timing breakdown.",
+    ModelKind.LLM:
+        "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
+        "Its inputs/outputs are the interface every generating model shares (llm, epd, pd, ...).",
+    ModelKind.PD:
+        "E+PD consumer: one vLLM AsyncLLM (prefill + decode) fed metadata-only media (image_layouts); it pulls\n"
+        "the embeddings through NIXL. It receives media (original_media) only when the orchestrator runs with\n"
+        "metadata-only off (naive EPD) and then decodes and preprocesses them itself. Engine arguments in model.json.",
+    ModelKind.PREFILL:
+        "E/P/D prefill: vLLM with NixlConnector (kv_producer) fed metadata-only media (image_layouts); it pulls\n"
+        "the embeddings, prefills, and returns kv_transfer_params for decode. Given media (image; P/D: the\n"
+        "orchestrator skipped the encoders, request parameter epd_encode=false), its engine processes them.\n"
+        "Engine arguments in model.json.",
+    ModelKind.DECODE:
+        "E/P/D decode: vLLM with NixlConnector (kv_consumer). It pulls prefill's KV by kv_transfer_params and\n"
+        "takes media as layout metadata only (no embeddings): the KV covers the media positions. Given media\n"
+        "(image; P/D, as prefill), its engine processes them.",
+    ModelKind.ENCODER:
+        "Encoder stage: image processor + vision tower of the checkpoint (tower weights only). Each item's\n"
+        "embeddings go into a NIXL-registered lease; the response is the item's layout metadata (JSON).\n"
+        "Triton's dynamic batcher gathers items of concurrent requests into one tower forward.",
+    ModelKind.EPD:
+        "E+PD orchestrator (decoupled): the same interface as llm. Media items go to `encoder` concurrently (BLS);\n"
+        "the request goes on to `pd` metadata-only (image_layouts, over the server's gRPC endpoint); pd's stream\n"
+        "comes back with a timing breakdown.",
+    ModelKind.COLOCATED:
+        "E+PD with the orchestrator colocated (decoupled): the same interface as llm. Media items go to `encoder`\n"
+        "concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM (prefill + decode, as\n"
+        "pd: it pulls the embeddings by handle, never sees media), in process; the stream comes back with a timing\n"
+        "breakdown. Engine arguments in model.json.",
+    ModelKind.COLOCATED_PREFILL:
+        "E/P/D with the orchestrator colocated with prefill (decoupled): the same interface as llm. Media items\n"
+        "go to `encoder` concurrently (BLS); the metadata-only request goes to this model's own vLLM AsyncLLM\n"
+        "(prefill: NixlConnector kv_producer, pulls the embeddings by handle; 1 token, do_remote_decode), in\n"
+        "process, then to `decode` with its kv_transfer_params over the server's gRPC endpoint; decode's stream\n"
+        "comes back with a timing breakdown. Engine arguments in model.json.",
+    ModelKind.EPD_DISAGG:
+        "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
+        "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
+        "kv_transfer_params; decode's stream comes back with a timing breakdown.",
 }
-_MODULES = {"llm": "backend.triton.models.llm", "pd": "backend.triton.models.pd", "prefill": "backend.triton.models.prefill",
-            "decode": "backend.triton.models.decode", "encoder": "backend.triton.models.encoder",
-            COLOCATED: "backend.triton.models.colocated", COLOCATED_PREFILL: "backend.triton.models.colocated"}
+
+
+def _module(kind: ModelKind) -> str:
+    """The module of the kind's model class: its role's, ``epd`` for a proxy orchestrator, ``colocated`` beside an engine."""
+    return f"backend.triton.models.{'colocated' if kind.colocated else kind.role.value}"
 
 
 def _io(kind: str, items) -> str:
@@ -79,13 +91,13 @@ def _fmt(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> str:
+def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Path) -> str:
     checkpoint = os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve())
     limits = {k: _fmt(v) for k, v in topology.limits.items() if k not in ("max_images", "request_timeout_seconds")}
     header = "".join(f"# {line}\n" for line in _HEADERS[kind].splitlines())
     body = f'name: "{name}"\nbackend: "python"\n'
-    if kind == "encoder":
-        spec = topology.stages["encoder"]
+    if kind is ModelKind.ENCODER:
+        spec = topology.stages[kind.stage]
         body += "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n\n"
         body += _io("input", [("image", "TYPE_STRING", 1)]).replace(
             "dims: [ 1 ] optional: true", "dims: [ 1 ]").replace("\n]", ',\n  { name: "content_key" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n]')
@@ -97,24 +109,25 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         engine_dtype = {"encoder_dtype": dtype} if isinstance(dtype, str) and dtype != "auto" else {}
         return header + body + _params({"model": checkpoint, **engine_dtype, **transfer, **limits})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
-    if kind in COLOCATED_KINDS.values():
-        mode = kind.split(":")[1]
+    if kind.colocated:
+        mode = kind.mode.value
         body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages[HOSTS[mode]]) + "\n"
+        body += "\n" + _instances(topology.stages[kind.stage]) + "\n"
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
-        if mode == "E/P/D":  # decode over gRPC; this model's engine is prefill's (a KV producer)
+        if kind.mode is Disaggregation.E_P_D:  # decode over gRPC; this model's engine is prefill's (a KV producer)
             params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         return header + body + _params(params)
-    if kind.startswith("epd:"):
-        mode = kind.split(":", 1)[1]
+    if kind.role is Stage.ORCHESTRATOR:
+        mode = kind.mode.value
         body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages["epd"]) + "\n"
+        body += "\n" + _instances(topology.stages[kind.stage]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
-        names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint} if mode == "E+PD" else
+        names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint}
+                     if kind.mode is Disaggregation.E_PD else
                      {"prefill_model": "prefill", "prefill_endpoint": topology.stages["prefill"].endpoint,
                       "decode_model": "decode", "decode_endpoint": topology.stages["decode"].endpoint})
         if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too
@@ -122,27 +135,27 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
-    if kind != "llm":
+    if kind.role.spec.takes_layouts:
         inputs[2] = ("image_layouts", "TYPE_STRING", -1)
         inputs.append(("original_media", "TYPE_STRING", -1))  # metadata-only off (naive EPD) only
         outputs.append(("timings", "TYPE_STRING"))
-    if kind in ("prefill", "decode"):
+    if kind.role.spec.kv_role:
         inputs.append(("image", "TYPE_STRING", -1))  # P/D: an orchestrator that skips the encoders (epd_encode)
         inputs.append(("kv_transfer_params", "TYPE_STRING", 1))
         outputs.append(("kv_transfer_params", "TYPE_STRING"))
-    body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind]) + "\n"
+    body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
     params = {"engine_args": "model.json", **limits}
-    if topology.stream_interval_ms and kind != "prefill":
+    if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
-    if kind in ("prefill", "decode"):
+    if kind.role.spec.kv_role:
         params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
     return header + body + _params(params)
 
 
-def render_engine_args(topology: Topology, kind: str, model_dir: Path) -> str:
+def render_engine_args(topology: Topology, stage: str, model_dir: Path) -> str:
     args = {"model": os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve()), **topology.engine_args,
             "limit_mm_per_prompt": {"image": topology.limits["max_images"]}}
-    if topology.stages[kind].device == "gpu":
+    if topology.stages[stage].device == "gpu":
         args.pop("distributed_executor_backend", None)
     return json.dumps(args, indent=2) + "\n"
 
@@ -153,12 +166,11 @@ def render_files(topology: Topology, out: Path) -> dict[str, str]:
     for name, kind in topology.models().items():
         model_dir = Path(out) / name
         files[f"{name}/config.pbtxt"] = render_config(topology, name, kind, model_dir)
-        module = _MODULES.get(kind) or "backend.triton.models.epd"
+        module = _module(kind)
         files[f"{name}/1/model.py"] = (f'"""Triton Python-backend entry point of `{name}`: the model class lives in '
                                        f'{module}."""\nfrom {module} import TritonPythonModel  # noqa: F401\n')
-        if kind in ENGINE_STAGES or kind in COLOCATED_KINDS.values():
-            host = HOSTS[kind.split(":")[1]] if kind in COLOCATED_KINDS.values() else kind
-            files[f"{name}/model.json"] = render_engine_args(topology, host, model_dir)
+        if kind.engine is not None:
+            files[f"{name}/model.json"] = render_engine_args(topology, kind.stage, model_dir)
     return files
 
 

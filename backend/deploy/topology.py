@@ -39,6 +39,7 @@ for on a CPU machine, each named. The committed ``model_repository/`` is the ren
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,23 +48,27 @@ from typing import Any
 import yaml
 
 from backend.deploy.server_address import LOCAL, EndpointError, check_endpoint
+from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, KvEngineSettings,
+                                       MediaSettings, ProxySettings, defaults)
+from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOYMENTS = {"baseline": ("llm",), "E+PD": ("encoder", "pd", "epd"), "E/P/D": ("encoder", "prefill", "decode", "epd")}
-ENGINE_STAGES = ("llm", "pd", "prefill", "decode")
-GPU_STAGES = ("encoder", "llm", "pd", "prefill", "decode")
+# deployment -> the stages it runs (topology keys: the roles' names, backend.protocol.stages)
+DEPLOYMENTS = {"baseline": (Stage.LLM.value,), **{mode.value: tuple(s.value for s in mode.stages) for mode in Disaggregation}}
+ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
+GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
-REMOTE_STAGES = ("pd", "prefill", "decode")  # reached by an orchestrator over gRPC: they take an endpoint
+# reached by an orchestrator over gRPC: they take an endpoint
+REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
-HOSTS = {"E+PD": "pd", "E/P/D": "prefill"}  # deployment -> the stage that can host its orchestrator
-COLOCATED = "epd:E+PD:colocated"  # model kind: E+PD's orchestrator and the pd engine in one model
-COLOCATED_PREFILL = "epd:E/P/D:colocated"  # model kind: E/P/D's orchestrator and the prefill engine in one model
-COLOCATED_KINDS = {"E+PD": COLOCATED, "E/P/D": COLOCATED_PREFILL}
-TRANSFER_DEFAULTS = {"pool_bytes": 64 << 20, "lease_seconds": 30, "alloc_timeout_seconds": 1.0, "nixl_poll_delay_us": 5000}
-LIMIT_DEFAULTS = {"max_images": 4, "max_image_pixels": 16_000_000, "max_item_bytes": 32 << 20,
-                  "request_timeout_seconds": 300}  # the last: epd's deadline per request (encode to last token)
+HOSTS = {mode.value: mode.host.value for mode in Disaggregation}  # deployment -> the stage that can host its orchestrator
+# the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
+TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
+                     **defaults(KvEngineSettings, "nixl_poll_delay_us")}
+LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images"), **defaults(MediaSettings, "max_image_pixels", "max_item_bytes"),
+                  **defaults(ProxySettings, "request_timeout_seconds")}  # the last: epd's deadline per request
 ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
                    "disable_log_stats": True}
@@ -71,6 +76,50 @@ ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4
 
 class TopologyError(ValueError):
     pass
+
+
+class ModelKind(enum.StrEnum):
+    """What a rendered model is: its ``role`` (``backend.protocol.stages.Stage``), for an orchestrator the ``mode`` it
+    orchestrates, and ``engine``: the stage whose vLLM engine, instances and device it has (None: none; an orchestrator
+    with an engine is colocated with that stage). Its value is the kind's name (``epd:E+PD:colocated``)."""
+
+    def __new__(cls, value: str, role: Stage, mode: Disaggregation | None = None, engine: Stage | None = None):
+        kind = str.__new__(cls, value)
+        kind._value_ = value
+        kind.role, kind.mode, kind.engine = role, mode, engine
+        return kind
+
+    LLM = "llm", Stage.LLM, None, Stage.LLM
+    ENCODER = "encoder", Stage.ENCODER
+    PD = "pd", Stage.PD, None, Stage.PD
+    PREFILL = "prefill", Stage.PREFILL, None, Stage.PREFILL
+    DECODE = "decode", Stage.DECODE, None, Stage.DECODE
+    EPD = "epd:E+PD", Stage.ORCHESTRATOR, Disaggregation.E_PD
+    EPD_DISAGG = "epd:E/P/D", Stage.ORCHESTRATOR, Disaggregation.E_P_D
+    COLOCATED = "epd:E+PD:colocated", Stage.ORCHESTRATOR, Disaggregation.E_PD, Stage.PD
+    COLOCATED_PREFILL = "epd:E/P/D:colocated", Stage.ORCHESTRATOR, Disaggregation.E_P_D, Stage.PREFILL
+
+    @classmethod
+    def orchestrator(cls, mode: Disaggregation, colocated: bool) -> "ModelKind":
+        return next(kind for kind in cls if kind.role is Stage.ORCHESTRATOR and kind.mode is mode
+                    and (kind.engine is not None) == colocated)
+
+    @property
+    def colocated(self) -> bool:
+        return self.role is Stage.ORCHESTRATOR and self.engine is not None
+
+    @property
+    def stage(self) -> str:
+        """The topology stage whose instances and device the model has."""
+        return (self.engine or self.role).value
+
+    @property
+    def settings(self) -> type:
+        """The settings class (``backend.protocol.settings``) the model reads its rendered parameters into."""
+        if self.role is Stage.ORCHESTRATOR:
+            return ColocatedSettings if self.colocated else ProxySettings
+        return {Stage.ENCODER: EncoderSettings, Stage.PREFILL: KvEngineSettings,
+                Stage.DECODE: KvEngineSettings}.get(self.role, EngineSettings)
 
 
 @dataclass(frozen=True)
@@ -131,18 +180,18 @@ class Topology:
         needed = {stage for m in self.serve for stage in deployment_stages(m, colocated)}
         return replace(self, stages={s: spec for s, spec in stages.items() if s in needed})
 
-    def models(self) -> dict[str, str]:
-        """Model name -> kind (llm, encoder, pd, prefill, decode, epd:E+PD, epd:E/P/D, and the COLOCATED_KINDS:
-        a deployment's orchestrator with its host stage's engine, in place of that stage's model)."""
-        out: dict[str, str] = {}
+    def models(self) -> dict[str, ModelKind]:
+        """Model name -> kind (``ModelKind``; a colocated kind is a deployment's orchestrator with its host stage's
+        engine, in place of that stage's model)."""
+        out: dict[str, ModelKind] = {}
         colocated = self.colocated
         for mode in self.serve:
             for stage in DEPLOYMENTS[mode]:
-                if stage == "epd":
+                if stage == Stage.ORCHESTRATOR.value:
                     name = "epd" if "epd" not in out else "epd_disagg"
-                    out[name] = COLOCATED_KINDS[mode] if mode in colocated else f"epd:{mode}"
+                    out[name] = ModelKind.orchestrator(Disaggregation(mode), mode in colocated)
                 elif not (mode in colocated and stage == HOSTS[mode]):
-                    out[stage] = stage
+                    out[stage] = ModelKind(stage)
         return out
 
 
@@ -194,15 +243,15 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                             f"(uses {', '.join(sorted(needed))}){why}")
     stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
     sections = {}
-    for key, defaults in (("transfer", TRANSFER_DEFAULTS), ("limits", LIMIT_DEFAULTS)):
+    for key, section_defaults in (("transfer", TRANSFER_DEFAULTS), ("limits", LIMIT_DEFAULTS)):
         section = doc.get(key) or {}
         if not isinstance(section, dict):
             raise TopologyError(f"{path}: {key}: expected a mapping")
-        _check_keys(section, set(defaults), f"{path}: {key}")
+        _check_keys(section, set(section_defaults), f"{path}: {key}")
         for k, v in section.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise TopologyError(f"{path}: {key}.{k}: expected a positive number, got {v!r}")
-        sections[key] = {**defaults, **section}
+        sections[key] = {**section_defaults, **section}
     engine_args = doc.get("engine_args") or {}
     if not isinstance(engine_args, dict) or "model" in engine_args:
         raise TopologyError(f"{path}: engine_args: expected a mapping of vLLM engine arguments (the model is 'checkpoint')")
@@ -278,5 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as backend.deploy.topology, so that its classes are the ones render uses
+    from backend.deploy.topology import main as _main
+
+    sys.exit(_main())

@@ -1,6 +1,8 @@
-"""The Triton adapter shared by the vLLM-hosting models (``llm``, ``pd``): read config once, host the
-engine, convert tensors, hand each parsed request to ``backend.engine.serving``. Each ``model.py`` subclasses
-``GenerateModel`` and names what differs (how media are resolved, what runs before generation).
+"""The Triton adapter shared by the vLLM-hosting models (``llm``, ``pd``, ``prefill``, ``decode``, the colocated
+orchestrators): read config once (``backend.triton.config``), host the engine, convert tensors, hand each parsed
+request to ``backend.engine.serving``. Each ``model.py`` subclasses ``GenerateModel`` and names its stage role
+(``backend.protocol.stages``) and its settings class; the role's spec says what differs (how media are resolved,
+whether embeddings are pulled, the engine's KV role).
 
 Imported by ``model.py`` files only (it imports ``triton_io``, hence ``pb_utils``).
 """
@@ -19,47 +21,51 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine.host import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
 from backend.protocol.errors import InvalidInput
+from backend.protocol.settings import EngineSettings, KvEngineSettings
+from backend.protocol.stages import RoleSpec, Stage
 from backend.request.media import MediaLimits, decode_counter
 from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.engine.serving import stream_generation
 from backend.triton.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
+from backend.triton.config import load_settings
 from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
                                watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
 
 
-def parameter(config: dict, key: str, default: str) -> str:
-    return config.get("parameters", {}).get(key, {}).get("string_value", default)
-
-
 class GenerateModel:
-    """Subclasses implement ``make_resolver`` and may override ``prepare`` (runs on the engine loop
-    before generation; its errors fail that request only) and ``engine_args_from`` (the engine arguments
-    made of model.json's)."""
+    """Subclasses name their ``ROLE`` and ``SETTINGS``, implement ``make_resolver`` and may override ``prepare``
+    (runs on the engine loop before generation; its errors fail that request only) and ``engine_args_from`` (the
+    engine arguments made of model.json's)."""
+
+    ROLE = Stage.LLM
+    SETTINGS: type[EngineSettings] = EngineSettings
 
     def initialize(self, args: dict[str, Any]) -> None:
-        self.config = json.loads(args["model_config"])
         self.name = args["model_name"]
-        if not pb_utils.using_decoupled_model_transaction_policy(self.config):
+        if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
+        self.settings = load_settings(self.SETTINGS, args)
+        self.check_settings()
+        self.spec = self.role_spec()
         model_dir = Path(args["model_repository"])
         # A KIND_GPU instance: its engine runs on the instance's GPU (Triton gives each instance one device id)
         self.on_gpu = args.get("model_instance_kind") == "GPU"
         if self.on_gpu:  # before anything initializes CUDA in this stub; the EngineCore child inherits it
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
-        self.engine_args = self.engine_args_from(load_engine_args(model_dir / parameter(self.config, "engine_args", "model.json")))
+        self.engine_args = self.engine_args_from(load_engine_args(model_dir / self.settings.engine_args))
         self.limits = RequestLimits(
             max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
             media=MediaLimits(
-                max_image_pixels=int(parameter(self.config, "max_image_pixels", "16000000")),
-                max_item_bytes=int(parameter(self.config, "max_item_bytes", str(32 << 20))),
+                max_image_pixels=self.settings.max_image_pixels,
+                max_item_bytes=self.settings.max_item_bytes,
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
                 allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
             ),
         )
-        self.stream_interval = float(parameter(self.config, "stream_interval_ms", "0")) / 1000  # see stream_generation
+        self.stream_interval = self.settings.stream_interval_ms / 1000  # see stream_generation
         self.resolver = self.make_resolver()
         self.metric_batch = CounterBatch()  # this model's counters, handed to Triton a few times a second
         instance = args.get("model_instance_name", "")  # a label of each instance's metrics (metric_labels)
@@ -69,6 +75,13 @@ class GenerateModel:
         self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
         self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
         self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
+
+    def check_settings(self) -> None:
+        """Runs once the settings are read, before anything starts: a setting that cannot work fails the load."""
+
+    def role_spec(self) -> RoleSpec:
+        """What this model's engine takes and does: its role's spec."""
+        return self.ROLE.spec
 
     def make_resolver(self) -> MediaResolver:
         raise NotImplementedError
@@ -113,22 +126,18 @@ class GenerateModel:
 
 
 class MetadataOnlyModel(GenerateModel):
-    """A vLLM model fed metadata-only media (``image_layouts``): ``pd`` and ``prefill`` pull each item's
-    embeddings before submitting (``PULL_EMBEDDINGS``); ``decode`` submits the layout alone, since the KV
-    it receives already covers the media positions. Nothing is submitted whose embeddings are not here:
-    a failed pull fails that request with UNAVAILABLE. ``prefill`` and ``decode`` also take media
-    (``TAKES_MEDIA``: P/D, an orchestrator that skips the encoders), which their engine then processes."""
+    """A vLLM model fed metadata-only media (``image_layouts``), as its role's spec says (``self.spec``):
+    ``pd`` and ``prefill`` pull each item's embeddings before submitting (``pulls_embeddings``); ``decode`` submits
+    the layout alone, since the KV it receives already covers the media positions. Nothing is submitted whose
+    embeddings are not here: a failed pull fails that request with UNAVAILABLE. ``prefill`` and ``decode`` also take
+    media (``takes_media``: P/D, an orchestrator that skips the encoders), which their engine then processes.
+    A ``kv_role`` gives the engine vLLM's NixlConnector in that role."""
 
-    PULL_EMBEDDINGS = True
-    TAKES_MEDIA = False
-    KV_ROLE: str | None = None  # "kv_producer" (prefill) / "kv_consumer" (decode): vLLM's NixlConnector
-    # EngineCore: after a step that ran no model, wait up to this long for new input (model parameter
-    # engine_idle_wait_ms; backend.engine.patches.patch_idle_wait). "": vLLM's own 1 ms sleep.
-    IDLE_WAIT_MS = ""
+    ROLE = Stage.PD
 
     def initialize(self, args):
         super().initialize(args)
-        if self.PULL_EMBEDDINGS:
+        if self.spec.pulls_embeddings:
             from backend.transfer.announce import ProducerWatcher, directory
             from backend.transfer.consumer import EmbeddingConsumer
 
@@ -142,28 +151,31 @@ class MetadataOnlyModel(GenerateModel):
         from backend.request.generate import LayoutMedia, LayoutOrDecodeMedia
 
         identity = model_identity(self.engine_args["model"])
-        return LayoutOrDecodeMedia(identity, self.limits.media) if self.TAKES_MEDIA else LayoutMedia(identity)
+        return LayoutOrDecodeMedia(identity, self.limits.media) if self.spec.takes_media else LayoutMedia(identity)
 
     def engine_args_from(self, model_json):
         args = metadata_only_engine_args(model_json)
-        if self.KV_ROLE:
-            args["kv_transfer_config"] = kv_transfer_config(self.KV_ROLE, self.on_gpu)
+        if self.spec.kv_role:
+            args["kv_transfer_config"] = kv_transfer_config(self.spec.kv_role, self.on_gpu)
         return args
 
     def process_env(self):
-        if not self.KV_ROLE:
+        if not self.spec.kv_role:
             return {}
-        port = parameter(self.config, "nixl_side_channel_port", "") or str(free_ports()[0])
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "EPD_NIXL_POLL_DELAY_US": parameter(self.config, "nixl_poll_delay_us", "5000"),
-                "EPD_ENGINE_IDLE_WAIT_MS": parameter(self.config, "engine_idle_wait_ms", self.IDLE_WAIT_MS),
+        settings: KvEngineSettings = self.settings  # a kv_role's model reads KvEngineSettings (or a subclass)
+        port = settings.nixl_side_channel_port if settings.nixl_side_channel_port is not None else free_ports()[0]
+        # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)
+        wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else self.spec.idle_wait_ms
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "EPD_NIXL_POLL_DELAY_US": str(settings.nixl_poll_delay_us),
+                "EPD_ENGINE_IDLE_WAIT_MS": "" if wait is None else f"{wait:g}",
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
         from backend.protocol.layout import LayoutMetadata
 
         layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
-        if layouts < len(request.images):  # media decoded here (TAKES_MEDIA): the engine processes them
+        if layouts < len(request.images):  # media decoded here (takes_media): the engine processes them
             if layouts:
                 raise InvalidInput("messages", "give media either as media or as image_layouts, not both")
             return request
@@ -179,7 +191,7 @@ class MetadataOnlyModel(GenerateModel):
             timings["media_ms"] = round(seconds * 1000, 3)
         from backend.transfer.consumer import image_grid, pull_image_embeds
 
-        if not self.PULL_EMBEDDINGS:
+        if not self.spec.pulls_embeddings:
             return replace(request, images=(), image_embeds=(None, image_grid(request.images)), timings=timings or None)
 
         started = time.perf_counter()
@@ -200,7 +212,7 @@ class MetadataOnlyModel(GenerateModel):
 
     def finalize(self):
         super().finalize()
-        if self.PULL_EMBEDDINGS:
+        if self.spec.pulls_embeddings:
             self.producers.close()
             self.pulls.shutdown(wait=True)
             self.consumer.close()  # sends the releases still queued

@@ -34,19 +34,17 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.protocol.errors import Unavailable
-from backend.deploy.server_address import LOCAL, resolve
+from backend.deploy.server_address import resolve
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
-from ensemble.orchestrator import Stage
+from backend.protocol.stages import Stage
 
 GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
 KV_OUTPUT = "kv_transfer_params"
 log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
-ENDPOINT_PARAMETERS = {Stage.GENERATE: "generator_endpoint", Stage.PREFILL: "prefill_endpoint",
-                       Stage.DECODE: "decode_endpoint"}  # the orchestrator's config parameter per stage role
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
@@ -103,13 +101,11 @@ def _is_final(result) -> bool:
     return bool(param and param.bool_param)
 
 
-def stage_urls(config_parameter, stages) -> dict[Stage, str]:
-    """The gRPC address of each of ``stages`` from the orchestrator's ``<role>_endpoint`` parameters
-    (``config_parameter(name, default)``); raises ``backend.deploy.server_address.EndpointError`` naming the stage."""
-    models = {Stage.GENERATE: ("generator_model", "pd"), Stage.PREFILL: ("prefill_model", "prefill"),
-              Stage.DECODE: ("decode_model", "decode")}
-    return {stage: resolve(config_parameter(*models[stage]), config_parameter(ENDPOINT_PARAMETERS[stage], LOCAL))
-            for stage in stages}
+def stage_urls(targets: dict[Stage, tuple[str, str]], stages) -> dict[Stage, str]:
+    """The gRPC address of each of ``stages`` from its model name and endpoint (``targets``: the orchestrator's
+    ``<role>_model`` / ``<role>_endpoint`` parameters, ``RoutingSettings.targets``); raises
+    ``backend.deploy.server_address.EndpointError`` naming the stage."""
+    return {stage: resolve(*targets[stage]) for stage in stages}
 
 
 class BlsEncoders:
@@ -137,7 +133,7 @@ class TritonStages(BlsEncoders):
     def __init__(self, urls: dict[Stage, str], encoder_model: str = "encoder", generator_model: str = "pd",
                  prefill_model: str = "prefill", decode_model: str = "decode"):
         super().__init__(encoder_model)
-        self.models = {Stage.GENERATE: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
+        self.models = {Stage.PD: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
         self.urls = dict(urls)
         self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
 
@@ -183,7 +179,7 @@ class TritonStages(BlsEncoders):
         pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
         return reached
 
-    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.GENERATE) -> AsyncIterator[ResponseChunk]:
+    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         """Stream the stage's chunks. If the consumer stops early (``aclose``: its client cancelled), the
         gRPC stream is cancelled, and with it the stage's request."""
         import tritonclient.grpc as grpcclient

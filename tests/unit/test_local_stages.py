@@ -10,14 +10,15 @@ from backend.protocol.errors import InvalidInput, Unavailable
 from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
 from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
+from backend.protocol.stages import Disaggregation, Stage
+from ensemble.orchestrator import Identity, Orchestrator
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.GENERATE):
+def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.PD):
     encoders = encoders or FakeStages()
     stages = LocalStages(encoders, engine or FakeEngine(), FakeLayoutResolver(), RequestLimits(max_images=4),
                          prepare=pull or FakePull(), interval=interval, local=local)
@@ -26,7 +27,7 @@ def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.G
 
 def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    topology = Topology.E_P_D if stages.local is Stage.PREFILL else Topology.E_PD
+    topology = Disaggregation.E_P_D if stages.local is Stage.PREFILL else Disaggregation.E_PD
     orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), topology, deadline=deadline)
     outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
@@ -156,7 +157,7 @@ def test_a_stage_neither_here_nor_remote_is_refused():
         async for chunk in stages.generate(RawGenerateInputs(text_input="x"), Stage.PREFILL):
             return chunk
 
-    with pytest.raises(ValueError, match="serves the generate stage; no client for the prefill stage"):
+    with pytest.raises(ValueError, match="serves the pd stage; no client for the prefill stage"):
         asyncio.run(first_chunk())
 
 
@@ -240,6 +241,6 @@ def test_e_p_d_asking_the_local_stage_for_e_pd_s_generate_goes_remote():
     stages, remote = colocated(local=Stage.PREFILL)
 
     async def chunks():
-        return [c.text_output async for c in stages.generate(RawGenerateInputs(text_input="x"), Stage.GENERATE)]
+        return [c.text_output async for c in stages.generate(RawGenerateInputs(text_input="x"), Stage.PD)]
 
-    assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.GENERATE]
+    assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.PD]

@@ -140,13 +140,13 @@ def test_finished_streams_are_not_aborted():
 
 
 def test_e_p_d_prefills_one_token_then_decodes_with_the_kv_handle():
-    from ensemble.orchestrator import Stage, Topology
+    from backend.protocol.stages import Disaggregation, Stage
 
     stages = FakeStages()
     raw = RawGenerateInputs(text_input="x", images=(b"A",), stream=True,
                             sampling_parameters='{"max_tokens": 9, "min_tokens": 2, "temperature": 0}')
     sink = FakeSink()
-    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), Topology.E_P_D).run(raw, sink))
+    outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), Disaggregation.E_P_D).run(raw, sink))
     assert outcome is Outcome.OK and stages.stages_called == [Stage.PREFILL, Stage.DECODE]
     prefill, decode = stages.generated
     assert json.loads(prefill.sampling_parameters) == {"max_tokens": 1, "temperature": 0}
@@ -159,12 +159,12 @@ def test_e_p_d_prefills_one_token_then_decodes_with_the_kv_handle():
 
 
 def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
-    from ensemble.orchestrator import Topology
+    from backend.protocol.stages import Disaggregation
 
     url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}]
     raw = RawGenerateInputs(messages=json.dumps(messages), images=(b"TENSOR",))
-    for topology, consumers in ((Topology.E_PD, 1), (Topology.E_P_D, 2)):
+    for topology, consumers in ((Disaggregation.E_PD, 1), (Disaggregation.E_P_D, 2)):
         for model_setting, request_setting, naive in ((True, None, False), (False, None, True), (True, False, True),
                                                       (False, True, False)):
             stages = FakeStages()
@@ -189,13 +189,13 @@ def test_consumers_media_time_adds_up_over_prefill_and_decode():
 def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
     """encode=False (P/D): no encode call; prefill and decode both get the client's media and messages
     unchanged (they process the media themselves); a deployment whose stages take metadata-only media refuses."""
-    from ensemble.orchestrator import Stage, Topology
+    from backend.protocol.stages import Disaggregation, Stage
 
     url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
     messages = json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}])
     raw = RawGenerateInputs(messages=messages, images=(b"TENSOR",), sampling_parameters='{"max_tokens": 5}')
     stages, sink = FakeStages(), FakeSink()
-    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), Topology.E_P_D, stages_take_media=True)
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), Disaggregation.E_P_D, stages_take_media=True)
     assert asyncio.run(orchestrator.run(raw, sink, encode=False)) is Outcome.OK
     assert stages.encoded == [] and stages.stages_called == [Stage.PREFILL, Stage.DECODE]
     for sent in stages.generated:
@@ -203,7 +203,7 @@ def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
     assert json.loads(stages.generated[1].kv_transfer_params)["remote_block_ids"] == [[1]]
     assert sink.chunks[-1][0].timings["items"] == 0
 
-    for topology, take_media in ((Topology.E_PD, False), (Topology.E_P_D, False)):
+    for topology, take_media in ((Disaggregation.E_PD, False), (Disaggregation.E_P_D, False)):
         stages, sink = FakeStages(), FakeSink()
         outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), topology, stages_take_media=take_media)
                               .run(raw, sink, encode=False))

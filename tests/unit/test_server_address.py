@@ -42,16 +42,18 @@ def test_local_outside_tritonserver_is_refused_with_the_reason():
 
 
 def test_server_argv_reads_a_tritonserver_process_s_command_line(tmp_path):
-    fake = tmp_path / "tritonserver"  # a real process whose executable is named tritonserver
-    shutil.copy("/bin/sleep", fake)
-    proc = subprocess.Popen([str(fake), "30", "--", "--grpc-port=9101"])
+    fake = tmp_path / "tritonserver"  # a real process whose executable is named tritonserver: cat, reading its stdin
+    shutil.copy("/bin/cat", fake)
+    argv = [str(fake), "--", "-", "--grpc-port=9101"]  # (sleep exits at once on such arguments: a race)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
+        # until the exec is done: the kernel points /proc/<pid>/exe at the new executable before it sets the
+        # command line (read in between, it is empty)
         while time.monotonic() < deadline and (os.readlink(f"/proc/{proc.pid}/exe") != str(fake)
-                                               or b"--grpc-port" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()):
-            time.sleep(0.01)  # until the exec has replaced the executable and its command line
-        argv = server_argv(proc.pid)
-        assert argv == [str(fake), "30", "--", "--grpc-port=9101"] and grpc_address(argv) == "127.0.0.1:9101"
+                                               or not Path(f"/proc/{proc.pid}/cmdline").read_bytes()):
+            time.sleep(0.01)
+        assert server_argv(proc.pid) == argv and grpc_address(server_argv(proc.pid)) == "127.0.0.1:9101"
     finally:
         proc.kill()
         proc.wait()

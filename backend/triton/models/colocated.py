@@ -6,7 +6,7 @@ Topology ``stages.pd.orchestrator: colocated`` (E+PD, model ``epd``) or ``stages
 it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, the ``prepare`` step):
 
 - E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
-- E/P/D: prefill's engine (NixlConnector ``kv_producer``, the settings of ``backend.triton.models.prefill``); ``prepare``
+- E/P/D: prefill's engine (NixlConnector ``kv_producer``, prefill's role spec in ``backend.protocol.stages``); ``prepare``
   pulls the embeddings by handle, as for pd. Decode stays a model of its own, asked over the server's gRPC
   endpoint (``TritonStages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
   with prefill's ``kv_transfer_params``; its stream is relayed to the client.
@@ -19,51 +19,51 @@ Adapter only: the logic is ``ensemble.orchestrator`` and ``ensemble.local_stages
 """
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import model_identity, processing_options
-from backend.triton.generate_model import MetadataOnlyModel, parameter
-from backend.triton.models.prefill import TritonPythonModel as PrefillModel
+from backend.protocol.settings import ColocatedSettings
+from backend.protocol.stages import Disaggregation
+from backend.triton.generate_model import MetadataOnlyModel
 from backend.deploy.server_address import EndpointError
 from backend.triton.models.epd import orchestrate
 from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
+from ensemble.orchestrator import Identity, Orchestrator
 from backend.triton.stage_client import BlsEncoders, TritonStages, stage_urls
 
 
 class TritonPythonModel(MetadataOnlyModel):
+    SETTINGS = ColocatedSettings
+
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        try:
-            self.mode = Topology(parameter(config, "topology", "E+PD"))
-        except ValueError as exc:
-            raise pb_utils.TritonModelException(f"{args['model_name']}: parameter topology: {exc}") from None
-        try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
-            urls = stage_urls(lambda name, default: parameter(config, name, default),
-                              (Stage.DECODE,) if self.mode is Topology.E_P_D else ())
-        except EndpointError as exc:
-            raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
         self.watch = None
-        if self.mode is Topology.E_P_D:  # this engine is prefill's: KV producer, pulls the embeddings
-            self.KV_ROLE, self.IDLE_WAIT_MS = PrefillModel.KV_ROLE, PrefillModel.IDLE_WAIT_MS
-        super().initialize(args)  # the engine (the host stage's arguments), the consumer, the metrics, self.limits
-        encoders = parameter(self.config, "encoder_model", "encoder")
-        if self.mode is Topology.E_PD:
-            remote, local = BlsEncoders(encoders), Stage.GENERATE
+        super().initialize(args)  # the engine (the host stage's, role_spec), the consumer, the metrics, self.limits
+        settings, mode = self.settings, self.settings.topology
+        if mode is Disaggregation.E_PD:
+            remote = BlsEncoders(settings.encoder_model)
         else:
-            remote = TritonStages(urls, encoders, decode_model=parameter(self.config, "decode_model", "decode"))
+            remote = TritonStages(self.urls, settings.encoder_model, decode_model=settings.decode_model)
             self.watch = self.host.submit(remote.watch())
-            local = Stage.PREFILL
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
-                                  interval=self.stream_interval, local=local)
+                                  interval=self.stream_interval, local=mode.host)
         self.orchestrator = Orchestrator(
-            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, self.mode,
-            deadline=float(parameter(self.config, "request_timeout_seconds", "300")),
-            metadata_only=parameter(self.config, "metadata_only", "true").lower() != "false")
+            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
+            deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only)
+
+    def check_settings(self):
+        try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
+            self.urls = stage_urls(self.settings.targets(), self.settings.topology.generators[1:])
+        except EndpointError as exc:
+            raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
+
+    def role_spec(self):
+        """The host stage's engine (pd's, or prefill's: a KV producer that pulls the embeddings), given layouts
+        only: the orchestrator in this process always encodes the media first."""
+        return replace(self.settings.topology.host.spec, takes_media=False)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.host.submit, self.cancels)

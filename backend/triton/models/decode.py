@@ -2,12 +2,14 @@
 media items' layout metadata only: the KV it pulls covers the media positions, so no embeddings are
 needed, just ``image_grid_thw`` for the prompt's layout (M-RoPE positions, placeholder expansion).
 If the KV cannot be loaded the request fails (``kv_load_failure_policy: fail``) instead of being
-recomputed without embeddings.
+recomputed without embeddings. P/D: an orchestrator that skips the encoders sends the client's media
+(the role's spec, ``backend.protocol.stages``).
 """
+from backend.protocol.settings import KvEngineSettings
+from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
-    TAKES_MEDIA = True  # P/D: an orchestrator that skips the encoders sends the client's media
-    KV_ROLE = "kv_consumer"
-    PULL_EMBEDDINGS = False
+    ROLE = Stage.DECODE
+    SETTINGS = KvEngineSettings

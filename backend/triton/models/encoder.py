@@ -1,12 +1,9 @@
 """``encoder``: decode, preprocess and encode images; publish embeddings as NIXL leases.
 
 Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
-On ``KIND_GPU`` the tower runs on the instance's GPU. Optional model parameters: ``encoder_impl``
-(``packed``, the default, or ``transformers``), ``encoder_dtype`` (e.g. ``bfloat16``; default the
-checkpoint's), ``encoder_compile`` (``true``: torch.compile the packed blocks, CUDA only), ``cache_bytes``
-(embeddings of recent items kept for reuse, default 32 MiB; 0 turns the cache off).
+On ``KIND_GPU`` the tower runs on the instance's GPU. Model parameters: ``backend.protocol.settings.EncoderSettings``
+(``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
 """
-import json
 import threading
 from pathlib import Path
 
@@ -18,11 +15,12 @@ from PIL import Image
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.engine.host import prepare_process
-from backend.triton.generate_model import parameter
 from backend.protocol.layout import content_key
+from backend.protocol.settings import EncoderSettings
 from backend.request.media import MediaLimits
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
+from backend.triton.config import load_settings
 from backend.triton.io import to_triton_error, wants_error_codes
 from backend.triton.metrics import EncoderMetrics
 
@@ -32,23 +30,19 @@ METRICS_SECONDS = 1.0
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
-        config = json.loads(args["model_config"])
-        model_dir = Path(args["model_repository"]) / parameter(config, "model", "")
+        settings = load_settings(EncoderSettings, args)
+        model_dir = Path(args["model_repository"]) / settings.model
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
-        dtype = parameter(config, "encoder_dtype", "")  # "" = the checkpoint's; bfloat16 for speed on GPU
+        dtype = settings.encoder_dtype  # "" = the checkpoint's; bfloat16 for speed on GPU
         self.encoder = VisionEncoder.load(model_dir.resolve(), device=device,
                                           dtype=getattr(torch, dtype) if dtype else None,
-                                          impl=parameter(config, "encoder_impl", "packed"),
-                                          compile=parameter(config, "encoder_compile", "false") == "true")
+                                          impl=settings.encoder_impl, compile=settings.encoder_compile)
         self.processing = processing_options(model_dir)
-        self.pool = EmbeddingPool(int(parameter(config, "pool_bytes", str(64 << 20))),
-                                  lease_seconds=float(parameter(config, "lease_seconds", "30")),
-                                  alloc_timeout=float(parameter(config, "alloc_timeout_seconds", "1.0")),
+        self.pool = EmbeddingPool(settings.pool_bytes, lease_seconds=settings.lease_seconds,
+                                  alloc_timeout=settings.alloc_timeout_seconds,
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
-        limits = MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
-                             max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))))
-        self.service = EncoderService(self.encoder, self.pool, limits, self.processing,
-                                      cache_bytes=int(parameter(config, "cache_bytes", str(32 << 20))))
+        limits = MediaLimits(max_image_pixels=settings.max_image_pixels, max_item_bytes=settings.max_item_bytes)
+        self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
         # first epd request's item): pay that here, on an image nobody asked for, not in a request.
         self.encoder.encode([Image.new("RGB", (64, 64), (127, 127, 127))])

@@ -1,6 +1,7 @@
 """``epd``: the orchestrator (decoupled). Same Triton interface as ``llm``; media go to the
 ``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
-``decode`` (topology E/P/D), whose stream comes back to the client.
+``decode`` (topology E/P/D), whose stream comes back to the client. Model parameters:
+``backend.protocol.settings.ProxySettings``.
 Adapter only: the logic is ``ensemble.orchestrator``.
 """
 import json
@@ -10,16 +11,17 @@ import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import model_identity, processing_options
 from backend.engine.host import prepare_process
-from backend.triton.generate_model import parameter
 from backend.engine.loop import LoopThread
 from backend.request.media import MediaLimits
 from backend.request.generate import RequestLimits
 from backend.protocol.errors import InvalidInput
+from backend.protocol.settings import ProxySettings
 from backend.triton.cancel_board import CancelBoard
+from backend.triton.config import load_settings
 from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
                                watched_sink)
 from backend.triton.metrics import RequestMetrics
-from ensemble.orchestrator import Identity, Orchestrator, Stage, Topology
+from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import TritonStages, stage_urls
 
@@ -61,29 +63,26 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: 
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
-        config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(config):
+        if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise pb_utils.TritonModelException("epd must use the decoupled transaction policy")
-        model_dir = (Path(args["model_repository"]) / parameter(config, "model", "")).resolve()
+        settings = load_settings(ProxySettings, args)
+        model_dir = (Path(args["model_repository"]) / settings.model).resolve()
         limits = RequestLimits(
-            max_images=int(parameter(config, "max_images", "4")),
-            media=MediaLimits(max_image_pixels=int(parameter(config, "max_image_pixels", "16000000")),
-                              max_item_bytes=int(parameter(config, "max_item_bytes", str(32 << 20))),
-                              allowed_local_media_path=parameter(config, "allowed_local_media_path", ""),
-                              allowed_media_domains=tuple(d.strip().lower() for d in parameter(
-                                  config, "allowed_media_domains", "").split(",") if d.strip())))
-        topology = Topology(parameter(config, "topology", "E+PD"))
-        roles = (Stage.GENERATE,) if topology is Topology.E_PD else (Stage.PREFILL, Stage.DECODE)
+            max_images=settings.max_images,
+            media=MediaLimits(max_image_pixels=settings.max_image_pixels, max_item_bytes=settings.max_item_bytes,
+                              allowed_local_media_path=settings.allowed_local_media_path,
+                              allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)))
+        mode = settings.topology
         try:
-            urls = stage_urls(lambda name, default: parameter(config, name, default), roles)
+            urls = stage_urls(settings.targets(), mode.generators)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
-        self.stages = TritonStages(urls, parameter(config, "encoder_model", "encoder"), parameter(config, "generator_model", "pd"),
-                                   parameter(config, "prefill_model", "prefill"), parameter(config, "decode_model", "decode"))
+        self.stages = TritonStages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
+                                   settings.decode_model)
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
-                                         limits, topology, deadline=float(parameter(config, "request_timeout_seconds", "300")),
-                                         metadata_only=parameter(config, "metadata_only", "true").lower() != "false",
-                                         stages_take_media=topology is Topology.E_P_D)
+                                         limits, mode, deadline=settings.request_timeout_seconds,
+                                         metadata_only=settings.metadata_only,
+                                         stages_take_media=mode.generators_take_media)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses

@@ -5,8 +5,9 @@ embeddings are pulled from the encoder's buffer (``backend.triton.generate_model
 or expired pull fails that request with UNAVAILABLE and nothing reaches vLLM. This model never
 receives or decodes media.
 """
+from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
-    pass
+    ROLE = Stage.PD

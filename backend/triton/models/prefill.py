@@ -2,14 +2,14 @@
 
 The orchestrator sends it the request with ``max_tokens=1`` and ``kv_transfer_params``
 ``{"do_remote_decode": true}``; the final response carries the ``kv_transfer_params`` that ``decode``
-needs to pull the KV through NIXL.
+needs to pull the KV through NIXL. P/D: an orchestrator that skips the encoders sends the client's media;
+the EngineCore's idle wait defaults to the role's (``backend.protocol.stages``).
 """
+from backend.protocol.settings import KvEngineSettings
+from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
-    TAKES_MEDIA = True  # P/D: an orchestrator that skips the encoders sends the client's media
-    KV_ROLE = "kv_producer"
-    # Finished requests keep the EngineCore stepping (a model-less step every ~1 ms) until decode has read
-    # their KV; new requests and aborts still wake it at once, so the wait delays only freeing those blocks.
-    IDLE_WAIT_MS = "10"
+    ROLE = Stage.PREFILL
+    SETTINGS = KvEngineSettings

@@ -1,0 +1,155 @@
+"""Each model's ``config.pbtxt`` parameters, declared once: one frozen dataclass per model kind, its fields typed and
+their defaults written here only (the topology renderer, ``backend.deploy``, takes its defaults from these too).
+
+``parse_settings`` reads a model config's ``parameters`` once and converts each value by its field's type, one way:
+``bool`` is ``true`` or ``false``; ``int`` / ``float`` as Python parses them; ``X | None`` is None when empty;
+``tuple[str, ...]`` is comma-separated (blanks dropped); an enum by its value. An unknown (misspelled) parameter or
+a value of the wrong type is a ``ConfigError`` naming the model and the parameter, so the model fails to load
+instead of running with a default nobody asked for.
+
+Which kind reads which class: ``llm``, ``pd``: ``EngineSettings``; ``prefill``, ``decode``: ``KvEngineSettings``;
+``encoder``: ``EncoderSettings``; the ``epd`` proxy orchestrator: ``ProxySettings``; an orchestrator colocated with
+its host stage's engine: ``ColocatedSettings``.
+"""
+from __future__ import annotations
+
+import enum
+import typing
+from dataclasses import dataclass, fields
+
+from backend.protocol.stages import Disaggregation, Stage
+
+LOCAL = "local"  # a stage endpoint: the server the orchestrator runs in (backend.deploy.server_address.LOCAL)
+
+
+class ConfigError(ValueError):
+    """A model's config.pbtxt parameters that cannot be used: raised at load, naming the model and parameter."""
+
+
+@dataclass(frozen=True)
+class MediaSettings:
+    """What every model that decodes, or checks, media reads."""
+
+    max_image_pixels: int = 16_000_000
+    max_item_bytes: int = 32 << 20
+
+
+@dataclass(frozen=True)
+class EngineSettings(MediaSettings):
+    """A model hosting a vLLM engine (``llm``, ``pd``)."""
+
+    engine_args: str = "model.json"  # the engine arguments' file, in the model's directory
+    stream_interval_ms: float = 0  # at most one streamed response per interval (0: every engine step)
+
+
+@dataclass(frozen=True)
+class KvEngineSettings(EngineSettings):
+    """A vLLM engine with NixlConnector (``prefill``, ``decode``)."""
+
+    nixl_side_channel_port: int | None = None  # None: a free port
+    nixl_poll_delay_us: int = 5000  # how long NIXL agents sleep between polls (backend.engine.patches)
+    engine_idle_wait_ms: float | None = None  # None: the role's (backend.protocol.stages.RoleSpec.idle_wait_ms)
+
+
+@dataclass(frozen=True)
+class EncoderSettings(MediaSettings):
+    model: str = ""  # the checkpoint, relative to the model repository
+    encoder_impl: str = "packed"  # or "transformers"
+    encoder_dtype: str = ""  # "": the checkpoint's
+    encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
+    pool_bytes: int = 64 << 20  # the NIXL-registered embedding pool
+    lease_seconds: float = 30  # how long an unread embedding lease is kept
+    alloc_timeout_seconds: float = 1.0  # how long an encode waits for pool space before OVERLOADED
+    cache_bytes: int = 32 << 20  # embeddings of recent items kept for reuse (0: no cache)
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """What every orchestrator reads: the split, the stages it asks, the request's deadline."""
+
+    topology: Disaggregation = Disaggregation.E_PD
+    encoder_model: str = "encoder"
+    decode_model: str = "decode"
+    decode_endpoint: str = LOCAL
+    request_timeout_seconds: float = 300  # per request, encode to last token (0: none)
+    metadata_only: bool = True  # false: naive EPD, the consumers also get the client's media
+
+    def targets(self) -> dict[Stage, tuple[str, str]]:
+        """Model name and endpoint of each generator stage this orchestrator may ask over gRPC."""
+        return {Stage.DECODE: (self.decode_model, self.decode_endpoint)}
+
+
+@dataclass(frozen=True)
+class ProxySettings(RoutingSettings, MediaSettings):
+    """The ``epd`` model: an orchestrator of its own, asking every generator stage over gRPC."""
+
+    model: str = ""  # the checkpoint, relative to the model repository (its identity and processing options)
+    generator_model: str = "pd"
+    generator_endpoint: str = LOCAL
+    prefill_model: str = "prefill"
+    prefill_endpoint: str = LOCAL
+    max_images: int = 4
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] = ()
+
+    def targets(self) -> dict[Stage, tuple[str, str]]:
+        return {Stage.PD: (self.generator_model, self.generator_endpoint),
+                Stage.PREFILL: (self.prefill_model, self.prefill_endpoint), **super().targets()}
+
+
+@dataclass(frozen=True)
+class ColocatedSettings(RoutingSettings, KvEngineSettings):
+    """An orchestrator in the instances of its host stage (``topology``'s host: pd or prefill), beside its engine."""
+
+    orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt
+
+
+S = typing.TypeVar("S")
+
+
+def parse_settings(cls: type[S], model: str, config: dict) -> S:
+    """``cls`` made of the ``parameters`` of ``model``'s config (Triton's JSON form of config.pbtxt)."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: hints[f.name] for f in fields(cls)}
+    values = {}
+    for key, entry in (config.get("parameters") or {}).items():
+        if key not in known:
+            raise ConfigError(f"{model}: unknown parameter {key!r} in config.pbtxt (known: {', '.join(sorted(known))})")
+        text = entry.get("string_value", "") if isinstance(entry, dict) else str(entry)
+        values[key] = _convert(known[key], text, f"{model}: parameter {key!r} in config.pbtxt")
+    return cls(**values)
+
+
+def defaults(cls: type, *names: str) -> dict[str, typing.Any]:
+    """The declared defaults of ``names`` in ``cls``, in that order."""
+    declared = {f.name: f.default for f in fields(cls)}
+    return {name: declared[name] for name in names}
+
+
+def _convert(hint, text: str, where: str):
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if text == "":
+            return None
+        hint = next(arg for arg in args if arg is not type(None))
+    if hint is bool:
+        if text not in ("true", "false"):
+            raise ConfigError(f"{where}: expected true or false, got {text!r}")
+        return text == "true"
+    if hint in (int, float):
+        try:
+            return hint(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {text!r}") from None
+    if typing.get_origin(hint) is tuple:
+        return tuple(item.strip() for item in text.split(",") if item.strip())
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected one of {', '.join(m.value for m in hint)}, got {text!r}") from None
+    return text
+
+
+__all__ = ["ColocatedSettings", "ConfigError", "EncoderSettings", "EngineSettings", "KvEngineSettings",
+           "MediaSettings", "ProxySettings", "RoutingSettings", "defaults", "parse_settings"]

@@ -1,0 +1,20 @@
+"""A Triton model's settings at load: its ``config.pbtxt`` parameters parsed once into the frozen dataclass of its
+kind (``backend.protocol.settings``); a parameter that cannot be used fails the load, naming the model and it."""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import triton_python_backend_utils as pb_utils
+
+from backend.protocol.settings import ConfigError, parse_settings
+
+S = TypeVar("S")
+
+
+def load_settings(cls: type[S], args: dict[str, Any]) -> S:
+    """``cls`` made of the model's config (``initialize``'s ``args``); raises ``TritonModelException``."""
+    try:
+        return parse_settings(cls, args["model_name"], json.loads(args["model_config"]))
+    except ConfigError as exc:
+        raise pb_utils.TritonModelException(str(exc)) from None
