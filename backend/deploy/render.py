@@ -11,14 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from backend.deploy.topology import COLOCATED, COLOCATED_KINDS, COLOCATED_PREFILL, ENGINE_STAGES, HOSTS, StageSpec, Topology
+from backend.protocol import generate
+from backend.protocol.modality import modalities
 
 
-_GEN_INPUTS = [("text_input", "TYPE_STRING", 1), ("messages", "TYPE_STRING", 1), ("image", "TYPE_STRING", -1),
-               ("stream", "TYPE_BOOL", 1), ("sampling_parameters", "TYPE_STRING", 1),
-               ("exclude_input_in_output", "TYPE_BOOL", 1), ("return_num_input_tokens", "TYPE_BOOL", 1),
-               ("return_num_output_tokens", "TYPE_BOOL", 1)]
-_GEN_OUTPUTS = [("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"),
-                ("num_input_tokens", "TYPE_UINT32"), ("num_output_tokens", "TYPE_UINT32")]
 _HEADERS = {
     "llm": "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
            "Its inputs/outputs are the interface every generating model shares (llm, epd, pd, ...).",
@@ -56,13 +52,17 @@ _MODULES = {"llm": "backend.triton.models.llm", "pd": "backend.triton.models.pd"
             COLOCATED: "backend.triton.models.colocated", COLOCATED_PREFILL: "backend.triton.models.colocated"}
 
 
-def _io(kind: str, items) -> str:
+def _io(kind: str, tensors) -> str:
     lines = []
-    for item in items:
-        name, dtype, dims = item if len(item) == 3 else (*item, -1)
-        optional = " optional: true" if kind == "input" else ""
-        lines.append(f'  {{ name: "{name}" data_type: {dtype} dims: [ {dims} ]{optional} }}')
+    for t in tensors:
+        optional = " optional: true" if kind == "input" and t.optional else ""
+        lines.append(f'  {{ name: "{t.name}" data_type: {t.dtype} dims: [ {t.dims} ]{optional} }}')
     return f"{kind} [\n" + ",\n".join(lines) + "\n]\n"
+
+
+def _generate_io(kind: str) -> str:
+    """The generate interface's tensors of a model kind (``backend.protocol.generate``)."""
+    return _io("input", generate.input_tensors(kind)) + _io("output", generate.output_tensors(kind))
 
 
 def _params(params: dict[str, Any]) -> str:
@@ -87,9 +87,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
     if kind == "encoder":
         spec = topology.stages["encoder"]
         body += "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n\n"
-        body += _io("input", [("image", "TYPE_STRING", 1)]).replace(
-            "dims: [ 1 ] optional: true", "dims: [ 1 ]").replace("\n]", ',\n  { name: "content_key" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n]')
-        body += _io("output", [("layout", "TYPE_STRING", 1)]) + "\n" + _instances(spec) + "\n"
+        body += _io("input", generate.ENCODER_INPUTS) + _io("output", generate.ENCODER_OUTPUTS) + "\n" + _instances(spec) + "\n"
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
         # computes in float32, and embeddings of another dtype would change the tokens)
@@ -99,8 +97,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind in COLOCATED_KINDS.values():
         mode = kind.split(":")[1]
-        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages[HOSTS[mode]]) + "\n"
+        body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[HOSTS[mode]]) + "\n"
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
         if mode == "E/P/D":  # decode over gRPC; this model's engine is prefill's (a KV producer)
@@ -111,8 +108,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
         return header + body + _params(params)
     if kind.startswith("epd:"):
         mode = kind.split(":", 1)[1]
-        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages["epd"]) + "\n"
+        body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages["epd"]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
         names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint} if mode == "E+PD" else
                      {"prefill_model": "prefill", "prefill_endpoint": topology.stages["prefill"].endpoint,
@@ -121,16 +117,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
-    inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
-    if kind != "llm":
-        inputs[2] = ("image_layouts", "TYPE_STRING", -1)
-        inputs.append(("original_media", "TYPE_STRING", -1))  # metadata-only off (naive EPD) only
-        outputs.append(("timings", "TYPE_STRING"))
-    if kind in ("prefill", "decode"):
-        inputs.append(("image", "TYPE_STRING", -1))  # P/D: an orchestrator that skips the encoders (epd_encode)
-        inputs.append(("kv_transfer_params", "TYPE_STRING", 1))
-        outputs.append(("kv_transfer_params", "TYPE_STRING"))
-    body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind]) + "\n"
+    body += _generate_io(kind) + "\n" + _instances(topology.stages[kind]) + "\n"
     params = {"engine_args": "model.json", **limits}
     if topology.stream_interval_ms and kind != "prefill":
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
@@ -141,7 +128,7 @@ def render_config(topology: Topology, name: str, kind: str, model_dir: Path) -> 
 
 def render_engine_args(topology: Topology, kind: str, model_dir: Path) -> str:
     args = {"model": os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve()), **topology.engine_args,
-            "limit_mm_per_prompt": {"image": topology.limits["max_images"]}}
+            "limit_mm_per_prompt": {m.limit_key: topology.limits["max_images"] for m in modalities()}}
     if topology.stages[kind].device == "gpu":
         args.pop("distributed_executor_backend", None)
     return json.dumps(args, indent=2) + "\n"
