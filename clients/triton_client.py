@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from backend.protocol import generate as interface
+from backend.protocol.modality import modalities
 
 
 @dataclass
@@ -53,43 +55,38 @@ class GenerateInputs:
     parameters: dict[str, Any] | None = None  # Triton request parameters (gRPC), e.g. {"epd_metadata_only": False}
 
     def as_values(self) -> dict[str, Any]:
-        """Input name -> value for the shared interface; absent inputs are left out."""
-        values: dict[str, Any] = {"stream": self.stream, "exclude_input_in_output": self.exclude_input_in_output,
-                                  "return_num_input_tokens": self.return_counts,
-                                  "return_num_output_tokens": self.return_counts}
-        if self.prompt is not None:
-            values["text_input"] = self.prompt
-        if self.messages is not None:
-            values["messages"] = self.messages if isinstance(self.messages, str) else json.dumps(self.messages)
-        if self.images:
-            values["image"] = list(self.images)
-        if self.image_layouts:
-            values["image_layouts"] = list(self.image_layouts)
-        if self.kv_transfer_params is not None:
-            values["kv_transfer_params"] = json.dumps(self.kv_transfer_params)
-        if self.sampling is not None:
-            values["sampling_parameters"] = self.sampling if isinstance(self.sampling, str) else json.dumps(self.sampling)
-        return values
+        """Input name -> value for the shared interface (``backend.protocol.generate``); absent inputs are left out."""
+        fields = {name: getattr(self, name, ()) for m in modalities() for name in (m.media_field, m.layout_field)}
+        fields.update(text_input=self.prompt, messages=_json_text(self.messages), stream=self.stream,
+                      sampling_parameters=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
+                      return_num_input_tokens=self.return_counts, return_num_output_tokens=self.return_counts,
+                      kv_transfer_params=None if self.kv_transfer_params is None else json.dumps(self.kv_transfer_params))
+        return interface.input_values(fields)
+
+
+def _json_text(value: Any) -> str | None:
+    """A JSON input given as a Python value or as JSON text (sent as is)."""
+    return value if value is None or isinstance(value, str) else json.dumps(value)
 
 
 from backend.triton.grpc_stream import (END_OF_STREAM_SECONDS, cancel_in_band, grpc_inputs,  # noqa: E402,F401
                                          read_to_end, single_request_stream)
 
 
-def _absorb(result: GenerateResult, text: str | None, fields: dict[str, Any], started: float,
+def _absorb(result: GenerateResult, value: Callable[[str], Any], started: float,
             on_text: Callable[[str], None] | None) -> None:
+    """One response into ``result``; ``value(name)``: the response's output ``name`` (None: absent)."""
+    fields = interface.output_fields(value)
+    text = fields.pop("text_output")
     if text:
         if result.ttft is None:
             result.ttft = time.perf_counter() - started
         result.chunks.append(text)
         if on_text:
             on_text(text)
-    for key in ("finish_reason", "num_input_tokens", "num_output_tokens"):
-        if fields.get(key) is not None:
-            setattr(result, key, fields[key])
-    for key in ("timings", "kv_transfer_params"):
-        if fields.get(key):
-            setattr(result, key, json.loads(fields[key]))
+    for key, item in fields.items():
+        if item is not None:
+            setattr(result, key, item)
 
 
 def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callable[[str], None] | None = None,
@@ -102,7 +99,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from backend.triton.cancel_board import CANCEL_PARAMETER
+    from backend.protocol.generate import CANCEL_PARAMETER
 
     if cancel_via not in ("grpc", "request"):
         raise ValueError(f"cancel_via: expected grpc or request, got {cancel_via!r}")
@@ -132,9 +129,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                     raise GenerateError(str(err.status() or "STREAM_ERROR").replace("StatusCode.", ""),
                                         err.message())
                 raise err
-            fields = {k: _scalar(res.as_numpy(k)) for k in ("text_output", "finish_reason", "num_input_tokens",
-                                                             "num_output_tokens", "timings", "kv_transfer_params")}
-            _absorb(result, fields.pop("text_output"), fields, started, on_text)
+            _absorb(result, lambda name: _scalar(res.as_numpy(name)), started, on_text)
             params = res.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 finished = True
@@ -163,8 +158,9 @@ def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     import urllib.request
 
     values = inputs.as_values()
-    if "image" in values:
-        values["image"] = [base64.b64encode(b).decode() for b in values["image"]]
+    for tensor in interface.input_tensors():  # media bytes travel base64-encoded
+        if tensor.form is interface.Form.BYTES and tensor.name in values:
+            values[tensor.name] = [base64.b64encode(b).decode() for b in values[tensor.name]]
     endpoint = "generate_stream" if inputs.stream else "generate"
     req = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(values).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
@@ -180,9 +176,7 @@ def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
                 doc = json.loads(line[5:])
                 if "error" in doc:
                     raise GenerateError("HTTP", doc["error"])
-                _absorb(result, _first(doc.get("text_output")), {k: _first(doc.get(k)) for k in
-                        ("finish_reason", "num_input_tokens", "num_output_tokens", "timings", "kv_transfer_params")},
-                        started, on_text)
+                _absorb(result, lambda name: _first(doc.get(name)), started, on_text)
     except urllib.error.HTTPError as exc:
         body = exc.read().decode("utf-8", "replace").strip()
         try:  # generate_stream sends its error as one SSE event

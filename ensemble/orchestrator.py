@@ -10,8 +10,8 @@ Request lifecycle::
 
     RECEIVED -> VALIDATED (parse with EncodedMedia: media stay bytes, nothing decoded here)
              -> ENCODING  (one StageClient.encode per item, all at once; text-only requests skip it)
-             -> REWRITTEN (image tensor removed, messages' image parts -> {"type": "image"},
-                           image_layouts = the encoders' layout metadata, in prompt order;
+             -> REWRITTEN (per modality, backend.protocol.modality: media tensor removed, messages' media parts ->
+                           {"type": "image"}, image_layouts = the encoders' layout metadata, in prompt order;
                            text_input / sampling settings untouched)
                           [metadata-only off: original_media = the client's media, beside them]
              -> [E/P/D: PREFILLING -> kv_transfer_params]
@@ -50,7 +50,9 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
+from backend.protocol.generate import ENCODE_PARAMETER
 from backend.protocol.layout import content_key
+from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
@@ -100,7 +102,7 @@ class Orchestrator:
         state.encode = encode
         try:
             if not encode and not self.stages_take_media:
-                raise InvalidInput("parameters.epd_encode", "false needs E/P/D with prefill and decode models of their "
+                raise InvalidInput(f"parameters.{ENCODE_PARAMETER}", "false needs E/P/D with prefill and decode models of their "
                                    "own (they then process the media); this deployment's engines take metadata-only media")
             async with asyncio.timeout(self.deadline or None):
                 await self._run(raw, sink, state, started)
@@ -120,11 +122,9 @@ class Orchestrator:
             if state.encode:
                 state.phase = "encoding"
                 layouts = await self._encode_all(request.images, state)
-                timings.update(items=len(layouts), encode_ms=_ms(started), encoders=_producers(layouts))
-                rewritten = replace(
-                    raw, images=(), image_layouts=tuple(layouts),
-                    original_media=() if state.metadata_only else tuple(item.data for item in request.images),
-                    messages=json.dumps(request.conversation) if request.conversation is not None else None)
+                timings.update(items=len(layouts), encode_ms=_ms(started),
+                               encoders=sorted({layout.producer for layout in layouts if layout.producer}))
+                rewritten = _metadata_only(raw, request, layouts, state.metadata_only)
             else:  # P/D: the request as it came (validated above); prefill and decode process its media
                 rewritten = raw
             try:
@@ -185,16 +185,16 @@ class Orchestrator:
         timings["prefill_ms"] = _ms(started)
         return replace(rewritten, kv_transfer_params=json.dumps(params))
 
-    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list[str]:
+    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list["EncodedLayout"]:
         if not items:
             return []
         keys = [content_key(item.data, self.identity.processing, self.identity.model) for item in items]
         return list(await asyncio.gather(*(self._encode(item, key, state) for item, key in zip(items, keys))))
 
-    async def _encode(self, item: MediaBytes, key: str, state: "_State") -> str:
+    async def _encode(self, item: MediaBytes, key: str, state: "_State") -> "EncodedLayout":
         for attempt in range(self.RETRIES + 1):
             try:
-                return await self.stages.encode(item, key)
+                return EncodedLayout.read(await self.stages.encode(item, key), item.field)
             except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
                 raise InvalidInput(item.field, exc.problem) from None
             except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
@@ -227,12 +227,48 @@ class _State:
             self.observer.request_retried(what)
 
 
+@dataclass(frozen=True)
+class EncodedLayout:
+    """One item's layout as its encoder returned it, read once: ``text`` goes on to the stages untouched (they check
+    it, ``backend.protocol.layout``); ``producer`` names the encoder instance holding the embeddings (its NIXL agent;
+    "" where the document names none)."""
+
+    text: str
+    producer: str
+
+    @classmethod
+    def read(cls, text: str, field: str) -> "EncodedLayout":
+        """An encoder's answer that is no JSON document is UNAVAILABLE (the encoder at fault: asked again)."""
+        try:
+            doc = json.loads(text)
+        except (TypeError, ValueError):
+            raise Unavailable("the encoder answered a layout that is not JSON", field) from None
+        handle = doc.get("handle") if isinstance(doc, dict) else None
+        producer = handle.get("agent_name") if isinstance(handle, dict) else None
+        return cls(text, producer if isinstance(producer, str) else "")
+
+
+def _metadata_only(raw: RawGenerateInputs, request, layouts: list[EncodedLayout], metadata_only: bool) -> RawGenerateInputs:
+    """The request for the generator stages: no media, each modality's layouts (the encoders' answers, in prompt
+    order), messages' media parts as {"type": <item part>}; metadata-only off: the client's media beside them."""
+    fields = {}
+    for m in modalities():
+        fields[m.media_field] = ()
+        fields[m.layout_field] = tuple(layout.text for item, layout in zip(request.images, layouts)
+                                       if item.modality == m.name)
+    fields = {name: value for name, value in fields.items() if hasattr(raw, name)}
+    return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.images),
+                   messages=json.dumps(request.conversation) if request.conversation is not None else None)
+
+
 def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavailable:
-    """A stage names the item it could not get by its own field, ``image_layouts[i]``; the client sent it as
-    ``items[i].field``."""
+    """A stage names the item it could not get by its own field, ``image_layouts[i]`` (the i-th layout of its
+    modality); the client sent it as that item's ``field``."""
     name, _, index = exc.field.partition("[")
-    if name == "image_layouts" and index[:-1].isdigit() and int(index[:-1]) < len(items):
-        return type(exc)(exc.problem, items[int(index[:-1])].field)
+    for m in modalities():
+        own = [item for item in items if item.modality == m.name]
+        if name == m.layout_tensor and index[:-1].isdigit() and int(index[:-1]) < len(own):
+            return type(exc)(exc.problem, own[int(index[:-1])].field)
     return exc
 
 
@@ -240,17 +276,6 @@ def _merge(timings: dict, stage: dict | None) -> None:
     """A stage's timings into the request's; ``media_ms`` adds up over stages (prefill and decode)."""
     for key, value in (stage or {}).items():
         timings[key] = round(timings.get(key, 0) + value, 3) if key == "media_ms" else value
-
-
-def _producers(layouts: list[str]) -> list[str]:
-    """The encoder instances (NIXL producer agent names) that served this request's items."""
-    names = set()
-    for text in layouts:
-        try:
-            names.add(json.loads(text)["handle"]["agent_name"])
-        except (ValueError, KeyError, TypeError):
-            pass
-    return sorted(names)
 
 
 def _ms(since: float) -> float:

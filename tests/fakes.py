@@ -155,15 +155,15 @@ class FakeLayoutResolver:
     """A ``MediaResolver`` for metadata-only requests (as ``LayoutMedia``, without the layout schema): a layout's
     text is the item; media bytes or URLs are refused."""
 
-    def from_tensor(self, data, field):
+    def from_tensor(self, data, field, modality=None):
         from backend.protocol.errors import InvalidInput
         raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media bytes")
 
-    def from_url(self, url, field):
+    def from_url(self, url, field, modality=None):
         from backend.protocol.errors import InvalidInput
         raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media URLs")
 
-    def from_layout(self, text, field):
+    def from_layout(self, text, field, modality=None):
         return text
 
 

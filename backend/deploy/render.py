@@ -11,15 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from backend.deploy.topology import ModelKind, StageSpec, Topology
+from backend.protocol import generate
+from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage
 
 
-_GEN_INPUTS = [("text_input", "TYPE_STRING", 1), ("messages", "TYPE_STRING", 1), ("image", "TYPE_STRING", -1),
-               ("stream", "TYPE_BOOL", 1), ("sampling_parameters", "TYPE_STRING", 1),
-               ("exclude_input_in_output", "TYPE_BOOL", 1), ("return_num_input_tokens", "TYPE_BOOL", 1),
-               ("return_num_output_tokens", "TYPE_BOOL", 1)]
-_GEN_OUTPUTS = [("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"),
-                ("num_input_tokens", "TYPE_UINT32"), ("num_output_tokens", "TYPE_UINT32")]
 _HEADERS = {
     ModelKind.LLM:
         "Single-engine baseline: one vLLM AsyncLLM given the raw media (engine arguments in model.json).\n"
@@ -68,13 +64,17 @@ def _module(kind: ModelKind) -> str:
     return f"backend.triton.models.{'colocated' if kind.colocated else kind.role.value}"
 
 
-def _io(kind: str, items) -> str:
+def _io(kind: str, tensors) -> str:
     lines = []
-    for item in items:
-        name, dtype, dims = item if len(item) == 3 else (*item, -1)
-        optional = " optional: true" if kind == "input" else ""
-        lines.append(f'  {{ name: "{name}" data_type: {dtype} dims: [ {dims} ]{optional} }}')
+    for t in tensors:
+        optional = " optional: true" if kind == "input" and t.optional else ""
+        lines.append(f'  {{ name: "{t.name}" data_type: {t.dtype} dims: [ {t.dims} ]{optional} }}')
     return f"{kind} [\n" + ",\n".join(lines) + "\n]\n"
+
+
+def _generate_io(kind: str) -> str:
+    """The generate interface's tensors of a model kind (``backend.protocol.generate``)."""
+    return _io("input", generate.input_tensors(kind)) + _io("output", generate.output_tensors(kind))
 
 
 def _params(params: dict[str, Any]) -> str:
@@ -99,9 +99,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     if kind is ModelKind.ENCODER:
         spec = topology.stages[kind.stage]
         body += "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n\n"
-        body += _io("input", [("image", "TYPE_STRING", 1)]).replace(
-            "dims: [ 1 ] optional: true", "dims: [ 1 ]").replace("\n]", ',\n  { name: "content_key" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n]')
-        body += _io("output", [("layout", "TYPE_STRING", 1)]) + "\n" + _instances(spec) + "\n"
+        body += _io("input", generate.ENCODER_INPUTS) + _io("output", generate.ENCODER_OUTPUTS) + "\n" + _instances(spec) + "\n"
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
         # computes in float32, and embeddings of another dtype would change the tokens)
@@ -111,8 +109,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind.colocated:
         mode = kind.mode.value
-        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages[kind.stage]) + "\n"
+        body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
         if kind.mode is Disaggregation.E_P_D:  # decode over gRPC; this model's engine is prefill's (a KV producer)
@@ -123,8 +120,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         return header + body + _params(params)
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value
-        body += _io("input", _GEN_INPUTS) + _io("output", _GEN_OUTPUTS + [("timings", "TYPE_STRING")])
-        body += "\n" + _instances(topology.stages[kind.stage]) + "\n"
+        body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
         names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
         names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint}
                      if kind.mode is Disaggregation.E_PD else
@@ -134,16 +130,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
-    inputs, outputs = list(_GEN_INPUTS), list(_GEN_OUTPUTS)
-    if kind.role.spec.takes_layouts:
-        inputs[2] = ("image_layouts", "TYPE_STRING", -1)
-        inputs.append(("original_media", "TYPE_STRING", -1))  # metadata-only off (naive EPD) only
-        outputs.append(("timings", "TYPE_STRING"))
-    if kind.role.spec.kv_role:
-        inputs.append(("image", "TYPE_STRING", -1))  # P/D: an orchestrator that skips the encoders (epd_encode)
-        inputs.append(("kv_transfer_params", "TYPE_STRING", 1))
-        outputs.append(("kv_transfer_params", "TYPE_STRING"))
-    body += _io("input", inputs) + _io("output", outputs) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
+    body += _generate_io(kind.role.value) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
     params = {"engine_args": "model.json", **limits}
     if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
@@ -154,7 +141,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 
 def render_engine_args(topology: Topology, stage: str, model_dir: Path) -> str:
     args = {"model": os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve()), **topology.engine_args,
-            "limit_mm_per_prompt": {"image": topology.limits["max_images"]}}
+            "limit_mm_per_prompt": {m.limit_key: topology.limits["max_images"] for m in modalities()}}
     if topology.stages[stage].device == "gpu":
         args.pop("distributed_executor_backend", None)
     return json.dumps(args, indent=2) + "\n"

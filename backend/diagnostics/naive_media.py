@@ -16,7 +16,8 @@ import time
 from typing import Sequence
 
 from backend.protocol.errors import InvalidInput
-from backend.request.media import MediaLimits, decode_image
+from backend.request.image import decode_image
+from backend.request.media import MediaLimits
 
 
 def process_original_media(media: Sequence[bytes], layouts: Sequence, processor, limits: MediaLimits) -> float:

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from backend.encode.checkpoint import model_identity
+from backend.protocol.modality import IMAGE  # this encoder's modality: its items are images
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
 
@@ -167,7 +168,7 @@ class EncoderService:
     """
 
     def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
-        from backend.request.media import decode_image
+        from backend.request.image import decode_image
 
         self.encoder, self.pool, self.limits, self._decode = encoder, pool, limits, decode_image
         self.processing = processing
@@ -190,7 +191,7 @@ class EncoderService:
                 ready.append([job, cached, key, None])
                 continue
             try:
-                ready.append([job, None, key, self._decode(job.data, "image", self.limits)])
+                ready.append([job, None, key, self._decode(job.data, IMAGE.media_tensor, self.limits)])
             except Exception as exc:
                 results[job.request_index] = exc
         # a request with one bad item fails whole; its other items are not encoded

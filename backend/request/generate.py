@@ -8,23 +8,28 @@ conversation, media items in prompt order, sampling settings) -> engine. Every p
 Prompt forms (exactly one):
 - ``text_input``: a prompt that may hold the model's image placeholders. If it holds none and media are
   given, one placeholder per item is put in front of the prompt; otherwise counts must match.
-- ``messages``: OpenAI-style chat messages JSON. Image parts are ``{"type": "image_url", "image_url":
-  {"url": "data:..." | "file://..."}}`` or ``{"type": "image"}``, which takes the next item of the
-  ``image`` tensor (or of ``image_layouts``). The parsed conversation has every image part as
-  ``{"type": "image"}``: it is both what the chat template renders and the metadata-only rewrite.
+- ``messages``: OpenAI-style chat messages JSON. Media parts are each registered modality's
+  (``backend.protocol.modality``), for images ``{"type": "image_url", "image_url": {"url": "data:..." |
+  "file://..."}}`` or ``{"type": "image"}``, which takes the next item of the ``image`` tensor (or of
+  ``image_layouts``). The parsed conversation has every image part as ``{"type": "image"}``: it is both what
+  the chat template renders and the metadata-only rewrite.
 
 What a media item becomes depends on the model (``MediaResolver``): ``llm`` decodes images, ``epd``
-keeps the encoded bytes for its encoders, ``pd`` accepts only layout metadata (never media).
+keeps the encoded bytes for its encoders, ``pd`` accepts only layout metadata (never media). How a modality's
+items are decoded or read is its request-stage module's (``backend.request.image``, registered in
+``backend.request.media``).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import LayoutMetadata
-from backend.request.media import MediaLimits, decode_image, load_image_url, read_image_url
+from backend.protocol.modality import Modality, content_part, modalities
+from backend.request import image  # noqa: F401 - registers the image modality's MediaHandler
+from backend.request.media import MediaLimits, check_encoded, handler
 from backend.request.sampling import parse_sampling_parameters
 
 ROLES = ("system", "user", "assistant")
@@ -32,21 +37,26 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """Model-family prompt conventions (Qwen2-VL's by default)."""
+    """Model-family prompt conventions: per modality name, its placeholder token and what one item becomes in a
+    prompt that names none; a modality not named here: its own (``Modality.placeholder*``, Qwen2-VL's)."""
 
-    image_token: str = "<|image_pad|>"
-    image_placeholder: str = "<|vision_start|><|image_pad|><|vision_end|>"
+    placeholders: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    def of(self, m: Modality) -> tuple[str, str]:
+        return self.placeholders.get(m.name, (m.placeholder_token, m.placeholder))
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_images: int = 8
+    max_images: int = 8  # per request: each modality's limit is its ``Modality.limit_field`` here
     media: MediaLimits = field(default_factory=MediaLimits)
 
 
 @dataclass(frozen=True)
 class RawGenerateInputs:
-    """The request's inputs as plain Python values; ``None`` where the client sent nothing."""
+    """The request's inputs as plain Python values; ``None`` where the client sent nothing. Its fields are the
+    generate interface's inputs (``backend.protocol.generate``); each modality has two (``Modality.media_field``,
+    ``Modality.layout_field``)."""
 
     text_input: str | None = None
     messages: str | None = None
@@ -64,8 +74,8 @@ class RawGenerateInputs:
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str | None                          # text_input (placeholders complete), or None for chat
-    conversation: list[dict[str, Any]] | None   # parsed messages, image parts as {"type": "image"}
-    images: tuple[Any, ...]                     # per media item, in prompt order: what the resolver made
+    conversation: list[dict[str, Any]] | None   # parsed messages, media parts as {"type": Modality.item_part}
+    images: tuple[Any, ...]                     # per media item (every modality), in prompt order: what the resolver made
     sampling: dict[str, Any]
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -84,46 +94,45 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class MediaBytes:
-    """An encoded media item and the request field it came from (``image[1]``, ``messages[0].content[2]...``)."""
+    """An encoded media item, the request field it came from (``image[1]``, ``messages[0].content[2]...``) and its
+    modality's name."""
 
     data: bytes
     field: str
+    modality: str
 
 
 class MediaResolver(Protocol):
-    def from_tensor(self, data: bytes, field: str) -> Any: ...
-    def from_url(self, url: str, field: str) -> Any: ...
-    def from_layout(self, text: str, field: str) -> Any: ...
+    def from_tensor(self, data: bytes, field: str, modality: Modality) -> Any: ...
+    def from_url(self, url: str, field: str, modality: Modality) -> Any: ...
+    def from_layout(self, text: str, field: str, modality: Modality) -> Any: ...
 
 
 class DecodeMedia:
-    """``llm``: media are decoded into RGB images here."""
+    """``llm``: media are decoded here (images into RGB images)."""
 
     def __init__(self, limits: MediaLimits = MediaLimits()):
         self.limits = limits
 
-    def from_tensor(self, data, field):
-        return decode_image(data, field, self.limits)
+    def from_tensor(self, data, field, modality):
+        return handler(modality).decode(data, field, self.limits)
 
-    def from_url(self, url, field):
-        return load_image_url(url, field, self.limits)
+    def from_url(self, url, field, modality):
+        items = handler(modality)
+        return items.decode(items.read_url(url, field, self.limits), field, self.limits)
 
-    def from_layout(self, text, field):
+    def from_layout(self, text, field, modality):
         raise InvalidInput(field, "this model takes media, not layout metadata")
 
 
 class EncodedMedia(DecodeMedia):
     """``epd``: media stay encoded bytes (the encoder decodes them); URLs are read, not decoded."""
 
-    def from_tensor(self, data, field):
-        if not data:
-            raise InvalidInput(field, "empty image")
-        if len(data) > self.limits.max_item_bytes:
-            raise InvalidInput(field, f"image is {len(data)} bytes, over the {self.limits.max_item_bytes}-byte limit")
-        return MediaBytes(bytes(data), field)
+    def from_tensor(self, data, field, modality):
+        return MediaBytes(check_encoded(data, field, self.limits, modality), field, modality.name)
 
-    def from_url(self, url, field):
-        return MediaBytes(read_image_url(url, field, self.limits), field)
+    def from_url(self, url, field, modality):
+        return MediaBytes(handler(modality).read_url(url, field, self.limits), field, modality.name)
 
 
 class LayoutMedia:
@@ -132,13 +141,13 @@ class LayoutMedia:
     def __init__(self, model_identity: str):
         self.model_identity = model_identity
 
-    def from_tensor(self, data, field):
-        raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media bytes")
+    def from_tensor(self, data, field, modality):
+        raise InvalidInput(field, f"this model takes metadata-only media ({modality.layout_tensor}), not media bytes")
 
-    def from_url(self, url, field):
-        raise InvalidInput(field, "this model takes metadata-only media (image_layouts), not media URLs")
+    def from_url(self, url, field, modality):
+        raise InvalidInput(field, f"this model takes metadata-only media ({modality.layout_tensor}), not media URLs")
 
-    def from_layout(self, text, field):
+    def from_layout(self, text, field, modality):
         return LayoutMetadata.from_json(text, field, expected_model=self.model_identity)
 
 
@@ -151,8 +160,18 @@ class LayoutOrDecodeMedia(DecodeMedia):
         super().__init__(limits)
         self.layouts = LayoutMedia(model_identity)
 
-    def from_layout(self, text, field):
-        return self.layouts.from_layout(text, field)
+    def from_layout(self, text, field, modality):
+        return self.layouts.from_layout(text, field, modality)
+
+
+def media_of(raw: RawGenerateInputs, m: Modality) -> tuple[bytes, ...]:
+    """The request's encoded items of modality ``m`` (its tensor)."""
+    return getattr(raw, m.media_field, ())
+
+
+def layouts_of(raw: RawGenerateInputs, m: Modality) -> tuple[str, ...]:
+    """The request's layouts (metadata-only items) of modality ``m``."""
+    return getattr(raw, m.layout_field, ())
 
 
 def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limits: RequestLimits = RequestLimits(),
@@ -161,24 +180,18 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
     if has_text == has_messages:
         raise InvalidInput("text_input", "give exactly one of text_input and messages" +
                            (", not both" if has_text else ", got neither"))
-    if raw.images and raw.image_layouts:
-        raise InvalidInput("image_layouts", "give media either as image or as image_layouts, not both")
-    given = len(raw.images) + len(raw.image_layouts)
-    if given > limits.max_images:
-        raise InvalidInput("image", f"{given} images, over the per-request limit of {limits.max_images}")
-    if raw.original_media and len(raw.original_media) != len(raw.image_layouts):
-        raise InvalidInput("original_media", f"{len(raw.original_media)} items for {len(raw.image_layouts)} image_layouts")
+    _check_media(raw, limits)
     sampling = parse_sampling_parameters(raw.sampling_parameters)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
-    items = ([resolver.from_tensor(data, f"image[{i}]") for i, data in enumerate(raw.images)] +
-             [resolver.from_layout(text, f"image_layouts[{i}]") for i, text in enumerate(raw.image_layouts)])
+    given = {m.name: [resolver.from_tensor(data, f"{m.media_tensor}[{i}]", m) for i, data in enumerate(media_of(raw, m))] +
+             [resolver.from_layout(text, f"{m.layout_tensor}[{i}]", m) for i, text in enumerate(layouts_of(raw, m))]
+             for m in modalities()}
     prompt = conversation = None
     if has_text:
-        prompt = _text_prompt(raw.text_input, len(items), fmt, "image_layouts" if raw.image_layouts else "image")
+        prompt = _text_prompt(raw, {m: len(given[m.name]) for m in modalities()}, fmt)
+        items = [item for m in modalities() for item in given[m.name]]
     else:
-        conversation, items = _parse_messages(raw.messages, items, resolver)
-        if len(items) > limits.max_images:
-            raise InvalidInput("messages", f"{len(items)} images, over the per-request limit of {limits.max_images}")
+        conversation, items = _parse_messages(raw.messages, given, resolver, limits)
     return GenerateRequest(
         prompt=prompt, conversation=conversation, images=tuple(items), sampling=sampling, stream=raw.stream,
         exclude_input_in_output=raw.exclude_input_in_output,
@@ -186,6 +199,21 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
         original_media=tuple(raw.original_media),
     )
+
+
+def _check_media(raw: RawGenerateInputs, limits: RequestLimits) -> None:
+    layouts = 0
+    for m in modalities():
+        media, own = media_of(raw, m), layouts_of(raw, m)
+        if media and own:
+            raise InvalidInput(m.layout_tensor, f"give media either as {m.media_tensor} or as {m.layout_tensor}, not both")
+        limit = getattr(limits, m.limit_field)
+        if len(media) + len(own) > limit:
+            raise InvalidInput(m.media_tensor, f"{len(media) + len(own)} {m.media_field}, over the per-request limit of {limit}")
+        layouts += len(own)
+    if raw.original_media and len(raw.original_media) != layouts:
+        names = " + ".join(m.layout_tensor for m in modalities())
+        raise InvalidInput("original_media", f"{len(raw.original_media)} items for {layouts} {names}")
 
 
 def _kv_transfer_params(text: str | None) -> dict | None:
@@ -200,19 +228,24 @@ def _kv_transfer_params(text: str | None) -> dict | None:
     return doc
 
 
-def _text_prompt(text: str, count: int, fmt: PromptFormat, media_field: str) -> str:
+def _text_prompt(raw: RawGenerateInputs, counts: dict[Modality, int], fmt: PromptFormat) -> str:
+    """``text_input`` with every item's placeholder: those it names (per modality, as many as items given), or,
+    naming none, one per item in front."""
+    text = raw.text_input
     if not text.strip():
         raise InvalidInput("text_input", "empty prompt")
-    found = text.count(fmt.image_token)
-    if found == 0 and count:
-        return fmt.image_placeholder * count + text
-    if found != count:
-        raise InvalidInput(media_field if count else "text_input",
-                           f"prompt has {found} image placeholder(s) ({fmt.image_token}) but {count} image(s) were given")
+    found = {m: text.count(fmt.of(m)[0]) for m in counts}
+    if not any(found.values()):
+        return "".join(fmt.of(m)[1] * count for m, count in counts.items()) + text
+    for m, count in counts.items():
+        if found[m] != count:
+            media_field = m.layout_tensor if layouts_of(raw, m) else m.media_tensor
+            raise InvalidInput(media_field if count else "text_input", f"prompt has {found[m]} {m.name} placeholder(s) "
+                               f"({fmt.of(m)[0]}) but {count} {m.name}(s) were given")
     return text
 
 
-def _parse_messages(text: str, tensor_items: list, resolver: MediaResolver):
+def _parse_messages(text: str, given: dict[str, list], resolver: MediaResolver, limits: RequestLimits):
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -221,8 +254,8 @@ def _parse_messages(text: str, tensor_items: list, resolver: MediaResolver):
         doc = doc["messages"]
     if not isinstance(doc, list) or not doc:
         raise InvalidInput("messages", "expected a non-empty JSON list of chat messages")
-    pending = list(tensor_items)
-    conversation, items = [], []
+    pending = {name: list(items) for name, items in given.items()}
+    conversation, items, kinds = [], [], []
     for i, message in enumerate(doc):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -236,14 +269,22 @@ def _parse_messages(text: str, tensor_items: list, resolver: MediaResolver):
             continue
         if not isinstance(content, list):
             raise InvalidInput(f"{where}.content", "expected a string or a list of content parts")
-        parts = [_content_part(part, f"{where}.content[{j}]", pending, items, resolver) for j, part in enumerate(content)]
+        parts = [_content_part(part, f"{where}.content[{j}]", pending, items, kinds, resolver)
+                 for j, part in enumerate(content)]
         conversation.append({"role": role, "content": parts})
-    if pending:
-        raise InvalidInput("image", f"{len(pending)} media item(s) not referenced by an {{\"type\": \"image\"}} part")
+    for m in modalities():
+        if pending[m.name]:
+            raise InvalidInput(m.media_tensor, f"{len(pending[m.name])} media item(s) not referenced by an "
+                                               f"{{\"type\": \"{m.item_part}\"}} part")
+    for m in modalities():
+        if kinds.count(m.name) > getattr(limits, m.limit_field):
+            raise InvalidInput("messages", f"{kinds.count(m.name)} {m.media_field}, over the per-request limit of "
+                                           f"{getattr(limits, m.limit_field)}")
     return conversation, items
 
 
-def _content_part(part: Any, where: str, pending: list, items: list, resolver: MediaResolver) -> dict:
+def _content_part(part: Any, where: str, pending: dict[str, list], items: list, kinds: list,
+                  resolver: MediaResolver) -> dict:
     if not isinstance(part, dict):
         raise InvalidInput(where, "expected a content part object")
     kind = part.get("type")
@@ -251,16 +292,21 @@ def _content_part(part: Any, where: str, pending: list, items: list, resolver: M
         if not isinstance(part.get("text"), str):
             raise InvalidInput(f"{where}.text", "expected a string")
         return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
-        ref = part.get("image_url")
+    found = content_part(kind)
+    if found is None:
+        names = ["text", *(p for m in modalities() for p in (m.url_part, m.item_part))]
+        raise InvalidInput(f"{where}.type", f"unsupported content type {kind!r}; use {', '.join(names[:-1])} or {names[-1]}")
+    m, by_url = found
+    if by_url:
+        ref = part.get(m.url_part)
         url = ref.get("url") if isinstance(ref, dict) else ref
         if not isinstance(url, str):
-            raise InvalidInput(f"{where}.image_url", "expected {\"url\": \"data:...\" | \"file://...\"}")
-        items.append(resolver.from_url(url, f"{where}.image_url"))
-        return {"type": "image"}
-    if kind == "image":
-        if not pending:
-            raise InvalidInput(where, "an {\"type\": \"image\"} part needs a media item (image or image_layouts), and none is left")
-        items.append(pending.pop(0))
-        return {"type": "image"}
-    raise InvalidInput(f"{where}.type", f"unsupported content type {kind!r}; use text, image_url or image")
+            raise InvalidInput(f"{where}.{m.url_part}", "expected {\"url\": \"data:...\" | \"file://...\"}")
+        items.append(resolver.from_url(url, f"{where}.{m.url_part}", m))
+    else:
+        if not pending[m.name]:
+            raise InvalidInput(where, f"an {{\"type\": \"{m.item_part}\"}} part needs a media item ({m.media_tensor} "
+                                      f"or {m.layout_tensor}), and none is left")
+        items.append(pending[m.name].pop(0))
+    kinds.append(m.name)
+    return {"type": m.item_part}

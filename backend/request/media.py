@@ -1,26 +1,23 @@
-"""Loading and validating media items (images) from request bytes and URLs.
+"""Loading and validating media items, the part every modality shares: per-item limits, reading the bytes a URL
+names (``data:``, ``file://``, allowed ``http(s)://``), the request stage's per-modality handlers.
 
-Who calls it: the request parser, once per media item, before anything is sent to an engine.
-Every failure is an ``InvalidInput`` naming the field (``image[0]``, ``messages[1].content[0]``).
+Who calls it: the request parser, once per media item, before anything is sent to an engine; each modality's own
+module (``backend.request.image``) decodes its items and registers its ``MediaHandler`` here. Every failure is an
+``InvalidInput`` naming the field (``image[0]``, ``messages[1].content[0]``).
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-
-from PIL import Image, UnidentifiedImageError
+from typing import Any, Callable
 
 from backend.protocol.errors import InvalidInput
-
-# Leading bytes of the formats PIL is asked to open; anything else is tried as base64.
-_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
-_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+from backend.protocol.modality import Modality
 
 
 @dataclass(frozen=True)
@@ -45,58 +42,60 @@ class _DecodeCounter:
 decode_counter = _DecodeCounter()
 
 
-def decode_image(data: bytes, field: str, limits: MediaLimits) -> Image.Image:
-    """Decode encoded image bytes (or their base64 text) into an RGB PIL image."""
-    decode_counter.count += 1
+@dataclass(frozen=True)
+class MediaHandler:
+    """A modality's item handling in the request stage: ``decode(data, field, limits)`` makes what an engine given
+    media takes (an RGB image); ``read_url(url, field, limits)`` the encoded bytes a URL names."""
+
+    decode: Callable[[bytes, str, MediaLimits], Any]
+    read_url: Callable[[str, str, MediaLimits], bytes]
+
+
+_HANDLERS: dict[str, MediaHandler] = {}
+
+
+def register_handler(modality: Modality, handler: MediaHandler) -> None:
+    _HANDLERS[modality.name] = handler
+
+
+def unregister_handler(modality: Modality) -> None:
+    del _HANDLERS[modality.name]
+
+
+def handler(modality: Modality) -> MediaHandler:
+    return _HANDLERS[modality.name]
+
+
+def check_encoded(data: bytes, field: str, limits: MediaLimits, modality: Modality) -> bytes:
+    """Encoded item bytes as given (not decoded), refused when empty or over ``max_item_bytes``."""
     if not data:
-        raise InvalidInput(field, "empty image")
+        raise InvalidInput(field, f"empty {modality.name}")
     if len(data) > limits.max_item_bytes:
-        raise InvalidInput(field, f"image is {len(data)} bytes, over the {limits.max_item_bytes}-byte limit")
-    if not data.startswith(_MAGIC):
-        try:
-            data = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidInput(field, "not a PNG/JPEG/GIF/BMP/WEBP/TIFF image, nor base64 of one") from None
-    try:
-        with Image.open(io.BytesIO(data), formats=_FORMATS) as probe:
-            width, height = probe.size
-            if width * height > limits.max_image_pixels:
-                raise InvalidInput(field, f"image is {width}x{height}, over the {limits.max_image_pixels}-pixel limit")
-            probe.load()
-            return probe.convert("RGB")
-    except InvalidInput:
-        raise
-    except UnidentifiedImageError:
-        raise InvalidInput(field, "cannot decode image (not a recognised image format)") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise InvalidInput(field, f"cannot decode image ({exc})") from None
+        raise InvalidInput(field, f"{modality.name} is {len(data)} bytes, over the {limits.max_item_bytes}-byte limit")
+    return bytes(data)
 
 
-def load_image_url(url: str, field: str, limits: MediaLimits) -> Image.Image:
-    """Load an image named by a ``data:`` URL or an allowed ``file://`` path."""
-    return decode_image(read_image_url(url, field, limits), field, limits)
-
-
-def read_image_url(url: str, field: str, limits: MediaLimits) -> bytes:
-    """The encoded bytes named by a ``data:`` URL or an allowed ``file://`` path (not decoded)."""
+def read_url(url: str, field: str, limits: MediaLimits, modality: Modality) -> bytes:
+    """The encoded bytes of a ``modality`` item named by a ``data:`` URL (of its media type), an allowed ``file://``
+    path or an allowed ``http(s)://`` URL (not decoded)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         header, sep, payload = url.partition(",")
         if not sep or ";base64" not in header:
-            raise InvalidInput(field, "data URL must be base64: data:image/<type>;base64,<data>")
-        if not header[5:].startswith("image/"):
+            raise InvalidInput(field, f"data URL must be base64: data:{modality.media_type}<type>;base64,<data>")
+        if not header[5:].startswith(modality.media_type):
             raise InvalidInput(field, f"unsupported media type {header[5:].split(';')[0]!r}")
         try:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidInput(field, "data URL payload is not valid base64") from None
         if not raw:
-            raise InvalidInput(field, "empty image")
+            raise InvalidInput(field, f"empty {modality.name}")
         return raw
     if scheme == "file":
         return _read_local_file(url, field, limits)
     if scheme in ("http", "https"):
-        return _read_remote(url, field, limits)
+        return _read_remote(url, field, limits, modality)
     raise InvalidInput(field, f"unsupported URL scheme {scheme!r}; use data:, file:// or http(s)://")
 
 
@@ -105,7 +104,7 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
 
 
-def _read_remote(url: str, field: str, limits: MediaLimits) -> bytes:
+def _read_remote(url: str, field: str, limits: MediaLimits, modality: Modality) -> bytes:
     host = (urllib.parse.urlparse(url).hostname or "").lower()
     if not limits.allowed_media_domains:
         raise InvalidInput(field, "http(s) media URLs are disabled (no allowed_media_domains configured)")
@@ -123,7 +122,7 @@ def _read_remote(url: str, field: str, limits: MediaLimits) -> bytes:
     if len(data) > limits.max_item_bytes:
         raise InvalidInput(field, f"media at {url} is over the {limits.max_item_bytes}-byte limit")
     if not data:
-        raise InvalidInput(field, "empty image")
+        raise InvalidInput(field, f"empty {modality.name}")
     return data
 
 
@@ -147,4 +146,4 @@ def _read_local_file(url: str, field: str, limits: MediaLimits) -> bytes:
         raise InvalidInput(field, f"cannot read {str(path)!r} ({exc.strerror or exc})") from None
 
 
-__all__ = ["MediaLimits", "decode_image", "load_image_url", "read_image_url"]
+__all__ = ["MediaHandler", "MediaLimits", "check_encoded", "decode_counter", "handler", "read_url", "register_handler"]

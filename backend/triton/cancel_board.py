@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
-# The request parameter of an in-band cancel: the id of the request to cancel.
-CANCEL_PARAMETER = "epd_cancel"
 
 
 class CancelBoard:

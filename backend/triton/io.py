@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.triton.cancel_board import CANCEL_PARAMETER
 from backend.protocol.errors import ErrorCode, EpdError, InvalidInput, decode, encode, error_code
+from backend.protocol.generate import CANCEL_PARAMETER, ERROR_CODES_PARAMETER, Form, input_tensors, output_tensors
 from backend.request.generate import RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 
@@ -23,13 +23,6 @@ if TYPE_CHECKING:
     from backend.triton.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
-
-
-
-# Triton 2.51 turns every error of a BLS response into INTERNAL, and its gRPC stream errors carry no code.
-# Orchestrators therefore ask their stages (request parameter ERROR_CODES_PARAMETER) for the error envelope
-# (backend.protocol.errors: "[UNAVAILABLE] ..." and a details line); clients may ask for it too.
-ERROR_CODES_PARAMETER = "epd_error_codes"
 
 
 def request_parameters(request) -> dict:
@@ -78,12 +71,12 @@ def _text(request, name: str) -> str | None:
         raise InvalidInput(name, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
-def _texts(request, name: str) -> list[str]:
+def _texts(request, name: str) -> tuple[str, ...]:
     arr = _array(request, name)
     if arr is None:
-        return []
+        return ()
     try:
-        return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+        return tuple(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1))
     except UnicodeDecodeError as exc:
         raise InvalidInput(name, f"not valid UTF-8 ({exc.reason})") from None
 
@@ -97,25 +90,24 @@ def _bool(request, name: str) -> bool:
     return bool(arr.reshape(-1)[0])
 
 
-def read_generate_inputs(request) -> RawGenerateInputs:
-    return RawGenerateInputs(
-        text_input=_text(request, "text_input"),
-        messages=_text(request, "messages"),
-        images=_bytes_items(request, "image"),
-        image_layouts=tuple(_texts(request, "image_layouts")),
-        stream=_bool(request, "stream"),
-        sampling_parameters=_text(request, "sampling_parameters"),
-        exclude_input_in_output=_bool(request, "exclude_input_in_output"),
-        return_num_input_tokens=_bool(request, "return_num_input_tokens"),
-        return_num_output_tokens=_bool(request, "return_num_output_tokens"),
-        kv_transfer_params=_text(request, "kv_transfer_params"),
-        original_media=_bytes_items(request, "original_media"),
-    )
-
-
 def _bytes_items(request, name: str) -> tuple[bytes, ...]:
     arr = _array(request, name)
     return () if arr is None else tuple(bytes(x) for x in arr.reshape(-1))
+
+
+_READ = {Form.TEXT: _text, Form.TEXTS: _texts, Form.BYTES: _bytes_items, Form.BOOL: _bool}
+
+
+def read_generate_inputs(request) -> RawGenerateInputs:
+    """The request's tensors of the generate interface (``backend.protocol.generate.input_tensors``) as typed values."""
+    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()})
+
+
+def _output(tensor, value) -> "pb_utils.Tensor":
+    if tensor.form is Form.UINT:
+        return pb_utils.Tensor(tensor.name, np.array([value], dtype=np.uint32))
+    text = json.dumps(value) if tensor.form is Form.JSON else value
+    return pb_utils.Tensor(tensor.name, np.array([text.encode("utf-8")], dtype=np.object_))
 
 
 class TritonSink:
@@ -151,18 +143,8 @@ class TritonSink:
         return self._cancelled
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        outputs = [pb_utils.Tensor("text_output", np.array([chunk.text_output.encode("utf-8")], dtype=np.object_))]
-        if chunk.finish_reason is not None:
-            outputs.append(pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=np.object_)))
-        if chunk.num_input_tokens is not None:
-            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
-        if chunk.num_output_tokens is not None:
-            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([chunk.num_output_tokens], dtype=np.uint32)))
-        if chunk.kv_transfer_params is not None:
-            outputs.append(pb_utils.Tensor("kv_transfer_params",
-                                           np.array([json.dumps(chunk.kv_transfer_params).encode()], dtype=np.object_)))
-        if chunk.timings is not None:
-            outputs.append(pb_utils.Tensor("timings", np.array([json.dumps(chunk.timings).encode()], dtype=np.object_)))
+        outputs = [_output(t, getattr(chunk, t.field)) for t in output_tensors()
+                   if not t.optional or getattr(chunk, t.field) is not None]
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if self._completed:
             raise RuntimeError("response sent after the request was completed")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -33,6 +32,7 @@ from typing import AsyncIterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
 from backend.deploy.server_address import resolve
 from backend.request.generate import MediaBytes, RawGenerateInputs
@@ -41,40 +41,24 @@ from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
 
-GENERATE_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "timings"]
-KV_OUTPUT = "kv_transfer_params"
+# What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
+# prefill's with the kv_transfer_params decode needs.
+GENERATE_OUTPUTS = interface.output_names(interface.PD)
+PREFILL_OUTPUTS = interface.output_names(interface.PREFILL)
 log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
     """The shared interface's input values of a stage request (``backend.triton.grpc_stream.grpc_inputs``)."""
-    values: dict = {}
-    for name in ("text_input", "messages", "sampling_parameters", "kv_transfer_params"):
-        if getattr(raw, name) is not None:
-            values[name] = getattr(raw, name)
-    if raw.images:  # P/D: the client's media, for prefill and decode to process
-        values["image"] = list(raw.images)
-    if raw.image_layouts:
-        values["image_layouts"] = [layout.encode() for layout in raw.image_layouts]
-    if raw.original_media:  # metadata-only off (naive EPD)
-        values["original_media"] = list(raw.original_media)
-    for name in ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens"):
-        values[name] = bool(getattr(raw, name))
-    return values
+    return interface.input_values(vars(raw))
 
 
 def _chunk(result) -> ResponseChunk:
     def value(name):
         array = result.as_numpy(name)
-        if array is None or not array.size:
-            return None
-        item = array.reshape(-1)[0]
-        return item.decode("utf-8") if isinstance(item, bytes) else int(item)
-    timings, kv_params = value("timings"), value(KV_OUTPUT)
-    return ResponseChunk(value("text_output") or "", value("finish_reason"), value("num_input_tokens"),
-                         value("num_output_tokens"), json.loads(timings) if timings else None,
-                         json.loads(kv_params) if kv_params else None)
+        return array.reshape(-1)[0] if array is not None and array.size else None
+    return ResponseChunk(**interface.output_fields(value))
 
 
 async def _unavailable_if_unreachable(stream, model: str, url: str):
@@ -185,7 +169,7 @@ class TritonStages(BlsEncoders):
         import tritonclient.grpc as grpcclient
 
         client, url = self._client(stage), self.urls[stage]
-        outputs = GENERATE_OUTPUTS + ([KV_OUTPUT] if stage is Stage.PREFILL else [])
+        outputs = PREFILL_OUTPUTS if stage is Stage.PREFILL else GENERATE_OUTPUTS
         request_id = f"epd-{uuid.uuid4().hex}"
         request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}

@@ -9,14 +9,14 @@ import pytest
 import tritonclient.http as httpclient
 
 from backend.triton.counter_batch import CounterBatch
-from backend.request.generate import PromptFormat
+from backend.protocol.modality import IMAGE
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
 from tests.e2e.conftest import metric, metrics
 
 pytestmark = pytest.mark.e2e
 
-PH = PromptFormat().image_placeholder
+PH = IMAGE.placeholder
 CHAT = "<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
 

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from backend.protocol.errors import InvalidInput
-from backend.request.media import MediaLimits, decode_image, load_image_url, read_image_url
+from backend.request.image import decode_image, load_image_url, read_image_url
+from backend.request.media import MediaLimits
 from tests.images import image_bytes
 
 LIMITS = MediaLimits()

@@ -209,3 +209,30 @@ def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
                               .run(raw, sink, encode=False))
         assert outcome is Outcome.ERROR and stages.generated == [] and stages.encoded == []
         assert [type(e) for e in sink.errors] == [InvalidInput] and sink.errors[0].field == "parameters.epd_encode"
+
+
+class ProducerStages(FakeStages):
+    """Encoders whose layouts name their producer (``handle.agent_name``), or, from ``broken``, are not JSON."""
+
+    def __init__(self, agents, broken=False):
+        super().__init__()
+        self.agents, self.broken = list(agents), broken
+
+    async def encode(self, item, key):
+        index = len(self.encoded)
+        await super().encode(item, key)
+        return "not json" if self.broken else json.dumps({"handle": {"agent_name": self.agents[index]}})
+
+
+def test_the_encoders_that_served_the_items_are_read_from_their_layouts_once():
+    stages = ProducerStages(["enc-b", "enc-a", "enc-b"])
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"A", b"B", b"C")))
+    assert outcome is Outcome.OK and sink.chunks[-1][0].timings["encoders"] == ["enc-a", "enc-b"]
+    assert [json.loads(text)["handle"]["agent_name"] for text in stages.generated[0].image_layouts] == ["enc-b", "enc-a", "enc-b"]
+
+
+def test_a_layout_that_is_not_json_fails_the_item_unavailable_after_one_retry():
+    stages = ProducerStages([], broken=True)
+    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"A",)))
+    assert outcome is Outcome.ERROR and isinstance(sink.errors[0], Unavailable) and sink.errors[0].field == "image[0]"
+    assert len(stages.encoded) == 2 and stages.generated == []

@@ -4,12 +4,13 @@ import json
 import pytest
 
 from backend.protocol.errors import InvalidInput
-from backend.request.generate import (DecodeMedia, EncodedMedia, LayoutMedia, PromptFormat, RawGenerateInputs, RequestLimits,
+from backend.protocol.modality import IMAGE
+from backend.request.generate import (DecodeMedia, EncodedMedia, LayoutMedia, RawGenerateInputs, RequestLimits,
                              parse_generate_request)
 from tests.fakes import render_chat
 from tests.images import image_bytes
 
-PH = PromptFormat().image_placeholder
+PH = IMAGE.placeholder
 
 
 def parse(resolver=None, **kwargs):

@@ -24,12 +24,7 @@ from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import TritonStages, stage_urls
-
-
-# Request parameters (bool): this request's metadata-only setting, over the model's `metadata_only` parameter;
-# whether it goes through the encoders (false: P/D, E/P/D's prefill and decode process the media themselves).
-METADATA_ONLY_PARAMETER = "epd_metadata_only"
-ENCODE_PARAMETER = "epd_encode"
+from backend.protocol.generate import ENCODE_PARAMETER, METADATA_ONLY_PARAMETER
 
 
 def _bool_parameter(params: dict, name: str) -> bool | None:

@@ -25,7 +25,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         from backend.protocol.layout import LayoutMetadata
-        from backend.request.media import MediaLimits, decode_image
+        from backend.request.image import decode_image
+        from backend.request.media import MediaLimits
 
         responses = []
         for request in requests:

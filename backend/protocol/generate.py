@@ -1,0 +1,143 @@
+"""The generate interface every generating model shares, declared once: its Triton tensors (name, dtype, dims,
+whether optional, which model kinds take or return it, the Python field it maps to) and its request parameters.
+
+Who derives from it: the model repository's config.pbtxt tensor lists (``backend.deploy.render``), reading requests
+and sending responses (``backend.triton.io``), the orchestrator's stage requests (``backend.triton.stage_client``)
+and the client library (``clients.triton_client``). Input fields are ``backend.request.generate.RawGenerateInputs``'
+attributes, output fields ``backend.engine.serving.ResponseChunk``'s. Media tensors come from the registered
+modalities (``backend.protocol.modality``).
+
+Model kinds: ``llm`` (one engine, the client's media), ``epd`` (the orchestrators, colocated ones too: the same
+request as llm, timings back), ``pd`` (metadata-only media: layouts, and the client's media beside them with
+metadata-only off), ``prefill`` and ``decode`` (as pd, plus the client's media for P/D and KV connector parameters).
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from backend.protocol.modality import IMAGE, Modality, modalities
+
+# Request parameters (Triton's per-request parameters, not tensors):
+# the error envelope in error messages (backend.protocol.errors): Triton 2.51 turns every BLS error into INTERNAL and
+# its gRPC stream errors carry no code, so orchestrators ask their stages for it; clients may ask too
+ERROR_CODES_PARAMETER = "epd_error_codes"
+# an in-band cancel: the id of the request to cancel (backend.triton.cancel_board)
+CANCEL_PARAMETER = "epd_cancel"
+# (bool) this request's metadata-only setting, over the orchestrator's `metadata_only` parameter
+METADATA_ONLY_PARAMETER = "epd_metadata_only"
+# (bool) whether the request goes through the encoders (false: P/D, E/P/D's prefill and decode process the media)
+ENCODE_PARAMETER = "epd_encode"
+
+LLM, EPD, PD, PREFILL, DECODE = "llm", "epd", "pd", "prefill", "decode"
+KINDS = (LLM, EPD, PD, PREFILL, DECODE)
+_ALL = frozenset(KINDS)
+_CONSUMERS = frozenset({PD, PREFILL, DECODE})  # metadata-only media, from an orchestrator
+_PD_STAGES = frozenset({PREFILL, DECODE})      # also the client's media (P/D), and KV connector parameters
+_CLIENT_MEDIA = frozenset({LLM, EPD}) | _PD_STAGES
+STRING, BOOL, UINT32 = "TYPE_STRING", "TYPE_BOOL", "TYPE_UINT32"
+
+
+class Form(enum.Enum):
+    """What a tensor holds, as a Python value."""
+
+    TEXT = "text"     # one UTF-8 string
+    TEXTS = "texts"   # UTF-8 strings, one per item
+    BYTES = "bytes"   # byte strings, one per item
+    BOOL = "bool"     # one bool
+    UINT = "uint"     # one unsigned int
+    JSON = "json"     # one JSON document (a dict on the Python side)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    dims: int
+    field: str
+    form: Form
+    kinds: frozenset[str] = _ALL
+    optional: bool = True  # an input a request may leave out; an output a response may leave out
+
+
+_PROMPT = (Tensor("text_input", STRING, 1, "text_input", Form.TEXT), Tensor("messages", STRING, 1, "messages", Form.TEXT))
+_OPTIONS = (Tensor("stream", BOOL, 1, "stream", Form.BOOL),
+            Tensor("sampling_parameters", STRING, 1, "sampling_parameters", Form.TEXT),
+            *(Tensor(name, BOOL, 1, name, Form.BOOL)
+              for name in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")))
+_ORIGINAL_MEDIA = Tensor("original_media", STRING, -1, "original_media", Form.BYTES, _CONSUMERS)  # metadata-only off
+_KV_INPUT = Tensor("kv_transfer_params", STRING, 1, "kv_transfer_params", Form.TEXT, _PD_STAGES)
+_OUTPUTS = (Tensor("text_output", STRING, -1, "text_output", Form.TEXT, optional=False),
+            Tensor("finish_reason", STRING, -1, "finish_reason", Form.TEXT),
+            Tensor("num_input_tokens", UINT32, -1, "num_input_tokens", Form.UINT),
+            Tensor("num_output_tokens", UINT32, -1, "num_output_tokens", Form.UINT),
+            Tensor("timings", STRING, -1, "timings", Form.JSON, _ALL - {LLM}),  # an orchestrator's stage breakdown
+            Tensor("kv_transfer_params", STRING, -1, "kv_transfer_params", Form.JSON, _PD_STAGES))
+
+# The image encoder (backend.triton.models.encoder): one item per batch row; the layout of its embeddings back.
+ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, frozenset({"encoder"}), optional=False),
+                  Tensor("content_key", STRING, 1, "content_key", Form.TEXT, frozenset({"encoder"})))
+ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, frozenset({"encoder"}), optional=False),)
+
+
+def media_tensors(m: Modality) -> tuple[Tensor, Tensor]:
+    """A modality's inputs: its encoded items and its layouts (metadata-only items)."""
+    return (Tensor(m.media_tensor, STRING, -1, m.media_field, Form.BYTES, _CLIENT_MEDIA),
+            Tensor(m.layout_tensor, STRING, -1, m.layout_field, Form.TEXTS, _CONSUMERS))
+
+
+def input_tensors(kind: str | None = None) -> tuple[Tensor, ...]:
+    """The inputs of a model ``kind`` (None: every input of the interface), in config.pbtxt order: the prompt, the
+    media in the form the kind is built for (the client's for llm/epd, layouts for the consumers), the options, then
+    the stage's own: original_media, prefill/decode's P/D media, kv_transfer_params."""
+    media = [t for m in modalities() for t in media_tensors(m)]
+    if kind is None:
+        return (*_PROMPT, *media, *_OPTIONS, _ORIGINAL_MEDIA, _KV_INPUT)
+    own = [t for t in media if t.form is Form.TEXTS or kind not in _CONSUMERS]
+    also = [t for t in media if t not in own]  # P/D: the client's media, beside the layouts
+    return tuple(t for t in (*_PROMPT, *own, *_OPTIONS, _ORIGINAL_MEDIA, *also, _KV_INPUT) if kind in t.kinds)
+
+
+def output_tensors(kind: str | None = None) -> tuple[Tensor, ...]:
+    """The outputs a model ``kind`` returns (None: every output of the interface)."""
+    return tuple(t for t in _OUTPUTS if kind is None or kind in t.kinds)
+
+
+def output_names(kind: str | None = None) -> list[str]:
+    return [t.name for t in output_tensors(kind)]
+
+
+def input_values(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Input name -> value for a request whose fields (``Tensor.field``: ``RawGenerateInputs``' names) are
+    ``fields``: bools always, item lists when not empty (as lists), the others when not None. The values are what
+    ``backend.triton.grpc_stream.grpc_inputs`` (and Triton's HTTP generate extension, media base64) take."""
+    values: dict[str, Any] = {}
+    for tensor in input_tensors():
+        value = fields.get(tensor.field)
+        if tensor.form is Form.BOOL:
+            values[tensor.name] = bool(value)
+        elif tensor.form in (Form.TEXTS, Form.BYTES):
+            if value:
+                values[tensor.name] = list(value)
+        elif value is not None:
+            values[tensor.name] = json.dumps(value) if tensor.form is Form.JSON else value
+    return values
+
+
+def output_fields(value: Callable[[str], Any]) -> dict[str, Any]:
+    """``ResponseChunk``'s fields of a response whose output ``name`` holds ``value(name)`` (its first item: str,
+    bytes or a number; None where absent). Absent fields are None, ``text_output`` then ""."""
+    fields = {}
+    for tensor in _OUTPUTS:
+        item = value(tensor.name)
+        if isinstance(item, bytes):
+            item = item.decode("utf-8")
+        if tensor.form is Form.JSON:
+            item = json.loads(item) if item else None
+        elif tensor.form is Form.UINT and item is not None:
+            item = int(item)
+        fields[tensor.field] = item
+    fields["text_output"] = fields["text_output"] or ""
+    return fields

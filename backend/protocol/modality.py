@@ -1,0 +1,74 @@
+"""The media modalities a request may carry, each declared once: what its items are called in chat messages, in
+Triton tensors, in the typed request, in prompts and in vLLM.
+
+Shared code (request parsing, the orchestrator's rewrite to metadata-only, tensor I/O, the model repository's tensor
+lists in ``backend.protocol.generate``) iterates over ``modalities()`` instead of naming images. A new modality is its
+``Modality`` registered here plus one module per stage that handles its items (``backend.request.image``: loading and
+validating images; ``backend.encode.encoder``: the vision tower), and its two fields in the typed requests
+(``RawGenerateInputs``, the client's ``GenerateInputs``). Only images are registered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Modality:
+    name: str               # LayoutMetadata.modality, and the stage modules' registry key
+    url_part: str           # chat content part naming an item by URL: {"type": "image_url", "image_url": {"url": ...}}
+    item_part: str          # chat content part taking the next tensor item: {"type": "image"} (also the rewrite's form)
+    media_tensor: str       # the Triton input of encoded items (client -> llm / epd; P/D: prefill, decode)
+    layout_tensor: str      # the Triton input of metadata-only items (epd -> pd / prefill / decode)
+    media_field: str        # RawGenerateInputs / GenerateInputs attribute of the encoded items
+    layout_field: str       # RawGenerateInputs / GenerateInputs attribute of the layouts
+    media_type: str         # the MIME type prefix a data: URL of an item must have
+    placeholder_token: str  # the model family's token of one item in a prompt (Qwen2-VL's)
+    placeholder: str        # what one item becomes in a prompt that names none
+    limit_key: str          # vLLM's limit_mm_per_prompt key
+    data_key: str           # vLLM's multi_modal_data key
+    embeds_key: str         # vLLM's embedding input form: {embeds_key: tensor, grid_key: grid}
+    grid_key: str
+    limit_field: str        # the RequestLimits attribute of the per-request item limit
+
+
+_REGISTRY: dict[str, Modality] = {}
+
+
+def register(modality: Modality) -> Modality:
+    """Add ``modality`` (after those registered before it: tensor lists and item order follow registration)."""
+    if modality.name in _REGISTRY:
+        raise ValueError(f"modality {modality.name!r} is already registered")
+    taken = {part for m in _REGISTRY.values() for part in (m.url_part, m.item_part)} | {"text"}
+    if {modality.url_part, modality.item_part} & taken:
+        raise ValueError(f"modality {modality.name!r}: content part types {modality.url_part!r}/{modality.item_part!r} "
+                         "are taken")
+    _REGISTRY[modality.name] = modality
+    return modality
+
+
+def unregister(name: str) -> None:
+    del _REGISTRY[name]
+
+
+def modalities() -> tuple[Modality, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def modality(name: str) -> Modality:
+    return _REGISTRY[name]
+
+
+def content_part(part_type: object) -> tuple[Modality, bool] | None:
+    """The modality of a chat content part type and whether the part names its item by URL (else it takes the
+    next tensor item); None: no modality's part."""
+    for m in _REGISTRY.values():
+        if part_type in (m.url_part, m.item_part):
+            return m, part_type == m.url_part
+    return None
+
+
+IMAGE = register(Modality(
+    name="image", url_part="image_url", item_part="image", media_tensor="image", layout_tensor="image_layouts",
+    media_field="images", layout_field="image_layouts", media_type="image/", placeholder_token="<|image_pad|>",
+    placeholder="<|vision_start|><|image_pad|><|vision_end|>", limit_key="image", data_key="image",
+    embeds_key="image_embeds", grid_key="image_grid_thw", limit_field="max_images"))
