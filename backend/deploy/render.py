@@ -72,7 +72,7 @@ def _io(kind: str, tensors) -> str:
     return f"{kind} [\n" + ",\n".join(lines) + "\n]\n"
 
 
-def _generate_io(kind: str) -> str:
+def _generate_io(kind: Stage) -> str:
     """The generate interface's tensors of a model kind (``backend.protocol.generate``)."""
     return _io("input", generate.input_tensors(kind)) + _io("output", generate.output_tensors(kind))
 
@@ -130,7 +130,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
-    body += _generate_io(kind.role.value) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
+    body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
     params = {"engine_args": "model.json", **limits}
     if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)

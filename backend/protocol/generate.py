@@ -7,9 +7,10 @@ and the client library (``clients.triton_client``). Input fields are ``backend.r
 attributes, output fields ``backend.engine.serving.ResponseChunk``'s. Media tensors come from the registered
 modalities (``backend.protocol.modality``).
 
-Model kinds: ``llm`` (one engine, the client's media), ``epd`` (the orchestrators, colocated ones too: the same
-request as llm, timings back), ``pd`` (metadata-only media: layouts, and the client's media beside them with
-metadata-only off), ``prefill`` and ``decode`` (as pd, plus the client's media for P/D and KV connector parameters).
+Which tensors a model has follows its role (``backend.protocol.stages.Stage``): ``llm`` (one engine, the client's
+media), ``epd`` (the orchestrators, colocated ones too: the same request as llm, timings back), ``pd`` (metadata-only
+media: layouts, and the client's media beside them with metadata-only off), ``prefill`` and ``decode`` (as pd, plus
+the client's media for P/D and KV connector parameters), ``encoder`` (``ENCODER_INPUTS``/``ENCODER_OUTPUTS``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from backend.protocol.modality import IMAGE, Modality, modalities
+from backend.protocol.stages import Stage
 
 # Request parameters (Triton's per-request parameters, not tensors):
 # the error envelope in error messages (backend.protocol.errors): Triton 2.51 turns every BLS error into INTERNAL and
@@ -31,12 +33,12 @@ METADATA_ONLY_PARAMETER = "epd_metadata_only"
 # (bool) whether the request goes through the encoders (false: P/D, E/P/D's prefill and decode process the media)
 ENCODE_PARAMETER = "epd_encode"
 
-LLM, EPD, PD, PREFILL, DECODE = "llm", "epd", "pd", "prefill", "decode"
-KINDS = (LLM, EPD, PD, PREFILL, DECODE)
+LLM, EPD, PD, PREFILL, DECODE = Stage.LLM, Stage.ORCHESTRATOR, Stage.PD, Stage.PREFILL, Stage.DECODE
+KINDS = (LLM, EPD, PD, PREFILL, DECODE)  # the roles that speak the generate interface
 _ALL = frozenset(KINDS)
-_CONSUMERS = frozenset({PD, PREFILL, DECODE})  # metadata-only media, from an orchestrator
-_PD_STAGES = frozenset({PREFILL, DECODE})      # also the client's media (P/D), and KV connector parameters
-_CLIENT_MEDIA = frozenset({LLM, EPD}) | _PD_STAGES
+_CONSUMERS = frozenset(k for k in KINDS if k.spec.takes_layouts)  # metadata-only media, from an orchestrator
+_PD_STAGES = frozenset(k for k in KINDS if k.spec.kv_role)  # KV connector parameters (and the client's media, P/D)
+_CLIENT_MEDIA = frozenset(k for k in KINDS if k.spec.takes_media)
 STRING, BOOL, UINT32 = "TYPE_STRING", "TYPE_BOOL", "TYPE_UINT32"
 
 
@@ -58,7 +60,7 @@ class Tensor:
     dims: int
     field: str
     form: Form
-    kinds: frozenset[str] = _ALL
+    kinds: frozenset[Stage] = _ALL
     optional: bool = True  # an input a request may leave out; an output a response may leave out
 
 
@@ -77,9 +79,10 @@ _OUTPUTS = (Tensor("text_output", STRING, -1, "text_output", Form.TEXT, optional
             Tensor("kv_transfer_params", STRING, -1, "kv_transfer_params", Form.JSON, _PD_STAGES))
 
 # The image encoder (backend.triton.models.encoder): one item per batch row; the layout of its embeddings back.
-ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, frozenset({"encoder"}), optional=False),
-                  Tensor("content_key", STRING, 1, "content_key", Form.TEXT, frozenset({"encoder"})))
-ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, frozenset({"encoder"}), optional=False),)
+ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, frozenset({Stage.ENCODER}),
+                         optional=False),
+                  Tensor("content_key", STRING, 1, "content_key", Form.TEXT, frozenset({Stage.ENCODER})))
+ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, frozenset({Stage.ENCODER}), optional=False),)
 
 
 def media_tensors(m: Modality) -> tuple[Tensor, Tensor]:
@@ -88,24 +91,25 @@ def media_tensors(m: Modality) -> tuple[Tensor, Tensor]:
             Tensor(m.layout_tensor, STRING, -1, m.layout_field, Form.TEXTS, _CONSUMERS))
 
 
-def input_tensors(kind: str | None = None) -> tuple[Tensor, ...]:
+def input_tensors(kind: Stage | str | None = None) -> tuple[Tensor, ...]:
     """The inputs of a model ``kind`` (None: every input of the interface), in config.pbtxt order: the prompt, the
     media in the form the kind is built for (the client's for llm/epd, layouts for the consumers), the options, then
     the stage's own: original_media, prefill/decode's P/D media, kv_transfer_params."""
     media = [t for m in modalities() for t in media_tensors(m)]
     if kind is None:
         return (*_PROMPT, *media, *_OPTIONS, _ORIGINAL_MEDIA, _KV_INPUT)
+    kind = Stage(kind)
     own = [t for t in media if t.form is Form.TEXTS or kind not in _CONSUMERS]
     also = [t for t in media if t not in own]  # P/D: the client's media, beside the layouts
     return tuple(t for t in (*_PROMPT, *own, *_OPTIONS, _ORIGINAL_MEDIA, *also, _KV_INPUT) if kind in t.kinds)
 
 
-def output_tensors(kind: str | None = None) -> tuple[Tensor, ...]:
+def output_tensors(kind: Stage | str | None = None) -> tuple[Tensor, ...]:
     """The outputs a model ``kind`` returns (None: every output of the interface)."""
-    return tuple(t for t in _OUTPUTS if kind is None or kind in t.kinds)
+    return tuple(t for t in _OUTPUTS if kind is None or Stage(kind) in t.kinds)
 
 
-def output_names(kind: str | None = None) -> list[str]:
+def output_names(kind: Stage | str | None = None) -> list[str]:
     return [t.name for t in output_tensors(kind)]
 
 
