@@ -21,7 +21,7 @@ from backend.protocol.versions import Guard
 IDLE_WAIT = Guard("engine idle wait", "vllm", "0.32", "0.33",
                   "an EngineCore holding requests that only wait on the KV connector (prefill: finished requests "
                   "decode has not read) steps every 1 ms: ~1 ms more CPU per request in prefill's EngineCore at "
-                  "c=16 (docs/epd.md)")
+                  "c=16 (docs/results/epd.md)")
 GLOO_DEVICE = Guard("shared gloo device", "torch", "2.11", "2.14",
                     "each gloo process group keeps a transport device of its own whose loop thread wakes every "
                     "10 ms: ~1,300 wake-ups a second, ~1.2% of a core per idle engine")

@@ -21,7 +21,7 @@ DEFAULT_POLL_DELAY_US = 5000
 POLL_DELAY_ENV = "EPD_NIXL_POLL_DELAY_US"
 POLL_DELAY = Guard("NIXL poll delay", "nixl", "1.5", "1.6",
                    "each NIXL agent's progress thread busy-polls: 25-72% of a core per idle agent "
-                   "(~95% of a core per idle prefill or decode EngineCore, docs/epd.md)")
+                   "(~95% of a core per idle prefill or decode EngineCore, docs/results/epd.md)")
 
 _creating = threading.local()  # .delay_us: the delay of the agent create_agent is making on this thread
 _process_delay_us: int | None = None  # patch_process_agents: every agent of this process made from then on
