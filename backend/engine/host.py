@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
 from backend.protocol.errors import InvalidInput, Unavailable
+from backend.protocol.versions import Guard
 from backend.engine.loop import LoopThread
 from backend.request.generate import GenerateRequest
 
@@ -52,6 +53,10 @@ PROCESS_ENV_DEFAULTS = {
     # engine. The project's vLLM plugin gives them one shared device (backend.engine.patches.share_gloo_device).
     "EPD_GLOO_SHARED_DEVICE": "1",
 }
+
+QUIET_SHUTDOWN = Guard("quiet engine shutdown", "vllm", "0.32", "0.33",
+                       "an EngineDeadError logged by the engine's output handler and a TypeError printed by "
+                       "AsyncLLM.__del__ at interpreter exit, at every unload")
 
 # Engine arguments of the engines fed embeddings or layouts (pd, prefill, decode), under model.json's.
 # vLLM's multimodal processor cache (mm_processor_cache_gb, 4 GiB by default) keeps every item the
@@ -238,15 +243,7 @@ class EngineHost:
             import psutil
 
             engines = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
-            # Stop the output handler first, or it logs the engine's exit as an EngineDeadError.
-            handler = getattr(engine, "output_handler", None)
-            if handler is not None:
-                self.submit(_cancel_and_wait(handler)).result(timeout=10)
-            engine.shutdown()
-            # AsyncLLM.__del__ calls shutdown() again whenever the object goes, which was seen to be at interpreter
-            # exit (a reference outlives this method), where the module globals it uses are gone: a TypeError
-            # printed at every unload. The engine is shut down; make that call a no-op.
-            engine.shutdown = lambda *args, **kwargs: None
+            self._stop_quietly(engine)
             stop_engine_processes(engines)
         self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
@@ -254,6 +251,20 @@ class EngineHost:
         gc.collect()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _stop_quietly(self, engine) -> None:
+        """``engine.shutdown()``, using two AsyncLLM internals where ``QUIET_SHUTDOWN`` allows: the output handler
+        task is stopped first, or it logs the engine's exit as an EngineDeadError; and ``shutdown`` becomes a
+        no-op afterwards, because AsyncLLM.__del__ calls it again whenever the object goes, which was seen to be at
+        interpreter exit (a reference outlives this method), where the module globals it uses are gone: a
+        TypeError printed at every unload."""
+        quiet = QUIET_SHUTDOWN.allows(engine, "output_handler", "shutdown")
+        handler = engine.output_handler if quiet else None
+        if handler is not None:
+            self.submit(_cancel_and_wait(handler)).result(timeout=10)
+        engine.shutdown()
+        if quiet:
+            engine.shutdown = lambda *args, **kwargs: None
 
 
 def stop_engine_processes(engines, timeout: float = 5.0) -> None:

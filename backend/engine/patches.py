@@ -1,18 +1,31 @@
-"""A vLLM general plugin (entry point ``vllm.general_plugins``, see pyproject.toml).
+"""The project's vLLM general plugin (entry point ``epd_patches`` of ``vllm.general_plugins``, pyproject.toml):
+patches of vLLM, torch and NIXL internals, each on the versions it was checked on (``backend.protocol.versions``;
+the list, with why and what each saves: docs/architecture.md, "Patches of vLLM, torch and NIXL internals").
 
-vLLM calls it in each of its processes, EngineCore included. With ``EPD_GLOO_SHARED_DEVICE=1`` (the project's
-engines set it) the gloo process groups of a process share one transport device (``share_gloo_device``). When
-``EPD_NIXL_POLL_DELAY_US`` is set
-(the ``prefill`` and ``decode`` models set it before starting their engines), NIXL agents that vLLM's
-NixlConnector creates poll with that delay instead of busy-spinning a core while idle (NIXL's Python
-API hard-codes a delay of 0). When ``EPD_ENGINE_MEMDEBUG`` names a directory, each EngineCore process
-writes memory reports there (``backend.diagnostics.memdebug``). Without the variables it does nothing, so other
-vLLM users are untouched.
+vLLM calls ``register`` in each of its processes that loads plugins (an EngineCore forked from one inherits what
+was patched there). Each patch is switched on by a variable, so other vLLM users are untouched:
+``EPD_GLOO_SHARED_DEVICE=1`` (set for every stub by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): gloo groups
+share one transport device (``share_gloo_device``); ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode``
+models set it): the EngineCore's idle wait (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and
+``decode``): the poll delay of the NIXL agents vLLM's NixlConnector creates
+(``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG`` naming a directory: each EngineCore
+writes memory reports there (``backend.diagnostics.memdebug``).
 """
 from __future__ import annotations
 
 import os
 import queue
+
+from backend.protocol.versions import Guard
+
+IDLE_WAIT = Guard("engine idle wait", "vllm", "0.32", "0.33",
+                  "an EngineCore holding requests that only wait on the KV connector (prefill: finished requests "
+                  "decode has not read) steps every 1 ms: ~1 ms more CPU per request in prefill's EngineCore at "
+                  "c=16 (docs/results/epd.md)")
+GLOO_DEVICE = Guard("shared gloo device", "torch", "2.11", "2.14",
+                    "each gloo process group keeps a transport device of its own whose loop thread wakes every "
+                    "10 ms: ~1,300 wake-ups a second, ~1.2% of a core per idle engine")
+MEMDEBUG = Guard("engine memdebug", "vllm", "0.32", "0.33", "no memory reports from the EngineCore")
 
 
 def patch_idle_wait(seconds: float) -> None:
@@ -26,6 +39,8 @@ def patch_idle_wait(seconds: float) -> None:
     a freed block or an arrived KV is noticed up to ``seconds`` later. Idempotent."""
     from vllm.v1.engine import core
 
+    if not IDLE_WAIT.allows(core.EngineCoreProc, "_process_engine_step", "_handle_client_request"):
+        return
     real = core.EngineCoreProc._process_engine_step
     if getattr(real, "epd_idle_wait", None) is not None:
         return
@@ -57,6 +72,8 @@ def share_gloo_device() -> None:
     base = c10d.ProcessGroupGloo
     if getattr(base, "epd_shared_device", False):
         return
+    if not GLOO_DEVICE.allows(base, "_Options", "create_default_device"):
+        return
     shared: list = []
 
     class SharedDeviceGloo(base):
@@ -79,8 +96,11 @@ def register() -> None:
         share_gloo_device()
     memdebug = os.environ.get("EPD_ENGINE_MEMDEBUG")
     if memdebug:
-        from backend.diagnostics import memdebug as tool
-        tool.install(memdebug)
+        from vllm.v1.engine import core
+
+        if MEMDEBUG.allows(core.EngineCore, "__init__"):
+            from backend.diagnostics import memdebug as tool
+            tool.install(memdebug)
     wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
     if wait:
         patch_idle_wait(float(wait) / 1000)

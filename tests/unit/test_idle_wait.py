@@ -1,6 +1,7 @@
 """``backend.engine.patches.patch_idle_wait``: an EngineCore step that ran no model while requests wait on the KV
 connector is followed by a wait on the input queue that new input ends at once (vLLM's own loop: 1 ms sleep,
-step again). Runs vLLM's real ``EngineCoreProc._process_engine_step`` on a stand-in engine."""
+step again). The patched ``EngineCoreProc._process_engine_step`` (vLLM's, wrapped) on a stand-in engine, for the
+timings; on a real EngineCore holding a finished KV-producer request: tests/component/test_patches.py."""
 from __future__ import annotations
 
 import queue
