@@ -141,6 +141,7 @@ class Topology:
     transfer: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
+    source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
         """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only),
@@ -261,7 +262,14 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     return Topology(name=str(doc.get("name") or path.stem),
                     checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
-                    transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval))
+                    transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
+                    source=_source(path))
+
+
+def _source(path: Path) -> str:
+    """How a rendered file names its topology: relative to the project root (stable across checkouts) if inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(resolved)
 
 
 def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:

@@ -80,10 +80,12 @@ def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
 
 
 def load_engine_args(path: Path) -> dict[str, Any]:
-    """Read a model.json; relative paths are resolved against its folder."""
+    """Read a model.json; relative paths are resolved against its folder. Keys starting with ``_`` are notes (the
+    renderer's ``_generated``), not engine arguments."""
     args = json.loads(Path(path).read_text())
     if not isinstance(args, dict) or "model" not in args:
         raise ValueError(f"{path}: expected a JSON object with at least a 'model' key")
+    args = {key: value for key, value in args.items() if not key.startswith("_")}
     for key in PATH_KEYS:
         value = args.get(key)
         if isinstance(value, str) and value and not os.path.isabs(value) and value.startswith("."):
