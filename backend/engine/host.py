@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
+from backend.protocol.modality import IMAGE
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.versions import Guard
 from backend.engine.loop import LoopThread
@@ -30,7 +31,7 @@ from backend.request.generate import GenerateRequest
 
 PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
 
-# Measured on 2 cores (see RECIPES): more OpenMP threads per engine made a 16-token request 50x slower,
+# Measured on 2 cores (docs/results/foundation.md): more OpenMP threads per engine made a 16-token request 50x slower,
 # and the default binds every engine to core 0. Set before vLLM/torch are imported; the operator's
 # environment wins.
 PROCESS_ENV_DEFAULTS = {
@@ -215,10 +216,10 @@ class EngineHost:
         if request.image_embeds is not None:
             embeds, grid_thw = request.image_embeds
             # embeds None: layout only (a KV consumer whose KV already covers the media positions)
-            item = {"image_grid_thw": grid_thw} if embeds is None else {"image_embeds": embeds, "image_grid_thw": grid_thw}
-            prompt["multi_modal_data"] = {"image": item}
+            item = {IMAGE.grid_key: grid_thw} if embeds is None else {IMAGE.embeds_key: embeds, IMAGE.grid_key: grid_thw}
+            prompt["multi_modal_data"] = {IMAGE.data_key: item}
         elif request.images:
-            prompt["multi_modal_data"] = {"image": list(request.images)}
+            prompt["multi_modal_data"] = {IMAGE.data_key: list(request.images)}
         produced = 0
         try:
             async for out in self._engine.generate(prompt, params, request_id):

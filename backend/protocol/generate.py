@@ -83,6 +83,8 @@ ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, froz
                          optional=False),
                   Tensor("content_key", STRING, 1, "content_key", Form.TEXT, frozenset({Stage.ENCODER})))
 ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, frozenset({Stage.ENCODER}), optional=False),)
+ENCODER_ITEM, ENCODER_KEY = ENCODER_INPUTS
+(ENCODER_LAYOUT,) = ENCODER_OUTPUTS
 
 
 def media_tensors(m: Modality) -> tuple[Tensor, Tensor]:

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine.host import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
 from backend.protocol.errors import InvalidInput
+from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EngineSettings, KvEngineSettings
 from backend.protocol.stages import RoleSpec, Stage
 from backend.request.media import MediaLimits, decode_counter
@@ -57,7 +58,7 @@ class GenerateModel:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
         self.engine_args = self.engine_args_from(load_engine_args(model_dir / self.settings.engine_args))
         self.limits = RequestLimits(
-            max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get("image", 8)),
+            max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get(IMAGE.limit_key, 8)),
             media=MediaLimits(
                 max_image_pixels=self.settings.max_image_pixels,
                 max_item_bytes=self.settings.max_item_bytes,

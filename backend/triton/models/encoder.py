@@ -15,6 +15,7 @@ from PIL import Image
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.engine.host import prepare_process
+from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT
 from backend.protocol.layout import content_key
 from backend.protocol.settings import EncoderSettings
 from backend.request.media import MediaLimits
@@ -59,8 +60,8 @@ class TritonPythonModel:
     def execute(self, requests):
         jobs, shapes = [], []
         for index, request in enumerate(requests):
-            images = pb_utils.get_input_tensor_by_name(request, "image").as_numpy()
-            keys = pb_utils.get_input_tensor_by_name(request, "content_key")
+            images = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()
+            keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
             keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * images.shape[0]
             shapes.append(images.shape)
             for data, key in zip(images.reshape(-1), keys):
@@ -76,7 +77,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=to_triton_error(result, wants_error_codes(request))))
             else:
                 layouts = np.array([s.encode() for s in result], dtype=np.object_).reshape(shape)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("layout", layouts)]))
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(ENCODER_LAYOUT.name, layouts)]))
         return responses
 
     def _report(self) -> None:
