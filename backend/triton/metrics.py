@@ -22,6 +22,10 @@ def metric_labels(model_name: str, instance: str) -> dict[str, str]:
     return {"model": model_name, **({"instance": instance} if instance else {})}
 
 
+def _counter(name: str, description: str):
+    return pb_utils.MetricFamily(name=name, kind=pb_utils.MetricFamily.COUNTER, description=description)
+
+
 # Histogram buckets (seconds) of every latency histogram: 100 us (a GPU handoff) to 60 s (a long CPU request).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,18 +58,12 @@ class RequestMetrics:
     }
 
     def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
-        requests = pb_utils.MetricFamily(name="epd_requests_total", kind=pb_utils.MetricFamily.COUNTER,
-                                         description="Finished generate requests by outcome")
-        tokens = pb_utils.MetricFamily(name="epd_generated_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
-                                       description="Tokens generated, including those of cancelled requests")
-        decodes = pb_utils.MetricFamily(name="epd_media_decodes_total", kind=pb_utils.MetricFamily.COUNTER,
-                                        description="Media items decoded (PIL) in the model's process")
-        retries = pb_utils.MetricFamily(name="epd_retries_total", kind=pb_utils.MetricFamily.COUNTER,
-                                        description="Orchestrator retries (encode: one item; request: all items and the stages)")
-        moved = pb_utils.MetricFamily(name="epd_transfer_bytes_total", kind=pb_utils.MetricFamily.COUNTER,
-                                      description="Embedding bytes pulled from encoders")
-        moving = pb_utils.MetricFamily(name="epd_transfer_seconds_total", kind=pb_utils.MetricFamily.COUNTER,
-                                       description="Seconds spent pulling embeddings from encoders")
+        requests = _counter("epd_requests_total", "Finished generate requests by outcome")
+        tokens = _counter("epd_generated_tokens_total", "Tokens generated, including those of cancelled requests")
+        decodes = _counter("epd_media_decodes_total", "Media items decoded (PIL) in the model's process")
+        retries = _counter("epd_retries_total", "Orchestrator retries (encode: one item; request: all items and the stages)")
+        moved = _counter("epd_transfer_bytes_total", "Embedding bytes pulled from encoders")
+        moving = _counter("epd_transfer_seconds_total", "Seconds spent pulling embeddings from encoders")
         labels = metric_labels(model_name, instance)
         histogram = pb_utils.MetricFamily.HISTOGRAM
         self._histograms = {}
