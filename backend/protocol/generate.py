@@ -15,6 +15,7 @@ the client's media for P/D and KV connector parameters), ``encoder`` (``ENCODER_
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -96,11 +97,16 @@ def media_tensors(m: Modality) -> tuple[Tensor, Tensor]:
 def input_tensors(kind: Stage | str | None = None) -> tuple[Tensor, ...]:
     """The inputs of a model ``kind`` (None: every input of the interface), in config.pbtxt order: the prompt, the
     media in the form the kind is built for (the client's for llm/epd, layouts for the consumers), the options, then
-    the stage's own: original_media, prefill/decode's P/D media, kv_transfer_params."""
-    media = [t for m in modalities() for t in media_tensors(m)]
+    the stage's own: original_media, prefill/decode's P/D media, kv_transfer_params. Cached per registry state: every
+    request and response reads it."""
+    return _inputs(None if kind is None else Stage(kind), modalities())
+
+
+@functools.lru_cache(maxsize=64)
+def _inputs(kind: Stage | None, registered: tuple[Modality, ...]) -> tuple[Tensor, ...]:
+    media = [t for m in registered for t in media_tensors(m)]
     if kind is None:
         return (*_PROMPT, *media, *_OPTIONS, _ORIGINAL_MEDIA, _KV_INPUT)
-    kind = Stage(kind)
     own = [t for t in media if t.form is Form.TEXTS or kind not in _CONSUMERS]
     also = [t for t in media if t not in own]  # P/D: the client's media, beside the layouts
     return tuple(t for t in (*_PROMPT, *own, *_OPTIONS, _ORIGINAL_MEDIA, *also, _KV_INPUT) if kind in t.kinds)
@@ -108,7 +114,12 @@ def input_tensors(kind: Stage | str | None = None) -> tuple[Tensor, ...]:
 
 def output_tensors(kind: Stage | str | None = None) -> tuple[Tensor, ...]:
     """The outputs a model ``kind`` returns (None: every output of the interface)."""
-    return tuple(t for t in _OUTPUTS if kind is None or Stage(kind) in t.kinds)
+    return _outputs(None if kind is None else Stage(kind))
+
+
+@functools.lru_cache(maxsize=16)
+def _outputs(kind: Stage | None) -> tuple[Tensor, ...]:
+    return tuple(t for t in _OUTPUTS if kind is None or kind in t.kinds)
 
 
 def output_names(kind: Stage | str | None = None) -> list[str]:

@@ -143,8 +143,8 @@ class TritonSink:
         return self._cancelled
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:
-        outputs = [_output(t, getattr(chunk, t.field)) for t in output_tensors()
-                   if not t.optional or getattr(chunk, t.field) is not None]
+        values = ((t, getattr(chunk, t.field)) for t in output_tensors())
+        outputs = [_output(t, value) for t, value in values if value is not None or not t.optional]
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if self._completed:
             raise RuntimeError("response sent after the request was completed")
