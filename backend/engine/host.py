@@ -55,7 +55,9 @@ PROCESS_ENV_DEFAULTS = {
     "EPD_GLOO_SHARED_DEVICE": "1",
 }
 
-QUIET_SHUTDOWN = Guard("quiet engine shutdown", "vllm", "0.32", "0.33",
+# Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU: AsyncLLM.shutdown and its output_handler task are the same code);
+# 0.27-0.31 were not looked at.
+QUIET_SHUTDOWN = Guard("quiet engine shutdown", "vllm", "0.26", "0.33",
                        "an EngineDeadError logged by the engine's output handler and a TypeError printed by "
                        "AsyncLLM.__del__ at interpreter exit, at every unload")
 
@@ -125,15 +127,27 @@ class GenerationDelta:
         return self.finish_reason is not None
 
 
+def _vllm_error_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """vLLM's exception classes that ``_domain_error`` maps: (overload or shutdown, request fault). vLLM 0.32
+    (checked) has ``GracefulHTTPError`` and ``RetryableRequestError`` for the first and the ``VLLMClientError``
+    family for the second; vLLM 0.26 (checked on the GPU machine) has none of them: its request faults are
+    ValueErrors (``VLLMValidationError``) and a dead engine is ``EngineDeadError``, matched by name."""
+    from vllm import exceptions
+
+    def present(*names: str) -> tuple[type, ...]:
+        return tuple(getattr(exceptions, name) for name in names if hasattr(exceptions, name))
+
+    return present("GracefulHTTPError", "RetryableRequestError"), present("VLLMClientError") + (ValueError,)
+
+
 def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
     """Map vLLM's exceptions to domain errors: request faults (its VLLMClientError family, and the
     ValueErrors its input processing raises) -> InvalidInput naming the field; overload and a dead
     engine -> Unavailable; anything else stays internal."""
-    from vllm.exceptions import GracefulHTTPError, RetryableRequestError, VLLMClientError
-
-    if type(exc).__name__ == "EngineDeadError" or isinstance(exc, (GracefulHTTPError, RetryableRequestError)):
+    unavailable, client = _vllm_error_classes()
+    if type(exc).__name__ == "EngineDeadError" or isinstance(exc, unavailable):
         return Unavailable(f"engine unavailable: {exc}")
-    if isinstance(exc, (VLLMClientError, ValueError)):
+    if isinstance(exc, client):
         parameter = getattr(exc, "parameter", None)
         field = (request.prompt_field if parameter in (None, "input_tokens", "prompt")
                  else f"sampling_parameters.{parameter}")

@@ -18,7 +18,9 @@ import queue
 
 from backend.protocol.versions import Guard
 
-IDLE_WAIT = Guard("engine idle wait", "vllm", "0.32", "0.33",
+# Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU): EngineCoreProc._process_engine_step (its 1 ms sleep after a step
+# that ran no model), _handle_client_request and input_queue are the same code; 0.27-0.31 were not looked at.
+IDLE_WAIT = Guard("engine idle wait", "vllm", "0.26", "0.33",
                   "an EngineCore holding requests that only wait on the KV connector (prefill: finished requests "
                   "decode has not read) steps every 1 ms: ~1 ms more CPU per request in prefill's EngineCore at "
                   "c=16 (docs/results/epd.md)")

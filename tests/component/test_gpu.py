@@ -1,8 +1,12 @@
-"""GPU paths: the encoder on CUDA and a VRAM producer pool read by a host-memory consumer through NIXL.
+"""GPU paths: the encoder on CUDA, VRAM producer pools read through NIXL and CUDA IPC, vLLM on the GPU through
+``EngineHost``, and ``llm`` and ``epd`` served by the real tritonserver on the GPU.
 
-Skipped where no GPU exists (CI); run on the lent GPU machine (see docs/results/epd.md for the command)."""
+Skipped where no GPU exists (CI); run on the lent GPU machine (docs/results/gpu.md has the commands)."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -174,3 +178,105 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
             assert torch.equal(consumer.pull(layout).cpu(), tensor)  # the next pull is fine
     finally:
         consumer.close()
+
+
+def _engine_models() -> list[Path]:
+    """The tiny checkpoint, and the checkpoints named in ``EPD_GPU_ENGINE_MODELS`` (os.pathsep-separated: e.g. a
+    Qwen2-VL-2B-shaped one with random weights, ``scripts/gpu_real_model.sh``)."""
+    extra = [Path(p) for p in os.environ.get("EPD_GPU_ENGINE_MODELS", "").split(os.pathsep) if p]
+    return [ROOT / "models" / "tiny-qwen2-vl", *extra]
+
+
+class _Observer:
+    def __init__(self):
+        self.deltas = []
+
+    def engine_stats(self, delta) -> None:
+        self.deltas.append(delta)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+@pytest.mark.parametrize("model", _engine_models(), ids=lambda path: path.name)
+def test_engine_host_image_embeds_match_pixels(model, monkeypatch):
+    """vLLM on the GPU through ``EngineHost`` (its stat logger, its quiet shutdown, the plugin's patches where their
+    guards allow; the idle wait is switched on to run it in the EngineCore): ``image_embeds`` from the packed
+    encoder (fp32, the checkpoint's weights) give the same greedy tokens as pixel input, and a request fault is
+    InvalidInput naming the prompt field."""
+    from backend.encode.encoder import VisionEncoder
+    from backend.engine.host import EngineHost
+    from backend.protocol.errors import InvalidInput
+    from backend.request.generate import GenerateRequest
+    from tests.images import make_image
+
+    monkeypatch.setenv("EPD_ENGINE_IDLE_WAIT_MS", "2")
+    images = [make_image(64, 48, 1), make_image(112, 112, 2), make_image(300, 200, 3), make_image(448, 448, 4)]
+    encoded = VisionEncoder.load(model, device="cuda", dtype=torch.float32).encode(images)
+    observer = _Observer()
+    host = EngineHost.start({"model": str(model), "dtype": "float32", "enforce_eager": True, "enable_mm_embeds": True,
+                             "gpu_memory_utilization": 0.3, "max_model_len": 4096, "max_num_seqs": 8,
+                             "limit_mm_per_prompt": {"image": 1}}, stats_observer=observer)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe the image"}]}]
+
+    def run(prompt=None, **fields) -> tuple[str, int]:
+        request = GenerateRequest(prompt=prompt, conversation=None if prompt else conversation,
+                                  sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
+                                  images=fields.pop("images", ()), **fields)
+
+        async def collect():
+            text, produced = "", 0
+            async for delta in host.generate(request, uuid.uuid4().hex):
+                text, produced = text + delta.text, delta.num_output_tokens
+            return text, produced
+
+        return host.submit(collect()).result(timeout=300)
+
+    try:
+        outputs = []
+        for image, item in zip(images, encoded):
+            pixels = run(images=(image,))
+            embeds = run(image_embeds=(item.embeddings.cpu(), torch.tensor([item.image_grid_thw])))
+            assert embeds == pixels and pixels[1] == 16
+            outputs.append(pixels)
+        assert len(set(outputs)) > 1  # the image matters
+        assert sum(d.prompt_tokens for d in observer.deltas) > 0
+        assert sum(d.ttft.count for d in observer.deltas) == 2 * len(images)
+        with pytest.raises(InvalidInput) as raised:
+            run(prompt="the image " * 3000)  # longer than max_model_len
+        assert raised.value.field == "text_input"
+    finally:
+        host.shutdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_llm_and_epd_served_by_tritonserver_on_gpu(tmp_path):
+    """``llm`` and ``epd`` (E+PD: the encoder KIND_GPU with VRAM leases, ``pd`` on the GPU) of
+    topologies/checkpoint-gpu.yaml through the real tritonserver, in fp32: the same greedy tokens on 3 images.
+
+    Each engine gets an explicit KV budget: the two engines, started together on one GPU with only
+    ``gpu_memory_utilization``, failed there (vLLM 0.26.0, 2026-12-01: one engine's memory profile counted the other's
+    allocation, "Available KV cache memory: -0.11 GiB"). ``EPD_GPU_SERVE_MODEL`` names another checkpoint."""
+    from backend.deploy.render import render
+    from backend.deploy.topology import load
+    from clients.local_server import TritonServer, triton_home
+    from clients.triton_client import GenerateInputs, generate_grpc
+    from tests.images import image_bytes
+
+    try:
+        triton_home()
+    except FileNotFoundError:
+        pytest.skip("needs tritonserver in .venv (scripts/gpu_triton_env.sh)")
+    model = Path(os.environ.get("EPD_GPU_SERVE_MODEL") or ROOT / "models" / "tiny-qwen2-vl")
+    served = load(ROOT / "topologies" / "checkpoint-gpu.yaml", checkpoint=model).only(
+        ("baseline", "E+PD"), engine_args={"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
+                                           "kv_cache_memory_bytes": 8 << 30})
+    render(served, tmp_path / "repo")
+    content = [{"type": "image"}, {"type": "text", "text": "describe the image"}]
+    with TritonServer(tmp_path / "repo", log_path=tmp_path / "server.log") as server:
+        for seed, (width, height) in enumerate([(64, 48), (300, 200), (448, 448)]):
+            inputs = GenerateInputs(messages=[{"role": "user", "content": content}],
+                                    images=[image_bytes(width, height, seed)],
+                                    sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True})
+            llm = generate_grpc(server.grpc_url, "llm", inputs)
+            epd = generate_grpc(server.grpc_url, "epd", inputs)
+            print(f"{width}x{height}: llm TTFT {llm.ttft:.3f} s, epd TTFT {epd.ttft:.3f} s, epd stages {epd.timings}")
+            assert (epd.text, epd.num_output_tokens) == (llm.text, 16)

@@ -69,7 +69,7 @@ def test_idle_wait_outside_its_range_leaves_vllm_alone(installed, caplog):
     patch_idle_wait(0.2)
     assert core.EngineCoreProc._process_engine_step is real
     [line] = lines(caplog)
-    assert line.startswith("epd patch 'engine idle wait' skipped: vllm 0.33.0 is outside 0.32 <= version < 0.33")
+    assert line.startswith("epd patch 'engine idle wait' skipped: vllm 0.33.0 is outside 0.26 <= version < 0.33")
     assert line.endswith(IDLE_WAIT.cost) and "steps every 1 ms" in line
 
 
@@ -118,13 +118,13 @@ class Engine:
 def test_quiet_shutdown_outside_its_range_only_shuts_the_engine_down(installed, caplog):
     from backend.engine.host import EngineHost
 
-    installed(vllm="0.31.2")
+    installed(vllm="0.25.2")
     engine = Engine()
     EngineHost(None, engine, None)._stop_quietly(engine)
     engine.shutdown()
     assert engine.stopped == 2  # shutdown left as vLLM has it
     [line] = lines(caplog)
-    assert line.startswith("epd patch 'quiet engine shutdown' skipped: vllm 0.31.2 is outside 0.32 <= version")
+    assert line.startswith("epd patch 'quiet engine shutdown' skipped: vllm 0.25.2 is outside 0.26 <= version")
 
     installed(vllm="0.32.0")
     engine = Engine()
