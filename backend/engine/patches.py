@@ -106,9 +106,10 @@ def register() -> None:
     wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
     if wait:
         patch_idle_wait(float(wait) / 1000)
-    value = os.environ.get("EPD_NIXL_POLL_DELAY_US")
+    from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
+
+    value = os.environ.get(POLL_DELAY_ENV)
     if not value:
         return
-    from backend.transfer.agent import patch_process_agents
 
     patch_process_agents(int(value))

@@ -58,10 +58,6 @@ def register_handler(modality: Modality, handler: MediaHandler) -> None:
     _HANDLERS[modality.name] = handler
 
 
-def unregister_handler(modality: Modality) -> None:
-    del _HANDLERS[modality.name]
-
-
 def handler(modality: Modality) -> MediaHandler:
     return _HANDLERS[modality.name]
 

@@ -27,6 +27,7 @@ from backend.protocol.stages import RoleSpec, Stage
 from backend.request.media import MediaLimits, decode_counter
 from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.engine.serving import stream_generation
+from backend.transfer.agent import POLL_DELAY_ENV
 from backend.triton.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
@@ -168,7 +169,7 @@ class MetadataOnlyModel(GenerateModel):
         # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)
         wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else self.spec.idle_wait_ms
         return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "EPD_NIXL_POLL_DELAY_US": str(settings.nixl_poll_delay_us),
+                POLL_DELAY_ENV: str(settings.nixl_poll_delay_us),
                 "EPD_ENGINE_IDLE_WAIT_MS": "" if wait is None else f"{wait:g}",
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
