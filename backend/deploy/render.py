@@ -107,6 +107,9 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # computes in float32, and embeddings of another dtype would change the tokens)
         dtype = topology.engine_args.get("dtype")
         engine_dtype = {"encoder_dtype": dtype} if isinstance(dtype, str) and dtype != "auto" else {}
+        # engines compiled (CUDA graphs, torch.compile): a GPU encoder compiles its packed blocks too
+        if topology.engine_args.get("enforce_eager") is False and spec.device == "gpu":
+            engine_dtype["encoder_compile"] = "true"
         return header + body + _params({"model": checkpoint, **engine_dtype, **transfer, **limits})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind.colocated:

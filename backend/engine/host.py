@@ -82,6 +82,16 @@ def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
             "kv_load_failure_policy": "fail"}
 
 
+def takes_layout_only() -> bool:
+    """Whether this vLLM takes a KV consumer's media as layout only (``image_grid_thw`` without ``image_embeds``):
+    vLLM 0.32 derives ``MultiModalConfig.allow_missing_mm_embeddings`` for a KV consumer; 0.26 has no such field and
+    its parser needs the embeddings tensor (checked 2026-12-01: "The data should contain the fields:
+    {'image_embeds', 'image_grid_thw'}"), so the consumer passes zeros there (``placeholder_image_embeds``)."""
+    from vllm.config.multimodal import MultiModalConfig
+
+    return "allow_missing_mm_embeddings" in getattr(MultiModalConfig, "__dataclass_fields__", {})
+
+
 def load_engine_args(path: Path) -> dict[str, Any]:
     """Read a model.json; relative paths are resolved against its folder. Keys starting with ``_`` are notes (the
     renderer's ``_generated``), not engine arguments."""

@@ -284,6 +284,15 @@ def pull_image_embeds(consumer: EmbeddingConsumer, layouts) -> tuple[torch.Tenso
     return torch.cat(embeds) if len(embeds) > 1 else embeds[0], grid
 
 
+def placeholder_image_embeds(layouts) -> torch.Tensor:
+    """Zeros of a request's embeddings' shape and dtype ([tokens, hidden], concatenated as ``pull_image_embeds``
+    gives them), for a KV consumer whose KV already covers the media positions on a vLLM that needs the tensor
+    anyway (``backend.engine.host.takes_layout_only``); nothing is pulled."""
+    image_grid(layouts)  # every layout an image's
+    tokens = sum(layout.shape[0] for layout in layouts)
+    return torch.zeros((tokens, layouts[0].shape[1]), dtype=DTYPES[layouts[0].dtype])
+
+
 def image_grid(layouts) -> torch.Tensor:
     """The image grids of a request's layouts, [items, 3] (vLLM's ``image_grid_thw``); a layout of another
     modality among them is InvalidInput naming it (``image_layouts[i].modality``)."""

@@ -193,15 +193,19 @@ class MetadataOnlyModel(GenerateModel):
             timings["media_ms"] = round(seconds * 1000, 3)
         from backend.transfer.consumer import image_grid, pull_image_embeds
 
-        if not self.spec.pulls_embeddings:
-            return replace(request, images=(), image_embeds=(None, image_grid(request.images)), timings=timings or None)
+        if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
+            from backend.engine.host import takes_layout_only
+            from backend.transfer.consumer import placeholder_image_embeds
+
+            embeds = None if takes_layout_only() else placeholder_image_embeds(request.images)
+            return replace(request, images=(), image_embeds=(embeds, image_grid(request.images)), timings=timings or None)
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
             self.pulls, pull_image_embeds, self.consumer, request.images)
         seconds = time.perf_counter() - started
         timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
-        self.metrics.transferred(timings["transfer_bytes"], seconds)
+        self.metrics.transferred(timings["transfer_bytes"], seconds, dict(self.consumer.paths))
         return replace(request, images=(), image_embeds=embeds, timings=timings)
 
     def image_processor(self):

@@ -9,6 +9,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from backend.engine.serving import Outcome
+from backend.protocol.layout import TRANSPORTS
 from backend.triton.counter_batch import CounterBatch
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class RequestMetrics:
     ``epd_media_decodes_total{model}``: media items decoded in the model's process (0 for ``pd``).
     ``epd_transfer_bytes_total{model}`` / ``epd_transfer_seconds_total{model}``: embedding bytes pulled by the
     model (``pd``, ``prefill``) and the time the pulls took.
+    ``epd_transfer_items_total{model,path}``: embedding items pulled, by data path (``backend.transfer.consumer``:
+    ``cuda_ipc`` device to device, ``shared_memory`` through host memory, ``nixl``).
     ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
 
@@ -64,6 +67,7 @@ class RequestMetrics:
         retries = _counter("epd_retries_total", "Orchestrator retries (encode: one item; request: all items and the stages)")
         moved = _counter("epd_transfer_bytes_total", "Embedding bytes pulled from encoders")
         moving = _counter("epd_transfer_seconds_total", "Seconds spent pulling embeddings from encoders")
+        paths = _counter("epd_transfer_items_total", "Embedding items pulled from encoders, by data path")
         labels = metric_labels(model_name, instance)
         histogram = pb_utils.MetricFamily.HISTOGRAM
         self._histograms = {}
@@ -73,7 +77,10 @@ class RequestMetrics:
             histogram_families.append(family)
             self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         # a family must outlive its metrics
-        self._families = (requests, tokens, decodes, retries, moved, moving, *histogram_families)
+        self._families = (requests, tokens, decodes, retries, moved, moving, paths, *histogram_families)
+        # a pull's path is its handle's transport
+        self._paths = {p: paths.Metric(labels={**labels, "path": p}) for p in TRANSPORTS}
+        self._paths_seen: dict[str, int] = {}
         self._moved, self._moving = moved.Metric(labels=labels), moving.Metric(labels=labels)
         self._retries = {w: retries.Metric(labels={**labels, "what": w}) for w in ("encode", "request")}
         self._requests = {o: requests.Metric(labels={**labels, "outcome": o.value}) for o in Outcome}
@@ -92,8 +99,16 @@ class RequestMetrics:
                 self._batch.add(self._decodes, total - self._decodes_seen)
                 self._decodes_seen = total
 
-    def transferred(self, nbytes: int, seconds: float) -> None:
-        self._batch.add_many(((self._moved, nbytes), (self._moving, seconds)))
+    def transferred(self, nbytes: int, seconds: float, paths: dict[str, int] | None = None) -> None:
+        """A pull of ``nbytes`` that took ``seconds``; ``paths``: the consumer's items per data path so far
+        (``EmbeddingConsumer.paths``, a running count: the increase is added)."""
+        counts = [(self._moved, nbytes), (self._moving, seconds)]
+        with self._decodes_lock:
+            for path, total in (paths or {}).items():
+                if path in self._paths and total > self._paths_seen.get(path, 0):
+                    counts.append((self._paths[path], total - self._paths_seen.get(path, 0)))
+                    self._paths_seen[path] = total
+        self._batch.add_many(counts)
 
     def request_retried(self, what: str) -> None:
         self._batch.add(self._retries[what], 1)

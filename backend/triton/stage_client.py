@@ -132,7 +132,7 @@ class TritonStages(BlsEncoders):
 
     async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
         """After load: wait until every stage answers ready at its address; log that once (INFO), or, while one
-        does not after ``warn_after`` seconds, an ERROR naming the stage, the address and the last answer (then
+        does not after ``warn_after`` seconds, a WARNING naming the stage, the address and the last answer (then
         keep waiting: a stage may load late). Returns stage model -> address. Cancelled at unload."""
         import tritonclient.grpc.aio as aio
 
@@ -155,9 +155,11 @@ class TritonStages(BlsEncoders):
             if waiting and not warned and time.monotonic() - started > warn_after:
                 warned = True
                 for model, stage in waiting.items():
-                    pb_utils.Logger.log_error(
+                    pb_utils.Logger.log_warn(
                         f"stage {model} not reachable over gRPC at {self.urls[stage]} after {warn_after:.0f} s "
-                        f"({last.get(model)}): requests that need it fail UNAVAILABLE; check its endpoint in the topology")
+                        f"({last.get(model)}); still waiting (a GPU engine can take minutes to load): until it "
+                        f"answers, requests that need it fail UNAVAILABLE; if it never does, check its endpoint in "
+                        f"the topology")
             if waiting:
                 await asyncio.sleep(interval if not warned else 5.0)
         reached = {self.models[stage]: url for stage, url in self.urls.items()}

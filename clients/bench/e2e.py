@@ -21,11 +21,16 @@ latency_cdf.png, ttft_cdf.png and throughput.png.
 Servers: by default each deployment runs on a server of its own rendered from ``--topology``, one after
 the other (on a 2-core machine, idle engines of the other deployments would otherwise share the cores);
 deployments of one topology mode (``epd`` and ``epd_naive``) share their server and run in turn.
-``--shared`` benchmarks the models of one server started on the committed repository instead, and
-``--url`` a server that is already running. ``--compile`` runs the engines with torch.compile.
+``--shared`` benchmarks the models of one server started on the committed repository instead (with ``--topology``:
+that topology rendered with every deployment asked for, as on a GPU, where idle engines cost memory, not time), and
+``--url`` a server that is already running. ``--checkpoint`` serves another checkpoint directory in the topology's
+place. ``--compile`` runs the engines with torch.compile and CUDA graphs (and a GPU encoder's blocks compiled). On a
+GPU, the GPU memory of each process after the warm-up is printed and written to results.json.
 
     python -m clients.bench.e2e --models llm,epd,epd_disagg --concurrency 1,4,16 --requests 200 --compile
     python -m clients.bench.e2e --models epd,epd_naive --rate 5,10 --requests 100 --images 2 --out .cache/bench
+    python -m clients.bench.e2e --shared --topology topologies/checkpoint-gpu.yaml --checkpoint /tmp/q2b --compile \
+        --images 4 --image-sizes 448x448,672x672,896x896 --max-tokens 128 --concurrency 1,8,32,64
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ class Bench:
         self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
         self.rows: list[dict] = []
         self.samples: dict[tuple[str, float], list[bench_report.Sample]] = {}
+        self.gpu_mib: dict[str, int] = {}
 
     def _fresh(self, count: int) -> int:
         """The first seed of ``count`` requests never sent before in this run: every level and deployment
@@ -122,6 +128,9 @@ class Bench:
                   file=sys.stderr, disable=a.no_progress) as progress:
             for key, model in deployments:
                 await run_concurrency(url, model, 2, self.requests(a.warmup, DEPLOYMENTS[key][3], first=10**6), progress)
+            if gpu := proc_cpu.gpu_memory(server_pid):  # after the warm-up: CUDA graphs and compiled blocks are in
+                self.gpu_mib.update(gpu)
+                print(f"GPU memory (MiB) by process: {gpu}", file=sys.stderr)
             rows = []
             for level in self.levels:  # deployments of one server alternate per level: drift hits them alike
                 for key, model in deployments:
@@ -149,7 +158,8 @@ class Bench:
                 "images": a.images, "dataset": str(a.image_dir) if a.image_dir else f"synthetic {a.image_sizes}",
                 "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
                 "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
-                "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator}
+                "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator,
+                "topology": str(a.topology), "checkpoint": str(a.checkpoint or ""), "gpu_memory_mib": self.gpu_mib}
 
 
 def _scrape(metrics_url: str | None) -> dict:
@@ -170,7 +180,7 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
     from clients.local_server import ROOT, TritonServer
 
     a = bench.args
-    base = load(a.topology)
+    base = load(a.topology, checkpoint=a.checkpoint)
     for mode, where in dict.fromkeys(server_group(k) for k in keys):
         group = [k for k in keys if server_group(k) == (mode, where)]
         changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
@@ -185,6 +195,29 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
             with TritonServer(Path(repo), log_path=log) as server:
                 print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
                 asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url, server.proc.pid))
+
+
+def run_shared_topology(bench: Bench, keys: list[str]) -> None:
+    """One server rendered from ``--topology`` serving every deployment of ``keys`` side by side (all their
+    engines loaded; a deployment not being asked stays idle); they alternate per level."""
+    import tempfile
+
+    from backend.deploy.topology import load
+    from backend.deploy.render import render
+    from clients.local_server import ROOT, TritonServer
+
+    a = bench.args
+    modes = tuple(dict.fromkeys(DEPLOYMENTS[k][1] for k in keys))
+    changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
+    topology = load(a.topology, checkpoint=a.checkpoint).only(modes, {"enforce_eager": False} if a.compile else None,
+                                                             **changes)
+    with tempfile.TemporaryDirectory(prefix="bench-") as repo:
+        served = render(topology, Path(repo))
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        with TritonServer(Path(repo), log_path=ROOT / ".cache" / "bench-e2e-shared.log") as server:
+            print(f"{' + '.join(modes)}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
+            asyncio.run(bench.run_server(server.grpc_url, [(k, DEPLOYMENTS[k][2]) for k in keys], server.metrics_url,
+                                         server.proc.pid))
 
 
 def write_outputs(bench: Bench, out: Path) -> None:
@@ -215,15 +248,22 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="arrival times of --rate")
     parser.add_argument("--url", help="host:port of a running server's gRPC endpoint (default: start servers)")
-    parser.add_argument("--shared", action="store_true", help="one server on the committed repository for all deployments")
-    parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parents[2] / "topologies" / "default.yaml",
-                        help="topology the per-deployment servers are rendered from")
+    parser.add_argument("--shared", action="store_true",
+                        help="one server for all deployments: the committed repository, or with --topology that "
+                             "topology rendered with all of them")
+    parser.add_argument("--topology", type=Path,
+                        help="topology the servers are rendered from (default: topologies/default.yaml)")
+    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory in place of the topology's")
     parser.add_argument("--compile", action="store_true", help="engines with torch.compile (enforce_eager: false)")
     parser.add_argument("--stream-interval-ms", type=float, help="the topology's stream_interval_ms for the servers started here")
     parser.add_argument("--out", type=Path, help="write results.json, results.csv and the PNG plots here")
     parser.add_argument("--json", type=Path, help="write the rows (JSON) here too")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.checkpoint and not args.topology:
+        parser.error("--checkpoint replaces a topology's checkpoint: give --topology too")
+    args.shared_topology = bool(args.shared and args.topology)
+    args.topology = args.topology or Path(__file__).resolve().parents[2] / "topologies" / "default.yaml"
     if args.load_generator == "perf_analyzer" and args.rate:
         parser.error("--load-generator perf_analyzer runs the concurrency sweep (--concurrency), not --rate")
     unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
@@ -240,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bench, keys = Bench(args), args.models.split(",")
     if args.url:
         asyncio.run(bench.run_server(args.url, [(k, DEPLOYMENTS[k][2]) for k in keys]))
+    elif args.shared_topology:
+        run_shared_topology(bench, keys)
     elif args.shared:
         from clients.local_server import ROOT, TritonServer
 

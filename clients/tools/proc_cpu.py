@@ -5,11 +5,14 @@ group, and of this process (the load generator), keyed by pid with a role label:
 ``stub <model>`` (a Python-backend stub; its first argument is ``<repo>/<model>/<version>/model.py``),
 ``EngineCore <model>`` (a vLLM engine process, a child of that model's stub), ``load generator``, or the
 process name. ``per_request(before, after, requests)``: milliseconds of CPU per request per label, over the
-processes alive in both snapshots (processes of one label are summed).
+processes alive in both snapshots (processes of one label are summed). ``gpu_memory(server_pid)``: MiB of GPU
+memory per label (``nvidia-smi``'s compute processes; empty without a GPU).
 """
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from clients.local_server import group_members
@@ -64,3 +67,19 @@ def per_request(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
             used[label] = used.get(label, 0.0) + seconds - before[pid][1]
     return {label: round(seconds * 1000 / max(requests, 1), 2)
             for label, seconds in sorted(used.items(), key=lambda kv: -kv[1])}
+
+
+def gpu_memory(server_pid: int | None) -> dict[str, int]:
+    """Label -> MiB of GPU memory used by the server's processes (``nvidia-smi --query-compute-apps``), largest
+    first; empty where there is no ``nvidia-smi`` or no server."""
+    if not server_pid or shutil.which("nvidia-smi") is None:
+        return {}
+    query = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+    labels = {pid: label for pid, (label, _) in snapshot(server_pid).items()}
+    used: dict[str, int] = {}
+    for line in query.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in labels and mib.strip().isdigit():
+            used[labels[int(pid)]] = used.get(labels[int(pid)], 0) + int(mib)
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -248,17 +249,20 @@ def test_engine_host_image_embeds_match_pixels(model, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-def test_llm_and_epd_served_by_tritonserver_on_gpu(tmp_path):
-    """``llm`` and ``epd`` (E+PD: the encoder KIND_GPU with VRAM leases, ``pd`` on the GPU) of
-    topologies/checkpoint-gpu.yaml through the real tritonserver, in fp32: the same greedy tokens on 3 images.
+def test_llm_epd_and_epd_disagg_served_by_tritonserver_on_gpu(tmp_path):
+    """``llm``, ``epd`` (E+PD: the encoder KIND_GPU with VRAM leases, ``pd`` on the GPU) and ``epd_disagg`` (E/P/D:
+    prefill and decode on the GPU, KV through NIXL in VRAM) of topologies/checkpoint-gpu.yaml through the real
+    tritonserver, in fp32: the same greedy tokens on 3 images; every embedding pulled device to device (CUDA IPC,
+    counted by ``epd_transfer_items_total{path}``) and no media decoded downstream of the encoder.
 
-    Each engine gets an explicit KV budget: the two engines, started together on one GPU with only
-    ``gpu_memory_utilization``, failed there (vLLM 0.26.0, 2026-12-01: one engine's memory profile counted the other's
-    allocation, "Available KV cache memory: -0.11 GiB"). ``EPD_GPU_SERVE_MODEL`` names another checkpoint."""
+    Each engine has an explicit KV budget (the topology's; 8 GiB here): two engines started together on one GPU with
+    only ``gpu_memory_utilization`` failed there (vLLM 0.26.0, 2026-12-01: "Available KV cache memory: -0.11 GiB").
+    ``EPD_GPU_SERVE_MODEL`` names another checkpoint."""
     from backend.deploy.render import render
     from backend.deploy.topology import load
     from clients.local_server import TritonServer, triton_home
     from clients.triton_client import GenerateInputs, generate_grpc
+    from tests.e2e.conftest import metric
     from tests.images import image_bytes
 
     try:
@@ -267,16 +271,26 @@ def test_llm_and_epd_served_by_tritonserver_on_gpu(tmp_path):
         pytest.skip("needs tritonserver in .venv (scripts/gpu_triton_env.sh)")
     model = Path(os.environ.get("EPD_GPU_SERVE_MODEL") or ROOT / "models" / "tiny-qwen2-vl")
     served = load(ROOT / "topologies" / "checkpoint-gpu.yaml", checkpoint=model).only(
-        ("baseline", "E+PD"), engine_args={"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
-                                           "kv_cache_memory_bytes": 8 << 30})
+        ("baseline", "E+PD", "E/P/D"), engine_args={"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
+                                                    "kv_cache_memory_bytes": 8 << 30})
     render(served, tmp_path / "repo")
     content = [{"type": "image"}, {"type": "text", "text": "describe the image"}]
+    sizes = [(64, 48), (300, 200), (448, 448)]
     with TritonServer(tmp_path / "repo", log_path=tmp_path / "server.log") as server:
-        for seed, (width, height) in enumerate([(64, 48), (300, 200), (448, 448)]):
+        for seed, (width, height) in enumerate(sizes):
             inputs = GenerateInputs(messages=[{"role": "user", "content": content}],
                                     images=[image_bytes(width, height, seed)],
                                     sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True})
             llm = generate_grpc(server.grpc_url, "llm", inputs)
-            epd = generate_grpc(server.grpc_url, "epd", inputs)
-            print(f"{width}x{height}: llm TTFT {llm.ttft:.3f} s, epd TTFT {epd.ttft:.3f} s, epd stages {epd.timings}")
-            assert (epd.text, epd.num_output_tokens) == (llm.text, 16)
+            for name in ("epd", "epd_disagg"):
+                got = generate_grpc(server.grpc_url, name, inputs)
+                print(f"{width}x{height}: llm TTFT {llm.ttft:.3f} s, {name} TTFT {got.ttft:.3f} s, stages {got.timings}")
+                assert (got.text, got.num_output_tokens) == (llm.text, 16), name
+        time.sleep(2)  # counters come in batches (CounterBatch.FLUSH_SECONDS)
+        for puller in ("pd", "prefill"):
+            paths = {p: metric(server, "epd_transfer_items_total", model=puller, path=p)
+                     for p in ("cuda_ipc", "shared_memory", "nixl")}
+            print(puller, paths)
+            assert paths == {"cuda_ipc": len(sizes), "shared_memory": 0, "nixl": 0}, puller
+        for stage in ("pd", "prefill", "decode"):
+            assert metric(server, "epd_media_decodes_total", model=stage) == 0, stage

@@ -27,10 +27,15 @@ def test_stage_metrics_move_by_the_right_amounts(server):
         settled = (items(), released())
         time.sleep(1.5)
     open_before, moved_before = leases(), moved()
+    paths = lambda: {p: metric(server, "epd_transfer_items_total", model="pd", path=p)
+                     for p in ("shared_memory", "nixl", "cuda_ipc")}
+    paths_before = paths()
     result = ask(server, "epd", **CASES["four_images"])
     assert _wait_for(items, lambda v: v == settled[0] + 4) == settled[0] + 4
     want = moved_before + result.timings["transfer_bytes"]  # counters come in batches (CounterBatch)
     assert _wait_for(moved, lambda v: v >= want) == want > moved_before
+    # in the same flush as the bytes: the four items came through host shared memory (same host, CPU)
+    assert paths() == {**paths_before, "shared_memory": paths_before["shared_memory"] + 4}
     assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
     assert _wait_for(leases, lambda v: v <= open_before) <= open_before
     assert metric(server, "epd_pool_capacity_bytes", model="encoder") > 0

@@ -94,6 +94,12 @@ def test_cli_deployments_and_load_modes():
         parse_args(["--models", "llm,nope"])
     with pytest.raises(SystemExit):
         parse_args(["--rate", "2", "--concurrency", "4"])
+    with pytest.raises(SystemExit):  # a checkpoint replaces a topology's: which one must be said
+        parse_args(["--checkpoint", "/tmp/ckpt"])
+    shared = parse_args(["--shared", "--topology", "topologies/checkpoint-gpu.yaml", "--checkpoint", "/tmp/ckpt"])
+    assert shared.shared_topology and str(shared.checkpoint) == "/tmp/ckpt"
+    committed = parse_args(["--shared"])
+    assert not committed.shared_topology and committed.topology.name == "default.yaml"
 
 
 METRICS = """# HELP epd_vllm_queue_time_seconds_total Seconds finished requests waited

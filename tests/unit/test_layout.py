@@ -125,3 +125,15 @@ def test_a_common_member_of_the_wrong_type_is_named(member, value):
     with pytest.raises(InvalidInput) as info:
         LayoutMetadata.from_json(json.dumps(doc), "image_layouts[1]")
     assert info.value.field == f"image_layouts[1].{member}"
+
+
+def test_placeholder_embeddings_of_a_kv_consumer_have_the_pulled_shape_and_dtype():
+    """A KV consumer on a vLLM that needs the tensor (0.26) gets zeros shaped as ``pull_image_embeds`` would give."""
+    import torch
+
+    from backend.transfer.consumer import image_grid, placeholder_image_embeds
+
+    layouts = [layout(dtype="bfloat16"), layout(dtype="bfloat16", shape=(16, 128), media=ImageLayout((1, 8, 8)))]
+    zeros = placeholder_image_embeds(layouts)
+    assert zeros.shape == (20, 128) and zeros.dtype == torch.bfloat16 and not zeros.any()
+    assert image_grid(layouts).tolist() == [[1, 4, 4], [1, 8, 8]]

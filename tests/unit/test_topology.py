@@ -190,13 +190,19 @@ def test_checkpoint_topologies_render_for_a_checkpoint_directory(tmp_path):
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
     gpu = load(ROOT / "topologies" / "checkpoint-gpu.yaml", "gpu", checkpoint)
-    assert gpu.checkpoint == checkpoint.resolve() and gpu.models() == {"llm": "llm", "encoder": "encoder", "pd": "pd",
-                                                                       "epd": "epd:E+PD"}
+    assert gpu.checkpoint == checkpoint.resolve() and gpu.models() == {
+        "llm": "llm", "encoder": "encoder", "pd": "pd", "prefill": "prefill", "decode": "decode", "epd": "epd:E+PD",
+        "epd_disagg": "epd:E/P/D"}
     files = render_files(gpu, tmp_path / "repo")
     args = json.loads(files["pd/model.json"])
     assert (tmp_path / "repo" / "pd" / args["model"]).resolve() == checkpoint.resolve()
-    assert args["kv_cache_memory_bytes"] is None and args["dtype"] == "bfloat16" and "distributed_executor_backend" not in args
+    assert args["kv_cache_memory_bytes"] == 16 << 30 and args["dtype"] == "bfloat16" and "distributed_executor_backend" not in args
+    assert json.loads(files["decode/model.json"])["kv_cache_memory_bytes"] == 16 << 30  # each engine its own budget
     assert "kind: KIND_GPU gpus: [ 0 ]" in files["encoder/config.pbtxt"]
+    # compiled engines (enforce_eager false): the GPU encoder compiles its blocks; an eager rendering does not
+    assert 'key: "encoder_compile" value: { string_value: "true" }' in files["encoder/config.pbtxt"]
+    eager = render_files(gpu.only(("E+PD",), {"enforce_eager": True}), tmp_path / "eager")
+    assert "encoder_compile" not in eager["encoder/config.pbtxt"]
     assert 'key: "encoder_dtype" value: { string_value: "bfloat16" }' in files["encoder/config.pbtxt"]
     cpu = render_files(load(ROOT / "topologies" / "checkpoint-cpu.yaml", "cpu", checkpoint), tmp_path / "repo")
     assert json.loads(cpu["llm/model.json"])["max_model_len"] == 16384
