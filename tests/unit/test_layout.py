@@ -61,7 +61,7 @@ def test_the_common_part_is_no_handle_of_its_own():
     (lambda d: d.update(model="other:1"), "image_layouts[0].model", "this consumer serves"),
     (lambda d: d.update(dtype="int8"), "image_layouts[0].dtype", "unsupported dtype"),
     (lambda d: d.update(shape=[4]), "image_layouts[0].shape", "tokens, hidden"),
-    (lambda d: d.update(modality="video"), "image_layouts[0].modality", "unsupported modality 'video'"),
+    (lambda d: d.update(modality="audio"), "image_layouts[0].modality", "unsupported modality 'audio'"),
     (lambda d: d.pop("image"), "image_layouts[0].image", "no image block"),
     (lambda d: d["image"].update(grid_thw=[1, 0, 4]), "image_layouts[0].image.grid_thw", "positive"),
     (lambda d: d["image"].update(grid_thw=[1, 4]), "image_layouts[0].image.grid_thw", "positive"),
