@@ -85,7 +85,7 @@ class VisionEncoder:
             torch.backends.cuda.matmul.allow_tf32 = False
         tower = tower.to(device=device, dtype=dtype).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
-        video_processor = _video_processor(model_dir)
+        video_processor = load_video_processor(model_dir)
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
         if impl not in ("packed", "transformers"):
             raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
@@ -125,7 +125,7 @@ class VisionEncoder:
         return out
 
 
-def _video_processor(model_dir: Path):
+def load_video_processor(model_dir: Path):
     """The checkpoint's video processor (as vLLM's HF processor loads it), or None where it has none."""
     from transformers import AutoVideoProcessor
 

@@ -76,13 +76,18 @@ def _container(data: bytes, field: str) -> bytes:
 
 def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
     """The container's own claims against the limits, before a frame is decoded."""
+    import io
+
     import cv2
     from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
 
+    stream = io.BytesIO(data)  # the capture reads it until released: it must outlive the capture
     try:
-        cap = OpenCVVideoBackendMixin.open_video_capture(data)
-    except (ValueError, cv2.error, SystemError) as exc:
+        cap = cv2.VideoCapture(stream, OpenCVVideoBackendMixin.get_cv2_video_api(), [])
+    except (cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
+    if not cap.isOpened():
+        raise InvalidInput(field, "cannot decode video (not a container OpenCV's FFmpeg can open)")
     try:
         width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS))

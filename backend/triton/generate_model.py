@@ -189,7 +189,7 @@ class MetadataOnlyModel(GenerateModel):
             from backend.diagnostics.naive_media import process_original_media
 
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
-                                             self.limits.media)
+                                             self.limits.media, self.video_processor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
         from backend.transfer.consumer import media_grids, pull_media_embeds
@@ -213,6 +213,14 @@ class MetadataOnlyModel(GenerateModel):
 
             self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
         return self._image_processor
+
+    def video_processor(self):
+        """The checkpoint's video processor (None: it has none), loaded at the first request with ``original_media``."""
+        if not hasattr(self, "_video_processor"):
+            from backend.encode.encoder import load_video_processor
+
+            self._video_processor = load_video_processor(Path(self.engine_args["model"]))
+        return self._video_processor
 
     def finalize(self):
         super().finalize()
