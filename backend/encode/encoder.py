@@ -19,8 +19,11 @@ import torch
 from PIL import Image
 
 from backend.encode.checkpoint import model_identity
+from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO, modality
+from backend.request import image, video  # noqa: F401 - register the modalities' handlers
+from backend.request.media import handler
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
 
@@ -102,19 +105,21 @@ class VisionEncoder:
         per modality, one tower forward for all (the tower treats a video's temporal patches as it treats images)."""
         if not items:
             return []
+        images = [i for i, item in enumerate(items) if isinstance(item, Image.Image)]
         videos = [i for i, item in enumerate(items) if not isinstance(item, Image.Image)]
-        images = [i for i in range(len(items)) if i not in set(videos)]
         pixels, grids, order = [], [], []
         if images:
             batch = self.processor(images=[items[i] for i in images], return_tensors="pt")
-            pixels.append(batch["pixel_values"]), grids.append(batch["image_grid_thw"])
+            pixels.append(batch["pixel_values"])
+            grids.append(batch["image_grid_thw"])
             order += [(i, IMAGE.name) for i in images]
         if videos:
             if self.video_processor is None:
                 raise ValueError("this checkpoint has no video processor")
             # frames only, as vLLM's Qwen2-VL processing passes them (its data parser drops the loader's metadata)
             batch = self.video_processor(videos=[items[i].frames for i in videos], return_tensors="pt")
-            pixels.append(batch["pixel_values_videos"]), grids.append(batch["video_grid_thw"])
+            pixels.append(batch["pixel_values_videos"])
+            grids.append(batch["video_grid_thw"])
             order += [(i, VIDEO.name) for i in videos]
         grid = torch.cat(grids)
         embeds = self.forward(torch.cat(pixels).to(self.device, self.dtype), grid)
@@ -275,12 +280,8 @@ class EncoderService:
 
 def _decode(job: EncodeJob, limits):
     """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor)."""
-    from backend.request import image, video  # noqa: F401 - register the handlers
-    from backend.request.media import handler
-
     try:
         m = modality(job.modality)
     except KeyError:
-        from backend.protocol.errors import InvalidInput
         raise InvalidInput("modality", f"unsupported modality {job.modality!r}") from None
     return handler(m).decode(job.data, m.media_tensor, limits)

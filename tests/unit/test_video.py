@@ -220,3 +220,12 @@ def test_the_orchestrator_sends_each_modality_s_layouts_and_names_the_encoder_s_
     assert sent.videos == () and sent.images == ()
     assert sent.video_layouts == ('{"layout": 0}', '{"layout": 2}') and sent.image_layouts == ('{"layout": 1}',)
     assert [p["type"] for p in json.loads(sent.messages)[0]["content"]] == ["video", "image", "video", "text"]
+
+
+def test_a_checkpoint_s_own_video_processor_config_is_part_of_the_content_key(tmp_path):
+    from backend.encode.checkpoint import processing_options
+
+    (tmp_path / "preprocessor_config.json").write_text('{"merge_size": 2}')
+    images_only = processing_options(tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text('{"fps": 2.0}')
+    assert images_only == '{"merge_size":2}' and processing_options(tmp_path) == '{"merge_size":2,"video":{"fps":2.0}}'
