@@ -168,17 +168,25 @@ def test_the_encoder_encodes_videos_as_the_reference_tower_and_beside_images(enc
     assert EncodedItem(alone.embeddings, alone.image_grid_thw, "video").media() == VideoLayout((3, 6, 8))
 
 
-def test_the_encoder_s_frames_are_those_vllm_s_hf_processor_gets(encoder):
-    """vLLM's Qwen2-VL processing calls the checkpoint's HF processor with the frames (its parser drops the
-    loader's metadata); the encoder calls the processor's video processor: the same pixels."""
-    from transformers import AutoProcessor
+def test_the_encoder_s_pixels_are_those_vllm_s_own_processing_makes(encoder):
+    """vLLM's Qwen2-VL processing (its data parser drops the loader's metadata) calls the checkpoint's HF processor
+    with the frames, rescaling and normalizing left to the device (``mm_device_do_normalize``); the encoder calls the
+    video processor, which does both: the same pixels, to float32 rounding (as for images)."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
 
     video = decode_video(make_video(96, 160, frames=30, fps=12, seed=4), "video[0]", LIMITS)
-    processor = AutoProcessor.from_pretrained(MODEL)
-    full = processor(text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[video.frames], return_tensors="pt")
+    config = ModelConfig(model=str(MODEL), dtype="float32", max_model_len=4096, limit_mm_per_prompt={"video": 2})
+    processor = MULTIMODAL_REGISTRY.create_processor(config)
+    items = processor.info.get_data_parser().parse_mm_data({"video": [video.engine_item()]})
+    theirs = processor._apply_hf_processor_main(items, {})
     own = encoder.video_processor(videos=[video.frames], return_tensors="pt")
-    assert torch.equal(full["pixel_values_videos"], own["pixel_values_videos"])
-    assert torch.equal(full["video_grid_thw"], own["video_grid_thw"])
+    assert torch.equal(theirs["video_grid_thw"], own["video_grid_thw"])
+    vp = encoder.video_processor
+    mean, std = torch.tensor(vp.image_mean).view(1, 3, 1), torch.tensor(vp.image_std).view(1, 3, 1)
+    raw = theirs["pixel_values_videos"].float()
+    normalized = ((raw.view(raw.shape[0], 3, -1) * vp.rescale_factor - mean) / std).view(raw.shape)
+    torch.testing.assert_close(normalized, own["pixel_values_videos"], atol=1e-6, rtol=0)
 
 
 def test_the_encoder_service_publishes_video_layouts_and_fails_only_a_bad_video_s_request(encoder):
