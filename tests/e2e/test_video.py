@@ -101,7 +101,8 @@ def test_the_consumers_decode_no_video(server):
     encoder does), while llm decodes every video."""
     consumers = ("pd", "prefill", "decode", "epd")
     counts = lambda: {m: metric(server, "epd_media_decodes_total", model=m) for m in consumers}
-    before, llm_before = counts(), metric(server, "epd_media_decodes_total", model="llm")
+    before = _settled(counts)  # after the counts of earlier requests (P/D decodes in prefill and decode) came in
+    llm_before = metric(server, "epd_media_decodes_total", model="llm")
     fresh = [vid(5), vid(6)]  # not in the encoder's cache: encoded, not only published again
     for model in ("epd", "epd_disagg"):
         ask(server, model, messages=user(V, V), videos=fresh)
