@@ -47,6 +47,8 @@ class GenerateInputs:
     messages: list[dict] | str | None = None
     images: Sequence[bytes] = ()
     image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd, prefill, decode)
+    videos: Sequence[bytes] = ()  # encoded videos (MP4, WebM, ...): the items of {"type": "video"} parts
+    video_layouts: Sequence[str] = ()
     kv_transfer_params: dict | None = None  # prefill / decode stages: vLLM KV connector parameters
     sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
     stream: bool = True

@@ -95,7 +95,8 @@ def _fmt(value: Any) -> str:
 
 def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Path) -> str:
     checkpoint = os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve())
-    limits = {k: _fmt(v) for k, v in topology.limits.items() if k not in ("max_images", "request_timeout_seconds")}
+    per_prompt = {m.limit_field for m in modalities()}  # the engines': limit_mm_per_prompt; epd's: parameters
+    limits = {k: _fmt(v) for k, v in topology.limits.items() if k not in (*per_prompt, "request_timeout_seconds")}
     header = "".join(f"# {line}\n" for line in [generated_by(topology), *_HEADERS[kind].splitlines()])
     body = f'name: "{name}"\nbackend: "python"\n'
     if kind is ModelKind.ENCODER:
@@ -133,7 +134,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
                       "decode_model": "decode", "decode_endpoint": topology.stages["decode"].endpoint})
         if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
-        return header + body + _params({**names, "max_images": _fmt(topology.limits["max_images"]), **limits,
+        per_request = {m.limit_field: _fmt(topology.limits[m.limit_field]) for m in modalities()}
+        return header + body + _params({**names, **per_request, **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
     params = {"engine_args": "model.json", **limits}
@@ -146,7 +148,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 
 def render_engine_args(topology: Topology, stage: str, model_dir: Path) -> str:
     args = {GENERATED_KEY: generated_by(topology), "model": os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve()), **topology.engine_args,
-            "limit_mm_per_prompt": {m.limit_key: topology.limits["max_images"] for m in modalities()}}
+            "limit_mm_per_prompt": {m.limit_key: topology.limits[m.limit_field] for m in modalities()}}
     if topology.stages[stage].device == "gpu":
         args.pop("distributed_executor_backend", None)
     return json.dumps(args, indent=2) + "\n"

@@ -1,4 +1,4 @@
-"""What identifies a checkpoint's embeddings: the model (``model_identity``) and the image processor settings
+"""What identifies a checkpoint's embeddings: the model (``model_identity``) and the image/video processor settings
 (``processing_options``), both parts of an item's content key. Light on purpose (no torch): the orchestrators
 import it at load.
 """
@@ -24,7 +24,10 @@ def model_identity(model_dir: str | Path) -> str:
 
 
 def processing_options(model_dir: str | Path) -> str:
-    """The image processor settings that change an item's embeddings, as canonical JSON (part of the content key)."""
-    path = Path(model_dir) / "preprocessor_config.json"
+    """The image (and video) processor settings that change an item's embeddings, as canonical JSON (part of the
+    content key). A checkpoint's own video processor config, where it has one, is in it under ``"video"``."""
+    path, video = Path(model_dir) / "preprocessor_config.json", Path(model_dir) / "video_preprocessor_config.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
+    if video.exists():
+        doc = {**doc, "video": json.loads(video.read_text())}
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))

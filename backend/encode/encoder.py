@@ -1,9 +1,10 @@
-"""The vision encoder: a checkpoint's image processor and vision tower, without its language model.
+"""The vision encoder: a checkpoint's image and video processors and vision tower, without its language model.
 
 Who calls it: the ``encoder`` model; ``VisionEncoder.load(model_dir)`` once in ``initialize``, then
-``encode(images)`` per batch. Items from many requests go through one processor call and one tower
-forward (the Qwen2-VL tower attends within each image via ``cu_seqlens``), and the output is split
-back per item. The embeddings are what vLLM's language model expects as ``image_embeds``.
+``encode(items)`` per batch. Items from many requests (images, and videos as ``backend.request.video`` decoded
+them) go through one processor call per modality and one tower forward (the Qwen2-VL tower attends within each
+image, and within each temporal patch of a video, via ``cu_seqlens``), and the output is split back per item. The
+embeddings are what vLLM's language model expects as ``image_embeds`` / ``video_embeds``.
 
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
 against the whole checkpoint).
@@ -18,7 +19,11 @@ import torch
 from PIL import Image
 
 from backend.encode.checkpoint import model_identity
-from backend.protocol.modality import IMAGE  # this encoder's modality: its items are images
+from backend.protocol.errors import InvalidInput
+from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
+from backend.protocol.modality import IMAGE, VIDEO, modality
+from backend.request import image, video  # noqa: F401 - register the modalities' handlers
+from backend.request.media import handler
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
 
@@ -33,13 +38,19 @@ class LoadReport:
 @dataclass(frozen=True)
 class EncodedItem:
     embeddings: torch.Tensor             # [tokens, hidden]
-    image_grid_thw: tuple[int, int, int]
+    image_grid_thw: tuple[int, int, int]  # the item's patch grid (a video's too)
+    modality: str = IMAGE.name
+
+    def media(self) -> ModalityLayout:
+        """The layout's per-modality block of this item."""
+        return MODALITY_LAYOUTS[self.modality](self.image_grid_thw)
 
 
 class VisionEncoder:
     def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
-                 device: torch.device, dtype: torch.dtype, forward=None):
+                 device: torch.device, dtype: torch.dtype, forward=None, video_processor=None):
         self.tower, self.processor, self.merge_size = tower, processor, merge_size
+        self.video_processor = video_processor
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
         self.forward = forward or _transformers_forward(tower)
 
@@ -77,6 +88,7 @@ class VisionEncoder:
             torch.backends.cuda.matmul.allow_tf32 = False
         tower = tower.to(device=device, dtype=dtype).eval()
         processor = AutoImageProcessor.from_pretrained(model_dir)
+        video_processor = load_video_processor(model_dir)
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
         if impl not in ("packed", "transformers"):
             raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
@@ -85,18 +97,47 @@ class VisionEncoder:
             from backend.encode.packed_tower import PackedTower
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
         return cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
-                   torch.device(device), dtype, forward)
+                   torch.device(device), dtype, forward, video_processor)
 
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[EncodedItem]:
-        if not images:
+    def encode(self, items: list) -> list[EncodedItem]:
+        """Embeddings of ``items`` (RGB images and ``DecodedVideo``s, in any mix), in their order: one processor call
+        per modality, one tower forward for all (the tower treats a video's temporal patches as it treats images)."""
+        if not items:
             return []
-        batch = self.processor(images=images, return_tensors="pt")
-        grid = batch["image_grid_thw"]
-        pixels = batch["pixel_values"].to(self.device, self.dtype)
-        embeds = self.forward(pixels, grid)
+        images = [i for i, item in enumerate(items) if isinstance(item, Image.Image)]
+        videos = [i for i, item in enumerate(items) if not isinstance(item, Image.Image)]
+        pixels, grids, order = [], [], []
+        if images:
+            batch = self.processor(images=[items[i] for i in images], return_tensors="pt")
+            pixels.append(batch["pixel_values"])
+            grids.append(batch["image_grid_thw"])
+            order += [(i, IMAGE.name) for i in images]
+        if videos:
+            if self.video_processor is None:
+                raise ValueError("this checkpoint has no video processor")
+            # frames only, as vLLM's Qwen2-VL processing passes them (its data parser drops the loader's metadata)
+            batch = self.video_processor(videos=[items[i].frames for i in videos], return_tensors="pt")
+            pixels.append(batch["pixel_values_videos"])
+            grids.append(batch["video_grid_thw"])
+            order += [(i, VIDEO.name) for i in videos]
+        grid = torch.cat(grids)
+        embeds = self.forward(torch.cat(pixels).to(self.device, self.dtype), grid)
         sizes = (grid.prod(-1) // (self.merge_size ** 2)).tolist()
-        return [EncodedItem(e, tuple(int(x) for x in g)) for e, g in zip(embeds.split(sizes), grid.tolist())]
+        out: list[EncodedItem | None] = [None] * len(items)
+        for (index, name), e, g in zip(order, embeds.split(sizes), grid.tolist()):
+            out[index] = EncodedItem(e, tuple(int(x) for x in g), name)
+        return out
+
+
+def load_video_processor(model_dir: Path):
+    """The checkpoint's video processor (as vLLM's HF processor loads it), or None where it has none."""
+    from transformers import AutoVideoProcessor
+
+    try:
+        return AutoVideoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
 
 
 def _transformers_forward(tower):
@@ -124,6 +165,7 @@ class EncodeJob:
     data: bytes
     content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
     own_key: str = ""  # the key computed in this process from ``data``, if already done (the cache's key)
+    modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
 
 
 class EmbeddingCache:
@@ -168,9 +210,7 @@ class EncoderService:
     """
 
     def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
-        from backend.request.image import decode_image
-
-        self.encoder, self.pool, self.limits, self._decode = encoder, pool, limits, decode_image
+        self.encoder, self.pool, self.limits = encoder, pool, limits
         self.processing = processing
         self.cache = EmbeddingCache(cache_bytes)
         self.items_encoded = 0
@@ -178,7 +218,7 @@ class EncoderService:
         self.encode_seconds = 0.0
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import ImageLayout, LayoutMetadata, content_key
+        from backend.protocol.layout import LayoutMetadata, content_key
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
@@ -187,11 +227,11 @@ class EncoderService:
                 continue
             key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity)) if self.cache.max_bytes else ""
             cached = self.cache.get(key) if key else None
-            if cached is not None:
+            if cached is not None and cached.modality == job.modality:
                 ready.append([job, cached, key, None])
                 continue
             try:
-                ready.append([job, None, key, self._decode(job.data, IMAGE.media_tensor, self.limits)])
+                ready.append([job, None, key, _decode(job, self.limits)])
             except Exception as exc:
                 results[job.request_index] = exc
         # a request with one bad item fails whole; its other items are not encoded
@@ -233,6 +273,15 @@ class EncoderService:
             layout = LayoutMetadata(content_key=job.content_key, model=self.encoder.identity,
                                     dtype=str(item.embeddings.dtype).removeprefix("torch."),
                                     shape=tuple(item.embeddings.shape), handle=handle,
-                                    media=ImageLayout(item.image_grid_thw))
+                                    media=item.media())
             results[job.request_index].append(layout.to_json())
         return results
+
+
+def _decode(job: EncodeJob, limits):
+    """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor)."""
+    try:
+        m = modality(job.modality)
+    except KeyError:
+        raise InvalidInput("modality", f"unsupported modality {job.modality!r}") from None
+    return handler(m).decode(job.data, m.media_tensor, limits)

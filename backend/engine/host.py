@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
-from backend.protocol.modality import IMAGE
+from backend.protocol.modality import modality
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.versions import Guard
 from backend.engine.loop import LoopThread
 from backend.request.generate import GenerateRequest
+from backend.request.media import modality_of
 
 PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
 
@@ -86,7 +87,7 @@ def takes_layout_only() -> bool:
     """Whether this vLLM takes a KV consumer's media as layout only (``image_grid_thw`` without ``image_embeds``):
     vLLM 0.32 derives ``MultiModalConfig.allow_missing_mm_embeddings`` for a KV consumer; 0.26 has no such field and
     its parser needs the embeddings tensor (checked 2026-12-01: "The data should contain the fields:
-    {'image_embeds', 'image_grid_thw'}"), so the consumer passes zeros there (``placeholder_image_embeds``)."""
+    {'image_embeds', 'image_grid_thw'}"), so the consumer passes zeros there (``placeholder_media_embeds``)."""
     from vllm.config.multimodal import MultiModalConfig
 
     return "allow_missing_mm_embeddings" in getattr(MultiModalConfig, "__dataclass_fields__", {})
@@ -148,6 +149,23 @@ def _vllm_error_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
         return tuple(getattr(exceptions, name) for name in names if hasattr(exceptions, name))
 
     return present("GracefulHTTPError", "RetryableRequestError"), present("VLLMClientError") + (ValueError,)
+
+
+def multi_modal_data(request: GenerateRequest) -> dict[str, Any]:
+    """vLLM's ``multi_modal_data`` of a request, per modality (``Modality.data_key``): its pulled embeddings through
+    vLLM's embedding input (``{embeds_key: tensor, grid_key: grid}``; the grid alone for a KV consumer, whose KV already
+    covers the media positions), or its decoded items in prompt order (a video as (frames, metadata))."""
+    if request.media_embeds is not None:
+        data = {}
+        for name, (embeds, grid_thw) in request.media_embeds.items():
+            m = modality(name)
+            data[m.data_key] = {m.grid_key: grid_thw} if embeds is None else {m.embeds_key: embeds, m.grid_key: grid_thw}
+        return data
+    data: dict[str, list] = {}
+    for item in request.images:
+        engine_item = getattr(item, "engine_item", None)
+        data.setdefault(modality(modality_of(item)).data_key, []).append(engine_item() if engine_item else item)
+    return data
 
 
 def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
@@ -237,13 +255,9 @@ class EngineHost:
         except (TypeError, ValueError) as exc:
             raise InvalidInput("sampling_parameters", str(exc)) from None
         prompt: dict[str, Any] = {"prompt": self.prompt_text(request)}
-        if request.image_embeds is not None:
-            embeds, grid_thw = request.image_embeds
-            # embeds None: layout only (a KV consumer whose KV already covers the media positions)
-            item = {IMAGE.grid_key: grid_thw} if embeds is None else {IMAGE.embeds_key: embeds, IMAGE.grid_key: grid_thw}
-            prompt["multi_modal_data"] = {IMAGE.data_key: item}
-        elif request.images:
-            prompt["multi_modal_data"] = {IMAGE.data_key: list(request.images)}
+        media = multi_modal_data(request)
+        if media:
+            prompt["multi_modal_data"] = media
         produced = 0
         try:
             async for out in self._engine.generate(prompt, params, request_id):

@@ -79,12 +79,14 @@ _OUTPUTS = (Tensor("text_output", STRING, -1, "text_output", Form.TEXT, optional
             Tensor("timings", STRING, -1, "timings", Form.JSON, _ALL - {LLM}),  # an orchestrator's stage breakdown
             Tensor("kv_transfer_params", STRING, -1, "kv_transfer_params", Form.JSON, _PD_STAGES))
 
-# The image encoder (backend.triton.models.encoder): one item per batch row; the layout of its embeddings back.
-ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, frozenset({Stage.ENCODER}),
-                         optional=False),
-                  Tensor("content_key", STRING, 1, "content_key", Form.TEXT, frozenset({Stage.ENCODER})))
-ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, frozenset({Stage.ENCODER}), optional=False),)
-ENCODER_ITEM, ENCODER_KEY = ENCODER_INPUTS
+# The encoder (backend.triton.models.encoder): one item per batch row (an image, or the modality's item it names:
+# Modality.name, absent: an image); the layout of its embeddings back.
+_ENCODER = frozenset({Stage.ENCODER})
+ENCODER_INPUTS = (Tensor(IMAGE.media_tensor, STRING, 1, "data", Form.BYTES, _ENCODER, optional=False),
+                  Tensor("content_key", STRING, 1, "content_key", Form.TEXT, _ENCODER),
+                  Tensor("modality", STRING, 1, "modality", Form.TEXT, _ENCODER))
+ENCODER_OUTPUTS = (Tensor("layout", STRING, 1, "layout", Form.TEXT, _ENCODER, optional=False),)
+ENCODER_ITEM, ENCODER_KEY, ENCODER_MODALITY = ENCODER_INPUTS
 (ENCODER_LAYOUT,) = ENCODER_OUTPUTS
 
 

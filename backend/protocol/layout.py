@@ -3,7 +3,7 @@
 Who writes it: the ``encoder`` model, once per item, after the embeddings are in a producer buffer.
 Who reads it: the ``epd`` orchestrator (passes it on untouched), the consumer (``pd``, ``prefill``), which checks
 the version and the model identity before pulling the embeddings the handle names, and ``decode`` (the
-per-modality block only: the image grid).
+per-modality block only: the image's or video's grid).
 
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
 serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
@@ -16,8 +16,9 @@ Two parts vary, each named by a discriminator and parsed into its own class:
 - ``handle.transport``: how a consumer on the producer's host can read the lease (``TRANSPORTS``). Every handle
   names a NIXL-registered region (agent, descriptors): the READ any consumer can do, and the channel its release
   notification takes; ``shared_memory`` and ``cuda_ipc`` add what their same-host fast path needs.
-- ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``). Video or audio add a
-  class there, with their own fields; the common part stays as it is.
+- ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``): ``image`` and
+  ``video`` (``{"grid_thw": [t, h, w]}`` each). Audio adds a class there, with its own fields; the common part
+  stays as it is.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from backend.protocol.errors import InvalidInput
 #   3  handle.ipc_handle, handle.pid, handle.pool_bytes (CUDA IPC for VRAM pools)
 #   4  handle.tag_table, handle.tag_slot (a VRAM pool's lease-tag table in host memory)
 #   5  handle.transport: one handle type per transport, with only its own fields; the per-modality block
-#      ("image": {"grid_thw"}) in place of the top-level image_grid_thw
+#      ("image": {"grid_thw"}) in place of the top-level image_grid_thw; "video": {"grid_thw"} (a modality a
+#      version-5 consumer may not know is refused naming <field>.modality, so adding one is no new version)
 SCHEMA_VERSION = 5
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
 
@@ -207,18 +209,17 @@ class ModalityLayout:
 
 
 @dataclass(frozen=True)
-class ImageLayout(ModalityLayout):
-    """An image's block: its patch grid (temporal, height, width), what vLLM's ``image_grid_thw`` input wants
-    (M-RoPE positions and placeholder expansion need it; ``decode`` needs nothing else)."""
+class GridLayout(ModalityLayout):
+    """A block of one patch grid (temporal, height, width): what vLLM's ``<modality>_grid_thw`` input wants (M-RoPE
+    positions and placeholder expansion need it; ``decode`` needs nothing else)."""
 
-    modality: ClassVar[str] = "image"
     grid_thw: tuple[int, int, int]
 
     def to_doc(self) -> dict[str, Any]:
         return {"grid_thw": list(self.grid_thw)}
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any], where: str) -> "ImageLayout":
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "GridLayout":
         try:
             grid = _ints(doc["grid_thw"], 3)
         except KeyError:
@@ -230,7 +231,22 @@ class ImageLayout(ModalityLayout):
         return cls(grid)
 
 
-MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout,)}
+@dataclass(frozen=True)
+class ImageLayout(GridLayout):
+    """An image's block: its patch grid (``t`` is 1), vLLM's ``image_grid_thw``."""
+
+    modality: ClassVar[str] = "image"
+
+
+@dataclass(frozen=True)
+class VideoLayout(GridLayout):
+    """A video's block: its patch grid, ``t`` the temporal patches (sampled frames / temporal_patch_size), vLLM's
+    ``video_grid_thw`` (Qwen2-VL's M-RoPE needs nothing else of a video; its tower attends within each ``t``)."""
+
+    modality: ClassVar[str] = "video"
+
+
+MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout)}
 
 
 # -- the document -------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Shared code (request parsing, the orchestrator's rewrite to metadata-only, tenso
 lists in ``backend.protocol.generate``) iterates over ``modalities()`` instead of naming images. A new modality is its
 ``Modality`` registered here plus one module per stage that handles its items (``backend.request.image``: loading and
 validating images; ``backend.encode.encoder``: the vision tower), and its two fields in the typed requests
-(``RawGenerateInputs``, the client's ``GenerateInputs``). Only images are registered.
+(``RawGenerateInputs``, the client's ``GenerateInputs``). Images and videos are registered (``backend.request.video``:
+loading and validating videos; the Qwen2-VL tower encodes both).
 """
 from __future__ import annotations
 
@@ -72,3 +73,8 @@ IMAGE = register(Modality(
     media_field="images", layout_field="image_layouts", media_type="image/", placeholder_token="<|image_pad|>",
     placeholder="<|vision_start|><|image_pad|><|vision_end|>", limit_key="image", data_key="image",
     embeds_key="image_embeds", grid_key="image_grid_thw", limit_field="max_images"))
+VIDEO = register(Modality(
+    name="video", url_part="video_url", item_part="video", media_tensor="video", layout_tensor="video_layouts",
+    media_field="videos", layout_field="video_layouts", media_type="video/", placeholder_token="<|video_pad|>",
+    placeholder="<|vision_start|><|video_pad|><|vision_end|>", limit_key="video", data_key="video",
+    embeds_key="video_embeds", grid_key="video_grid_thw", limit_field="max_videos"))

@@ -30,8 +30,10 @@ class ConfigError(ValueError):
 class MediaSettings:
     """What every model that decodes, or checks, media reads."""
 
-    max_image_pixels: int = 16_000_000
+    max_image_pixels: int = 16_000_000  # an image's, and each video frame's
     max_item_bytes: int = 32 << 20
+    max_video_frames: int = 18_000  # the frames a video's container may hold
+    max_video_seconds: float = 600.0  # and its length
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class ProxySettings(RoutingSettings, MediaSettings):
     prefill_model: str = "prefill"
     prefill_endpoint: str = LOCAL
     max_images: int = 4
+    max_videos: int = 2
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
 

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Protocol
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import LayoutMetadata
 from backend.protocol.modality import Modality, content_part, modalities
-from backend.request import image  # noqa: F401 - registers the image modality's MediaHandler
+from backend.request import image, video  # noqa: F401 - register the modalities' MediaHandlers
 from backend.request.media import MediaLimits, check_encoded, handler
 from backend.request.sampling import parse_sampling_parameters
 
@@ -49,6 +49,7 @@ class PromptFormat:
 @dataclass(frozen=True)
 class RequestLimits:
     max_images: int = 8  # per request: each modality's limit is its ``Modality.limit_field`` here
+    max_videos: int = 8
     media: MediaLimits = field(default_factory=MediaLimits)
 
 
@@ -62,6 +63,8 @@ class RawGenerateInputs:
     messages: str | None = None
     images: tuple[bytes, ...] = ()
     image_layouts: tuple[str, ...] = ()
+    videos: tuple[bytes, ...] = ()
+    video_layouts: tuple[str, ...] = ()
     stream: bool = False
     sampling_parameters: str | None = None
     exclude_input_in_output: bool = False
@@ -81,7 +84,7 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
-    image_embeds: Any = None                    # set by a consumer once pulled: (embeds, grid_thw)
+    media_embeds: Mapping[str, tuple] | None = None  # set by a consumer: modality name -> (embeds or None, grid_thw)
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout

@@ -52,6 +52,6 @@ def read_image_url(url: str, field: str, limits: MediaLimits) -> bytes:
     return read_url(url, field, limits, IMAGE)
 
 
-register_handler(IMAGE, MediaHandler(decode_image, read_image_url))
+register_handler(IMAGE, MediaHandler(decode_image, read_image_url, Image.Image))
 
 __all__ = ["decode_image", "load_image_url", "read_image_url"]

@@ -24,13 +24,26 @@ from backend.protocol.modality import Modality
 class MediaLimits:
     """Per-item limits. ``allowed_local_media_path`` empty: ``file://`` URLs are refused. ``allowed_media_domains``
     empty: ``http(s)://`` URLs are refused; else only those hosts (exact names, as vLLM's engine argument of
-    that name), no redirects, at most ``max_item_bytes``, ``url_timeout`` seconds."""
+    that name), no redirects, at most ``max_item_bytes``, ``url_timeout`` seconds. ``max_image_pixels`` bounds every
+    video frame too; ``max_video_frames`` / ``max_video_seconds`` what a video's container may hold; ``video_processor``:
+    the checkpoint's HF video processor's class name, which picks vLLM's video loader (``backend.request.video``)."""
 
     max_image_pixels: int = 16_000_000
     max_item_bytes: int = 32 << 20
+    max_video_frames: int = 18_000
+    max_video_seconds: float = 600.0
+    video_processor: str = ""
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
     url_timeout: float = 5.0
+
+
+SETTINGS_LIMITS = ("max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds")
+
+
+def media_limits(settings) -> dict[str, Any]:
+    """The ``MediaLimits`` fields a model's settings (``backend.protocol.settings.MediaSettings``) give."""
+    return {name: getattr(settings, name) for name in SETTINGS_LIMITS}
 
 
 class _DecodeCounter:
@@ -45,10 +58,12 @@ decode_counter = _DecodeCounter()
 @dataclass(frozen=True)
 class MediaHandler:
     """A modality's item handling in the request stage: ``decode(data, field, limits)`` makes what an engine given
-    media takes (an RGB image); ``read_url(url, field, limits)`` the encoded bytes a URL names."""
+    media takes (an RGB image); ``read_url(url, field, limits)`` the encoded bytes a URL names; ``decoded``: the
+    class of what ``decode`` makes (how an engine tells a decoded item's modality, ``modality_of``)."""
 
     decode: Callable[[bytes, str, MediaLimits], Any]
     read_url: Callable[[str, str, MediaLimits], bytes]
+    decoded: type = object
 
 
 _HANDLERS: dict[str, MediaHandler] = {}
@@ -60,6 +75,14 @@ def register_handler(modality: Modality, handler: MediaHandler) -> None:
 
 def handler(modality: Modality) -> MediaHandler:
     return _HANDLERS[modality.name]
+
+
+def modality_of(item: Any) -> str:
+    """The modality name of a decoded item (what a handler's ``decode`` made)."""
+    for name, items in _HANDLERS.items():
+        if isinstance(item, items.decoded) and items.decoded is not object:
+            return name
+    raise TypeError(f"no modality decodes to {type(item).__name__}")
 
 
 def check_encoded(data: bytes, field: str, limits: MediaLimits, modality: Modality) -> bytes:
@@ -142,4 +165,5 @@ def _read_local_file(url: str, field: str, limits: MediaLimits) -> bytes:
         raise InvalidInput(field, f"cannot read {str(path)!r} ({exc.strerror or exc})") from None
 
 
-__all__ = ["MediaHandler", "MediaLimits", "check_encoded", "decode_counter", "handler", "read_url", "register_handler"]
+__all__ = ["MediaHandler", "MediaLimits", "check_encoded", "decode_counter", "handler", "media_limits", "modality_of", "read_url",
+           "register_handler"]

@@ -33,7 +33,7 @@ import time
 import torch
 
 from backend.protocol.errors import InvalidInput, Unavailable
-from backend.protocol.layout import CudaIpcHandle, ImageLayout, LayoutMetadata, SharedMemoryHandle, host_identity
+from backend.protocol.layout import CudaIpcHandle, GridLayout, LayoutMetadata, SharedMemoryHandle, host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 from backend.transfer.same_host import DTYPES, CudaIpcReader, SharedMemoryReader
@@ -77,7 +77,7 @@ class EmbeddingConsumer:
                     self._shm.tags(handle)
                 elif isinstance(handle, SharedMemoryHandle) and (pool := self._shm.pool(handle)) is not None \
                         and pool.numel() >= 2 * HEADER:
-                    # the ops of a pull (``SharedMemoryReader.copy``, ``pull_image_embeds``) once: their first
+                    # the ops of a pull (``SharedMemoryReader.copy``, ``pull_media_embeds``) once: their first
                     # call costs more than a whole later pull
                     part = pool[:HEADER].clone()
                     torch.cat([part.view(torch.int64), part.view(torch.int64)])
@@ -275,28 +275,48 @@ class EmbeddingConsumer:
                 pass
 
 
-def pull_image_embeds(consumer: EmbeddingConsumer, layouts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pull every item of a request, in prompt order: (embeddings concatenated [tokens, hidden],
-    image_grid_thw [items, 3]) as vLLM's ``image_embeds`` input wants them. A failed pull is
-    ``Unavailable`` naming the item (``image_layouts[i]: ...``)."""
-    grid = image_grid(layouts)
-    embeds = consumer.pull_many(layouts, [f"image_layouts[{index}]" for index in range(len(layouts))])
-    return torch.cat(embeds) if len(embeds) > 1 else embeds[0], grid
+def pull_media_embeds(consumer: EmbeddingConsumer, layouts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Pull every item of a request in one ``pull_many``: per modality, in prompt order, (embeddings concatenated
+    [tokens, hidden], grid_thw [items, 3]) as vLLM's ``<modality>_embeds`` input wants them. A failed pull is
+    ``Unavailable`` naming the item as its modality's layouts tensor does (``video_layouts[i]: ...``)."""
+    grids, names = media_grids(layouts), media_fields(layouts)
+    embeds = consumer.pull_many(layouts, names)
+    out = {}
+    for name, grid in grids.items():
+        own = [e for e, layout in zip(embeds, layouts) if layout.modality == name]
+        out[name] = (torch.cat(own) if len(own) > 1 else own[0], grid)
+    return out
 
 
-def placeholder_image_embeds(layouts) -> torch.Tensor:
-    """Zeros of a request's embeddings' shape and dtype ([tokens, hidden], concatenated as ``pull_image_embeds``
-    gives them), for a KV consumer whose KV already covers the media positions on a vLLM that needs the tensor
-    anyway (``backend.engine.host.takes_layout_only``); nothing is pulled."""
-    image_grid(layouts)  # every layout an image's
-    tokens = sum(layout.shape[0] for layout in layouts)
-    return torch.zeros((tokens, layouts[0].shape[1]), dtype=DTYPES[layouts[0].dtype])
+def placeholder_media_embeds(layouts) -> dict[str, torch.Tensor]:
+    """Per modality, zeros of a request's embeddings' shape and dtype ([tokens, hidden], concatenated as
+    ``pull_media_embeds`` gives them), for a KV consumer whose KV already covers the media positions on a vLLM that
+    needs the tensor anyway (``backend.engine.host.takes_layout_only``); nothing is pulled."""
+    out = {}
+    for name in media_grids(layouts):  # every layout one with a grid
+        own = [layout for layout in layouts if layout.modality == name]
+        out[name] = torch.zeros((sum(layout.shape[0] for layout in own), own[0].shape[1]), dtype=DTYPES[own[0].dtype])
+    return out
 
 
-def image_grid(layouts) -> torch.Tensor:
-    """The image grids of a request's layouts, [items, 3] (vLLM's ``image_grid_thw``); a layout of another
-    modality among them is InvalidInput naming it (``image_layouts[i].modality``)."""
-    for index, layout in enumerate(layouts):
-        if not isinstance(layout.media, ImageLayout):
-            raise InvalidInput(f"image_layouts[{index}].modality", f"expected an image layout, got {layout.modality!r}")
-    return torch.tensor([list(layout.media.grid_thw) for layout in layouts], dtype=torch.int64)
+def media_fields(layouts) -> list[str]:
+    """Each layout's field: ``<modality's layouts tensor>[i]``, ``i`` its index among the layouts of its modality."""
+    from backend.protocol.modality import modality
+
+    seen: dict[str, int] = collections.Counter()
+    fields = []
+    for layout in layouts:
+        fields.append(f"{modality(layout.modality).layout_tensor}[{seen[layout.modality]}]")
+        seen[layout.modality] += 1
+    return fields
+
+
+def media_grids(layouts) -> dict[str, torch.Tensor]:
+    """Per modality, in order of first appearance, the grids of its layouts, [items, 3] (vLLM's
+    ``<modality>_grid_thw``); a layout without a grid is InvalidInput naming it (``<field>.modality``)."""
+    grids: dict[str, list] = {}
+    for field, layout in zip(media_fields(layouts), layouts):
+        if not isinstance(layout.media, GridLayout):
+            raise InvalidInput(f"{field}.modality", f"expected an image or video layout, got {layout.modality!r}")
+        grids.setdefault(layout.modality, []).append(list(layout.media.grid_thw))
+    return {name: torch.tensor(rows, dtype=torch.int64) for name, rows in grids.items()}

@@ -21,10 +21,11 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine.host import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
 from backend.protocol.errors import InvalidInput
-from backend.protocol.modality import IMAGE
+from backend.protocol.modality import modalities
 from backend.protocol.settings import EngineSettings, KvEngineSettings
 from backend.protocol.stages import RoleSpec, Stage
-from backend.request.media import MediaLimits, decode_counter
+from backend.request.media import MediaLimits, decode_counter, media_limits
+from backend.request.video import video_processor_for
 from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
 from backend.engine.serving import stream_generation
 from backend.transfer.agent import POLL_DELAY_ENV
@@ -58,11 +59,11 @@ class GenerateModel:
         if self.on_gpu:  # before anything initializes CUDA in this stub; the EngineCore child inherits it
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
         self.engine_args = self.engine_args_from(load_engine_args(model_dir / self.settings.engine_args))
+        per_prompt = self.engine_args.get("limit_mm_per_prompt", {})
         self.limits = RequestLimits(
-            max_images=int(self.engine_args.get("limit_mm_per_prompt", {}).get(IMAGE.limit_key, 8)),
+            **{m.limit_field: int(per_prompt.get(m.limit_key, 8)) for m in modalities()},
             media=MediaLimits(
-                max_image_pixels=self.settings.max_image_pixels,
-                max_item_bytes=self.settings.max_item_bytes,
+                **media_limits(self.settings), video_processor=video_processor_for(self.engine_args["model"]),
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
                 allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
             ),
@@ -179,7 +180,8 @@ class MetadataOnlyModel(GenerateModel):
         layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
         if layouts < len(request.images):  # media decoded here (takes_media): the engine processes them
             if layouts:
-                raise InvalidInput("messages", "give media either as media or as image_layouts, not both")
+                raise InvalidInput("messages", "give media either as media or as layouts (image_layouts, "
+                                               "video_layouts), not both")
             return request
         if not request.images:
             return request
@@ -188,25 +190,26 @@ class MetadataOnlyModel(GenerateModel):
             from backend.diagnostics.naive_media import process_original_media
 
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
-                                             self.limits.media)
+                                             self.limits.media, self.video_processor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.consumer import image_grid, pull_image_embeds
+        from backend.transfer.consumer import media_grids, pull_media_embeds
 
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
             from backend.engine.host import takes_layout_only
-            from backend.transfer.consumer import placeholder_image_embeds
+            from backend.transfer.consumer import placeholder_media_embeds
 
-            embeds = None if takes_layout_only() else placeholder_image_embeds(request.images)
-            return replace(request, images=(), image_embeds=(embeds, image_grid(request.images)), timings=timings or None)
+            zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
+            grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.images).items()}
+            return replace(request, images=(), media_embeds=grids, timings=timings or None)
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
-            self.pulls, pull_image_embeds, self.consumer, request.images)
+            self.pulls, pull_media_embeds, self.consumer, request.images)
         seconds = time.perf_counter() - started
         timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
         self.metrics.transferred(timings["transfer_bytes"], seconds, dict(self.consumer.paths))
-        return replace(request, images=(), image_embeds=embeds, timings=timings)
+        return replace(request, images=(), media_embeds=embeds, timings=timings)
 
     def image_processor(self):
         """The checkpoint's image processor, loaded at the first request with ``original_media``."""
@@ -215,6 +218,14 @@ class MetadataOnlyModel(GenerateModel):
 
             self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
         return self._image_processor
+
+    def video_processor(self):
+        """The checkpoint's video processor (None: it has none), loaded at the first request with ``original_media``."""
+        if not hasattr(self, "_video_processor"):
+            from backend.encode.encoder import load_video_processor
+
+            self._video_processor = load_video_processor(Path(self.engine_args["model"]))
+        return self._video_processor
 
     def finalize(self):
         super().finalize()

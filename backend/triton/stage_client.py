@@ -34,7 +34,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
-from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT
+from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY
 from backend.deploy.server_address import resolve
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
@@ -104,7 +104,8 @@ class BlsEncoders:
         request = pb_utils.InferenceRequest(
             model_name=self.encoder_model, requested_output_names=[ENCODER_LAYOUT.name], parameters=_TAGGED,
             inputs=[pb_utils.Tensor(ENCODER_ITEM.name, np.array([[item.data]], dtype=np.object_)),
-                    pb_utils.Tensor(ENCODER_KEY.name, np.array([[key.encode()]], dtype=np.object_))])
+                    pb_utils.Tensor(ENCODER_KEY.name, np.array([[key.encode()]], dtype=np.object_)),
+                    pb_utils.Tensor(ENCODER_MODALITY.name, np.array([[item.modality.encode()]], dtype=np.object_))])
         response = await request.async_exec()
         if response.has_error():
             raise from_triton_error(response.error(), self.encoder_model)

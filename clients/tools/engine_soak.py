@@ -57,7 +57,7 @@ def make_request(rng: random.Random, seed: int, mode: str, hidden: int):
     tokens = sum(t * h * w // 4 for t, h, w in grids)
     embeds = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
     return GenerateRequest(prompt=prompt, conversation=None, images=(), sampling=sampling,
-                           image_embeds=(embeds, torch.tensor(grids, dtype=torch.int64)))
+                           media_embeds={"image": (embeds, torch.tensor(grids, dtype=torch.int64))})
 
 
 async def one(host, request, request_id: str, cancel: bool) -> str:

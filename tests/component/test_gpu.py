@@ -235,7 +235,7 @@ def test_engine_host_image_embeds_match_pixels(model, monkeypatch):
         outputs = []
         for image, item in zip(images, encoded):
             pixels = run(images=(image,))
-            embeds = run(image_embeds=(item.embeddings.cpu(), torch.tensor([item.image_grid_thw])))
+            embeds = run(media_embeds={"image": (item.embeddings.cpu(), torch.tensor([item.image_grid_thw]))})
             assert embeds == pixels and pixels[1] == 16
             outputs.append(pixels)
         assert len(set(outputs)) > 1  # the image matters

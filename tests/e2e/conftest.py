@@ -80,7 +80,17 @@ def orphaned_shm(new: set[str]) -> set[str]:
     entries = _shm_inodes()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         mapped |= _mapped_by(int(pid), entries)
-    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")
+            and not _live_announcements(name)}
+
+
+def _live_announcements(name: str) -> bool:
+    """An encoders' announcement directory (``backend.transfer.announce``: a directory, which no process maps) of a
+    tritonserver still running: another checkout's server on this machine, not one this session stopped."""
+    from backend.transfer.announce import PREFIX
+
+    pid = name.removeprefix(PREFIX)
+    return name.startswith(PREFIX) and pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
 def settled_orphans(before: set[str], seconds: float = 5.0) -> set[str]:

@@ -11,7 +11,7 @@ from backend.deploy.render import _generate_io
 from backend.engine.serving import ResponseChunk
 from backend.protocol import generate
 from backend.protocol.errors import InvalidInput
-from backend.protocol.modality import IMAGE, Modality, content_part, modalities, register, unregister
+from backend.protocol.modality import IMAGE, VIDEO, Modality, content_part, modalities, register, unregister
 from backend.request.generate import RawGenerateInputs, parse_generate_request
 from tests.fakes import FakeLayoutResolver
 
@@ -40,10 +40,11 @@ def test_every_input_and_output_maps_to_a_field_of_the_typed_request_and_chunk()
 
 def test_each_kind_takes_its_media_form():
     assert names(generate.input_tensors("llm")) == names(generate.input_tensors("epd")) == [
-        "text_input", "messages", "image", "stream", "sampling_parameters", "exclude_input_in_output",
+        "text_input", "messages", "image", "video", "stream", "sampling_parameters", "exclude_input_in_output",
         "return_num_input_tokens", "return_num_output_tokens"]
     assert names(generate.input_tensors("pd"))[2] == "image_layouts" and "image" not in names(generate.input_tensors("pd"))
-    assert names(generate.input_tensors("prefill"))[-3:] == ["original_media", "image", "kv_transfer_params"]
+    assert names(generate.input_tensors("pd"))[3] == "video_layouts" and "video" not in names(generate.input_tensors("pd"))
+    assert names(generate.input_tensors("prefill"))[-4:] == ["original_media", "image", "video", "kv_transfer_params"]
     assert generate.output_names("llm") == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
     assert generate.output_names("prefill")[-2:] == ["timings", "kv_transfer_params"]
 
@@ -59,16 +60,16 @@ def test_values_and_fields_round_trip():
 
 
 def test_a_registered_modality_adds_its_tensors(fake_modality):
-    assert modalities() == (IMAGE, FAKE)
+    assert modalities() == (IMAGE, VIDEO, FAKE)
     llm, pd = names(generate.input_tensors("llm")), names(generate.input_tensors("pd"))
-    assert llm[2:4] == ["image", "fake"] and pd[2:4] == ["image_layouts", "fake_layouts"]
-    assert names(generate.input_tensors("decode"))[-4:] == ["original_media", "image", "fake", "kv_transfer_params"]
+    assert llm[2:5] == ["image", "video", "fake"] and pd[2:5] == ["image_layouts", "video_layouts", "fake_layouts"]
+    assert names(generate.input_tensors("decode"))[-5:] == ["original_media", "image", "video", "fake", "kv_transfer_params"]
     assert '{ name: "fake" data_type: TYPE_STRING dims: [ -1 ] optional: true }' in _generate_io("epd")
     assert generate.input_values({"fakes": [b"f"]})["fake"] == [b"f"]
 
 
 def test_registration_is_undone():
-    assert modalities() == (IMAGE,) and content_part("fake") is None
+    assert modalities() == (IMAGE, VIDEO) and content_part("fake") is None
     assert "fake" not in names(generate.input_tensors())
 
 
@@ -80,8 +81,8 @@ def test_a_registered_modality_s_content_parts_are_parsed(fake_modality):
     assert request.conversation == [{"role": "user", "content": [{"type": "fake"}, {"type": "image"},
                                                                   {"type": "text", "text": "?"}]}]
     assert request.images == (("data:fake/x;base64,Zg==", "messages[0].content[0].fake_url", "fake"), "I")
-    with pytest.raises(InvalidInput, match="use text, image_url, image, fake_url or fake"):
-        parse_generate_request(RawGenerateInputs(messages=json.dumps([{"role": "user", "content": [{"type": "video"}]}])),
+    with pytest.raises(InvalidInput, match="use text, image_url, image, video_url, video, fake_url or fake"):
+        parse_generate_request(RawGenerateInputs(messages=json.dumps([{"role": "user", "content": [{"type": "audio"}]}])),
                                UrlResolver())
 
 

@@ -61,7 +61,7 @@ def test_the_common_part_is_no_handle_of_its_own():
     (lambda d: d.update(model="other:1"), "image_layouts[0].model", "this consumer serves"),
     (lambda d: d.update(dtype="int8"), "image_layouts[0].dtype", "unsupported dtype"),
     (lambda d: d.update(shape=[4]), "image_layouts[0].shape", "tokens, hidden"),
-    (lambda d: d.update(modality="video"), "image_layouts[0].modality", "unsupported modality 'video'"),
+    (lambda d: d.update(modality="audio"), "image_layouts[0].modality", "unsupported modality 'audio'"),
     (lambda d: d.pop("image"), "image_layouts[0].image", "no image block"),
     (lambda d: d["image"].update(grid_thw=[1, 0, 4]), "image_layouts[0].image.grid_thw", "positive"),
     (lambda d: d["image"].update(grid_thw=[1, 4]), "image_layouts[0].image.grid_thw", "positive"),
@@ -128,12 +128,17 @@ def test_a_common_member_of_the_wrong_type_is_named(member, value):
 
 
 def test_placeholder_embeddings_of_a_kv_consumer_have_the_pulled_shape_and_dtype():
-    """A KV consumer on a vLLM that needs the tensor (0.26) gets zeros shaped as ``pull_image_embeds`` would give."""
+    """A KV consumer on a vLLM that needs the tensor (0.26) gets zeros per modality, shaped as ``pull_media_embeds``
+    would give them."""
     import torch
 
-    from backend.transfer.consumer import image_grid, placeholder_image_embeds
+    from backend.protocol.layout import VideoLayout
+    from backend.transfer.consumer import media_grids, placeholder_media_embeds
 
-    layouts = [layout(dtype="bfloat16"), layout(dtype="bfloat16", shape=(16, 128), media=ImageLayout((1, 8, 8)))]
-    zeros = placeholder_image_embeds(layouts)
-    assert zeros.shape == (20, 128) and zeros.dtype == torch.bfloat16 and not zeros.any()
-    assert image_grid(layouts).tolist() == [[1, 4, 4], [1, 8, 8]]
+    layouts = [layout(dtype="bfloat16"), layout(dtype="bfloat16", shape=(8, 128), media=VideoLayout((2, 4, 4))),
+               layout(dtype="bfloat16", shape=(16, 128), media=ImageLayout((1, 8, 8)))]
+    zeros = placeholder_media_embeds(layouts)
+    assert {name: (tuple(t.shape), t.dtype) for name, t in zeros.items()} == {
+        "image": ((20, 128), torch.bfloat16), "video": ((8, 128), torch.bfloat16)}
+    assert not any(t.any() for t in zeros.values())
+    assert media_grids(layouts)["image"].tolist() == [[1, 4, 4], [1, 8, 8]]

@@ -37,3 +37,21 @@ def test_each_item_is_decoded_and_checked_against_its_layout(processor):
     assert info.value.field == "original_media[1]"
     with pytest.raises(InvalidInput):
         process_original_media(media[:1], [layout((1, 8, 8)), layout((1, 2, 4))], processor, MediaLimits())
+
+
+def test_a_video_item_is_decoded_and_run_through_the_video_processor(processor):
+    from backend.encode.encoder import load_video_processor
+    from backend.protocol.layout import VideoLayout
+    from tests.videos import make_video
+
+    video_processor = load_video_processor(CHECKPOINT)
+    limits = MediaLimits(video_processor="Qwen2VLVideoProcessor")
+    clip = make_video(160, 120, frames=45, fps=15)  # 6 frames of 112x84 after resizing: grid (3, 6, 8)
+    media, layouts = [image_bytes(112, 112, seed=1), clip], [layout((1, 8, 8)), SimpleNamespace(media=VideoLayout((3, 6, 8)))]
+    before = decode_counter.count
+    assert process_original_media(media, layouts, processor, limits, video_processor) > 0
+    assert decode_counter.count == before + 2
+    with pytest.raises(InvalidInput, match="video_grid_thw"):
+        process_original_media([clip], [SimpleNamespace(media=VideoLayout((2, 6, 8)))], processor, limits, video_processor)
+    with pytest.raises(InvalidInput, match="no video processor"):
+        process_original_media([clip], [SimpleNamespace(media=VideoLayout((3, 6, 8)))], processor, limits)

@@ -1,4 +1,4 @@
-"""``encoder``: decode, preprocess and encode images; publish embeddings as NIXL leases.
+"""``encoder``: decode, preprocess and encode images and videos; publish embeddings as NIXL leases.
 
 Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. Model parameters: ``backend.protocol.settings.EncoderSettings``
@@ -15,10 +15,12 @@ from PIL import Image
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.engine.host import prepare_process
-from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT
+from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY
 from backend.protocol.layout import content_key
+from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings
-from backend.request.media import MediaLimits
+from backend.request.media import MediaLimits, media_limits
+from backend.request.video import DecodedVideo, video_processor_for
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
@@ -42,11 +44,13 @@ class TritonPythonModel:
         self.pool = EmbeddingPool(settings.pool_bytes, lease_seconds=settings.lease_seconds,
                                   alloc_timeout=settings.alloc_timeout_seconds,
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
-        limits = MediaLimits(max_image_pixels=settings.max_image_pixels, max_item_bytes=settings.max_item_bytes)
+        limits = MediaLimits(**media_limits(settings), video_processor=video_processor_for(model_dir.resolve()))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
-        # first epd request's item): pay that here, on an image nobody asked for, not in a request.
+        # first epd request's item): pay that here, on an image and a video nobody asked for, not in a request.
         self.encoder.encode([Image.new("RGB", (64, 64), (127, 127, 127))])
+        if self.encoder.video_processor is not None:
+            self.encoder.encode([DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), {})])
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
         self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
         self._stop = threading.Event()
@@ -63,14 +67,17 @@ class TritonPythonModel:
             images = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()
             keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
             keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * images.shape[0]
+            kinds = pb_utils.get_input_tensor_by_name(request, ENCODER_MODALITY.name)
+            kinds = [k.decode() if k else IMAGE.name for k in kinds.as_numpy().reshape(-1)] if kinds is not None else \
+                [IMAGE.name] * images.shape[0]
             shapes.append(images.shape)
-            for data, key in zip(images.reshape(-1), keys):
+            for data, key, kind in zip(images.reshape(-1), keys, kinds):
                 data = bytes(data)
                 if isinstance(key, bytes) and key:
-                    jobs.append(EncodeJob(index, data, key.decode()))
+                    jobs.append(EncodeJob(index, data, key.decode(), modality=kind))
                 else:  # computed here from the bytes: the cache may use it as its own key
                     own = content_key(data, self.processing, self.encoder.identity)
-                    jobs.append(EncodeJob(index, data, own, own_key=own))
+                    jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind))
         responses = []
         for request, shape, result in zip(requests, shapes, self.service.run(jobs, len(requests))):
             if isinstance(result, BaseException):

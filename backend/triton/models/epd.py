@@ -12,7 +12,8 @@ import triton_python_backend_utils as pb_utils
 from backend.encode.checkpoint import model_identity, processing_options
 from backend.engine.host import prepare_process
 from backend.engine.loop import LoopThread
-from backend.request.media import MediaLimits
+from backend.protocol.modality import modalities
+from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
 from backend.protocol.errors import InvalidInput
 from backend.protocol.settings import ProxySettings
@@ -63,8 +64,8 @@ class TritonPythonModel:
         settings = load_settings(ProxySettings, args)
         model_dir = (Path(args["model_repository"]) / settings.model).resolve()
         limits = RequestLimits(
-            max_images=settings.max_images,
-            media=MediaLimits(max_image_pixels=settings.max_image_pixels, max_item_bytes=settings.max_item_bytes,
+            **{m.limit_field: getattr(settings, m.limit_field) for m in modalities()},
+            media=MediaLimits(**media_limits(settings),
                               allowed_local_media_path=settings.allowed_local_media_path,
                               allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)))
         mode = settings.topology
