@@ -133,7 +133,6 @@ def encoder_accuracy(tower, cfg) -> dict:
 
 def bench_handoff(quick: bool) -> list[dict]:
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.transfer.cuda_ipc import open_allocation
     from backend.diagnostics.pool_process import ProducerProcess, make_layout
 
     sizes = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -167,53 +166,67 @@ def bench_handoff(quick: bool) -> list[dict]:
                 seconds = statistics.median(times)
                 row[name] = {"GBps": nbytes / seconds / 1e9, "us": seconds * 1e6, "samples": len(times)}
             if nbytes <= (64 << 20):  # four items of one request in one pull_many: one wait, one notification
-                groups = 2 if nbytes > (16 << 20) else 3
-                per_item = []
-                while len(per_item) < 6:
-                    layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, 4 * groups)]
-                    outs = []
-                    for g in range(groups):
-                        started = time.perf_counter()
-                        outs.append(consumers["ipc"].pull_many(layouts[4 * g: 4 * g + 4]))
-                        if g:  # as above: the first call after the publish is not timed
-                            per_item.append((time.perf_counter() - started) / 4)
-                    assert all(torch.equal(out[-1].cpu(), tensor) for out in outs)
-                    del outs
-                    for layout in layouts:
-                        producer.wait_state(layout.handle.lease_id, None)
-                seconds = statistics.median(per_item)
-                row["ipc x4"] = {"GBps": nbytes / seconds / 1e9, "us": seconds * 1e6}
-            # the limit: a bare copy out of the IPC mapping, no lease, tags or notification
-            layout = make_layout(producer.call("publish", tensor), tensor)
-            opened = open_allocation(layout.handle.ipc_handle, layout.handle.pool_bytes, torch.device("cuda"))
-            src = opened.tensor[layout.handle.offset + 16: layout.handle.offset + 16 + nbytes]
-            dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            seconds = _time(lambda src=src: dst.copy_(src), 20)
-            per_copy = []
-            for _ in range(20):  # one copy + wait, as a pull does
-                started = time.perf_counter()
-                dst.copy_(src)
-                torch.cuda.synchronize()
-                per_copy.append(time.perf_counter() - started)
-            per_copy_x4 = []
-            for _ in range(10):  # four copies + one wait, as pull_many of four items does
-                started = time.perf_counter()
-                for _ in range(4):
-                    dst.copy_(src)
-                torch.cuda.synchronize()
-                per_copy_x4.append((time.perf_counter() - started) / 4)
-            row["cuda-ipc copy"] = {"GBps": nbytes / statistics.median(per_copy) / 1e9,
-                                    "us": statistics.median(per_copy) * 1e6,
-                                    "GBps_x4": nbytes / statistics.median(per_copy_x4) / 1e9,
-                                    "GBps_back_to_back": nbytes / seconds / 1e9}
-            del src
-            opened.close()
-            producer.call("release", layout.handle.lease_id)
+                row["ipc x4"] = _pull_many_x4(producer, consumers["ipc"], tensor, nbytes)
+            row["cuda-ipc copy"] = _bare_copy(producer, tensor, nbytes)
             rows.append(row)
             print(json.dumps(row), flush=True)
     for consumer in consumers.values():
         consumer.close()
     return rows
+
+
+def _pull_many_x4(producer, consumer, tensor, nbytes: int) -> dict:
+    """Per item of ``pull_many`` of four items (a request's four images: one wait, one notification)."""
+    from backend.diagnostics.pool_process import make_layout
+
+    groups = 2 if nbytes > (16 << 20) else 3
+    per_item = []
+    while len(per_item) < 6:
+        layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, 4 * groups)]
+        outs = []
+        for g in range(groups):
+            started = time.perf_counter()
+            outs.append(consumer.pull_many(layouts[4 * g: 4 * g + 4]))
+            if g:  # the first call after the publish pays the wake-up of an idle process: not timed
+                per_item.append((time.perf_counter() - started) / 4)
+        assert all(torch.equal(out[-1].cpu(), tensor) for out in outs)
+        del outs
+        for layout in layouts:
+            producer.wait_state(layout.handle.lease_id, None)
+    seconds = statistics.median(per_item)
+    return {"GBps": nbytes / seconds / 1e9, "us": seconds * 1e6}
+
+
+def _bare_copy(producer, tensor, nbytes: int) -> dict:
+    """The limit: a bare copy out of the IPC mapping, no lease, tags or notification (one copy + wait as a pull
+    does, four copies + one wait as pull_many of four does, and copies back to back)."""
+    from backend.diagnostics.pool_process import make_layout
+    from backend.transfer.cuda_ipc import open_allocation
+
+    layout = make_layout(producer.call("publish", tensor), tensor)
+    opened = open_allocation(layout.handle.ipc_handle, layout.handle.pool_bytes, torch.device("cuda"))
+    src = opened.tensor[layout.handle.offset + 16: layout.handle.offset + 16 + nbytes]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    seconds = _time(lambda src=src: dst.copy_(src), 20)
+    per_copy = []
+    for _ in range(20):
+        started = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        per_copy.append(time.perf_counter() - started)
+    per_copy_x4 = []
+    for _ in range(10):
+        started = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        per_copy_x4.append((time.perf_counter() - started) / 4)
+    out = {"GBps": nbytes / statistics.median(per_copy) / 1e9, "us": statistics.median(per_copy) * 1e6,
+           "GBps_x4": nbytes / statistics.median(per_copy_x4) / 1e9, "GBps_back_to_back": nbytes / seconds / 1e9}
+    del src
+    opened.close()
+    producer.call("release", layout.handle.lease_id)
+    return out
 
 
 def handoff_breakdown(quick: bool) -> list[dict]:
@@ -245,22 +258,7 @@ def handoff_breakdown(quick: bool) -> list[dict]:
             row = {"bytes": nbytes}
 
             def measure(name, op, regions, gpu=False):
-                times, gpu_times = [], []
-                for _ in range(3):
-                    for src in regions:
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        started = time.perf_counter()
-                        if gpu:
-                            start.record(stream)
-                        op(src)
-                        if gpu:
-                            end.record(stream)
-                        sync(stream.cuda_stream)
-                        times.append(time.perf_counter() - started)
-                        if gpu:
-                            gpu_times.append(start.elapsed_time(end) * 1e3)
-                row[name] = {"us": statistics.median(times[1:]) * 1e6,
-                             "gpu_us": statistics.median(gpu_times[1:]) if gpu else None}
+                row[name] = _measure(op, regions, stream, sync, gpu)
 
             def copy(src):
                 memcpy(dst.data_ptr(), src, nbytes, 3, stream.cuda_stream)
@@ -285,21 +283,54 @@ def handoff_breakdown(quick: bool) -> list[dict]:
             opened.close()
             for layout in layouts:
                 producer.call("release", layout.handle.lease_id)
-            times = []
-            for _ in range(3):
-                layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, count)]
-                for i, layout in enumerate(layouts):
-                    started = time.perf_counter()
-                    consumer.pull(layout)
-                    if i:
-                        times.append(time.perf_counter() - started)
-                for layout in layouts:
-                    producer.wait_state(layout.handle.lease_id, None)
-            row["pull"] = {"us": statistics.median(times) * 1e6, "gpu_us": None}
+            row["pull"] = {"us": _pull_us(producer, consumer, tensor, count), "gpu_us": None}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        consumer.close()
-        quiet.close()
+        for each in (consumer, quiet):
+            each.close()
+    _print_breakdown(rows)
+    return rows
+
+
+def _measure(op, regions, stream, sync, gpu: bool) -> dict:
+    """Median host us (and, with ``gpu``, CUDA-event us) of ``op(src)`` over ``regions``, three rounds, the first
+    operation left out."""
+    times, gpu_times = [], []
+    for _ in range(3):
+        for src in regions:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started = time.perf_counter()
+            if gpu:
+                start.record(stream)
+            op(src)
+            if gpu:
+                end.record(stream)
+            sync(stream.cuda_stream)
+            times.append(time.perf_counter() - started)
+            if gpu:
+                gpu_times.append(start.elapsed_time(end) * 1e3)
+    return {"us": statistics.median(times[1:]) * 1e6, "gpu_us": statistics.median(gpu_times[1:]) if gpu else None}
+
+
+def _pull_us(producer, consumer, tensor, count: int) -> float:
+    """Median us of a whole ``EmbeddingConsumer.pull`` (release included) of fresh leases, three rounds of
+    ``count``, each round's first pull left out."""
+    from backend.diagnostics.pool_process import make_layout
+
+    times = []
+    for _ in range(3):
+        layouts = [make_layout(doc, tensor) for doc in producer.call("publish_many", tensor, count)]
+        for i, layout in enumerate(layouts):
+            started = time.perf_counter()
+            consumer.pull(layout)
+            if i:
+                times.append(time.perf_counter() - started)
+        for layout in layouts:
+            producer.wait_state(layout.handle.lease_id, None)
+    return statistics.median(times) * 1e6
+
+
+def _print_breakdown(rows: list[dict]) -> None:
     steps = [k for k in rows[0] if k != "bytes"]
     print("\n| size | " + " | ".join(steps) + " |")
     print("|---|" + "---|" * len(steps))
@@ -307,7 +338,6 @@ def handoff_breakdown(quick: bool) -> list[dict]:
         cells = [f"{row[k]['us']:.0f}" + (f" ({row[k]['gpu_us']:.0f})" if row[k]["gpu_us"] is not None else "")
                  for k in steps]
         print(f"| {row['bytes'] >> 20} MiB | " + " | ".join(cells) + " |")
-    return rows
 
 
 def print_tables(encoder_rows: list[dict], handoff_rows: list[dict]) -> None:
