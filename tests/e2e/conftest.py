@@ -169,3 +169,16 @@ def metrics(server, names, **labels) -> dict[str, float]:
             raise AssertionError(f"{name}{labels} not exported")
         out[name] = sum(values)
     return out
+
+
+P_D = {"epd_encode": False}  # P/D: no encoder stage; prefill and decode process the media themselves
+# E+PD; E/P/D (encoders -> prefill -> NIXL KV -> decode); P/D, the same prefill and decode without the encoders
+EPD_DEPLOYMENTS = pytest.mark.parametrize("model, parameters", [("epd", None), ("epd_disagg", None), ("epd_disagg", P_D)],
+                                          ids=["E+PD", "E/P/D", "P/D"])
+
+
+def assert_same_answer(got, want) -> None:
+    """The same text, prompt and output token counts and finish reason (a deployment against the baseline)."""
+    assert got.text == want.text
+    assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
+        want.num_input_tokens, want.num_output_tokens, want.finish_reason)

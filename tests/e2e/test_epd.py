@@ -11,7 +11,7 @@ from backend.triton.counter_batch import CounterBatch
 from backend.protocol.modality import IMAGE
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.images import image_bytes
-from tests.e2e.conftest import metric, metrics
+from tests.e2e.conftest import EPD_DEPLOYMENTS, P_D, assert_same_answer, metric, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -103,19 +103,10 @@ def test_baseline_depends_on_the_image(baseline):
     assert baseline["two_images"].text != baseline["two_images_same"].text
 
 
-P_D = {"epd_encode": False}  # P/D: no encoder stage; prefill and decode process the media themselves
-
-
-# E+PD; E/P/D (encoders -> prefill -> NIXL KV -> decode); P/D, the same prefill and decode without the encoders
-@pytest.mark.parametrize("model, parameters", [("epd", None), ("epd_disagg", None), ("epd_disagg", P_D)],
-                         ids=["E+PD", "E/P/D", "P/D"])
+@EPD_DEPLOYMENTS
 @pytest.mark.parametrize("name", list(CASES))
 def test_epd_returns_the_baseline_tokens(server, baseline, name, model, parameters):
-    got = ask(server, model, **CASES[name], parameters=parameters)
-    want = baseline[name]
-    assert got.text == want.text
-    assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
-        want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+    assert_same_answer(ask(server, model, **CASES[name], parameters=parameters), baseline[name])
 
 
 def test_a_different_image_changes_the_epd_output(server):

@@ -11,7 +11,7 @@ import pytest
 from backend.protocol.modality import IMAGE, VIDEO
 from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import EPD_DEPLOYMENTS, assert_same_answer, metric
 from tests.images import image_bytes
 from tests.videos import make_video
 
@@ -74,15 +74,10 @@ def test_the_baseline_depends_on_the_video(server, baseline):
     assert baseline["two_videos"].text != baseline["one_video"].text
 
 
-@pytest.mark.parametrize("model, parameters", [("epd", None), ("epd_disagg", None), ("epd_disagg", {"epd_encode": False})],
-                         ids=["E+PD", "E/P/D", "P/D"])
+@EPD_DEPLOYMENTS
 @pytest.mark.parametrize("name", list(CASES))
 def test_epd_returns_the_baseline_tokens(server, baseline, name, model, parameters):
-    got = ask(server, model, **CASES[name], parameters=parameters)
-    want = baseline[name]
-    assert got.text == want.text
-    assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
-        want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+    assert_same_answer(ask(server, model, **CASES[name], parameters=parameters), baseline[name])
 
 
 def test_a_different_video_changes_the_epd_output(server, baseline):
