@@ -11,8 +11,9 @@ the encoders, request parameter ``epd_encode=false``; each engine processes the 
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
 latencies read from its profile export (``clients.bench.perf_analyzer.load_level``; the load generator shares
 the server's cores, and the Python one costs ~2-3 ms of CPU per request). Dataset: synthetic
-images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--max-tokens`` greedy tokens
-with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
+images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--modalities image,video`` adds rows of
+synthetic MP4 clips (``--videos`` per request, ``--video-size``, ``--video-frames``, ``--video-fps``) beside the
+image rows, in the same run; ``--max-tokens`` greedy tokens with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
 TTFT, time per output token and end-to-end latency p50/p90/p99, the p50 stage breakdown from the
 orchestrators' ``timings`` (encode, transfer, media, prefill, generate); a markdown table on stdout, a
 progress bar on stderr, and with ``--out DIR`` results.json (rows and every sample), results.csv,
@@ -42,7 +43,8 @@ import sys
 from pathlib import Path
 
 from clients.bench import report as bench_report
-from clients.bench.load import folder_images, folder_requests, run_concurrency, run_rate, synthetic_requests
+from clients.bench.load import (folder_images, folder_requests, run_concurrency, run_rate, synthetic_requests,
+                                synthetic_video_requests)
 
 NAIVE = {"epd_metadata_only": False}
 P_D = {"epd_encode": False}  # E/P/D's prefill and decode without the encoders: they process the media themselves
@@ -75,6 +77,7 @@ class Bench:
         self.levels = [float(v) for v in (args.rate or args.concurrency).split(",")]
         self.media = folder_images(args.image_dir) if args.image_dir else None
         self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
+        self.modalities = args.modalities.split(",")
         self.rows: list[dict] = []
         self.samples: dict[tuple[str, float], list[bench_report.Sample]] = {}
         self.gpu_mib: dict[str, int] = {}
@@ -86,10 +89,15 @@ class Bench:
         self._next_seed = getattr(self, "_next_seed", 0) + count
         return self._next_seed - count
 
-    def requests(self, count: int, parameters: dict | None, first: int = 0):
+    def requests(self, count: int, parameters: dict | None, first: int = 0, modality: str = "image"):
         a = self.args
-        made = (folder_requests(self.media, count, a.images, a.max_tokens, first) if self.media is not None
-                else synthetic_requests(count, a.images, self.sizes, a.max_tokens, first))
+        if modality == "video":
+            made = synthetic_video_requests(count, a.videos, tuple(int(v) for v in a.video_size.split("x")),
+                                            a.video_frames, a.video_fps, a.max_tokens, first)
+        elif self.media is not None:
+            made = folder_requests(self.media, count, a.images, a.max_tokens, first)
+        else:
+            made = synthetic_requests(count, a.images, self.sizes, a.max_tokens, first)
         for inputs in made:
             inputs.parameters = parameters
         return made
@@ -123,21 +131,27 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
-        total = len(deployments) * (len(self.levels) * a.requests + a.warmup)
+        total = len(deployments) * len(self.modalities) * (len(self.levels) * a.requests + a.warmup)
         with tqdm(total=total, desc=f"requests ({', '.join(k for k, _ in deployments)})", unit="req",
                   file=sys.stderr, disable=a.no_progress) as progress:
-            for key, model in deployments:
-                await run_concurrency(url, model, 2, self.requests(a.warmup, DEPLOYMENTS[key][3], first=10**6), progress)
+            for modality in self.modalities:
+                for key, model in deployments:
+                    await run_concurrency(url, model, 2, self.requests(a.warmup, DEPLOYMENTS[key][3], 10**6, modality),
+                                          progress)
             if gpu := proc_cpu.gpu_memory(server_pid):  # after the warm-up: CUDA graphs and compiled blocks are in
                 self.gpu_mib.update(gpu)
                 print(f"GPU memory (MiB) by process: {gpu}", file=sys.stderr)
-            rows = []
+            rows, order = [], []
             for level in self.levels:  # deployments of one server alternate per level: drift hits them alike
-                for key, model in deployments:
+                for modality, (key, model) in ((m, d) for m in self.modalities for d in deployments):
                     label, _, _, parameters = DEPLOYMENTS[key]
+                    if len(self.modalities) > 1:
+                        label = f"{label} [{modality}]"
+                    order.append((self.modalities.index(modality), [k for k, _ in deployments].index(key)))
+                    requests = self.requests(a.requests, parameters, self._fresh(a.requests), modality)
                     before = _scrape(metrics_url)
                     cpu_before = proc_cpu.snapshot(server_pid)
-                    results, wall, load_cpu = await self._level(url, model, level, self.requests(a.requests, parameters, self._fresh(a.requests)), progress)
+                    results, wall, load_cpu = await self._level(url, model, level, requests, progress)
                     cpu = proc_cpu.per_request(cpu_before, proc_cpu.snapshot(server_pid), a.requests)
                     if load_cpu:  # perf_analyzer, a child process: with this one's (idle) share
                         cpu["load generator"] = round(cpu.get("load generator", 0.0) + load_cpu * 1000 / a.requests, 2)
@@ -149,13 +163,14 @@ class Bench:
                     self.samples[(label, level)] = results.samples
                     for error in results.errors[:3]:
                         print(f"{label} @ {level:g}: {error}", file=sys.stderr)
-            order = [DEPLOYMENTS[key][0] for key, _ in deployments]
-            self.rows += sorted(rows, key=lambda r: order.index(r["deployment"]))
+            self.rows += [row for _, row in sorted(zip(order, rows), key=lambda pair: pair[0])]  # stable: levels in turn
 
     def settings(self) -> dict:
         a = self.args
         return {"deployments": a.models.split(","), "mode": self.mode, "levels": self.levels, "requests": a.requests,
                 "images": a.images, "dataset": str(a.image_dir) if a.image_dir else f"synthetic {a.image_sizes}",
+                "modalities": self.modalities, "videos": a.videos if "video" in self.modalities else 0,
+                "video": f"{a.video_size}, {a.video_frames} frames at {a.video_fps:g} fps" if "video" in self.modalities else "",
                 "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
                 "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
                 "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator,
@@ -241,6 +256,12 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--images", type=int, default=1, help="images per request")
     parser.add_argument("--image-sizes", default="64x48,80x64,96x96,112x112", help="synthetic images: WxH,...")
     parser.add_argument("--image-dir", type=Path, help="take the images from this folder instead (name order, round-robin)")
+    parser.add_argument("--modalities", default="image",
+                        help="workloads, rows of their own side by side: image (--images per request), video (--videos)")
+    parser.add_argument("--videos", type=int, default=1, help="videos per request of the video workload")
+    parser.add_argument("--video-size", default="128x96", help="synthetic videos: WxH")
+    parser.add_argument("--video-frames", type=int, default=20, help="synthetic videos: frames in the container")
+    parser.add_argument("--video-fps", type=float, default=10.0, help="synthetic videos: frame rate")
     parser.add_argument("--max-tokens", type=int, default=16, help="output length (greedy, ignore_eos)")
     parser.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
                         help="python: tritonclient's asyncio gRPC streams (clients.bench.load); perf_analyzer: the C++ "
@@ -266,6 +287,10 @@ def parse_args(argv: list[str] | None = None):
     args.topology = args.topology or Path(__file__).resolve().parents[2] / "topologies" / "default.yaml"
     if args.load_generator == "perf_analyzer" and args.rate:
         parser.error("--load-generator perf_analyzer runs the concurrency sweep (--concurrency), not --rate")
+    if any(m not in ("image", "video") for m in args.modalities.split(",")):
+        parser.error(f"--modalities: image and/or video, got {args.modalities!r}")
+    if "video" in args.modalities.split(",") and args.load_generator == "perf_analyzer":
+        parser.error("--load-generator perf_analyzer sends images only; leave video out or use the python one")
     unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
     if unknown:
         parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
@@ -293,7 +318,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run_isolated(bench, keys)
     s = bench.settings()
     load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
-    print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}, "
+    print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}"
+          + (f" / {args.videos} video(s) per request ({s['video']})" if s["video"] else "") + ", "
           f"{args.max_tokens} greedy tokens (ignore_eos); servers: {s['servers']}; engines "
           f"{'compiled' if args.compile and not args.url else 'as configured'}; load generator {args.load_generator}"
           + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")

@@ -1,9 +1,10 @@
 """The benchmark driver's requests and load (``clients.bench.e2e``): datasets, a closed-loop concurrency
 mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC streaming.
 
-- Datasets: ``synthetic_requests`` (random-pixel PNGs of the given sizes) or ``folder_requests`` (the
-  images of a folder, in name order, reused round-robin); ``images`` per request, ``max_tokens`` greedy
-  tokens with ``ignore_eos`` so every request generates the same length.
+- Datasets: ``synthetic_requests`` (random-pixel PNGs of the given sizes), ``folder_requests`` (the
+  images of a folder, in name order, reused round-robin) or ``synthetic_video_requests`` (MP4 clips of
+  ``clients.videos``, one colour pair per request); items per request, ``max_tokens`` greedy tokens with
+  ``ignore_eos`` so every request generates the same length.
 - ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
   request when the previous one finished (closed loop: the load adapts to the server).
 - ``run_rate``: requests sent at Poisson arrival times (``rate_schedule``: exponential gaps of mean
@@ -40,6 +41,20 @@ def synthetic_requests(count: int, images: int, sizes: list[tuple[int, int]], ma
     for seed in range(first, first + count):
         media = [image_bytes(*sizes[(seed + i) % len(sizes)], seed=seed * 7 + i) for i in range(images)]
         out.append(GenerateInputs(prompt=_prompt(seed), images=media, sampling=_sampling(max_tokens), stream=True))
+    return out
+
+
+def synthetic_video_requests(count: int, videos: int, size: tuple[int, int], frames: int, fps: float, max_tokens: int,
+                             first: int = 0) -> list[GenerateInputs]:
+    """``videos`` clips of ``frames`` frames at ``fps`` per request, as ``{"type": "video"}`` chat parts."""
+    from clients.videos import make_video
+
+    out = []
+    for seed in range(first, first + count):
+        clips = [make_video(*size, frames=frames, fps=fps, seed=seed * 7 + i) for i in range(videos)]
+        content = [{"type": "video"}] * videos + [{"type": "text", "text": f"Request {seed}: what happens?"}]
+        out.append(GenerateInputs(messages=[{"role": "user", "content": content}], videos=clips,
+                                  sampling=_sampling(max_tokens), stream=True))
     return out
 
 

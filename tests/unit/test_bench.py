@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clients.bench.e2e import parse_args
-from clients.bench.load import folder_requests, rate_schedule, synthetic_requests
+from clients.bench.load import folder_requests, rate_schedule, synthetic_requests, synthetic_video_requests
 from clients.bench.report import (CSV_FIELDS, Sample, csv_rows, markdown_table, percentile, plot_latency_cdf,
                                   plot_throughput, summarise, write_csv)
 
@@ -86,6 +86,10 @@ def test_datasets():
     assert made[0].sampling == {"temperature": 0.0, "max_tokens": 7, "ignore_eos": True}
     media = [b"a", b"b", b"c"]
     assert [r.images for r in folder_requests(media, 3, images=2, max_tokens=4)] == [[b"a", b"b"], [b"c", b"a"], [b"b", b"c"]]
+    clips = synthetic_video_requests(2, videos=2, size=(64, 48), frames=4, fps=4.0, max_tokens=5, first=3)
+    assert [len(r.videos) for r in clips] == [2, 2] and clips[0].videos[0] != clips[1].videos[0]
+    assert clips[0].videos[0][4:8] == b"ftyp" and not clips[0].images  # MP4 containers, no images
+    assert [p["type"] for p in clips[0].messages[0]["content"]] == ["video", "video", "text"]
 
 
 def test_cli_deployments_and_load_modes():
@@ -98,6 +102,9 @@ def test_cli_deployments_and_load_modes():
         parse_args(["--checkpoint", "/tmp/ckpt"])
     shared = parse_args(["--shared", "--topology", "topologies/checkpoint-gpu.yaml", "--checkpoint", "/tmp/ckpt"])
     assert shared.shared_topology and str(shared.checkpoint) == "/tmp/ckpt"
+    with pytest.raises(SystemExit):
+        parse_args(["--modalities", "image,audio"])
+    assert parse_args(["--modalities", "image,video", "--videos", "2"]).videos == 2
     committed = parse_args(["--shared"])
     assert not committed.shared_topology and committed.topology.name == "default.yaml"
 
