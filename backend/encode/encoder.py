@@ -262,8 +262,9 @@ class EncoderService:
     ``run`` returns, per request index, the layout JSON documents of its items or the exception that
     failed it; a bad item fails only its own request. Items whose embeddings are in the cache
     (``cache_bytes`` > 0; same bytes, processing options and model, and part) are published again without being
-    decoded or encoded (``cache_hits``); every item gets its own lease either way. A video part with no temporal
-    patches (more parts than the video has) gets no lease: its layout is "" (``PART_PARAMETER``).
+    decoded or encoded (``cache_hits``); every item gets its own lease either way. Items of one batch with the same
+    bytes are decoded once (two parts of a video Triton batched together). A video part with no temporal patches
+    (more parts than the video has) gets no lease: its layout is "" (``PART_PARAMETER``).
     """
 
     def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
@@ -275,10 +276,11 @@ class EncoderService:
         self.encode_seconds = 0.0
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import LayoutMetadata, content_key
+        from backend.protocol.layout import content_key
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
+        decoded: dict[tuple[str, bytes], object] = {}  # one decode per item of the batch (a video's parts share it)
         for job in jobs:
             if isinstance(results[job.request_index], BaseException):
                 continue
@@ -289,8 +291,10 @@ class EncoderService:
                 ready.append([job, cached, key, None])
                 continue
             try:
-                decoded = self._part(job, _decode(job, self.limits))
-                ready.append([job, EMPTY_PART if decoded is EMPTY_PART else None, key, decoded])
+                if (job.modality, job.data) not in decoded:
+                    decoded[job.modality, job.data] = _decode(job, self.limits)
+                item = self._part(job, decoded[job.modality, job.data])
+                ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
             except Exception as exc:
                 results[job.request_index] = exc
         # a request with one bad item fails whole; its other items are not encoded
@@ -314,6 +318,14 @@ class EncoderService:
                 if ready[index][2]:
                     self.cache.put(ready[index][2], item)
         self.cache_hits += sum(entry[1] is not EMPTY_PART for entry in ready) - len(misses)
+        self._publish(ready, results)
+        return results
+
+    def _publish(self, ready: list[list], results: list) -> None:
+        """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request
+        whose lease cannot be had fails, and the leases it got are released)."""
+        from backend.protocol.layout import LayoutMetadata
+
         leases: dict[int, list[str]] = {}
         # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
         # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
@@ -337,8 +349,6 @@ class EncoderService:
                                     shape=tuple(item.embeddings.shape), handle=handle,
                                     media=item.media())
             results[job.request_index].append(layout.to_json())
-        return results
-
 
     def _part(self, job: EncodeJob, decoded):
         """``decoded`` as the item the job asks for: the whole, its ``VideoPart``, or ``EMPTY_PART``."""

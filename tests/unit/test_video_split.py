@@ -17,7 +17,7 @@ from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.generate import parse_part, part_range
 from backend.protocol.layout import LayoutMetadata, NixlHandle, VideoLayout, content_key
 from backend.request.generate import LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.request.media import MediaLimits
+from backend.request.media import MediaLimits, decode_counter
 from backend.request.video import decode_video
 from backend.transfer.consumer import media_grids
 from tests.videos import make_video
@@ -123,6 +123,12 @@ def test_the_service_keys_parts_apart_answers_an_empty_part_with_nothing_and_ref
     assert service.cache_hits == 1  # the whole video again; part 1 was encoded, not served from the whole's entry
     assert LayoutMetadata.from_json(again[0][0], "v").media == VideoLayout((1, 4, 4), (1, 2))
     assert len(pool.published) == 4  # no lease for the empty part
+    before = decode_counter.count
+    longer = make_video(64, 64, frames=16, fps=4, seed=13)  # 8 frames: 4 temporal patches
+    both = service.run([EncodeJob(0, longer, "a", modality="video", part=(0, 2)),
+                        EncodeJob(1, longer, "b", modality="video", part=(1, 2))], 2)
+    assert decode_counter.count == before + 1  # two parts of one video in one batch: one decode
+    assert [LayoutMetadata.from_json(r[0], "v").media.part for r in both] == [(0, 4), (2, 4)]
 
 
 def _layout(grid, part=None, key="k") -> LayoutMetadata:
