@@ -1,5 +1,5 @@
-"""E2E: a video split across two encoder instances (``video_split: 2``) in a real tritonserver: ``epd`` gives the
-``llm`` baseline's tokens, and the unsplit path's (metadata-only off encodes each video whole), for videos of many
+"""E2E: a video split across two encoder instances (``video_split: 2``) in a real tritonserver: ``epd`` (E+PD) and
+``epd_disagg`` (E/P/D) give the ``llm`` baseline's tokens, and the unsplit path's (metadata-only off encodes each video whole), for videos of many
 temporal patches, of one (one part is empty), and two at once; the parts come from two encoder instances."""
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ CLIPS = {
 @pytest.fixture(scope="module")
 def split_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("video-split") / "repo"
-    render(split_topology(load(ROOT / "topologies" / "default.yaml", "cpu"), ("baseline", "E+PD"), encoders=2, split=2),
+    render(split_topology(load(ROOT / "topologies" / "default.yaml", "cpu"), ("baseline", "E+PD", "E/P/D"), encoders=2,
+                          split=2),
            repo)
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
@@ -41,11 +42,17 @@ def ask(server, model: str, videos, **kw):
                     timeout=180)
 
 
+@pytest.fixture(scope="module")
+def baseline(split_server):
+    return {name: ask(split_server, "llm", videos) for name, videos in CLIPS.items()}
+
+
+@pytest.mark.parametrize("model", ["epd", "epd_disagg"])
 @pytest.mark.parametrize("name", list(CLIPS))
-def test_split_epd_gives_the_baseline_and_the_unsplit_tokens(split_server, name):
-    want = ask(split_server, "llm", CLIPS[name])
-    split = ask(split_server, "epd", CLIPS[name])
-    whole = ask(split_server, "epd", CLIPS[name], parameters={"epd_metadata_only": False})
+def test_split_epd_gives_the_baseline_and_the_unsplit_tokens(split_server, baseline, name, model):
+    want = baseline[name]
+    split = ask(split_server, model, CLIPS[name])
+    whole = ask(split_server, model, CLIPS[name], parameters={"epd_metadata_only": False})
     for got in (split, whole):
         assert (got.text, got.num_input_tokens, got.num_output_tokens) == (want.text, want.num_input_tokens,
                                                                            want.num_output_tokens)
@@ -55,8 +62,9 @@ def test_split_epd_gives_the_baseline_and_the_unsplit_tokens(split_server, name)
 
 
 def test_the_parts_come_from_both_encoder_instances(split_server):
-    """Triton's dynamic batcher may still put both parts in one batch (rendered without a queue delay, an idle
-    instance takes a request at once): of fresh videos, most requests must have had their parts on two."""
+    """Triton's dynamic batcher may put both parts in one batch of one instance; rendered without a queue delay and
+    with the parts' requests 2 ms apart, an idle instance takes each (docs/operations.md, ``video_split``): of fresh
+    videos, most requests must have had their parts on two instances (a busy machine may delay one)."""
     seen = [ask(split_server, "epd", [make_video(160, 120, frames=75, fps=15, seed=310 + i)]).timings["encoders"]
             for i in range(4)]
     print("encoders per request:", seen)
