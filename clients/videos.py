@@ -1,5 +1,6 @@
-"""Synthetic videos (for the benchmarks and the tests): small clips written with OpenCV's ``mp4v`` encoder (deterministic for the same arguments):
-a coloured background per ``seed`` and a disc moving across it, so frames differ in time and videos between seeds."""
+"""Synthetic test and benchmark videos: small clips written with OpenCV's ``mp4v`` encoder (deterministic for the same
+arguments): a coloured background per ``seed`` and a disc moving across it, so frames differ in time and videos between
+seeds."""
 from __future__ import annotations
 
 import os

@@ -49,8 +49,8 @@ class LocalStages:
         self.remote, self.engine, self.resolver, self.limits = remote, engine, resolver, limits
         self.prepare, self.interval, self.local = prepare, interval, local
 
-    async def encode(self, item: MediaBytes, key: str) -> str:
-        return await self.remote.encode(item, key)
+    async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
+        return await self.remote.encode(item, key, part)
 
     def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         if stage is self.local:

@@ -9,7 +9,8 @@ only the media layouts), and streams decode's output.
 Request lifecycle::
 
     RECEIVED -> VALIDATED (parse with EncodedMedia: media stay bytes, nothing decoded here)
-             -> ENCODING  (one StageClient.encode per item, all at once; text-only requests skip it)
+             -> ENCODING  (one StageClient.encode per item, all at once; text-only requests skip it; with
+                           video_split N, one per part of each video, N parts, all at once too)
              -> REWRITTEN (per modality, backend.protocol.modality: media tensor removed, messages' media parts ->
                            {"type": "image"}, image_layouts = the encoders' layout metadata, in prompt order;
                            text_input / sampling settings untouched)
@@ -52,15 +53,16 @@ from typing import AsyncIterator, Protocol
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.protocol.generate import ENCODE_PARAMETER
 from backend.protocol.layout import content_key
-from backend.protocol.modality import modalities
+from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
 
 
 class StageClient(Protocol):
-    async def encode(self, item: MediaBytes, key: str) -> str:
-        """Encode one item; returns its layout metadata JSON. Raises ``EpdError``s."""
+    async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
+        """Encode one item, or part ``(i, n)`` of a video (``backend.protocol.generate.PART_PARAMETER``); returns its
+        layout metadata JSON ("" for a part with no temporal patches). Raises ``EpdError``s."""
 
     def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         """Stream the chunks of the generator stage ``stage`` (pd, prefill or decode); the one carrying ``finish_reason`` is the last. Closing the
@@ -80,11 +82,14 @@ class Orchestrator:
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
                  mode: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0, metadata_only: bool = True,
-                 stages_take_media: bool = False):
+                 stages_take_media: bool = False, video_split: int = 1):
         """``mode``: which generator stages a request goes through (``mode.generators``, the last streams to the
         client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
-        decode models), so a request may skip the encoders (``run(encode=False)``: P/D)."""
+        decode models), so a request may skip the encoders (``run(encode=False)``: P/D). ``video_split``: each video
+        of a metadata-only request is encoded in that many parts at once (their layouts go on in order; a video of
+        fewer temporal patches has that many parts, the encoders answer the others with nothing)."""
         self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
+        self.video_split = video_split
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
         self.media = EncodedMedia(limits.media)
 
@@ -118,13 +123,17 @@ class Orchestrator:
     async def _run(self, raw: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
         request = self.validate(raw)
+        owners = request.images  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                layouts = await self._encode_all(request.images, state)
-                timings.update(items=len(layouts), encode_ms=_ms(started),
+                encoded = await self._encode_all(request.images, state)
+                owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
+                timings.update(items=len(request.images), encode_ms=_ms(started),
                                encoders=sorted({layout.producer for layout in layouts if layout.producer}))
-                rewritten = _metadata_only(raw, request, layouts, state.metadata_only)
+                if len(layouts) > len(request.images):
+                    timings["parts"] = len(layouts)
+                rewritten = _metadata_only(raw, request, encoded, state.metadata_only)
             else:  # P/D: the request as it came (validated above); prefill and decode process its media
                 rewritten = raw
             try:
@@ -132,7 +141,7 @@ class Orchestrator:
                 return
             except Unavailable as exc:
                 if state.sent or state.request_retries >= self.RETRIES:
-                    raise _in_client_terms(exc, request.images) from None
+                    raise _in_client_terms(exc, owners) from None
                 state.retried("request")  # nothing reached the client: encode again, ask the stages again
 
     async def _generate(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
@@ -185,16 +194,25 @@ class Orchestrator:
         timings["prefill_ms"] = _ms(started)
         return replace(rewritten, kv_transfer_params=json.dumps(params))
 
-    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list["EncodedLayout"]:
+    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list[tuple[MediaBytes, "EncodedLayout"]]:
+        """Every item's layouts, in order, each with its item: one per item, or one per part of a video split in
+        parts (those with no temporal patches left out)."""
         if not items:
             return []
-        keys = [content_key(item.data, self.identity.processing, self.identity.model) for item in items]
-        return list(await asyncio.gather(*(self._encode(item, key, state) for item, key in zip(items, keys))))
+        split = self.video_split if state.metadata_only else 1  # naive EPD's consumers pair media and layouts 1:1
+        jobs = [(item, part) for item in items
+                for part in ([(i, split) for i in range(split)] if item.modality == VIDEO.name and split > 1 else [None])]
+        layouts = await asyncio.gather(*(self._encode(item, content_key(item.data, self.identity.processing,
+                                                                        self.identity.model, part), state, part)
+                                         for item, part in jobs))
+        return [(item, layout) for (item, _), layout in zip(jobs, layouts) if layout is not None]
 
-    async def _encode(self, item: MediaBytes, key: str, state: "_State") -> "EncodedLayout":
+    async def _encode(self, item: MediaBytes, key: str, state: "_State",
+                      part: tuple[int, int] | None = None) -> "EncodedLayout | None":
         for attempt in range(self.RETRIES + 1):
             try:
-                return EncodedLayout.read(await self.stages.encode(item, key), item.field)
+                text = await self.stages.encode(item, key, part)
+                return None if part and text == "" else EncodedLayout.read(text, item.field)
             except InvalidInput as exc:  # the encoder names "image"; the client sent it as item.field
                 raise InvalidInput(item.field, exc.problem) from None
             except Overloaded as exc:  # no retry: asking a full encoder again at once only adds load
@@ -248,14 +266,15 @@ class EncodedLayout:
         return cls(text, producer if isinstance(producer, str) else "")
 
 
-def _metadata_only(raw: RawGenerateInputs, request, layouts: list[EncodedLayout], metadata_only: bool) -> RawGenerateInputs:
-    """The request for the generator stages: no media, each modality's layouts (the encoders' answers, in prompt
-    order), messages' media parts as {"type": <item part>}; metadata-only off: the client's media beside them."""
+def _metadata_only(raw: RawGenerateInputs, request, layouts: list[tuple[MediaBytes, EncodedLayout]],
+                   metadata_only: bool) -> RawGenerateInputs:
+    """The request for the generator stages: no media, each modality's layouts (the encoders' answers, each with its
+    item, in prompt order), messages' media parts as {"type": <item part>}; metadata-only off: the client's media
+    beside them."""
     fields = {}
     for m in modalities():
         fields[m.media_field] = ()
-        fields[m.layout_field] = tuple(layout.text for item, layout in zip(request.images, layouts)
-                                       if item.modality == m.name)
+        fields[m.layout_field] = tuple(layout.text for item, layout in layouts if item.modality == m.name)
     fields = {name: value for name, value in fields.items() if hasattr(raw, name)}
     return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.images),
                    messages=json.dumps(request.conversation) if request.conversation is not None else None)
@@ -263,7 +282,8 @@ def _metadata_only(raw: RawGenerateInputs, request, layouts: list[EncodedLayout]
 
 def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavailable:
     """A stage names the item it could not get by its own field, ``image_layouts[i]`` (the i-th layout of its
-    modality); the client sent it as that item's ``field``."""
+    modality); the client sent it as that item's ``field`` (``items``: the client's item of each layout, in order: a
+    video's parts each name it)."""
     name, _, index = exc.field.partition("[")
     for m in modalities():
         own = [item for item in items if item.modality == m.name]

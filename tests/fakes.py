@@ -109,14 +109,16 @@ class FakeStages:
         self.fail_items = {fail_item} if isinstance(fail_item, int) else set(fail_item or ())
         self.generate_error, self.generate_failures, self.fail_after_chunks = generate_error, generate_failures, fail_after_chunks
         self.encoded: list[tuple[bytes, str]] = []
+        self.parts: list = []  # the part asked for by each encode call (None: a whole item)
         self.generated = []
         self.stages_called = []
         self.aborted = 0
         self.active = self.peak = 0
 
-    async def encode(self, item, key):
+    async def encode(self, item, key, part=None):
         index = len(self.encoded)
         self.encoded.append((item.data, key))
+        self.parts.append(part)
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:

@@ -101,7 +101,11 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     body = f'name: "{name}"\nbackend: "python"\n'
     if kind is ModelKind.ENCODER:
         spec = topology.stages[kind.stage]
-        body += "max_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n\n"
+        # video parts (video_split) are asked for at once, to run on different instances: a queue delay would gather
+        # them into one batch of one instance, so an idle instance takes a request at once (batches still form
+        # while every instance is busy)
+        delay = 0 if topology.video_split > 1 else 2000
+        body += f"max_batch_size: 32\ndynamic_batching {{ max_queue_delay_microseconds: {delay} }}\n\n"
         body += _io("input", generate.ENCODER_INPUTS) + _io("output", generate.ENCODER_OUTPUTS) + "\n" + _instances(spec) + "\n"
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
@@ -123,6 +127,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
+        if topology.video_split > 1:
+            params["video_split"] = _fmt(topology.video_split)
         return header + body + _params(params)
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value
@@ -135,6 +141,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too
             names["allowed_media_domains"] = ",".join(topology.engine_args["allowed_media_domains"])
         per_request = {m.limit_field: _fmt(topology.limits[m.limit_field]) for m in modalities()}
+        if topology.video_split > 1:
+            per_request["video_split"] = _fmt(topology.video_split)
         return header + body + _params({**names, **per_request, **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"

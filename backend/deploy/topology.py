@@ -58,7 +58,8 @@ DEPLOYMENTS = {"baseline": (Stage.LLM.value,), **{mode.value: tuple(s.value for 
 ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
-TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms"}
+TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
+            "video_split"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
@@ -142,6 +143,7 @@ class Topology:
     transfer: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
+    video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
@@ -260,10 +262,14 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     interval = doc.get("stream_interval_ms", 0)
     if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
         raise TopologyError(f"{path}: stream_interval_ms: expected a number >= 0, got {interval!r}")
+    split = doc.get("video_split", 1)
+    if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_INSTANCES:
+        raise TopologyError(f"{path}: video_split: expected an integer from 1 to {MAX_INSTANCES}, got {split!r}")
     return Topology(name=str(doc.get("name") or path.stem),
                     checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                     transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
+                    video_split=split,
                     source=_source(path))
 
 

@@ -6,6 +6,12 @@ them) go through one processor call per modality and one tower forward (the Qwen
 image, and within each temporal patch of a video, via ``cu_seqlens``), and the output is split back per item. The
 embeddings are what vLLM's language model expects as ``image_embeds`` / ``video_embeds``.
 
+A ``VideoPart`` is one slice of a video's temporal patches (``backend.protocol.generate.PART_PARAMETER``): patch
+embedding, the 2D rotary positions (h, w) and the 2x2 merger all work within one temporal patch, so the slice's
+embeddings are the corresponding rows of the whole video's. Only the slice's frames are preprocessed (frames per
+temporal patch: ``temporal_patch_size``) where the video processor resizes a frame without looking at how many
+there are (``cap_pixels_per_frame`` off, Qwen2-VL's default); otherwise all frames are, and the rows are cut after.
+
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
 against the whole checkpoint).
 """
@@ -20,6 +26,7 @@ from PIL import Image
 
 from backend.encode.checkpoint import model_identity
 from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import PART_PARAMETER, part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO, modality
 from backend.request import image, video  # noqa: F401 - register the modalities' handlers
@@ -38,12 +45,24 @@ class LoadReport:
 @dataclass(frozen=True)
 class EncodedItem:
     embeddings: torch.Tensor             # [tokens, hidden]
-    image_grid_thw: tuple[int, int, int]  # the item's patch grid (a video's too)
+    image_grid_thw: tuple[int, int, int]  # the item's patch grid (a video's too; a video part's own)
     modality: str = IMAGE.name
+    part: tuple[int, int] | None = None  # a video part's (first temporal patch, the video's count)
 
     def media(self) -> ModalityLayout:
         """The layout's per-modality block of this item."""
+        if self.part is not None:
+            return MODALITY_LAYOUTS[self.modality](self.image_grid_thw, self.part)
         return MODALITY_LAYOUTS[self.modality](self.image_grid_thw)
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """Part ``(i, n)`` of a decoded video (``backend.request.video.DecodedVideo``): its temporal patches
+    ``part_range(part, T)``, T the video's."""
+
+    video: object
+    part: tuple[int, int]
 
 
 class VisionEncoder:
@@ -101,13 +120,14 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def encode(self, items: list) -> list[EncodedItem]:
-        """Embeddings of ``items`` (RGB images and ``DecodedVideo``s, in any mix), in their order: one processor call
-        per modality, one tower forward for all (the tower treats a video's temporal patches as it treats images)."""
+        """Embeddings of ``items`` (RGB images, ``DecodedVideo``s and ``VideoPart``s, in any mix), in their order: one
+        processor call per modality, one tower forward for all (the tower treats a video's temporal patches as it
+        treats images)."""
         if not items:
             return []
         images = [i for i, item in enumerate(items) if isinstance(item, Image.Image)]
         videos = [i for i, item in enumerate(items) if not isinstance(item, Image.Image)]
-        pixels, grids, order = [], [], []
+        pixels, grids, order, parts = [], [], [], {}
         if images:
             batch = self.processor(images=[items[i] for i in images], return_tensors="pt")
             pixels.append(batch["pixel_values"])
@@ -116,18 +136,53 @@ class VisionEncoder:
         if videos:
             if self.video_processor is None:
                 raise ValueError("this checkpoint has no video processor")
+            frames, cuts = zip(*(self._frames(items[i]) for i in videos))
             # frames only, as vLLM's Qwen2-VL processing passes them (its data parser drops the loader's metadata)
-            batch = self.video_processor(videos=[items[i].frames for i in videos], return_tensors="pt")
-            pixels.append(batch["pixel_values_videos"])
-            grids.append(batch["video_grid_thw"])
+            batch = self.video_processor(videos=list(frames), return_tensors="pt")
+            video_pixels, video_grid = _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
+            pixels.append(video_pixels)
+            grids.append(video_grid)
             order += [(i, VIDEO.name) for i in videos]
+            parts = {i: part_range(items[i].part, self.temporal_patches(items[i].video))
+                     for i in videos if isinstance(items[i], VideoPart)}
         grid = torch.cat(grids)
         embeds = self.forward(torch.cat(pixels).to(self.device, self.dtype), grid)
         sizes = (grid.prod(-1) // (self.merge_size ** 2)).tolist()
         out: list[EncodedItem | None] = [None] * len(items)
         for (index, name), e, g in zip(order, embeds.split(sizes), grid.tolist()):
-            out[index] = EncodedItem(e, tuple(int(x) for x in g), name)
+            part = (parts[index][0], self.temporal_patches(items[index].video)) if index in parts else None
+            out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part)
         return out
+
+    def temporal_patches(self, video) -> int:
+        """A decoded video's grid t: its frames over ``temporal_patch_size``, rounded up (the processor pads)."""
+        size = self.video_processor.temporal_patch_size
+        return -(-len(video.frames) // size)
+
+    def _frames(self, item):
+        """The frames to preprocess for a video or a video part, and the temporal patches ``(first, stop)`` to cut
+        out of the result afterwards (None: all of it)."""
+        if not isinstance(item, VideoPart):
+            return item.frames, None
+        first, stop = part_range(item.part, self.temporal_patches(item.video))
+        if getattr(self.video_processor, "cap_pixels_per_frame", None):  # the frame count changes each frame's size
+            return item.video.frames, (first, stop)
+        size = self.video_processor.temporal_patch_size
+        return item.video.frames[first * size: stop * size], None
+
+
+def _cut(pixels: torch.Tensor, grid: torch.Tensor, cuts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows and grid rows of the temporal patches ``cuts[k]`` (``(first, stop)``, None: all) of each video k of
+    a processor's output (a video's rows: t groups of h*w patches, in order)."""
+    if all(cut is None for cut in cuts):
+        return pixels, grid
+    rows, thw, offset = [], [], 0
+    for (t, h, w), cut in zip(grid.tolist(), cuts):
+        first, stop = cut or (0, t)
+        rows.append(pixels[offset + first * h * w: offset + stop * h * w])
+        thw.append([stop - first, h, w])
+        offset += t * h * w
+    return torch.cat(rows), torch.tensor(thw, dtype=grid.dtype)
 
 
 def load_video_processor(model_dir: Path):
@@ -164,8 +219,9 @@ class EncodeJob:
     request_index: int
     data: bytes
     content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
-    own_key: str = ""  # the key computed in this process from ``data``, if already done (the cache's key)
+    own_key: str = ""  # the key computed in this process from ``data`` (and ``part``), if already done (the cache's key)
     modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
+    part: tuple[int, int] | None = None  # part (i, n) of a video (backend.protocol.generate.PART_PARAMETER)
 
 
 class EmbeddingCache:
@@ -205,8 +261,10 @@ class EncoderService:
     Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
     ``run`` returns, per request index, the layout JSON documents of its items or the exception that
     failed it; a bad item fails only its own request. Items whose embeddings are in the cache
-    (``cache_bytes`` > 0; same bytes, processing options and model) are published again without being
-    decoded or encoded (``cache_hits``); every item gets its own lease either way.
+    (``cache_bytes`` > 0; same bytes, processing options and model, and part) are published again without being
+    decoded or encoded (``cache_hits``); every item gets its own lease either way. Items of one batch with the same
+    bytes are decoded once (two parts of a video Triton batched together). A video part with no temporal patches
+    (more parts than the video has) gets no lease: its layout is "" (``PART_PARAMETER``).
     """
 
     def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
@@ -218,20 +276,25 @@ class EncoderService:
         self.encode_seconds = 0.0
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import LayoutMetadata, content_key
+        from backend.protocol.layout import content_key
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
+        decoded: dict[tuple[str, bytes], object] = {}  # one decode per item of the batch (a video's parts share it)
         for job in jobs:
             if isinstance(results[job.request_index], BaseException):
                 continue
-            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity)) if self.cache.max_bytes else ""
+            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity, job.part)) \
+                if self.cache.max_bytes else ""
             cached = self.cache.get(key) if key else None
             if cached is not None and cached.modality == job.modality:
                 ready.append([job, cached, key, None])
                 continue
             try:
-                ready.append([job, None, key, _decode(job, self.limits)])
+                if (job.modality, job.data) not in decoded:
+                    decoded[job.modality, job.data] = _decode(job, self.limits)
+                item = self._part(job, decoded[job.modality, job.data])
+                ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
             except Exception as exc:
                 results[job.request_index] = exc
         # a request with one bad item fails whole; its other items are not encoded
@@ -254,13 +317,24 @@ class EncoderService:
                 ready[index][1] = item
                 if ready[index][2]:
                     self.cache.put(ready[index][2], item)
-        self.cache_hits += len(ready) - len(misses)
+        self.cache_hits += sum(entry[1] is not EMPTY_PART for entry in ready) - len(misses)
+        self._publish(ready, results)
+        return results
+
+    def _publish(self, ready: list[list], results: list) -> None:
+        """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request
+        whose lease cannot be had fails, and the leases it got are released)."""
+        from backend.protocol.layout import LayoutMetadata
+
         leases: dict[int, list[str]] = {}
         # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
         # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
         deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
         for job, item, _, _ in ready:
             if isinstance(results[job.request_index], BaseException):
+                continue
+            if item is EMPTY_PART:
+                results[job.request_index].append("")
                 continue
             try:
                 handle = self.pool.publish(item.embeddings, timeout=max(0.0, deadline - time.monotonic()))
@@ -275,7 +349,18 @@ class EncoderService:
                                     shape=tuple(item.embeddings.shape), handle=handle,
                                     media=item.media())
             results[job.request_index].append(layout.to_json())
-        return results
+
+    def _part(self, job: EncodeJob, decoded):
+        """``decoded`` as the item the job asks for: the whole, its ``VideoPart``, or ``EMPTY_PART``."""
+        if job.part is None:
+            return decoded
+        if job.modality != VIDEO.name:
+            raise InvalidInput(f"parameters.{PART_PARAMETER}", f"only a video is encoded in parts, not an {job.modality}")
+        first, stop = part_range(job.part, self.encoder.temporal_patches(decoded))
+        return VideoPart(decoded, job.part) if stop > first else EMPTY_PART
+
+
+EMPTY_PART = object()  # a video part with no temporal patches: nothing to encode, an empty layout
 
 
 def _decode(job: EncodeJob, limits):

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from backend.protocol.errors import InvalidInput
 from backend.protocol.modality import IMAGE, Modality, modalities
 from backend.protocol.stages import Stage
 
@@ -33,6 +34,24 @@ CANCEL_PARAMETER = "epd_cancel"
 METADATA_ONLY_PARAMETER = "epd_metadata_only"
 # (bool) whether the request goes through the encoders (false: P/D, E/P/D's prefill and decode process the media)
 ENCODE_PARAMETER = "epd_encode"
+# (string "i/n") an encoder request for part i of n of a video: the tower runs on its temporal patches
+# [i*T//n, (i+1)*T//n) only (T: the video's grid t), the layout says which (backend.protocol.layout.VideoLayout.part);
+# a part with no temporal patches (n > T) answers an empty layout ("": nothing to consume)
+PART_PARAMETER = "epd_part"
+
+
+def parse_part(text: str, field: str = f"parameters.{PART_PARAMETER}") -> tuple[int, int]:
+    """``"i/n"`` as ``(i, n)``, 0 <= i < n; anything else is InvalidInput naming ``field``."""
+    index, _, count = str(text).partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise InvalidInput(field, f"expected 'i/n' with 0 <= i < n, got {text!r}")
+    return int(index), int(count)
+
+
+def part_range(part: tuple[int, int], total: int) -> tuple[int, int]:
+    """The temporal patches ``[first, stop)`` of part ``(i, n)`` of a video of ``total``: ``[i*T//n, (i+1)*T//n)``."""
+    index, count = part
+    return index * total // count, (index + 1) * total // count
 
 LLM, EPD, PD, PREFILL, DECODE = Stage.LLM, Stage.ORCHESTRATOR, Stage.PD, Stage.PREFILL, Stage.DECODE
 KINDS = (LLM, EPD, PD, PREFILL, DECODE)  # the roles that speak the generate interface

@@ -8,7 +8,7 @@ per-modality block only: the image's or video's grid).
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
 serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
 
-    {"version": 5, "content_key": "..", "modality": "image", "model": "..", "dtype": "float32",
+    {"version": 6, "content_key": "..", "modality": "image", "model": "..", "dtype": "float32",
      "shape": [64, 1536], "handle": {"transport": "shared_memory", ..}, "image": {"grid_thw": [1, 16, 16]}}
 
 Two parts vary, each named by a discriminator and parsed into its own class:
@@ -17,8 +17,8 @@ Two parts vary, each named by a discriminator and parsed into its own class:
   names a NIXL-registered region (agent, descriptors): the READ any consumer can do, and the channel its release
   notification takes; ``shared_memory`` and ``cuda_ipc`` add what their same-host fast path needs.
 - ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``): ``image`` and
-  ``video`` (``{"grid_thw": [t, h, w]}`` each). Audio adds a class there, with its own fields; the common part
-  stays as it is.
+  ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``).
+  Audio adds a class there, with its own fields; the common part stays as it is.
 """
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ from backend.protocol.errors import InvalidInput
 #   5  handle.transport: one handle type per transport, with only its own fields; the per-modality block
 #      ("image": {"grid_thw"}) in place of the top-level image_grid_thw; "video": {"grid_thw"} (a modality a
 #      version-5 consumer may not know is refused naming <field>.modality, so adding one is no new version)
-SCHEMA_VERSION = 5
+#   6  video.part: [first_t, total_t] for a slice of a video's temporal patches (one encoder's share of a video split
+#      across encoders); a version-5 consumer would ignore the member and take each slice for a whole video
+SCHEMA_VERSION = 6
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
 
 
@@ -241,9 +243,38 @@ class ImageLayout(GridLayout):
 @dataclass(frozen=True)
 class VideoLayout(GridLayout):
     """A video's block: its patch grid, ``t`` the temporal patches (sampled frames / temporal_patch_size), vLLM's
-    ``video_grid_thw`` (Qwen2-VL's M-RoPE needs nothing else of a video; its tower attends within each ``t``)."""
+    ``video_grid_thw`` (Qwen2-VL's M-RoPE needs nothing else of a video; its tower attends within each ``t``).
+
+    ``part``: for one slice of a video encoded in parts (``backend.protocol.generate.PART_PARAMETER``), the slice's
+    first temporal patch and the whole video's count, ``(first_t, total_t)``; ``grid_thw`` is then the slice's own
+    grid. The consumer joins consecutive slices that cover ``[0, total_t)`` into the video's grid row
+    (``backend.transfer.consumer.media_grids``). None: the whole video."""
 
     modality: ClassVar[str] = "video"
+    part: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.part is not None:
+            first, total = self.part
+            if first < 0 or first + self.grid_thw[0] > total:
+                raise ValueError(f"part {list(self.part)} does not hold a slice of {self.grid_thw[0]} temporal patches")
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = super().to_doc()
+        if self.part is not None:
+            doc["part"] = list(self.part)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "VideoLayout":
+        grid = GridLayout.from_doc(doc, where).grid_thw
+        if "part" not in doc:
+            return cls(grid)
+        try:
+            part = _ints(doc["part"], 2)
+            return cls(grid, part)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"{where}.part", f"expected [first_t, total_t] holding grid_thw's t ({exc})") from None
 
 
 MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout)}
@@ -340,12 +371,15 @@ def _check_version(version: Any, field: str) -> None:
                                                f"release)")
 
 
-def content_key(data: bytes, processing: str, model: str) -> str:
+def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] | None = None) -> str:
     """The identity of one encoded item: its bytes, the processing options applied to it, and the model
-    (the same picture through another processor config or model is another item)."""
+    (the same picture through another processor config or model is another item); ``part``: ``(i, n)`` for part i
+    of n of a video (``backend.protocol.generate.PART_PARAMETER``), a key of its own, never the whole item's."""
     import hashlib
 
     h = hashlib.sha256()
-    for part in (model.encode(), b"\x00", processing.encode(), b"\x00", data):
-        h.update(part)
+    for piece in (model.encode(), b"\x00", processing.encode(), b"\x00", data):
+        h.update(piece)
+    if part is not None:
+        h.update(f"\x00part {part[0]}/{part[1]}".encode())
     return h.hexdigest()[:32]

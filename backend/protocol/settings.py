@@ -75,6 +75,9 @@ class RoutingSettings:
     decode_endpoint: str = LOCAL
     request_timeout_seconds: float = 300  # per request, encode to last token (0: none)
     metadata_only: bool = True  # false: naive EPD, the consumers also get the client's media
+    # each video encoded in this many parts at once, on the encoder instances Triton has free (1: whole; metadata-only
+    # requests only; a video of fewer temporal patches gets as many parts as it has: backend.protocol.generate.PART_PARAMETER)
+    video_split: int = 1
 
     def targets(self) -> dict[Stage, tuple[str, str]]:
         """Model name and endpoint of each generator stage this orchestrator may ask over gRPC."""

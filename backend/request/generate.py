@@ -187,8 +187,10 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
     sampling = parse_sampling_parameters(raw.sampling_parameters)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
     given = {m.name: [resolver.from_tensor(data, f"{m.media_tensor}[{i}]", m) for i, data in enumerate(media_of(raw, m))] +
-             [resolver.from_layout(text, f"{m.layout_tensor}[{i}]", m) for i, text in enumerate(layouts_of(raw, m))]
+             _grouped([resolver.from_layout(text, f"{m.layout_tensor}[{i}]", m) for i, text in enumerate(layouts_of(raw, m))])
              for m in modalities()}
+    for m in modalities():
+        _check_count(m, len(given[m.name]), limits)
     prompt = conversation = None
     if has_text:
         prompt = _text_prompt(raw, {m: len(given[m.name]) for m in modalities()}, fmt)
@@ -196,7 +198,8 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
     else:
         conversation, items = _parse_messages(raw.messages, given, resolver, limits)
     return GenerateRequest(
-        prompt=prompt, conversation=conversation, images=tuple(items), sampling=sampling, stream=raw.stream,
+        prompt=prompt, conversation=conversation,
+        images=tuple(layout for item in items for layout in (item if isinstance(item, VideoParts) else (item,))), sampling=sampling, stream=raw.stream,
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
@@ -210,13 +213,35 @@ def _check_media(raw: RawGenerateInputs, limits: RequestLimits) -> None:
         media, own = media_of(raw, m), layouts_of(raw, m)
         if media and own:
             raise InvalidInput(m.layout_tensor, f"give media either as {m.media_tensor} or as {m.layout_tensor}, not both")
-        limit = getattr(limits, m.limit_field)
-        if len(media) + len(own) > limit:
-            raise InvalidInput(m.media_tensor, f"{len(media) + len(own)} {m.media_field}, over the per-request limit of {limit}")
+        _check_count(m, len(media), limits)  # before any is decoded; layouts once their video parts are joined
         layouts += len(own)
     if raw.original_media and len(raw.original_media) != layouts:
         names = " + ".join(m.layout_tensor for m in modalities())
         raise InvalidInput("original_media", f"{len(raw.original_media)} items for {layouts} {names}")
+
+
+def _check_count(m: Modality, count: int, limits: RequestLimits) -> None:
+    limit = getattr(limits, m.limit_field)
+    if count > limit:
+        raise InvalidInput(m.media_tensor, f"{count} {m.media_field}, over the per-request limit of {limit}")
+
+
+class VideoParts(tuple):
+    """The layouts of one video's parts, in order: one item of a request until ``GenerateRequest.images``."""
+
+
+def _grouped(layouts: list) -> list:
+    """Consecutive parts of one video (``VideoLayout.part``: those past its first join the one before) as one item,
+    ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.images`` has them flat
+    again, in order; ``backend.transfer.consumer.media_grids`` checks that they make up their video."""
+    out: list = []
+    for layout in layouts:
+        part = getattr(getattr(layout, "media", None), "part", None)
+        if part is not None and part[0] > 0 and out:
+            out[-1] = VideoParts((*out[-1], layout) if isinstance(out[-1], VideoParts) else (out[-1], layout))
+        else:
+            out.append(layout)
+    return out
 
 
 def _kv_transfer_params(text: str | None) -> dict | None:

@@ -33,7 +33,8 @@ import time
 import torch
 
 from backend.protocol.errors import InvalidInput, Unavailable
-from backend.protocol.layout import CudaIpcHandle, GridLayout, LayoutMetadata, SharedMemoryHandle, host_identity
+from backend.protocol.layout import CudaIpcHandle, GridLayout, LayoutMetadata, SharedMemoryHandle, VideoLayout, \
+    host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 from backend.transfer.same_host import DTYPES, CudaIpcReader, SharedMemoryReader
@@ -312,11 +313,49 @@ def media_fields(layouts) -> list[str]:
 
 
 def media_grids(layouts) -> dict[str, torch.Tensor]:
-    """Per modality, in order of first appearance, the grids of its layouts, [items, 3] (vLLM's
-    ``<modality>_grid_thw``); a layout without a grid is InvalidInput naming it (``<field>.modality``)."""
+    """Per modality, in order of first appearance, the grids of its items, [items, 3] (vLLM's
+    ``<modality>_grid_thw``); a layout without a grid is InvalidInput naming it (``<field>.modality``). Consecutive
+    parts of one video (``VideoLayout.part``) are one item, one row (sum of their t, h, w), as their embeddings,
+    concatenated in order, are the video's; parts that leave a gap, overlap, stop short of the video's end or
+    differ in h, w or the video's length are InvalidInput naming the part at fault (``video_layouts[k]``)."""
     grids: dict[str, list] = {}
+    open_part: dict[str, tuple[str, VideoLayout]] = {}  # modality -> (field, layout) of a video's latest part
     for field, layout in zip(media_fields(layouts), layouts):
         if not isinstance(layout.media, GridLayout):
             raise InvalidInput(f"{field}.modality", f"expected an image or video layout, got {layout.modality!r}")
-        grids.setdefault(layout.modality, []).append(list(layout.media.grid_thw))
+        rows = grids.setdefault(layout.modality, [])
+        part = getattr(layout.media, "part", None)
+        last = open_part.pop(layout.modality, None)
+        if part is None or part[0] == 0:
+            if last is not None:
+                _incomplete(*last)
+            rows.append(list(layout.media.grid_thw))
+        else:
+            _check_next_part(field, layout.media, last, rows[-1] if last is not None else None)
+            rows[-1][0] += layout.media.grid_thw[0]
+        if part is not None and part[0] + layout.media.grid_thw[0] < part[1]:
+            open_part[layout.modality] = (field, layout.media)
+    for last in open_part.values():
+        _incomplete(*last)
     return {name: torch.tensor(rows, dtype=torch.int64) for name, rows in grids.items()}
+
+
+def _check_next_part(field: str, media: VideoLayout, last: tuple[str, VideoLayout] | None, row: list | None) -> None:
+    """``media``, a part that does not start a video, must continue the open one (``last``; ``row``: its grid so far)."""
+    first, total = media.part
+    if last is None:
+        raise InvalidInput(field, f"video part starting at temporal patch {first} of {total} follows no part of its "
+                                  "video (parts out of order or missing)")
+    if first != row[0] or total != last[1].part[1]:
+        raise InvalidInput(field, f"video part starting at temporal patch {first} of {total} does not continue "
+                                  f"{last[0]} (which ends at {row[0]} of {last[1].part[1]}): parts out of order or "
+                                  "missing")
+    if media.grid_thw[1:] != last[1].grid_thw[1:]:
+        raise InvalidInput(field, f"video part of grid {list(media.grid_thw)} does not match {last[0]}'s "
+                                  f"h, w {list(last[1].grid_thw[1:])}")
+
+
+def _incomplete(field: str, media: VideoLayout) -> None:
+    first, total = media.part
+    raise InvalidInput(field, f"video parts stop at temporal patch {first + media.grid_thw[0]} of {total}: the "
+                              "video's later parts are missing")

@@ -1,7 +1,10 @@
 """``StageClient`` for the ``epd`` model: encoders over BLS, generator stages over the server's gRPC endpoint.
 
-``encode`` is one non-decoupled BLS call (``async_exec``) to the encoder model per item; Triton's dynamic
-batcher gathers the items of concurrent requests.
+``encode`` is one non-decoupled BLS call (``async_exec``) to the encoder model per item (or per part of a video:
+the request parameter ``epd_part``); Triton's dynamic batcher gathers the items of concurrent requests. A video's
+parts are meant for different instances, but asked for at once the batcher (even without a queue delay) often takes
+them into one batch: part i is sent ``i * PART_STAGGER_SECONDS`` later, so that an idle instance has taken the one
+before.
 
 ``generate`` streams a generator stage (``pd``, ``prefill``, ``decode``) through the server's own gRPC
 endpoint (tritonclient's asyncio client, on the model's event loop), not through decoupled BLS: Triton 2.51's
@@ -34,7 +37,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
-from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY
+from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER
 from backend.deploy.server_address import resolve
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
@@ -48,6 +51,7 @@ GENERATE_OUTPUTS = interface.output_names(interface.PD)
 PREFILL_OUTPUTS = interface.output_names(interface.PREFILL)
 log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
+PART_STAGGER_SECONDS = 0.002  # between the BLS requests of a video's parts (see above)
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
@@ -100,9 +104,12 @@ class BlsEncoders:
     def __init__(self, encoder_model: str = "encoder"):
         self.encoder_model = encoder_model
 
-    async def encode(self, item: MediaBytes, key: str) -> str:
+    async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
+        parameters = {**_TAGGED, PART_PARAMETER: f"{part[0]}/{part[1]}"} if part else _TAGGED
+        if part and part[0]:
+            await asyncio.sleep(part[0] * PART_STAGGER_SECONDS)
         request = pb_utils.InferenceRequest(
-            model_name=self.encoder_model, requested_output_names=[ENCODER_LAYOUT.name], parameters=_TAGGED,
+            model_name=self.encoder_model, requested_output_names=[ENCODER_LAYOUT.name], parameters=parameters,
             inputs=[pb_utils.Tensor(ENCODER_ITEM.name, np.array([[item.data]], dtype=np.object_)),
                     pb_utils.Tensor(ENCODER_KEY.name, np.array([[key.encode()]], dtype=np.object_)),
                     pb_utils.Tensor(ENCODER_MODALITY.name, np.array([[item.modality.encode()]], dtype=np.object_))])

@@ -146,7 +146,7 @@ def test_media_given_to_the_generator_are_refused():
 class EncodersOnly:
     """A remote side with encoders and no generator stage (``BlsEncoders``)."""
 
-    async def encode(self, item, key):
+    async def encode(self, item, key, part=None):
         return "{}"
 
 

@@ -218,9 +218,9 @@ class ProducerStages(FakeStages):
         super().__init__()
         self.agents, self.broken = list(agents), broken
 
-    async def encode(self, item, key):
+    async def encode(self, item, key, part=None):
         index = len(self.encoded)
-        await super().encode(item, key)
+        await super().encode(item, key, part)
         return "not json" if self.broken else json.dumps({"handle": {"agent_name": self.agents[index]}})
 
 

@@ -214,9 +214,9 @@ def test_the_orchestrator_sends_each_modality_s_layouts_and_names_the_encoder_s_
     class Stages(FakeStages):
         modalities: list = []
 
-        async def encode(self, item, key):
+        async def encode(self, item, key, part=None):
             self.modalities.append(item.modality)
-            return await super().encode(item, key)
+            return await super().encode(item, key, part)
 
     url = "data:video/mp4;base64," + base64.b64encode(b"VIDEO").decode()
     raw = RawGenerateInputs(messages=_messages({"type": "video_url", "video_url": {"url": url}}, {"type": "image"},

@@ -52,7 +52,8 @@ class TritonPythonModel(MetadataOnlyModel):
                                   interval=self.stream_interval, local=mode.host)
         self.orchestrator = Orchestrator(
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
-            deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only)
+            deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
+            video_split=settings.video_split)
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)

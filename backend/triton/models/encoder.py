@@ -1,7 +1,8 @@
 """``encoder``: decode, preprocess and encode images and videos; publish embeddings as NIXL leases.
 
 Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
-On ``KIND_GPU`` the tower runs on the instance's GPU. Model parameters: ``backend.protocol.settings.EncoderSettings``
+On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
+(``backend.protocol.generate.PART_PARAMETER``) asks for part i of n of its video. Model parameters: ``backend.protocol.settings.EncoderSettings``
 (``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
 """
 import threading
@@ -15,7 +16,8 @@ from PIL import Image
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
 from backend.engine.host import prepare_process
-from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY
+from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
+    parse_part
 from backend.protocol.layout import content_key
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings
@@ -24,7 +26,7 @@ from backend.request.video import DecodedVideo, video_processor_for
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
-from backend.triton.io import to_triton_error, wants_error_codes
+from backend.triton.io import request_parameters, to_triton_error, wants_error_codes
 from backend.triton.metrics import EncoderMetrics
 
 METRICS_SECONDS = 1.0
@@ -62,24 +64,32 @@ class TritonPythonModel:
             f"{report.checkpoint_bytes} checkpoint bytes; model {self.encoder.identity}")
 
     def execute(self, requests):
-        jobs, shapes = [], []
+        jobs, shapes, refused = [], [], {}
         for index, request in enumerate(requests):
             images = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()
+            shapes.append(images.shape)
+            try:
+                part = request_parameters(request).get(PART_PARAMETER)
+                part = parse_part(part) if part is not None else None
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                refused[index] = exc
+                continue
             keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
             keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * images.shape[0]
             kinds = pb_utils.get_input_tensor_by_name(request, ENCODER_MODALITY.name)
             kinds = [k.decode() if k else IMAGE.name for k in kinds.as_numpy().reshape(-1)] if kinds is not None else \
                 [IMAGE.name] * images.shape[0]
-            shapes.append(images.shape)
             for data, key, kind in zip(images.reshape(-1), keys, kinds):
                 data = bytes(data)
                 if isinstance(key, bytes) and key:
-                    jobs.append(EncodeJob(index, data, key.decode(), modality=kind))
+                    jobs.append(EncodeJob(index, data, key.decode(), modality=kind, part=part))
                 else:  # computed here from the bytes: the cache may use it as its own key
-                    own = content_key(data, self.processing, self.encoder.identity)
-                    jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind))
+                    own = content_key(data, self.processing, self.encoder.identity, part)
+                    jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind, part=part))
+        results = self.service.run(jobs, len(requests))
         responses = []
-        for request, shape, result in zip(requests, shapes, self.service.run(jobs, len(requests))):
+        for index, (request, shape) in enumerate(zip(requests, shapes)):
+            result = refused.get(index, results[index])
             if isinstance(result, BaseException):
                 responses.append(pb_utils.InferenceResponse(error=to_triton_error(result, wants_error_codes(request))))
             else:

@@ -78,7 +78,8 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, mode, deadline=settings.request_timeout_seconds,
                                          metadata_only=settings.metadata_only,
-                                         stages_take_media=mode.generators_take_media)
+                                         stages_take_media=mode.generators_take_media,
+                                         video_split=settings.video_split)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses
