@@ -241,6 +241,12 @@ class TritonServer:
             time.sleep(0.2)
         self.stragglers = left
         if left:
+            for pid in left:  # a stub prints its threads' stacks into the log first (backend.engine.host.prepare_process)
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1.0)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -11,11 +11,13 @@ Engine arguments come from a ``model.json`` beside ``config.pbtxt`` and go strai
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import json
 import locale
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from concurrent.futures import Future
@@ -117,6 +119,9 @@ def prepare_process() -> None:
     with two (same wall time), and under load, with every stage sharing the cores, the spinning second
     thread made the encoder cost ~11 ms of CPU per image."""
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    # SIGUSR1 prints every thread's stack to stderr (the server's log): clients.local_server sends it to a stub
+    # that outlives tritonserver before killing it, so a hang at unload says where it hung
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for key, value in PROCESS_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     if "torch" in sys.modules:
