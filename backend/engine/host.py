@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import gc
 import json
 import locale
@@ -85,6 +86,7 @@ def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
             "kv_load_failure_policy": "fail"}
 
 
+@functools.lru_cache(maxsize=1)
 def takes_layout_only() -> bool:
     """Whether this vLLM takes a KV consumer's media as layout only (``image_grid_thw`` without ``image_embeds``):
     vLLM 0.32 derives ``MultiModalConfig.allow_missing_mm_embeddings`` for a KV consumer; 0.26 has no such field and

@@ -87,14 +87,14 @@ class RequestMetrics:
         self._tokens = tokens.Metric(labels=labels)
         self._decodes = decodes.Metric(labels=labels)
         self._decodes_seen = 0
-        self._decodes_lock = threading.Lock()
+        self._seen_lock = threading.Lock()
         self._batch = batch or CounterBatch()
         self._own_batch = batch is None
 
     def media_decodes(self, total: int) -> None:
         """Report the process's decode counter (``backend.request.media.decode_counter``). Called from ``execute``
         and, with metadata-only off, from the engine loop."""
-        with self._decodes_lock:
+        with self._seen_lock:
             if total > self._decodes_seen:
                 self._batch.add(self._decodes, total - self._decodes_seen)
                 self._decodes_seen = total
@@ -103,7 +103,7 @@ class RequestMetrics:
         """A pull of ``nbytes`` that took ``seconds``; ``paths``: the consumer's items per data path so far
         (``EmbeddingConsumer.paths``, a running count: the increase is added)."""
         counts = [(self._moved, nbytes), (self._moving, seconds)]
-        with self._decodes_lock:
+        with self._seen_lock:
             for path, total in (paths or {}).items():
                 if path in self._paths and total > self._paths_seen.get(path, 0):
                     counts.append((self._paths[path], total - self._paths_seen.get(path, 0)))
