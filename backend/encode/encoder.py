@@ -17,10 +17,12 @@ against the whole checkpoint).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -31,6 +33,7 @@ from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO, modality
 from backend.request import image, video  # noqa: F401 - register the modalities' handlers
 from backend.request.media import handler
+from backend.request.video import DecodedVideo
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
 
@@ -153,6 +156,24 @@ class VisionEncoder:
             part = (parts[index][0], self.temporal_patches(items[index].video)) if index in parts else None
             out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part)
         return out
+
+    def warm_up(self) -> None:
+        """Pay the first calls' costs before any request does: the first processor call and tower forward cost 3-5x
+        a later one (46 ms against 9 for the first epd request's item), and a compiled packed tower compiles its
+        blocks on the first batch of ``COMPILE_MIN_TOKENS`` patches or more (6-7 s on the H200, seen as TTFT
+        outliers of the first requests that reached each of 4 encoder instances)."""
+        items = [Image.new("RGB", (64, 64), (127, 127, 127))]
+        if getattr(self.forward, "compile", False) and self.device.type == "cuda":
+            from backend.encode.packed_tower import COMPILE_MIN_TOKENS
+
+            per_side = math.isqrt(COMPILE_MIN_TOKENS - 1) + 1                    # patches: per_side ** 2 >= the minimum
+            per_side = -(-per_side // self.merge_size) * self.merge_size           # whole merge units
+            side = per_side * self.processor.patch_size
+            items.append(Image.new("RGB", (side, side), (127, 127, 127)))
+        for item in items:
+            self.encode([item])
+        if self.video_processor is not None:
+            self.encode([DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), {})])
 
     def temporal_patches(self, video) -> int:
         """A decoded video's grid t: its frames over ``temporal_patch_size``, rounded up (the processor pads)."""
