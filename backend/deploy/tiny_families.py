@@ -6,8 +6,8 @@ What each tiny config keeps of its family, so that serving it exercises what dif
 
 - ``qwen2_5_vl``: the windowed tower. ``window_size`` 56 px is 2x2 merge units (4x4 patches of 14 px), so an image of
   more than 56x56 px has several windows; blocks 0 and 2 attend within windows, ``fullatt_block_indexes`` [1, 3]
-  over the whole image. Video timing: ``tokens_per_second`` 2, so M-RoPE's temporal positions are
-  ``t * second_per_grid_ts * 2`` and depend on each video's sampled fps.
+  over the whole image. Video timing: ``tokens_per_second`` 4, so M-RoPE's temporal positions are
+  ``t * second_per_grid_ts * 4`` and depend on each video's sampled fps.
 - ``qwen3_vl``: DeepStack. ``deepstack_visual_indexes`` [0, 1] of 3 blocks: the tower's output is the merged
   embeddings plus two deepstack mergers' outputs, concatenated: 3 x 128 = 384 wide against the language model's
   hidden size of 128. Patches of 16 px, learned position embeddings (8 x 8 grid, interpolated), interleaved M-RoPE,
@@ -48,7 +48,10 @@ def _qwen3_vl(vocab_size: int) -> dict:
         "vision": dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=4, hidden_act="gelu_pytorch_tanh",
                        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=128,
                        num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
-        "image": dict(min_pixels=32 * 32, max_pixels=128 * 128, patch_size=16, merge_size=2, temporal_patch_size=2),
+        # the real checkpoints' normalisation, one for images and videos (vLLM 0.32 normalises both on the device
+        # with the image processor's mean and std; HF's video processor uses its own)
+        "image": dict(min_pixels=32 * 32, max_pixels=128 * 128, patch_size=16, merge_size=2, temporal_patch_size=2,
+                      image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
         "video": dict(size={"shortest_edge": 32 * 32 * 4, "longest_edge": 64 * 64 * 8}, patch_size=16, merge_size=2,
                       temporal_patch_size=2, fps=2, min_frames=4, max_frames=64),
     }
