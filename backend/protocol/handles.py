@@ -49,7 +49,9 @@ def _bytes(value: Any) -> bytes:
 
 
 def _floats(value: Any) -> tuple[float, ...]:
-    return tuple(_float(x) for x in value) if isinstance(value, list) else _float(value)  # a number: TypeError
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list of numbers, got {type(value).__name__}")
+    return tuple(_float(x) for x in value)
 
 
 def _ints(value: Any, count: int) -> tuple[int, ...]:
