@@ -52,7 +52,9 @@ class TritonPythonModel:
         # first epd request's item): pay that here, on an image and a video nobody asked for, not in a request.
         self.encoder.encode([Image.new("RGB", (64, 64), (127, 127, 127))])
         if self.encoder.video_processor is not None:
-            self.encoder.encode([DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), {})])
+            metadata = {"total_num_frames": 2, "fps": 2.0, "duration": 1.0, "frames_indices": [0, 1],
+                        "do_sample_frames": False}  # as vLLM's loader gives it (some families read it)
+            self.encoder.encode([DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), metadata)])
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
         self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
         self._stop = threading.Event()
