@@ -125,14 +125,21 @@ class VisionEncoder:
         return encoder
 
     def check_width(self, expected: int) -> None:
-        """One forward of the smallest image (one merge unit of patches): its embeddings must be ``expected`` wide
-        (what the language model takes), else ValueError; sets ``width``."""
-        side = self.merge_size * int(self.processor.patch_size)
-        out = self.encode([Image.new("RGB", (side, side), (127, 127, 127))])[0].embeddings
-        self.width = int(out.shape[-1])
-        if self.width != expected:
-            raise ValueError(f"the {self.model_type} vision tower gives {self.width}-wide embeddings, the checkpoint's "
-                             f"language model takes {expected}")
+        """One forward of a small image and, where the checkpoint has a video processor, a 2-frame video (what the
+        first processor call and forward cost, 3-5x a later one, is paid here too): each modality's embeddings must
+        be ``expected`` wide (what the language model takes), else ValueError; sets ``width``."""
+        import numpy as np
+
+        items = [Image.new("RGB", (64, 64), (127, 127, 127))]
+        if self.video_processor is not None:
+            metadata = {"total_num_frames": 2, "fps": 2.0, "duration": 1.0, "frames_indices": [0, 1],
+                        "do_sample_frames": False}  # as vLLM's loader gives it (some families read it)
+            items.append(video.DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), metadata))
+        widths = {item.modality: int(item.embeddings.shape[-1]) for item in self.encode(items)}
+        self.width = widths[IMAGE.name]
+        if set(widths.values()) != {expected}:
+            raise ValueError(f"the {self.model_type} vision tower gives embeddings of widths {widths}, the "
+                             f"checkpoint's language model takes {expected}")
 
     @torch.inference_mode()
     def encode(self, items: list) -> list[EncodedItem]:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
-from PIL import Image
 
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
@@ -22,7 +21,7 @@ from backend.protocol.layout import content_key
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings
 from backend.request.media import MediaLimits, media_limits
-from backend.request.video import DecodedVideo, video_processor_for
+from backend.request.video import video_processor_for
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
@@ -49,12 +48,8 @@ class TritonPythonModel:
         limits = MediaLimits(**media_limits(settings), video_processor=video_processor_for(model_dir.resolve()))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
-        # first epd request's item): pay that here, on an image and a video nobody asked for, not in a request.
-        self.encoder.encode([Image.new("RGB", (64, 64), (127, 127, 127))])
-        if self.encoder.video_processor is not None:
-            metadata = {"total_num_frames": 2, "fps": 2.0, "duration": 1.0, "frames_indices": [0, 1],
-                        "do_sample_frames": False}  # as vLLM's loader gives it (some families read it)
-            self.encoder.encode([DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), metadata)])
+        # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
+        # (check_width), not a request.
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
         self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
         self._stop = threading.Event()
