@@ -1,4 +1,4 @@
-"""Build a tiny random-weight Qwen2-VL checkpoint locally and deterministically.
+"""Build a tiny random-weight Qwen2-VL (or --family: Qwen2.5-VL, Qwen3-VL) checkpoint locally and deterministically.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a fixed built-in
 corpus, the config is written here, and the weights are drawn from a seeded generator.

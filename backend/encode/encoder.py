@@ -71,7 +71,8 @@ class VideoPart:
 
 class VisionEncoder:
     def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
-                 device: torch.device, dtype: torch.dtype, forward=None, video_processor=None, model_type: str = "qwen2_vl"):
+                 device: torch.device, dtype: torch.dtype, forward=None, video_processor=None,
+                 model_type: str = "qwen2_vl"):
         self.tower, self.processor, self.merge_size = tower, processor, merge_size
         self.video_processor, self.model_type = video_processor, model_type
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype

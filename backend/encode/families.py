@@ -77,7 +77,8 @@ def frame_timestamps(indices, fps: float, temporal_patch_size: int) -> list[floa
     if len(indices) % temporal_patch_size:
         indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
     seconds = [index / fps for index in indices]
-    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
+    last = temporal_patch_size - 1
+    return [(seconds[i] + seconds[i + last]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def resize_depends_on_frames(video_processor) -> bool:

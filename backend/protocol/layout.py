@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from backend.protocol.errors import InvalidInput
-from backend.protocol.handles import (TRANSPORTS, CudaIpcHandle, NixlHandle, SharedMemoryHandle,  # noqa: F401 - re-exported
-                                      TransferHandle, _float, _floats, _int, _ints, _str, host_identity)
+from backend.protocol.handles import (TRANSPORTS, CudaIpcHandle, NixlHandle, SharedMemoryHandle,  # noqa: F401
+                                      TransferHandle, _float, _floats, _int, _ints, _str, host_identity)  # re-exported
 
 # What each version of the document added (a consumer accepts its own version only):
 #   1  content_key, modality, model, dtype, shape, image_grid_thw; handle: agent_name, agent_metadata,
