@@ -135,10 +135,9 @@ def test_warm_up_reaches_the_compiled_tower_on_a_real_size_processor(encoder, mo
     monkeypatch.setattr(encoder, "device", torch.device("cuda"))
     monkeypatch.setattr(encoder.forward, "compile", True, raising=False)
     encoder.warm_up()
-    patches = [int(real(images=[item], return_tensors="pt")["image_grid_thw"].prod()) for item in seen
-               if isinstance(item, Image.Image)]
-    assert max(patches) >= COMPILE_MIN_TOKENS > min(patches)
+    patches = [int(real(images=[item], return_tensors="pt")["image_grid_thw"].prod()) for item in seen]
+    assert len(patches) == 1 and patches[0] >= COMPILE_MIN_TOKENS
     monkeypatch.setattr(encoder.forward, "compile", False, raising=False)
     seen.clear()
     encoder.warm_up()
-    assert all(isinstance(item, Image.Image) and item.size == (64, 64) for item in seen if isinstance(item, Image.Image))
+    assert seen == []  # nothing to compile: check_width at load paid the first calls
