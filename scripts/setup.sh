@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command set-up on a fresh machine (make setup). Idempotent: a second run checks stamps and
 # takes seconds. Installs the venv (.venv), the pinned Python stack, the real tritonserver with its
-# Python backend, and builds the tiny random-weight Qwen2-VL model under models/.
+# Python backend, and builds the tiny random-weight Qwen2-VL and Qwen2-Audio models under models/.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -44,6 +44,7 @@ fi
 
 "$PY" scripts/post_install.py
 "$PY" -m backend.deploy.tiny_model --out "$MODEL_DIR"
+"$PY" -m backend.deploy.tiny_audio_model --out "$ROOT/models/tiny-qwen2-audio"
 "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api; assert numpy.__version__ == '1.26.4', numpy.__version__" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api"; exit 1; }
 say "done in $(( $(date +%s) - started )) s"
