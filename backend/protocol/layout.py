@@ -3,7 +3,7 @@
 Who writes it: the ``encoder`` model, once per item, after the embeddings are in a producer buffer.
 Who reads it: the ``epd`` orchestrator (passes it on untouched), the consumer (``pd``, ``prefill``), which checks
 the version and the model identity before pulling the embeddings the handle names, and ``decode`` (the
-per-modality block only: the image's or video's grid).
+per-modality block only: the image's or video's grid, the audio's token count).
 
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
 serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
@@ -17,8 +17,9 @@ Two parts vary, each named by a discriminator and parsed into its own class:
   names a NIXL-registered region (agent, descriptors): the READ any consumer can do, and the channel its release
   notification takes; ``shared_memory`` and ``cuda_ipc`` add what their same-host fast path needs.
 - ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``): ``image`` and
-  ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``).
-  Audio adds a class there, with its own fields; the common part stays as it is.
+  ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``), and
+  ``audio`` (``{"num_tokens": n, "feature_length": f}``, ``AudioLayout``); the common part is the same for all.
+  ``shape`` is the embeddings' own (the encoder's output as measured, ``[tokens, width]``), whatever the modality.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from backend.protocol.errors import InvalidInput
+from backend.protocol.identity import content_key, host_identity  # noqa: F401 - what a layout names, declared there
 
 # What each version of the document added (a consumer accepts its own version only):
 #   1  content_key, modality, model, dtype, shape, image_grid_thw; handle: agent_name, agent_metadata,
@@ -46,16 +48,6 @@ from backend.protocol.errors import InvalidInput
 #      across encoders); a version-5 consumer would ignore the member and take each slice for a whole video
 SCHEMA_VERSION = 6
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
-
-
-def host_identity() -> str:
-    """This host as seen by a peer: the kernel boot id and the network namespace. Processes in other
-    network namespaces count as other hosts (that is how tests model a second machine)."""
-    import os
-
-    with open("/proc/sys/kernel/random/boot_id") as fh:
-        boot = fh.read().strip()
-    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
 
 
 # -- wire values ------------------------------------------------------------------------------------
@@ -209,6 +201,9 @@ class ModalityLayout:
         """Parse the block (``doc``, a JSON object); ``where``: its field, for errors."""
         raise NotImplementedError
 
+    def check_shape(self, shape: tuple[int, ...], field: str) -> None:
+        """Refuse embeddings of ``shape`` that this block cannot describe (``field``: the layout's)."""
+
 
 @dataclass(frozen=True)
 class GridLayout(ModalityLayout):
@@ -277,7 +272,36 @@ class VideoLayout(GridLayout):
             raise InvalidInput(f"{where}.part", f"expected [first_t, total_t] holding grid_thw's t ({exc})") from None
 
 
-MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout)}
+@dataclass(frozen=True)
+class AudioLayout(ModalityLayout):
+    """An audio item's block: ``num_tokens``, its embeddings' rows, what vLLM's ``audio_num_tokens`` input wants (the
+    placeholder's length: all ``decode`` needs), and ``feature_length``, the feature frames the checkpoint's feature
+    extractor kept of it (Qwen2-Audio: 10 ms mel frames, before the encoder's 4x downsampling), so a reader can tell
+    what was encoded (a clip past the extractor's window is cut to it)."""
+
+    modality: ClassVar[str] = "audio"
+    num_tokens: int
+    feature_length: int
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens, "feature_length": self.feature_length}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "AudioLayout":
+        try:
+            values = {name: _int(doc[name]) for name in ("num_tokens", "feature_length")}
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(where, f"expected positive ints num_tokens and feature_length ({exc!r})") from None
+        if min(values.values()) <= 0:
+            raise InvalidInput(where, f"expected positive ints num_tokens and feature_length, got {values}")
+        return cls(**values)
+
+    def check_shape(self, shape: tuple[int, ...], field: str) -> None:
+        if shape[0] != self.num_tokens:
+            raise InvalidInput(f"{field}.audio.num_tokens", f"{self.num_tokens} tokens, the embeddings have {shape[0]} rows")
+
+
+MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout, AudioLayout)}
 
 
 # -- the document -------------------------------------------------------------------------------------
@@ -337,6 +361,7 @@ class LayoutMetadata:
             raise InvalidInput(f"{field}.shape", f"expected [tokens, hidden] > 0, got {list(self.shape)}")
         if self.handle.nbytes != self.shape[0] * self.shape[1] * DTYPES[self.dtype]:
             raise InvalidInput(f"{field}.handle.nbytes", "does not match shape and dtype")
+        self.media.check_shape(self.shape, field)
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -369,17 +394,3 @@ def _check_version(version: Any, field: str) -> None:
         raise InvalidInput(f"{field}.version", f"unsupported layout schema version {version!r} ({which} than this "
                                                f"consumer's {SCHEMA_VERSION}: encoder and consumer must be of one "
                                                f"release)")
-
-
-def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] | None = None) -> str:
-    """The identity of one encoded item: its bytes, the processing options applied to it, and the model
-    (the same picture through another processor config or model is another item); ``part``: ``(i, n)`` for part i
-    of n of a video (``backend.protocol.generate.PART_PARAMETER``), a key of its own, never the whole item's."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for piece in (model.encode(), b"\x00", processing.encode(), b"\x00", data):
-        h.update(piece)
-    if part is not None:
-        h.update(f"\x00part {part[0]}/{part[1]}".encode())
-    return h.hexdigest()[:32]
