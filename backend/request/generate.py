@@ -172,6 +172,12 @@ class LayoutOrDecodeMedia(DecodeMedia):
         return self.layouts.from_layout(text, field, modality)
 
 
+def checkpoint_media(model_dir) -> dict[str, Any]:
+    """The ``MediaLimits`` fields a checkpoint decides: its HF video processor (which picks vLLM's video loader) and
+    its audio feature extractor's sampling rate (what audio items are resampled to)."""
+    return {"video_processor": video.video_processor_for(model_dir), "audio_sampling_rate": audio.sampling_rate_for(model_dir)}
+
+
 def media_of(raw: RawGenerateInputs, m: Modality) -> tuple[bytes, ...]:
     """The request's encoded items of modality ``m`` (its tensor)."""
     return getattr(raw, m.media_field, ())
