@@ -110,7 +110,7 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
     try:
         sound = soundfile.SoundFile(io.BytesIO(data))
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidInput(field, f"cannot decode audio ({exc})") from None
+        raise InvalidInput(field, f"cannot decode audio ({_reason(exc)})") from None
     rate, channels, frames = sound.samplerate, sound.channels, sound.frames
     sound.close()
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
@@ -130,6 +130,12 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
                                   f"{MIN_AUDIO_SECONDS * 1000:g} ms minimum")
 
 
+def _reason(exc: Exception) -> str:
+    """libsndfile's reason, without the in-memory file object it names (``Error opening <_io.BytesIO ...>: ``)."""
+    text = str(exc)
+    return text.split(">: ", 1)[1] if text.startswith("Error opening <") and ">: " in text else text
+
+
 def decode_audio(data: bytes, field: str, limits: MediaLimits) -> DecodedAudio:
     """Decode an audio file's bytes (or their base64 text) to mono samples at the checkpoint's rate, as the ``llm``
     engine's vLLM takes them."""
@@ -145,7 +151,7 @@ def decode_audio(data: bytes, field: str, limits: MediaLimits) -> DecodedAudio:
         samples, rate = load_audio_soundfile(io.BytesIO(data), sr=None, mono=True,
                                              max_duration_s=limits.max_audio_seconds, max_decode_bytes=MAX_DECODED_BYTES)
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidInput(field, f"cannot decode audio ({exc})") from None
+        raise InvalidInput(field, f"cannot decode audio ({_reason(exc)})") from None
     if len(samples) == 0:
         raise InvalidInput(field, "audio has no decodable samples")
     if not np.isfinite(samples).all():
