@@ -6,11 +6,8 @@ the server serves on."""
 from __future__ import annotations
 
 import base64
-import io
-import struct
 import time
 
-import numpy as np
 import pytest
 
 from backend.deploy.render import render
@@ -19,7 +16,7 @@ from backend.protocol.modality import AUDIO
 from backend.triton.counter_batch import CounterBatch
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
-from tests.audios import make_audio
+from tests.audios import hostile_audio, make_audio
 from tests.e2e.conftest import EPD_DEPLOYMENTS, _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric
 
 pytestmark = pytest.mark.e2e
@@ -139,37 +136,12 @@ def test_metadata_only_off_decodes_the_audio_downstream_with_the_same_tokens(ser
     assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
 
 
-def _patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
-    """``data`` with the little-endian field at ``offset`` (of a canonical 44-byte WAV header) set to ``value``."""
-    out = bytearray(data)
-    struct.pack_into(fmt, out, offset, value)
-    return bytes(out)
-
-
-def _hostile():
-    good = make_audio(1.0, 16_000, seed=7)
-    nan = io.BytesIO()
-    import soundfile
-
-    soundfile.write(nan, np.full(16_000, np.nan, np.float32), 16_000, subtype="FLOAT", format="WAV")
-    return {
-        "corrupt": (good[:12] + bytes(range(256)) * 8, "cannot decode audio"),
-        "truncated": (good[: len(good) // 2], "truncated"),
-        "zero_samples": (make_audio(0.0, 16_000), "no samples"),
-        "too_short": (make_audio(0.01, 16_000), "under the 50 ms minimum"),
-        "header_claiming_hours": (_patched(good, 40, "<I", 16_000 * 2 * 3 * 3600), "over the 120-second limit"),
-        "absurd_sample_rate": (_patched(good, 24, "<I", 1), "sample rate 1 Hz"),
-        "absurd_channels": (_patched(good, 22, "<H", 1000), "1000 channels"),
-        "not_finite": (nan.getvalue(), "not finite"),
-    }
-
-
 @pytest.fixture(scope="module")
 def hostile():
-    return _hostile()
+    return hostile_audio()
 
 
-@pytest.mark.parametrize("kind", list(_hostile()))
+@pytest.mark.parametrize("kind", list(hostile_audio()))
 @pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
 def test_hostile_audio_is_invalid_naming_the_item_and_the_server_serves_on(server, hostile, model, kind):
     data, fragment = hostile[kind]
