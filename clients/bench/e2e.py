@@ -327,9 +327,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run_isolated(bench, keys)
     s = bench.settings()
     load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
-    print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}"
-          + (f" / {args.videos} video(s) per request ({s['video']})" if s["video"] else "")
-          + (f" / {args.audios} audio file(s) per request ({s['audio']})" if s["audio"] else "") + ", "
+    workloads = [f"{args.images} image(s) per request from {s['dataset']}"] if "image" in bench.modalities else []
+    workloads += [f"{args.videos} video(s) per request ({s['video']})"] if s["video"] else []
+    workloads += [f"{args.audios} audio file(s) per request ({s['audio']})"] if s["audio"] else []
+    print(f"\n{args.requests} streaming requests per row ({load}), {' / '.join(workloads)}, "
           f"{args.max_tokens} greedy tokens (ignore_eos); servers: {s['servers']}; engines "
           f"{'compiled' if args.compile and not args.url else 'as configured'}; load generator {args.load_generator}"
           + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")
