@@ -184,3 +184,16 @@ def test_an_encoder_refuses_a_modality_it_does_not_take_and_serves_the_rest(enco
     assert isinstance(results[0], InvalidInput) and results[0].field == "image"
     assert "takes audio, not image" in results[0].problem
     assert json.loads(results[1][0])["audio"] == {"num_tokens": 25, "feature_length": 100}
+
+
+def test_the_audio_topology_serves_the_audio_checkpoint_with_its_limits(tmp_path):
+    from backend.deploy.render import render_files
+    from backend.deploy.topology import load
+
+    topology = load(MODEL.parents[1] / "topologies" / "cpu-audio.yaml", "cpu")
+    assert topology.checkpoint.resolve() == MODEL and set(topology.models()) == {
+        "llm", "encoder", "pd", "epd", "prefill", "decode", "epd_disagg"}
+    files = render_files(topology, tmp_path)
+    assert json.loads(files["llm/model.json"])["limit_mm_per_prompt"]["audio"] == 3
+    assert 'key: "max_audios" value: { string_value: "3" }' in files["epd/config.pbtxt"]
+    assert 'key: "max_audio_seconds" value: { string_value: "120" }' in files["encoder/config.pbtxt"]
