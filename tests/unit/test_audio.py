@@ -197,3 +197,12 @@ def test_the_audio_topology_serves_the_audio_checkpoint_with_its_limits(tmp_path
     assert json.loads(files["llm/model.json"])["limit_mm_per_prompt"]["audio"] == 3
     assert 'key: "max_audios" value: { string_value: "3" }' in files["epd/config.pbtxt"]
     assert 'key: "max_audio_seconds" value: { string_value: "120" }' in files["encoder/config.pbtxt"]
+
+
+def test_the_chat_cli_sends_audio_files_as_audio_parts(tmp_path):
+    from clients.chat import build_parser, make_inputs
+
+    (tmp_path / "a.wav").write_bytes(make_audio(0.5))
+    inputs = make_inputs(build_parser().parse_args(["--audio", str(tmp_path / "a.wav"), "What is it?"]))
+    assert inputs.messages[0]["content"] == [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
+    assert inputs.audios == [make_audio(0.5)] and not inputs.images
