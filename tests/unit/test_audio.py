@@ -41,6 +41,12 @@ def test_audio_decodes_to_mono_at_the_model_s_rate(rate, channels):
     assert audio.engine_item() is audio.samples and audio.seconds == 1.5
 
 
+@pytest.mark.parametrize("fmt, subtype", [("FLAC", "PCM_16"), ("OGG", "VORBIS"), ("MP3", "MPEG_LAYER_III")])
+def test_compressed_formats_decode(fmt, subtype):
+    audio = decode_audio(make_audio(1.0, 22_050, seed=4, file_format=fmt, subtype=subtype), "audio[0]", LIMITS)
+    assert audio.sampling_rate == 16_000 and abs(len(audio.samples) - 16_000) < 1_200  # MP3 frames pad a little
+
+
 def test_stereo_is_the_mean_of_its_channels_and_base64_text_is_taken():
     import io
 
