@@ -13,7 +13,8 @@ temporal patch: ``temporal_patch_size``) where the video processor resizes a fra
 there are (``cap_pixels_per_frame`` off, Qwen2-VL's default); otherwise all frames are, and the rows are cut after.
 
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
-against the whole checkpoint).
+against the whole checkpoint). ``load_encoder`` gives a checkpoint with an audio tower and no vision tower
+(Qwen2-Audio) its ``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
 from __future__ import annotations
 
