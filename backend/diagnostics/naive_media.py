@@ -4,8 +4,9 @@ A metadata-only consumer (``pd``, ``prefill``, ``decode``) normally gets each me
 only. With metadata-only off (the orchestrator's ``metadata_only`` parameter), the orchestrator also sends
 the original media (``original_media``), as a naive EPD forwards the client's request unchanged; the
 consumer then does what such a consumer's input processor does before its embeddings come from the
-encoder's cache: decode each item and run the image (or video) processor, or the audio feature extractor, on it. Its result is checked against the
-encoder's layout (same grid) and otherwise dropped: the embeddings still come from the encoder.
+encoder's cache: decode each item and run the image (or video) processor, or the audio feature extractor, on it.
+Its result is checked against the encoder's layout (same grid; an audio's feature length) and otherwise dropped: the
+embeddings still come from the encoder.
 
 Who calls it: ``MetadataOnlyModel.prepare``, on the engine loop (where vLLM's own input processing runs);
 the seconds it took are reported as ``timings["media_ms"]``.

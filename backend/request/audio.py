@@ -10,7 +10,8 @@ with ``decode_audio`` and see the same samples.
 
 Limits, checked on the file's header before any sample is decoded: bytes (``max_item_bytes``), seconds
 (``max_audio_seconds``, also what a WAV's data chunk declares, so a header claiming hours is refused before the rest
-is looked at), decoded size (``MAX_DECODED_BYTES``), sample rate (``MIN_SAMPLE_RATE``..``MAX_SAMPLE_RATE``) and channels (at most ``MAX_CHANNELS``). A file that
+is looked at), decoded size (``MAX_DECODED_BYTES``), sample rate (``MIN_SAMPLE_RATE``..``MAX_SAMPLE_RATE``) and
+channels (at most ``MAX_CHANNELS``). A file that
 cannot be opened, holds no samples or fewer than ``MIN_AUDIO_SECONDS``, a WAV whose samples stop before its header
 says, and samples that are not finite are InvalidInput naming the item (``audio[0]``,
 ``messages[0].content[1].input_audio.data``).

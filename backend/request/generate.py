@@ -11,7 +11,8 @@ Prompt forms (exactly one):
 - ``messages``: OpenAI-style chat messages JSON. Media parts are each registered modality's
   (``backend.protocol.modality``), for images ``{"type": "image_url", "image_url": {"url": "data:..." |
   "file://..."}}`` or ``{"type": "image"}``, which takes the next item of the ``image`` tensor (or of
-  ``image_layouts``); audio also ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}``. The parsed conversation has every image part as ``{"type": "image"}``: it is both what
+  ``image_layouts``); audio also ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}``.
+  The parsed conversation has every image part as ``{"type": "image"}``: it is both what
   the chat template renders and the metadata-only rewrite.
 
 What a media item becomes depends on the model (``MediaResolver``): ``llm`` decodes images, ``epd``

@@ -14,7 +14,8 @@ the server's cores, and the Python one costs ~2-3 ms of CPU per request). Datase
 images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--modalities image,video`` adds rows of
 synthetic MP4 clips (``--videos`` per request, ``--video-size``, ``--video-frames``, ``--video-fps``) beside the
 image rows, in the same run; ``--modalities audio`` rows of synthetic WAV files (``--audios`` per request,
-``--audio-seconds``, ``--audio-rate``), on an audio checkpoint's topology (``--topology topologies/cpu-audio.yaml``); ``--max-tokens`` greedy tokens with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
+``--audio-seconds``, ``--audio-rate``), on an audio checkpoint's topology (``--topology topologies/cpu-audio.yaml``);
+``--max-tokens`` greedy tokens with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
 TTFT, time per output token and end-to-end latency p50/p90/p99, the p50 stage breakdown from the
 orchestrators' ``timings`` (encode, transfer, media, prefill, generate); a markdown table on stdout, a
 progress bar on stderr, and with ``--out DIR`` results.json (rows and every sample), results.csv,

@@ -3,7 +3,8 @@ mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC stream
 
 - Datasets: ``synthetic_requests`` (random-pixel PNGs of the given sizes), ``folder_requests`` (the
   images of a folder, in name order, reused round-robin), ``synthetic_video_requests`` (MP4 clips of
-  ``clients.videos``, one colour pair per request) or ``synthetic_audio_requests`` (WAV files of ``clients.audios``); items per request, ``max_tokens`` greedy tokens with
+  ``clients.videos``, one colour pair per request) or ``synthetic_audio_requests`` (WAV files of ``clients.audios``);
+  items per request, ``max_tokens`` greedy tokens with
   ``ignore_eos`` so every request generates the same length.
 - ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
   request when the previous one finished (closed loop: the load adapts to the server).
