@@ -280,10 +280,32 @@ class TritonServer:
         return self.proc.pid
 
     def __enter__(self) -> "TritonServer":
+        self._sigterm = _exit_on_sigterm()
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM raise SystemExit in this (main) thread while a server is up, so ``with TritonServer()`` stops
+    the server and its engines on ``timeout`` or ``kill`` as on Ctrl-C (the server runs in a process group of its
+    own: without this, a benchmark killed by ``timeout`` left every engine holding its GPU memory). Returns the
+    handler to restore; None where one is set already or this is not the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    return signal.SIG_DFL
 
 
 def render_topology(topology: Path, checkpoint: Path | None = None) -> Path:

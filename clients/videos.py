@@ -9,17 +9,19 @@ import tempfile
 import numpy as np
 
 
-def make_video(width: int = 128, height: int = 96, frames: int = 20, fps: float = 10.0, seed: int = 0) -> bytes:
-    """An MP4 (mp4v) of ``frames`` frames of ``width`` x ``height`` at ``fps``."""
+def make_video(width: int = 128, height: int = 96, frames: int = 20, fps: float = 10.0, seed: int = 0,
+               fourcc: str = "mp4v", suffix: str = ".mp4") -> bytes:
+    """An MP4 (mp4v) of ``frames`` frames of ``width`` x ``height`` at ``fps``; ``fourcc`` and ``suffix`` pick
+    another codec and container OpenCV writes (``"MJPG"``, ``".avi"``)."""
     import cv2
 
     rng = np.random.default_rng(seed)
     background = rng.integers(0, 256, 3).tolist()
     disc = rng.integers(0, 256, 3).tolist()
-    fd, path = tempfile.mkstemp(suffix=".mp4")
+    fd, path = tempfile.mkstemp(suffix=suffix)
     os.close(fd)
     try:
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*fourcc), fps, (width, height))
         for i in range(frames):
             frame = np.empty((height, width, 3), np.uint8)
             frame[:] = background

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from backend.encode.checkpoint import model_identity, read_tensors
+from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout
 from backend.protocol.modality import AUDIO, modality
@@ -81,8 +81,10 @@ class AudioEncoder:
         tower, projector = (m.to(device=device, dtype=dtype).eval() for m in (tower, projector))
         files = sorted(model_dir.glob("*.safetensors"))
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
-        return cls(tower, projector, AutoFeatureExtractor.from_pretrained(model_dir), model_identity(model_dir),
-                   report, torch.device(device), dtype)
+        encoder = cls(tower, projector, AutoFeatureExtractor.from_pretrained(model_dir), model_identity(model_dir),
+                      report, torch.device(device), dtype)
+        encoder.check_width(embedding_width(model_dir))
+        return encoder
 
     @torch.inference_mode()
     def encode(self, items: list) -> list[EncodedAudio]:
@@ -112,12 +114,20 @@ class AudioEncoder:
     def temporal_patches(self, video) -> int:
         raise InvalidInput(AUDIO.media_tensor, "this checkpoint's encoder takes audio only, not a video")
 
-    def warm(self) -> None:
-        """One encode of a second of silence: the first feature extraction and forward cost several later ones."""
+    def check_width(self, expected: int) -> None:
+        """One encode of a second of silence (what the first feature extraction and forward cost, several later ones,
+        is paid here too): the embeddings must be ``expected`` wide (what the language model takes), else ValueError;
+        sets ``width``."""
         import numpy as np
 
         rate = self.features.sampling_rate
-        self.encode([DecodedAudio(np.zeros(rate, np.float32), rate)])
+        self.width = int(self.encode([DecodedAudio(np.zeros(rate, np.float32), rate)])[0].embeddings.shape[-1])
+        if self.width != expected:
+            raise ValueError(f"the audio tower gives {self.width}-wide embeddings, the checkpoint's language model "
+                             f"takes {expected}")
+
+    def warm_up(self) -> None:
+        """Nothing to compile (``VisionEncoder.warm_up``'s counterpart): ``check_width`` at load paid the first calls."""
 
 
 def _padding_mask(lengths: torch.Tensor, mel_frames: int, device, dtype) -> torch.Tensor:

@@ -50,3 +50,16 @@ def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> tuple[dict, int]
     if not state:
         raise ValueError(f"{model_dir}: no tower tensors (prefixes {prefixes})")
     return state, read
+
+
+def embedding_width(model_dir: str | Path) -> int:
+    """The width of the media embeddings the checkpoint's language model takes (vLLM's ``image_embeds`` /
+    ``video_embeds``), from its config.json: the tower's output size (``out_hidden_size``; Qwen2-VL's
+    ``vision_config.hidden_size`` is its merger's output), times 1 + the DeepStack levels where the family has them
+    (Qwen3-VL: the merged embeddings and one per ``deepstack_visual_indexes``, concatenated)."""
+    doc = json.loads((Path(model_dir) / "config.json").read_text())
+    vision = doc.get("vision_config", {})
+    text = doc.get("text_config", doc)
+    width = vision.get("out_hidden_size") or (vision.get("hidden_size") if doc.get("model_type") == "qwen2_vl" else None)
+    width = width or text.get("hidden_size")
+    return int(width) * (1 + len(vision.get("deepstack_visual_indexes") or ()))

@@ -13,11 +13,16 @@ temporal patch: ``temporal_patch_size``) where the video processor resizes a fra
 there are (``cap_pixels_per_frame`` off, Qwen2-VL's default); otherwise all frames are, and the rows are cut after.
 
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
-against the whole checkpoint). ``load_encoder`` gives a checkpoint with an audio tower and no vision tower
-(Qwen2-Audio) its ``backend.encode.audio.AudioEncoder`` instead, with the same interface.
+against the whole checkpoint). What differs per model family (the tower class, the video processor's call, the video
+timing in the layout, DeepStack's wider output): ``backend.encode.families``. At load the encoder measures its output
+width with one tiny forward and checks it against what the checkpoint's language model takes
+(``checkpoint.embedding_width``), so a tower that gives other embeddings fails the load, not a request.
+``load_encoder`` gives a checkpoint with an audio tower and no vision tower (Qwen2-Audio) its
+``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from backend.encode.checkpoint import model_identity, read_tensors
+from backend.encode import families
+from backend.encode.cache import EmbeddingCache
+from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
 from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import PART_PARAMETER, part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
@@ -49,12 +56,12 @@ class EncodedItem:
     image_grid_thw: tuple[int, int, int]  # the item's patch grid (a video's too; a video part's own)
     modality: str = IMAGE.name
     part: tuple[int, int] | None = None  # a video part's (first temporal patch, the video's count)
+    timing: tuple = ()  # a video's VideoLayout timing members, as (name, value) pairs (families.video_timing)
 
     def media(self) -> ModalityLayout:
         """The layout's per-modality block of this item."""
-        if self.part is not None:
-            return MODALITY_LAYOUTS[self.modality](self.image_grid_thw, self.part)
-        return MODALITY_LAYOUTS[self.modality](self.image_grid_thw)
+        extra = dict(self.timing, part=self.part) if self.part is not None else dict(self.timing)
+        return MODALITY_LAYOUTS[self.modality](self.image_grid_thw, **extra)
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,10 @@ class VideoPart:
 
 class VisionEncoder:
     def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
-                 device: torch.device, dtype: torch.dtype, forward=None, video_processor=None):
+                 device: torch.device, dtype: torch.dtype, forward=None, video_processor=None,
+                 model_type: str = "qwen2_vl"):
         self.tower, self.processor, self.merge_size = tower, processor, merge_size
-        self.video_processor = video_processor
+        self.video_processor, self.model_type = video_processor, model_type
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
         self.forward = forward or _transformers_forward(tower)
 
@@ -78,14 +86,14 @@ class VisionEncoder:
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              impl: str = "packed", compile: bool = False) -> "VisionEncoder":
         """``impl``: ``packed`` (``backend.encode.packed_tower``: one varlen-attention pass over the batch) or
-        ``transformers`` (the checkpoint's own module, the reference); ``compile``: torch.compile the packed
-        blocks (CUDA only)."""
+        ``transformers`` (the checkpoint's own module, the reference; what a family the packed tower does not
+        implement runs, ``families.PACKED``); ``compile``: torch.compile the packed blocks (CUDA only)."""
         from transformers import AutoConfig, AutoImageProcessor
 
         model_dir = Path(model_dir)
         started = time.perf_counter()
         config = AutoConfig.from_pretrained(model_dir)
-        tower_cls = _tower_class(config.model_type)
+        tower_cls = families.tower_class(config.model_type)
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
         tower = tower_cls._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
         state, read = read_tensors(model_dir, TOWER_PREFIXES)
@@ -102,25 +110,30 @@ class VisionEncoder:
         if impl not in ("packed", "transformers"):
             raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
         forward = None
-        if impl == "packed":
+        if impl == "packed" and config.model_type in families.PACKED:
             from backend.encode.packed_tower import PackedTower
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
-        return cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
-                   torch.device(device), dtype, forward, video_processor)
+        encoder = cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
+                      torch.device(device), dtype, forward, video_processor, config.model_type)
+        encoder.check_width(embedding_width(model_dir))
+        return encoder
 
-    @property
-    def modalities(self) -> tuple[str, ...]:
-        """The modalities this encoder takes (video: where the checkpoint has a video processor)."""
-        return (IMAGE.name, VIDEO.name) if self.video_processor is not None else (IMAGE.name,)
-
-    def warm(self) -> None:
-        """One encode of an image and of a video nobody asked for: the first processor call and tower forward cost
-        3-5x a later one (measured: 46 ms against 9 for the first epd request's item)."""
+    def check_width(self, expected: int) -> None:
+        """One forward of a small image and, where the checkpoint has a video processor, a 2-frame video (what the
+        first processor call and forward cost, 3-5x a later one, is paid here too): each modality's embeddings must
+        be ``expected`` wide (what the language model takes), else ValueError; sets ``width``."""
         import numpy as np
 
-        self.encode([Image.new("RGB", (64, 64), (127, 127, 127))])
+        items = [Image.new("RGB", (64, 64), (127, 127, 127))]
         if self.video_processor is not None:
-            self.encode([video.DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), {})])
+            metadata = {"total_num_frames": 2, "fps": 2.0, "duration": 1.0, "frames_indices": [0, 1],
+                        "do_sample_frames": False}  # as vLLM's loader gives it (some families read it)
+            items.append(video.DecodedVideo(np.full((2, 64, 64, 3), 127, np.uint8), metadata))
+        widths = {item.modality: int(item.embeddings.shape[-1]) for item in self.encode(items)}
+        self.width = widths[IMAGE.name]
+        if set(widths.values()) != {expected}:
+            raise ValueError(f"the {self.model_type} vision tower gives embeddings of widths {widths}, the "
+                             f"checkpoint's language model takes {expected}")
 
     @torch.inference_mode()
     def encode(self, items: list) -> list[EncodedItem]:
@@ -141,8 +154,10 @@ class VisionEncoder:
             if self.video_processor is None:
                 raise ValueError("this checkpoint has no video processor")
             frames, cuts = zip(*(self._frames(items[i]) for i in videos))
-            # frames only, as vLLM's Qwen2-VL processing passes them (its data parser drops the loader's metadata)
-            batch = self.video_processor(videos=list(frames), return_tensors="pt")
+            decoded = [getattr(items[i], "video", items[i]) for i in videos]
+            # as vLLM's processing of the family passes them (families.video_kwargs)
+            batch = self.video_processor(videos=list(frames), return_tensors="pt",
+                                         **families.video_kwargs(self.model_type, decoded))
             video_pixels, video_grid = _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
             pixels.append(video_pixels)
             grids.append(video_grid)
@@ -155,8 +170,35 @@ class VisionEncoder:
         out: list[EncodedItem | None] = [None] * len(items)
         for (index, name), e, g in zip(order, embeds.split(sizes), grid.tolist()):
             part = (parts[index][0], self.temporal_patches(items[index].video)) if index in parts else None
-            out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part)
+            timing = self._timing(items[index], parts.get(index)) if name == VIDEO.name else ()
+            out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part, timing)
         return out
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The modalities this encoder takes (video: where the checkpoint has a video processor)."""
+        return (IMAGE.name, VIDEO.name) if self.video_processor is not None else (IMAGE.name,)
+
+    def warm_up(self) -> None:
+        """A compiled packed tower compiles its blocks on the first batch of ``COMPILE_MIN_TOKENS`` patches or more
+        (6-7 s on the H200, seen as TTFT outliers of the first requests that reached each of 4 encoder instances):
+        pay that here, on an image that large nobody asked for (``check_width`` at load paid the first small calls)."""
+        if not (getattr(self.forward, "compile", False) and self.device.type == "cuda"):
+            return
+        from backend.encode.packed_tower import COMPILE_MIN_TOKENS
+
+        per_side = math.isqrt(COMPILE_MIN_TOKENS - 1) + 1                    # patches: per_side ** 2 >= the minimum
+        per_side = -(-per_side // self.merge_size) * self.merge_size           # whole merge units
+        side = per_side * self.processor.patch_size
+        self.encode([Image.new("RGB", (side, side), (127, 127, 127))])
+
+    def _timing(self, item, cut: tuple[int, int] | None) -> tuple:
+        """A video's (or video part's: ``cut``, its temporal patches) timing members for its layout."""
+        whole = getattr(item, "video", item)
+        timing = families.video_timing(self.model_type, whole, self.video_processor.temporal_patch_size)
+        if cut is not None and "timestamps" in timing:
+            timing["timestamps"] = timing["timestamps"][cut[0]:cut[1]]
+        return tuple(timing.items())
 
     def temporal_patches(self, video) -> int:
         """A decoded video's grid t: its frames over ``temporal_patch_size``, rounded up (the processor pads)."""
@@ -169,7 +211,7 @@ class VisionEncoder:
         if not isinstance(item, VideoPart):
             return item.frames, None
         first, stop = part_range(item.part, self.temporal_patches(item.video))
-        if getattr(self.video_processor, "cap_pixels_per_frame", None):  # the frame count changes each frame's size
+        if families.resize_depends_on_frames(self.video_processor):  # the frame count changes each frame's size
             return item.video.frames, (first, stop)
         size = self.video_processor.temporal_patch_size
         return item.video.frames[first * size: stop * size], None
@@ -214,19 +256,8 @@ def load_video_processor(model_dir: Path):
 
 def _transformers_forward(tower):
     def forward(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        out = tower(pixels, grid_thw=grid.to(pixels.device))
-        return getattr(out, "pooler_output", out)
+        return families.tower_output(tower(pixels, grid_thw=grid.to(pixels.device)))
     return forward
-
-
-def _tower_class(model_type: str):
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-        return Qwen2VisionTransformerPretrainedModel
-    if model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-        return Qwen2_5_VisionTransformerPretrainedModel
-    raise ValueError(f"no vision tower known for model_type {model_type!r}")
 
 
 @dataclass(frozen=True)
@@ -239,37 +270,6 @@ class EncodeJob:
     own_key: str = ""  # the key computed in this process from ``data`` (and ``part``), if already done (the cache's key)
     modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
     part: tuple[int, int] | None = None  # part (i, n) of a video (backend.protocol.generate.PART_PARAMETER)
-
-
-class EmbeddingCache:
-    """Embeddings of recently encoded items by content key, least recently used out first, at most
-    ``max_bytes`` of tensors (0: off). Keys are computed here from the bytes (never taken from the caller,
-    so a request cannot plant embeddings under another item's key)."""
-
-    def __init__(self, max_bytes: int):
-        import collections
-
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._items: "collections.OrderedDict[str, EncodedItem]" = collections.OrderedDict()
-
-    def get(self, key: str) -> "EncodedItem | None":
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
-    def put(self, key: str, item: EncodedItem) -> None:
-        size = item.embeddings.numel() * item.embeddings.element_size()
-        if size > self.max_bytes or key in self._items:
-            return
-        self._items[key] = item
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= old.embeddings.numel() * old.embeddings.element_size()
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class EncoderService:

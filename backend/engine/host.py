@@ -160,13 +160,15 @@ def _vllm_error_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
 
 def multi_modal_data(request: GenerateRequest) -> dict[str, Any]:
     """vLLM's ``multi_modal_data`` of a request, per modality (``Modality.data_key``): its pulled embeddings through
-    vLLM's embedding input (``{embeds_key: tensor, grid_key: grid}``; the grid alone for a KV consumer, whose KV already
-    covers the media positions), or its decoded items in prompt order (a video as (frames, metadata))."""
+    vLLM's embedding input (``{embeds_key: tensor, grid_key: grid}``, and the layouts' other fields, ``media_kwargs``:
+    a video's ``second_per_grid_ts`` or ``timestamps``; the grid alone for a KV consumer, whose KV already covers the
+    media positions), or its decoded items in prompt order (a video as (frames, metadata))."""
     if request.media_embeds is not None:
         data = {}
         for name, (embeds, grid_thw) in request.media_embeds.items():
             m = modality(name)
-            data[m.data_key] = {m.grid_key: grid_thw} if embeds is None else {m.embeds_key: embeds, m.grid_key: grid_thw}
+            fields = {**(request.media_kwargs or {}).get(name, {}), m.grid_key: grid_thw}
+            data[m.data_key] = fields if embeds is None else {m.embeds_key: embeds, **fields}
         return data
     data: dict[str, list] = {}
     for item in request.images:

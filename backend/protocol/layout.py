@@ -3,37 +3,36 @@
 Who writes it: the ``encoder`` model, once per item, after the embeddings are in a producer buffer.
 Who reads it: the ``epd`` orchestrator (passes it on untouched), the consumer (``pd``, ``prefill``), which checks
 the version and the model identity before pulling the embeddings the handle names, and ``decode`` (the
-per-modality block only: the image's or video's grid, the audio's token count).
+per-modality block only: the image's or video's grid (an audio's token count)).
 
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
 serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
 
-    {"version": 6, "content_key": "..", "modality": "image", "model": "..", "dtype": "float32",
+    {"version": 7, "content_key": "..", "modality": "image", "model": "..", "dtype": "float32",
      "shape": [64, 1536], "handle": {"transport": "shared_memory", ..}, "image": {"grid_thw": [1, 16, 16]}}
 
 Two parts vary, each named by a discriminator and parsed into its own class:
 
-- ``handle.transport``: how a consumer on the producer's host can read the lease (``TRANSPORTS``). Every handle
-  names a NIXL-registered region (agent, descriptors): the READ any consumer can do, and the channel its release
-  notification takes; ``shared_memory`` and ``cuda_ipc`` add what their same-host fast path needs.
+- ``handle.transport``: how a consumer on the producer's host can read the lease (``TRANSPORTS``, declared in
+  ``backend.protocol.handles``). Every handle names a NIXL-registered region (agent, descriptors): the READ any
+  consumer can do, and the channel its release notification takes; ``shared_memory`` and ``cuda_ipc`` add what
+  their same-host fast path needs.
 - ``modality``: the per-modality block, under the modality's own key (``MODALITY_LAYOUTS``): ``image`` and
-  ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``), and
-  ``audio`` (``{"num_tokens": n, "feature_length": f}``, ``AudioLayout``); the common part is the same for all.
+  ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``; a
+  video of a family whose prompt positions or text depend on time adds its timing: Qwen2.5-VL
+  ``"second_per_grid_ts": 1.0``, Qwen3-VL ``"timestamps": [0.25, 1.25, ..]``, one per temporal patch).
+  ``audio``: ``{"num_tokens": n, "feature_length": f}`` (``AudioLayout``); the common part is the same for all.
   ``shape`` is the embeddings' own (the encoder's output as measured, ``[tokens, width]``), whatever the modality.
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import dataclasses
 import json
-import math
-import string
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from backend.protocol.errors import InvalidInput
-from backend.protocol.identity import content_key, host_identity  # noqa: F401 - what a layout names, declared there
+from backend.protocol.handles import (TRANSPORTS, CudaIpcHandle, NixlHandle, SharedMemoryHandle,  # noqa: F401
+                                      TransferHandle, _float, _floats, _int, _ints, _str, host_identity)  # re-exported
 
 # What each version of the document added (a consumer accepts its own version only):
 #   1  content_key, modality, model, dtype, shape, image_grid_thw; handle: agent_name, agent_metadata,
@@ -46,144 +45,13 @@ from backend.protocol.identity import content_key, host_identity  # noqa: F401 -
 #      version-5 consumer may not know is refused naming <field>.modality, so adding one is no new version)
 #   6  video.part: [first_t, total_t] for a slice of a video's temporal patches (one encoder's share of a video split
 #      across encoders); a version-5 consumer would ignore the member and take each slice for a whole video
-SCHEMA_VERSION = 6
+#   7  video.second_per_grid_ts (Qwen2.5-VL: seconds per temporal patch, its M-RoPE's temporal positions) and
+#      video.timestamps (Qwen3-VL: each temporal patch's time in seconds, the "<t seconds>" text of its prompt), each
+#      optional (a family without it leaves it out); a version-6 consumer would ignore them and give the engine
+#      other positions or another prompt than the baseline's: a new version
+SCHEMA_VERSION = 7
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
-
-
-# -- wire values ------------------------------------------------------------------------------------
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {type(value).__name__}")
-    return value
-
-
-def _float(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"expected a finite number, got {value!r}")
-    return float(value)
-
-
-def _bytes(value: Any) -> bytes:
-    return base64.b64decode(_str(value), validate=True)
-
-
-def _ints(value: Any, count: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) != count:
-        raise TypeError(f"expected a list of {count} integers, got {value!r}")
-    return tuple(_int(x) for x in value)
-
-
-_PARSE = {"str": _str, "int": _int, "float": _float, "bytes": _bytes}  # a handle member's type -> its parser
-_HEX_DIGITS = frozenset(string.hexdigits)
 _MISSING = object()
-
-
-# -- transfer handles ---------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class TransferHandle:
-    """Where the embeddings are and for how long: a lease on a producer's NIXL-registered pool. The common part of
-    every transport; parse with ``TransferHandle.from_doc``, which returns the variant ``transport`` names."""
-
-    transport: ClassVar[str] = ""
-    agent_name: str           # the producer's NIXL agent: READs and release notifications go to it
-    agent_metadata: bytes     # nixl get_agent_metadata() of the producer
-    descriptors: bytes        # nixl get_serialized_descs() of the leased region (empty for a pool's own handle)
-    lease_id: str             # hex; also the region's tag ("" for a pool's own handle)
-    nbytes: int               # the payload's size
-    expires_at: float         # unix time; the producer reclaims the lease after it
-    host: str = ""            # producer's host identity (boot id + network namespace)
-    pid: int = 0              # producer's process id (announcements of a dead producer are dropped)
-
-    def __post_init__(self):
-        if type(self).transport not in TRANSPORTS:
-            raise TypeError(f"{type(self).__name__} is no transport's handle (one of {', '.join(TRANSPORTS)})")
-
-    def to_doc(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"transport": self.transport}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            doc[f.name] = base64.b64encode(value).decode() if isinstance(value, bytes) else value
-        return doc
-
-    @staticmethod
-    def from_doc(doc: Any, field: str) -> "TransferHandle":
-        """The handle of ``doc`` (the ``handle`` member of layout ``field``), as the class its transport names;
-        anything malformed is InvalidInput naming the member at fault (``<field>.handle.<member>``)."""
-        where = f"{field}.handle"
-        if not isinstance(doc, dict):
-            raise InvalidInput(where, "malformed transfer handle (expected a JSON object)")
-        transport = doc.get("transport")
-        cls = TRANSPORTS.get(transport) if isinstance(transport, str) else None
-        if cls is None:
-            raise InvalidInput(f"{where}.transport", f"unknown transport {transport!r}; this consumer understands "
-                                                     f"{', '.join(TRANSPORTS)}")
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in doc:
-                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle (no {f.name})")
-            try:
-                values[f.name] = _PARSE[f.type](doc[f.name])
-            except (TypeError, ValueError, binascii.Error) as exc:
-                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle ({exc})") from None
-        handle = cls(**values)
-        handle.check(where)
-        return handle
-
-    def check(self, where: str) -> None:
-        """Value checks beyond the types (``where``: the handle's field)."""
-        if not set(self.lease_id) <= _HEX_DIGITS:
-            raise InvalidInput(f"{where}.lease_id", "malformed transfer handle (lease_id must be hex)")
-        for f in dataclasses.fields(self):
-            if f.type == "int" and getattr(self, f.name) < 0:
-                raise InvalidInput(f"{where}.{f.name}", f"malformed transfer handle ({f.name} must be >= 0)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class NixlHandle(TransferHandle):
-    """A pool only NIXL reads (a VRAM pool where CUDA IPC is not available): the common part alone."""
-
-    transport: ClassVar[str] = "nixl"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SharedMemoryHandle(TransferHandle):
-    """A host-memory pool in a memfd: a consumer on the same host maps it and copies the region itself."""
-
-    transport: ClassVar[str] = "shared_memory"
-    shm_path: str             # the producer's pool memfd, as /proc/<pid>/fd/<n>
-    offset: int = 0           # the lease's region within that pool
-
-    def check(self, where: str) -> None:
-        super().check(where)
-        if not self.shm_path:
-            raise InvalidInput(f"{where}.shm_path", "malformed transfer handle (shm_path must not be empty)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CudaIpcHandle(TransferHandle):
-    """A VRAM pool: a consumer on the same host opens it through CUDA IPC and copies at device bandwidth."""
-
-    transport: ClassVar[str] = "cuda_ipc"
-    ipc_handle: str           # the producer's VRAM pool as a CUDA IPC handle (64 bytes, hex)
-    pool_bytes: int           # size of the producer's pool (what an IPC mapping covers)
-    offset: int = 0           # the lease's region within that pool
-    tag_table: str = ""       # the lease-tag table (host memfd, int64 words), as /proc/<pid>/fd/<n>; "": none
-    tag_slot: int = 0         # the lease's word in that table: its id while the lease is open, 0 after
-
-    def check(self, where: str) -> None:
-        super().check(where)
-        if len(self.ipc_handle) != 128 or not set(self.ipc_handle) <= _HEX_DIGITS:
-            raise InvalidInput(f"{where}.ipc_handle", "malformed transfer handle (ipc_handle must be 64 bytes as hex)")
-
-
-TRANSPORTS: dict[str, type[TransferHandle]] = {cls.transport: cls for cls in (NixlHandle, SharedMemoryHandle,
-                                                                            CudaIpcHandle)}
 
 
 # -- per-modality blocks ------------------------------------------------------------------------------
@@ -243,33 +111,49 @@ class VideoLayout(GridLayout):
     ``part``: for one slice of a video encoded in parts (``backend.protocol.generate.PART_PARAMETER``), the slice's
     first temporal patch and the whole video's count, ``(first_t, total_t)``; ``grid_thw`` is then the slice's own
     grid. The consumer joins consecutive slices that cover ``[0, total_t)`` into the video's grid row
-    (``backend.transfer.consumer.media_grids``). None: the whole video."""
+    (``backend.transfer.consumer.media_grids``). None: the whole video.
+
+    Timing, for vLLM's field of that name (None: the family has none): ``second_per_grid_ts``, Qwen2.5-VL's seconds
+    per temporal patch (scales M-RoPE's temporal positions; a part carries its video's); ``timestamps``, Qwen3-VL's
+    time of each temporal patch (a part: its slice's), which vLLM writes into the prompt as ``<t seconds>``."""
 
     modality: ClassVar[str] = "video"
     part: tuple[int, int] | None = None
+    second_per_grid_ts: float | None = None
+    timestamps: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.part is not None:
             first, total = self.part
             if first < 0 or first + self.grid_thw[0] > total:
                 raise ValueError(f"part {list(self.part)} does not hold a slice of {self.grid_thw[0]} temporal patches")
+        if self.second_per_grid_ts is not None and not self.second_per_grid_ts > 0:
+            raise ValueError(f"second_per_grid_ts must be > 0, got {self.second_per_grid_ts}")
+        if self.timestamps is not None and len(self.timestamps) != self.grid_thw[0]:
+            raise ValueError(f"{len(self.timestamps)} timestamps for {self.grid_thw[0]} temporal patches")
 
     def to_doc(self) -> dict[str, Any]:
         doc = super().to_doc()
-        if self.part is not None:
-            doc["part"] = list(self.part)
+        for name in ("part", "second_per_grid_ts", "timestamps"):
+            value = getattr(self, name)
+            if value is not None:
+                doc[name] = list(value) if isinstance(value, tuple) else value
         return doc
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any], where: str) -> "VideoLayout":
         grid = GridLayout.from_doc(doc, where).grid_thw
-        if "part" not in doc:
-            return cls(grid)
-        try:
-            part = _ints(doc["part"], 2)
-            return cls(grid, part)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"{where}.part", f"expected [first_t, total_t] holding grid_thw's t ({exc})") from None
+        values = {}
+        for name, parse, expected in (("part", lambda v: _ints(v, 2), "[first_t, total_t] holding grid_thw's t"),
+                                      ("second_per_grid_ts", _float, "seconds per temporal patch, > 0"),
+                                      ("timestamps", _floats, "one time in seconds per temporal patch of grid_thw")):
+            if name in doc:
+                try:
+                    values[name] = parse(doc[name])
+                    cls(grid, **values)
+                except (TypeError, ValueError) as exc:
+                    raise InvalidInput(f"{where}.{name}", f"expected {expected} ({exc})") from None
+        return cls(grid, **values)
 
 
 @dataclass(frozen=True)
@@ -298,10 +182,12 @@ class AudioLayout(ModalityLayout):
 
     def check_shape(self, shape: tuple[int, ...], field: str) -> None:
         if shape[0] != self.num_tokens:
-            raise InvalidInput(f"{field}.audio.num_tokens", f"{self.num_tokens} tokens, the embeddings have {shape[0]} rows")
+            raise InvalidInput(f"{field}.audio.num_tokens", f"{self.num_tokens} tokens, the embeddings have {shape[0]} "
+                                                            "rows")
 
 
-MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout, AudioLayout)}
+MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout,
+                                                                                  AudioLayout)}
 
 
 # -- the document -------------------------------------------------------------------------------------
@@ -326,9 +212,11 @@ class LayoutMetadata:
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, field: str, expected_model: str | None = None) -> "LayoutMetadata":
-        """Parse and check a layout document; ``expected_model`` is the consumer's model identity. Anything it does
-        not understand is InvalidInput naming the member at fault (``<field>.<member>``)."""
+    def from_json(cls, text: str | bytes, field: str, expected_model: str | None = None,
+                  expected_width: int | None = None) -> "LayoutMetadata":
+        """Parse and check a layout document; ``expected_model`` is the consumer's model identity, ``expected_width``
+        the embedding width its model takes (``backend.encode.checkpoint.embedding_width``). Anything it does not
+        understand is InvalidInput naming the member at fault (``<field>.<member>``)."""
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -352,6 +240,9 @@ class LayoutMetadata:
         layout = cls(**common, handle=TransferHandle.from_doc(doc.get("handle"), field),
                      media=media_cls.from_doc(doc[modality], f"{field}.{modality}"))
         layout.validate(field)
+        if expected_width is not None and layout.shape[1] != expected_width:
+            raise InvalidInput(f"{field}.shape", f"embeddings are {layout.shape[1]} wide, this consumer's model takes "
+                                                 f"{expected_width}-wide {layout.modality} embeddings")
         return layout
 
     def validate(self, field: str) -> None:
@@ -394,3 +285,17 @@ def _check_version(version: Any, field: str) -> None:
         raise InvalidInput(f"{field}.version", f"unsupported layout schema version {version!r} ({which} than this "
                                                f"consumer's {SCHEMA_VERSION}: encoder and consumer must be of one "
                                                f"release)")
+
+
+def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] | None = None) -> str:
+    """The identity of one encoded item: its bytes, the processing options applied to it, and the model
+    (the same picture through another processor config or model is another item); ``part``: ``(i, n)`` for part i
+    of n of a video (``backend.protocol.generate.PART_PARAMETER``), a key of its own, never the whole item's."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for piece in (model.encode(), b"\x00", processing.encode(), b"\x00", data):
+        h.update(piece)
+    if part is not None:
+        h.update(f"\x00part {part[0]}/{part[1]}".encode())
+    return h.hexdigest()[:32]

@@ -91,6 +91,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     media_embeds: Mapping[str, tuple] | None = None  # set by a consumer: modality name -> (embeds or None, grid_thw)
+    media_kwargs: Mapping[str, Mapping[str, Any]] | None = None  # and its other vLLM fields (video timing) per modality
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout
@@ -145,10 +146,11 @@ class EncodedMedia(DecodeMedia):
 
 
 class LayoutMedia:
-    """``pd``: metadata-only items; any media is refused, so nothing is ever decoded here."""
+    """``pd``: metadata-only items; any media is refused, so nothing is ever decoded here. ``embedding_width``: the
+    width of the embeddings this model takes (``backend.encode.checkpoint.embedding_width``; None: not checked)."""
 
-    def __init__(self, model_identity: str):
-        self.model_identity = model_identity
+    def __init__(self, model_identity: str, embedding_width: int | None = None):
+        self.model_identity, self.embedding_width = model_identity, embedding_width
 
     def from_tensor(self, data, field, modality):
         raise InvalidInput(field, f"this model takes metadata-only media ({modality.layout_tensor}), not media bytes")
@@ -157,7 +159,8 @@ class LayoutMedia:
         raise InvalidInput(field, f"this model takes metadata-only media ({modality.layout_tensor}), not media URLs")
 
     def from_layout(self, text, field, modality):
-        return LayoutMetadata.from_json(text, field, expected_model=self.model_identity)
+        return LayoutMetadata.from_json(text, field, expected_model=self.model_identity,
+                                        expected_width=self.embedding_width)
 
 
 class LayoutOrDecodeMedia(DecodeMedia):
@@ -165,9 +168,9 @@ class LayoutOrDecodeMedia(DecodeMedia):
     skips the encoders sends both engines the client's media, as vLLM's own P/D proxy does). One request
     takes one kind (``prepare`` of the model refuses a mix)."""
 
-    def __init__(self, model_identity: str, limits: MediaLimits = MediaLimits()):
+    def __init__(self, model_identity: str, limits: MediaLimits = MediaLimits(), embedding_width: int | None = None):
         super().__init__(limits)
-        self.layouts = LayoutMedia(model_identity)
+        self.layouts = LayoutMedia(model_identity, embedding_width)
 
     def from_layout(self, text, field, modality):
         return self.layouts.from_layout(text, field, modality)

@@ -87,7 +87,8 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
     except (cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
     if not cap.isOpened():
-        raise InvalidInput(field, "cannot decode video (not a container OpenCV's FFmpeg can open)")
+        raise InvalidInput(field, "cannot decode video (OpenCV's FFmpeg cannot open the container, or has no "
+                                  "decoder for its codec)")
     try:
         width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS))

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -348,6 +349,40 @@ def media_grids(layouts) -> dict[str, torch.Tensor]:
     for last in open_part.values():
         _incomplete(*last)
     return {name: torch.tensor(rows, dtype=torch.int64) for name, rows in grids.items()}
+
+
+TIMING = ("second_per_grid_ts", "timestamps")  # the VideoLayout members that are vLLM fields of the same name
+
+
+def media_kwargs(layouts) -> dict[str, dict[str, Any]]:
+    """Per modality, the items' fields vLLM takes beside ``<modality>_embeds`` and the grid (``TIMING``), where its
+    layouts carry them: ``second_per_grid_ts`` as a float32 tensor [items] (as the HF processor gives it),
+    ``timestamps`` as a list per item. A video in parts (checked by ``media_grids``) is one item: its first part's
+    ``second_per_grid_ts``, its parts' timestamps in order. Items of a modality must all carry a field or none
+    (else InvalidInput naming the first without it)."""
+    items: dict[str, list[tuple[str, dict]]] = {}
+    for field, layout in zip(media_fields(layouts), layouts):
+        part = getattr(layout.media, "part", None)
+        rows = items.setdefault(layout.modality, [])
+        if part is None or part[0] == 0 or not rows:
+            rows.append((field, {}))
+        row = rows[-1][1]
+        for name in TIMING:
+            value = getattr(layout.media, name, None)
+            if value is not None:
+                row[name] = row.get(name, ()) + value if name == "timestamps" else row.get(name, value)
+    out: dict[str, dict[str, Any]] = {}
+    for name, rows in items.items():
+        for key in TIMING:
+            have = [row.get(key) for _, row in rows]
+            if all(v is None for v in have):
+                continue
+            if None in have:
+                raise InvalidInput(f"{rows[have.index(None)][0]}.{name}.{key}", "missing where the request's other "
+                                                                               f"{name} items have it")
+            out.setdefault(name, {})[key] = torch.tensor(have, dtype=torch.float32) if key == "second_per_grid_ts" \
+                else [list(v) for v in have]
+    return out
 
 
 def _check_next_part(field: str, media: VideoLayout, last: tuple[str, VideoLayout] | None, row: list | None) -> None:

@@ -149,11 +149,13 @@ class MetadataOnlyModel(GenerateModel):
             self.producers = ProducerWatcher(directory(), lambda handle: self.pulls.submit(self.consumer.warm, handle))
 
     def make_resolver(self):
-        from backend.encode.checkpoint import model_identity
+        from backend.encode.checkpoint import embedding_width, model_identity
         from backend.request.generate import LayoutMedia, LayoutOrDecodeMedia
 
-        identity = model_identity(self.engine_args["model"])
-        return LayoutOrDecodeMedia(identity, self.limits.media) if self.spec.takes_media else LayoutMedia(identity)
+        identity, width = model_identity(self.engine_args["model"]), embedding_width(self.engine_args["model"])
+        if self.spec.takes_media:
+            return LayoutOrDecodeMedia(identity, self.limits.media, width)
+        return LayoutMedia(identity, width)
 
     def engine_args_from(self, model_json):
         args = metadata_only_engine_args(model_json)
@@ -192,7 +194,7 @@ class MetadataOnlyModel(GenerateModel):
                                              self.limits.media, self.video_processor(), self.feature_extractor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.consumer import media_grids, pull_media_embeds
+        from backend.transfer.consumer import media_grids, media_kwargs, pull_media_embeds
 
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
             from backend.engine.host import takes_layout_only
@@ -200,7 +202,8 @@ class MetadataOnlyModel(GenerateModel):
 
             zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
             grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.images).items()}
-            return replace(request, images=(), media_embeds=grids, timings=timings or None)
+            return replace(request, images=(), media_embeds=grids, media_kwargs=media_kwargs(request.images),
+                           timings=timings or None)
 
         started = time.perf_counter()
         embeds = await asyncio.get_running_loop().run_in_executor(
@@ -208,7 +211,8 @@ class MetadataOnlyModel(GenerateModel):
         seconds = time.perf_counter() - started
         timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
         self.metrics.transferred(timings["transfer_bytes"], seconds, dict(self.consumer.paths))
-        return replace(request, images=(), media_embeds=embeds, timings=timings)
+        return replace(request, images=(), media_embeds=embeds, media_kwargs=media_kwargs(request.images),
+                       timings=timings)
 
     def image_processor(self):
         """The checkpoint's image processor (None: it has none), loaded at the first request with ``original_media``."""

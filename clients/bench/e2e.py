@@ -165,6 +165,10 @@ class Bench:
                     if metrics_url:
                         rows[-1]["vllm_queue_ms"] = bench_report.engine_queue_ms(before, _scrape(metrics_url))
                     self.samples[(label, level)] = results.samples
+                    r = rows[-1]  # as it finishes: what a run cut short still reports
+                    print(f"{label} @ {level:g}: {r['req_per_s']:.2f} req/s, TTFT p50/p90 {r.get('ttft_p50_ms') or 0:.0f}/"
+                          f"{r.get('ttft_p90_ms') or 0:.0f} ms, {r['errors']} errors, cpu_busy {r['cpu_busy']}",
+                          file=sys.stderr, flush=True)
                     for error in results.errors[:3]:
                         print(f"{label} @ {level:g}: {error}", file=sys.stderr)
             self.rows += [row for _, row in sorted(zip(order, rows), key=lambda pair: pair[0])]  # stable: levels in turn

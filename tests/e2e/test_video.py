@@ -126,6 +126,10 @@ def _hostile():
         "corrupt": (good[:32] + bytes(range(256)) * 8, "cannot decode video"),
         "zero_frames": (make_video(64, 64, frames=0), "cannot decode video"),
         "frame_over_pixel_limit": (make_video(4100, 4000, frames=1, fps=1), "over the 16000000-pixel limit"),
+        # an AVI whose stream names a codec FFmpeg has no decoder for (MJPG's fourcc overwritten)
+        "unsupported_codec": (make_video(64, 64, frames=4, fourcc="MJPG", suffix=".avi").replace(b"MJPG", b"QQQQ"),
+                              "cannot decode video"),
+        "header_claims_hours": (make_video(32, 32, frames=40, fps=0.01), "video is 4000.0 s long, over the 600-second"),
     }
 
 
@@ -134,7 +138,8 @@ def hostile():
     return _hostile()
 
 
-@pytest.mark.parametrize("kind", ["truncated", "corrupt", "zero_frames", "frame_over_pixel_limit"])
+@pytest.mark.parametrize("kind", ["truncated", "corrupt", "zero_frames", "frame_over_pixel_limit", "unsupported_codec",
+                                  "header_claims_hours"])
 @pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
 def test_hostile_videos_are_invalid_naming_the_item_and_the_server_serves_on(server, hostile, model, kind):
     data, fragment = hostile[kind]

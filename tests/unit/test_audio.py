@@ -168,6 +168,7 @@ def test_the_encoder_serves_an_audio_only_checkpoint_item_by_item_as_in_a_batch(
     from backend.encode.audio import AudioEncoder
 
     assert isinstance(encoder, AudioEncoder) and encoder.modalities == ("audio",) and encoder.video_processor is None
+    assert encoder.width == 128  # measured at load: the projector's output, the language model's width
     assert encoder.load_report.bytes_read < encoder.load_report.checkpoint_bytes / 2  # no language model read
     items = [decode_audio(make_audio(s, r, seed=i), f"audio[{i}]", LIMITS)
              for i, (s, r) in enumerate([(2.0, 16_000), (0.3, 8_000), (40.0, 8_000)])]

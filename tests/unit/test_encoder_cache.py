@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
@@ -117,3 +118,27 @@ def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch)
     assert calls == []  # the model hashed the bytes already
     service.run([EncodeJob(0, a, "caller-key")], 1)  # a caller's key: hashed here, and the cache answers
     assert len(calls) == 1 and service.cache_hits == 1 and counting.calls == [1]
+
+
+def test_warm_up_reaches_the_compiled_tower_on_a_real_size_processor(encoder, monkeypatch):
+    """With a compiled tower on CUDA, ``warm_up`` sends one image big enough for the compiled blocks through the
+    encoder (else every instance compiles in its first large request: 6-7 s TTFT outliers on the H200); the
+    processor is Qwen2-VL-2B's (the tiny one caps images at 12,544 pixels)."""
+    from transformers import AutoImageProcessor
+
+    from backend.encode.packed_tower import COMPILE_MIN_TOKENS
+
+    seen = []
+    real = AutoImageProcessor.from_pretrained(Path(__file__).resolve().parents[1] / "data" / "checkpoints" /
+                                              "Qwen2-VL-2B-Instruct")
+    monkeypatch.setattr(encoder, "processor", real)
+    monkeypatch.setattr(encoder, "encode", lambda items: seen.extend(items))
+    monkeypatch.setattr(encoder, "device", torch.device("cuda"))
+    monkeypatch.setattr(encoder.forward, "compile", True, raising=False)
+    encoder.warm_up()
+    patches = [int(real(images=[item], return_tensors="pt")["image_grid_thw"].prod()) for item in seen]
+    assert len(patches) == 1 and patches[0] >= COMPILE_MIN_TOKENS
+    monkeypatch.setattr(encoder.forward, "compile", False, raising=False)
+    seen.clear()
+    encoder.warm_up()
+    assert seen == []  # nothing to compile: check_width at load paid the first calls

@@ -47,7 +47,10 @@ class TritonPythonModel:
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
         limits = MediaLimits(**media_limits(settings), **checkpoint_media(model_dir.resolve()))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
-        self.encoder.warm()  # the first processor call and tower forward cost 3-5x a later one: here, not in a request
+        # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
+        # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
+        # (check_width), not a request; warm_up compiles a compiled tower's blocks.
+        self.encoder.warm_up()
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
         self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
         self._stop = threading.Event()
