@@ -1,7 +1,8 @@
-"""Ask a generating model (``llm``, ``epd``, ...) a question about images; print tokens as they arrive.
+"""Ask a generating model (``llm``, ``epd``, ...) a question about images (or audio); print tokens as they arrive.
 
     python -m clients.chat --image cat.png "What is in the image?"
     python -m clients.chat --protocol http --model llm --max-tokens 32 --image a.png --image b.jpg "Compare them."
+    python -m clients.chat --model epd --audio clip.wav "What is this sound?"   # an audio checkpoint's server
 
 Prints the streamed answer, then time to first token and total time.
 """
@@ -18,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m clients.chat", description=__doc__.splitlines()[0])
     parser.add_argument("prompt", help="the question (text)")
     parser.add_argument("--image", action="append", type=Path, default=[], help="an image file; repeat for several")
+    parser.add_argument("--audio", action="append", type=Path, default=[],
+                        help="an audio file (WAV, FLAC, OGG, ...; a server of an audio checkpoint); repeat for several")
     parser.add_argument("--model", default="llm")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
@@ -30,12 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_inputs(args: argparse.Namespace) -> GenerateInputs:
-    images = [path.read_bytes() for path in args.image]
+    images, audios = [path.read_bytes() for path in args.image], [path.read_bytes() for path in args.audio]
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.raw_prompt:
-        return GenerateInputs(prompt=args.prompt, images=images, sampling=sampling)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
-    return GenerateInputs(messages=[{"role": "user", "content": content}], images=images, sampling=sampling)
+        return GenerateInputs(prompt=args.prompt, images=images, audios=audios, sampling=sampling)
+    content = [{"type": "image"} for _ in images] + [{"type": "audio"} for _ in audios] + \
+        [{"type": "text", "text": args.prompt}]
+    return GenerateInputs(messages=[{"role": "user", "content": content}], images=images, audios=audios,
+                          sampling=sampling)
 
 
 def main(argv: list[str] | None = None) -> int:

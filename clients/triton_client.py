@@ -49,6 +49,8 @@ class GenerateInputs:
     image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd, prefill, decode)
     videos: Sequence[bytes] = ()  # encoded videos (MP4, WebM, ...): the items of {"type": "video"} parts
     video_layouts: Sequence[str] = ()
+    audios: Sequence[bytes] = ()  # encoded audio files (WAV, FLAC, OGG, ...): the items of {"type": "audio"} parts
+    audio_layouts: Sequence[str] = ()
     kv_transfer_params: dict | None = None  # prefill / decode stages: vLLM KV connector parameters
     sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
     stream: bool = True

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command set-up on a fresh machine (make setup). Idempotent: a second run checks stamps and
 # takes seconds. Installs the venv (.venv), the pinned Python stack, the real tritonserver with its
-# Python backend, and builds the tiny random-weight Qwen2-VL, Qwen2.5-VL and Qwen3-VL models under models/.
+# Python backend, and builds the tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen2-Audio models under
+# models/.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -45,6 +46,7 @@ fi
 "$PY" scripts/post_install.py
 "$PY" -m backend.deploy.tiny_model --out "$MODEL_DIR"
 for family in qwen2_5_vl qwen3_vl; do "$PY" -m backend.deploy.tiny_model --family "$family"; done  # models/tiny-<family>
+"$PY" -m backend.deploy.tiny_audio_model --out "$ROOT/models/tiny-qwen2-audio"
 "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api; assert numpy.__version__ == '1.26.4', numpy.__version__" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api"; exit 1; }
 say "done in $(( $(date +%s) - started )) s"

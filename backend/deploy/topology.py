@@ -68,8 +68,9 @@ HOSTS = {mode.value: mode.host.value for mode in Disaggregation}  # deployment -
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
 TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
                      **defaults(KvEngineSettings, "nixl_poll_delay_us")}
-LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos"),
-                  **defaults(MediaSettings, "max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds"),
+LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos", "max_audios"),
+                  **defaults(MediaSettings, "max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds",
+                             "max_audio_seconds"),
                   **defaults(ProxySettings, "request_timeout_seconds")}  # the last: epd's deadline per request
 ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,

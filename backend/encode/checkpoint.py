@@ -1,6 +1,6 @@
 """What identifies a checkpoint's embeddings: the model (``model_identity``) and the image/video processor settings
-(``processing_options``), both parts of an item's content key. Light on purpose (no torch): the orchestrators
-import it at load.
+(``processing_options``), both parts of an item's content key; and reading a tower's tensors out of it
+(``read_tensors``). Light on purpose (no torch at import): the orchestrators import it at load.
 """
 from __future__ import annotations
 
@@ -31,6 +31,25 @@ def processing_options(model_dir: str | Path) -> str:
     if video.exists():
         doc = {**doc, "video": json.loads(video.read_text())}
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> tuple[dict, int]:
+    """The tensors of the checkpoint's safetensors files whose names start with one of ``prefixes`` (the prefix cut
+    off), and their bytes: a tower's weights, without reading the rest of the checkpoint."""
+    from safetensors import safe_open
+
+    state, read = {}, 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt", device="cpu") as fh:
+            for key in fh.keys():
+                prefix = next((p for p in prefixes if key.startswith(p)), None)
+                if prefix:
+                    tensor = fh.get_tensor(key)
+                    state[key[len(prefix):]] = tensor
+                    read += tensor.numel() * tensor.element_size()
+    if not state:
+        raise ValueError(f"{model_dir}: no tower tensors (prefixes {prefixes})")
+    return state, read
 
 
 def embedding_width(model_dir: str | Path) -> int:

@@ -17,6 +17,8 @@ against the whole checkpoint). What differs per model family (the tower class, t
 timing in the layout, DeepStack's wider output): ``backend.encode.families``. At load the encoder measures its output
 width with one tiny forward and checks it against what the checkpoint's language model takes
 (``checkpoint.embedding_width``), so a tower that gives other embeddings fails the load, not a request.
+``load_encoder`` gives a checkpoint with an audio tower and no vision tower (Qwen2-Audio) its
+``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ from PIL import Image
 
 from backend.encode import families
 from backend.encode.cache import EmbeddingCache
-from backend.encode.checkpoint import embedding_width, model_identity
+from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
 from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import PART_PARAMETER, part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO, modality
-from backend.request import image, video  # noqa: F401 - register the modalities' handlers
+from backend.request import audio, image, video  # noqa: F401 - register the modalities' handlers
 from backend.request.media import handler
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
@@ -86,7 +88,6 @@ class VisionEncoder:
         """``impl``: ``packed`` (``backend.encode.packed_tower``: one varlen-attention pass over the batch) or
         ``transformers`` (the checkpoint's own module, the reference; what a family the packed tower does not
         implement runs, ``families.PACKED``); ``compile``: torch.compile the packed blocks (CUDA only)."""
-        from safetensors import safe_open
         from transformers import AutoConfig, AutoImageProcessor
 
         model_dir = Path(model_dir)
@@ -95,18 +96,8 @@ class VisionEncoder:
         tower_cls = families.tower_class(config.model_type)
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
         tower = tower_cls._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
-        state, read = {}, 0
+        state, read = read_tensors(model_dir, TOWER_PREFIXES)
         files = sorted(model_dir.glob("*.safetensors"))
-        for path in files:
-            with safe_open(path, "pt", device="cpu") as fh:
-                for key in fh.keys():
-                    prefix = next((p for p in TOWER_PREFIXES if key.startswith(p)), None)
-                    if prefix:
-                        tensor = fh.get_tensor(key)
-                        state[key[len(prefix):]] = tensor
-                        read += tensor.numel() * tensor.element_size()
-        if not state:
-            raise ValueError(f"{model_dir}: no vision-tower tensors (prefixes {TOWER_PREFIXES})")
         tower.load_state_dict(state, strict=True)
         if torch.device(device).type == "cuda" and dtype == torch.float32:
             # fp32 means fp32: TF32 convolutions/matmuls (cuDNN's default) move embeddings by ~1e-3
@@ -183,6 +174,11 @@ class VisionEncoder:
             out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part, timing)
         return out
 
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The modalities this encoder takes (video: where the checkpoint has a video processor)."""
+        return (IMAGE.name, VIDEO.name) if self.video_processor is not None else (IMAGE.name,)
+
     def warm_up(self) -> None:
         """A compiled packed tower compiles its blocks on the first batch of ``COMPILE_MIN_TOKENS`` patches or more
         (6-7 s on the H200, seen as TTFT outliers of the first requests that reached each of 4 encoder instances):
@@ -219,6 +215,19 @@ class VisionEncoder:
             return item.video.frames, (first, stop)
         size = self.video_processor.temporal_patch_size
         return item.video.frames[first * size: stop * size], None
+
+
+def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, impl: str = "packed",
+                 compile: bool = False):
+    """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a checkpoint with an
+    audio tower and no vision tower (Qwen2-Audio), else its vision tower's (``VisionEncoder.load``)."""
+    from transformers import AutoConfig
+
+    from backend.encode.audio import AudioEncoder, is_audio_only
+
+    if is_audio_only(AutoConfig.from_pretrained(model_dir)):
+        return AudioEncoder.load(model_dir, device=device, dtype=dtype)
+    return VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
 
 
 def _cut(pixels: torch.Tensor, grid: torch.Tensor, cuts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +309,7 @@ class EncoderService:
                 continue
             try:
                 if (job.modality, job.data) not in decoded:
-                    decoded[job.modality, job.data] = _decode(job, self.limits)
+                    decoded[job.modality, job.data] = _decode(job, self.limits, self.encoder)
                 item = self._part(job, decoded[job.modality, job.data])
                 ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
             except Exception as exc:
@@ -371,10 +380,14 @@ class EncoderService:
 EMPTY_PART = object()  # a video part with no temporal patches: nothing to encode, an empty layout
 
 
-def _decode(job: EncodeJob, limits):
-    """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor)."""
+def _decode(job: EncodeJob, limits, encoder):
+    """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor); a modality
+    the encoder does not take is refused first."""
     try:
         m = modality(job.modality)
     except KeyError:
         raise InvalidInput("modality", f"unsupported modality {job.modality!r}") from None
+    if m.name not in encoder.modalities:
+        raise InvalidInput(m.media_tensor, f"this checkpoint's encoder takes {' and '.join(encoder.modalities)}, "
+                                           f"not {m.name}")
     return handler(m).decode(job.data, m.media_tensor, limits)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
-from backend.protocol.modality import modality
+from backend.protocol.modality import modalities, modality
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.versions import Guard
 from backend.engine.loop import LoopThread
@@ -179,15 +179,17 @@ def multi_modal_data(request: GenerateRequest) -> dict[str, Any]:
 
 def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
     """Map vLLM's exceptions to domain errors: request faults (its VLLMClientError family, and the
-    ValueErrors its input processing raises) -> InvalidInput naming the field; overload and a dead
+    ValueErrors its input processing raises) -> InvalidInput naming the field (a modality's item limit, e.g. audio
+    given to a model without audio: the modality's tensor); overload and a dead
     engine -> Unavailable; anything else stays internal."""
     unavailable, client = _vllm_error_classes()
     if type(exc).__name__ == "EngineDeadError" or isinstance(exc, unavailable):
         return Unavailable(f"engine unavailable: {exc}")
     if isinstance(exc, client):
         parameter = getattr(exc, "parameter", None)
+        media = {m.limit_key: m.media_tensor for m in modalities()}  # vLLM's item limits name the modality
         field = (request.prompt_field if parameter in (None, "input_tokens", "prompt")
-                 else f"sampling_parameters.{parameter}")
+                 else media.get(parameter) or f"sampling_parameters.{parameter}")
         return InvalidInput(field, str(exc))
     return exc
 

@@ -3,7 +3,7 @@
 Who writes it: the ``encoder`` model, once per item, after the embeddings are in a producer buffer.
 Who reads it: the ``epd`` orchestrator (passes it on untouched), the consumer (``pd``, ``prefill``), which checks
 the version and the model identity before pulling the embeddings the handle names, and ``decode`` (the
-per-modality block only: the image's or video's grid).
+per-modality block only: the image's or video's grid (an audio's token count)).
 
 Wire format: JSON with plain numeric arrays; the only opaque parts are NIXL's own agent metadata and
 serialized descriptors, carried base64-encoded inside the handle (they are NIXL blobs, not tensors)::
@@ -21,7 +21,8 @@ Two parts vary, each named by a discriminator and parsed into its own class:
   ``video`` (``{"grid_thw": [t, h, w]}`` each; a video encoded in parts adds ``"part": [first_t, total_t]``; a
   video of a family whose prompt positions or text depend on time adds its timing: Qwen2.5-VL
   ``"second_per_grid_ts": 1.0``, Qwen3-VL ``"timestamps": [0.25, 1.25, ..]``, one per temporal patch).
-  Audio adds a class there, with its own fields; the common part stays as it is.
+  ``audio``: ``{"num_tokens": n, "feature_length": f}`` (``AudioLayout``); the common part is the same for all.
+  ``shape`` is the embeddings' own (the encoder's output as measured, ``[tokens, width]``), whatever the modality.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ class ModalityLayout:
     def from_doc(cls, doc: dict[str, Any], where: str) -> "ModalityLayout":
         """Parse the block (``doc``, a JSON object); ``where``: its field, for errors."""
         raise NotImplementedError
+
+    def check_shape(self, shape: tuple[int, ...], field: str) -> None:
+        """Refuse embeddings of ``shape`` that this block cannot describe (``field``: the layout's)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,38 @@ class VideoLayout(GridLayout):
         return cls(grid, **values)
 
 
-MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout)}
+@dataclass(frozen=True)
+class AudioLayout(ModalityLayout):
+    """An audio item's block: ``num_tokens``, its embeddings' rows, what vLLM's ``audio_num_tokens`` input wants (the
+    placeholder's length: all ``decode`` needs), and ``feature_length``, the feature frames the checkpoint's feature
+    extractor kept of it (Qwen2-Audio: 10 ms mel frames, before the encoder's 4x downsampling), so a reader can tell
+    what was encoded (a clip past the extractor's window is cut to it)."""
+
+    modality: ClassVar[str] = "audio"
+    num_tokens: int
+    feature_length: int
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"num_tokens": self.num_tokens, "feature_length": self.feature_length}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], where: str) -> "AudioLayout":
+        try:
+            values = {name: _int(doc[name]) for name in ("num_tokens", "feature_length")}
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(where, f"expected positive ints num_tokens and feature_length ({exc!r})") from None
+        if min(values.values()) <= 0:
+            raise InvalidInput(where, f"expected positive ints num_tokens and feature_length, got {values}")
+        return cls(**values)
+
+    def check_shape(self, shape: tuple[int, ...], field: str) -> None:
+        if shape[0] != self.num_tokens:
+            raise InvalidInput(f"{field}.audio.num_tokens", f"{self.num_tokens} tokens, the embeddings have {shape[0]} "
+                                                            "rows")
+
+
+MODALITY_LAYOUTS: dict[str, type[ModalityLayout]] = {cls.modality: cls for cls in (ImageLayout, VideoLayout,
+                                                                                  AudioLayout)}
 
 
 # -- the document -------------------------------------------------------------------------------------
@@ -217,6 +252,7 @@ class LayoutMetadata:
             raise InvalidInput(f"{field}.shape", f"expected [tokens, hidden] > 0, got {list(self.shape)}")
         if self.handle.nbytes != self.shape[0] * self.shape[1] * DTYPES[self.dtype]:
             raise InvalidInput(f"{field}.handle.nbytes", "does not match shape and dtype")
+        self.media.check_shape(self.shape, field)
 
 
 def _shape(value: Any) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ class MediaSettings:
     max_item_bytes: int = 32 << 20
     max_video_frames: int = 18_000  # the frames a video's container may hold
     max_video_seconds: float = 600.0  # and its length
+    max_audio_seconds: float = 600.0  # an audio file's length (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S default)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class ProxySettings(RoutingSettings, MediaSettings):
     prefill_endpoint: str = LOCAL
     max_images: int = 4
     max_videos: int = 2
+    max_audios: int = 3
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
 

@@ -11,7 +11,8 @@ Prompt forms (exactly one):
 - ``messages``: OpenAI-style chat messages JSON. Media parts are each registered modality's
   (``backend.protocol.modality``), for images ``{"type": "image_url", "image_url": {"url": "data:..." |
   "file://..."}}`` or ``{"type": "image"}``, which takes the next item of the ``image`` tensor (or of
-  ``image_layouts``). The parsed conversation has every image part as ``{"type": "image"}``: it is both what
+  ``image_layouts``); audio also ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}``.
+  The parsed conversation has every image part as ``{"type": "image"}``: it is both what
   the chat template renders and the metadata-only rewrite.
 
 What a media item becomes depends on the model (``MediaResolver``): ``llm`` decodes images, ``epd``
@@ -21,6 +22,8 @@ items are decoded or read is its request-stage module's (``backend.request.image
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
@@ -28,7 +31,7 @@ from typing import Any, Mapping, Protocol
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import LayoutMetadata
 from backend.protocol.modality import Modality, content_part, modalities
-from backend.request import image, video  # noqa: F401 - register the modalities' MediaHandlers
+from backend.request import audio, image, video  # noqa: F401 - register the modalities' MediaHandlers
 from backend.request.media import MediaLimits, check_encoded, handler
 from backend.request.sampling import parse_sampling_parameters
 
@@ -50,6 +53,7 @@ class PromptFormat:
 class RequestLimits:
     max_images: int = 8  # per request: each modality's limit is its ``Modality.limit_field`` here
     max_videos: int = 8
+    max_audios: int = 8
     media: MediaLimits = field(default_factory=MediaLimits)
 
 
@@ -65,6 +69,8 @@ class RawGenerateInputs:
     image_layouts: tuple[str, ...] = ()
     videos: tuple[bytes, ...] = ()
     video_layouts: tuple[str, ...] = ()
+    audios: tuple[bytes, ...] = ()
+    audio_layouts: tuple[str, ...] = ()
     stream: bool = False
     sampling_parameters: str | None = None
     exclude_input_in_output: bool = False
@@ -168,6 +174,12 @@ class LayoutOrDecodeMedia(DecodeMedia):
 
     def from_layout(self, text, field, modality):
         return self.layouts.from_layout(text, field, modality)
+
+
+def checkpoint_media(model_dir) -> dict[str, Any]:
+    """The ``MediaLimits`` fields a checkpoint decides: its HF video processor (which picks vLLM's video loader) and
+    its audio feature extractor's sampling rate (what audio items are resampled to)."""
+    return {"video_processor": video.video_processor_for(model_dir), "audio_sampling_rate": audio.sampling_rate_for(model_dir)}
 
 
 def media_of(raw: RawGenerateInputs, m: Modality) -> tuple[bytes, ...]:
@@ -325,15 +337,17 @@ def _content_part(part: Any, where: str, pending: dict[str, list], items: list, 
         return {"type": "text", "text": part["text"]}
     found = content_part(kind)
     if found is None:
-        names = ["text", *(p for m in modalities() for p in (m.url_part, m.item_part))]
+        names = ["text", *(p for m in modalities() for p in m.parts())]
         raise InvalidInput(f"{where}.type", f"unsupported content type {kind!r}; use {', '.join(names[:-1])} or {names[-1]}")
-    m, by_url = found
-    if by_url:
+    m, form = found
+    if form == "url":
         ref = part.get(m.url_part)
         url = ref.get("url") if isinstance(ref, dict) else ref
         if not isinstance(url, str):
             raise InvalidInput(f"{where}.{m.url_part}", "expected {\"url\": \"data:...\" | \"file://...\"}")
         items.append(resolver.from_url(url, f"{where}.{m.url_part}", m))
+    elif form == "data":
+        items.append(resolver.from_tensor(*_part_data(part.get(m.data_part), f"{where}.{m.data_part}"), m))
     else:
         if not pending[m.name]:
             raise InvalidInput(where, f"an {{\"type\": \"{m.item_part}\"}} part needs a media item ({m.media_tensor} "
@@ -341,3 +355,17 @@ def _content_part(part: Any, where: str, pending: dict[str, list], items: list, 
         items.append(pending[m.name].pop(0))
     kinds.append(m.name)
     return {"type": m.item_part}
+
+
+def _part_data(ref: Any, where: str) -> tuple[bytes, str]:
+    """The item bytes of a data part (``{"data": "<base64>", "format": "wav"}``, vLLM's ``input_audio``) and their
+    field (``<where>.data``); the format is the file's own business (its decoder reads its header), checked as text."""
+    if not isinstance(ref, dict) or not isinstance(ref.get("data"), str):
+        raise InvalidInput(f"{where}.data", "expected {\"data\": \"<base64>\", \"format\": \"wav\" | ...}")
+    if not isinstance(ref.get("format", ""), str):
+        raise InvalidInput(f"{where}.format", "expected a string (wav, flac, ...)")
+    try:
+        data = base64.b64decode(ref["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"{where}.data", "not valid base64") from None
+    return data, f"{where}.data"

@@ -26,19 +26,23 @@ class MediaLimits:
     empty: ``http(s)://`` URLs are refused; else only those hosts (exact names, as vLLM's engine argument of
     that name), no redirects, at most ``max_item_bytes``, ``url_timeout`` seconds. ``max_image_pixels`` bounds every
     video frame too; ``max_video_frames`` / ``max_video_seconds`` what a video's container may hold; ``video_processor``:
-    the checkpoint's HF video processor's class name, which picks vLLM's video loader (``backend.request.video``)."""
+    the checkpoint's HF video processor's class name, which picks vLLM's video loader (``backend.request.video``);
+    ``max_audio_seconds`` what an audio file may hold; ``audio_sampling_rate``: the checkpoint's feature extractor's
+    rate, which audio items are resampled to (0: none, the file's own; ``backend.request.audio``)."""
 
     max_image_pixels: int = 16_000_000
     max_item_bytes: int = 32 << 20
     max_video_frames: int = 18_000
     max_video_seconds: float = 600.0
+    max_audio_seconds: float = 600.0
     video_processor: str = ""
+    audio_sampling_rate: int = 0
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
     url_timeout: float = 5.0
 
 
-SETTINGS_LIMITS = ("max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds")
+SETTINGS_LIMITS = ("max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds", "max_audio_seconds")
 
 
 def media_limits(settings) -> dict[str, Any]:

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from backend.protocol.errors import InvalidInput, Unavailable
-from backend.protocol.layout import CudaIpcHandle, GridLayout, LayoutMetadata, SharedMemoryHandle, VideoLayout, \
-    host_identity
+from backend.protocol.layout import AudioLayout, CudaIpcHandle, GridLayout, LayoutMetadata, SharedMemoryHandle, \
+    VideoLayout, host_identity
 from backend.transfer.agent import create_agent
 from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
 from backend.transfer.same_host import DTYPES, CudaIpcReader, SharedMemoryReader
@@ -277,28 +277,34 @@ class EmbeddingConsumer:
                 pass
 
 
-def pull_media_embeds(consumer: EmbeddingConsumer, layouts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Pull every item of a request in one ``pull_many``: per modality, in prompt order, (embeddings concatenated
-    [tokens, hidden], grid_thw [items, 3]) as vLLM's ``<modality>_embeds`` input wants them. A failed pull is
-    ``Unavailable`` naming the item as its modality's layouts tensor does (``video_layouts[i]: ...``)."""
+def pull_media_embeds(consumer: EmbeddingConsumer, layouts) -> dict[str, tuple]:
+    """Pull every item of a request in one ``pull_many``: per modality, in prompt order, (embeddings, grid) as vLLM's
+    ``<modality>_embeds`` input wants them: concatenated [tokens, hidden] with grid_thw [items, 3], or, for a modality
+    vLLM takes item by item (``Modality.embeds_per_item``: audio), a list of [tokens, hidden] with the token counts
+    [items]. A failed pull is ``Unavailable`` naming the item as its modality's layouts tensor does
+    (``video_layouts[i]: ...``)."""
     grids, names = media_grids(layouts), media_fields(layouts)
     embeds = consumer.pull_many(layouts, names)
-    out = {}
-    for name, grid in grids.items():
-        own = [e for e, layout in zip(embeds, layouts) if layout.modality == name]
-        out[name] = (torch.cat(own) if len(own) > 1 else own[0], grid)
-    return out
+    return {name: (_joined(name, [e for e, layout in zip(embeds, layouts) if layout.modality == name]), grid)
+            for name, grid in grids.items()}
 
 
-def placeholder_media_embeds(layouts) -> dict[str, torch.Tensor]:
-    """Per modality, zeros of a request's embeddings' shape and dtype ([tokens, hidden], concatenated as
-    ``pull_media_embeds`` gives them), for a KV consumer whose KV already covers the media positions on a vLLM that
-    needs the tensor anyway (``backend.engine.host.takes_layout_only``); nothing is pulled."""
-    out = {}
-    for name in media_grids(layouts):  # every layout one with a grid
-        own = [layout for layout in layouts if layout.modality == name]
-        out[name] = torch.zeros((sum(layout.shape[0] for layout in own), own[0].shape[1]), dtype=DTYPES[own[0].dtype])
-    return out
+def placeholder_media_embeds(layouts) -> dict[str, object]:
+    """Per modality, zeros of a request's embeddings' shape and dtype (joined as ``pull_media_embeds`` gives them),
+    for a KV consumer whose KV already covers the media positions on a vLLM that needs the tensor anyway
+    (``backend.engine.host.takes_layout_only``); nothing is pulled."""
+    return {name: _joined(name, [torch.zeros(layout.shape, dtype=DTYPES[layout.dtype]) for layout in layouts
+                                 if layout.modality == name])
+            for name in media_grids(layouts)}
+
+
+def _joined(name: str, tensors: list[torch.Tensor]):
+    """One modality's item embeddings in vLLM's form: a list (``Modality.embeds_per_item``), else concatenated."""
+    from backend.protocol.modality import modality
+
+    if modality(name).embeds_per_item:
+        return tensors
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
 
 
 def media_fields(layouts) -> list[str]:
@@ -315,15 +321,19 @@ def media_fields(layouts) -> list[str]:
 
 def media_grids(layouts) -> dict[str, torch.Tensor]:
     """Per modality, in order of first appearance, the grids of its items, [items, 3] (vLLM's
-    ``<modality>_grid_thw``); a layout without a grid is InvalidInput naming it (``<field>.modality``). Consecutive
+    ``<modality>_grid_thw``), or an audio's token counts, [items] (``audio_num_tokens``); a layout with neither is
+    InvalidInput naming it (``<field>.modality``). Consecutive
     parts of one video (``VideoLayout.part``) are one item, one row (sum of their t, h, w), as their embeddings,
     concatenated in order, are the video's; parts that leave a gap, overlap, stop short of the video's end or
     differ in h, w or the video's length are InvalidInput naming the part at fault (``video_layouts[k]``)."""
     grids: dict[str, list] = {}
     open_part: dict[str, tuple[str, VideoLayout]] = {}  # modality -> (field, layout) of a video's latest part
     for field, layout in zip(media_fields(layouts), layouts):
+        if isinstance(layout.media, AudioLayout):
+            grids.setdefault(layout.modality, []).append(layout.media.num_tokens)
+            continue
         if not isinstance(layout.media, GridLayout):
-            raise InvalidInput(f"{field}.modality", f"expected an image or video layout, got {layout.modality!r}")
+            raise InvalidInput(f"{field}.modality", f"expected an image, video or audio layout, got {layout.modality!r}")
         rows = grids.setdefault(layout.modality, [])
         part = getattr(layout.media, "part", None)
         last = open_part.pop(layout.modality, None)

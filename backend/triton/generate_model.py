@@ -25,8 +25,7 @@ from backend.protocol.modality import modalities
 from backend.protocol.settings import EngineSettings, KvEngineSettings
 from backend.protocol.stages import RoleSpec, Stage
 from backend.request.media import MediaLimits, decode_counter, media_limits
-from backend.request.video import video_processor_for
-from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, parse_generate_request
+from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, checkpoint_media, parse_generate_request
 from backend.engine.serving import stream_generation
 from backend.transfer.agent import POLL_DELAY_ENV
 from backend.triton.cancel_board import CancelBoard
@@ -63,7 +62,7 @@ class GenerateModel:
         self.limits = RequestLimits(
             **{m.limit_field: int(per_prompt.get(m.limit_key, 8)) for m in modalities()},
             media=MediaLimits(
-                **media_limits(self.settings), video_processor=video_processor_for(self.engine_args["model"]),
+                **media_limits(self.settings), **checkpoint_media(self.engine_args["model"]),
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
                 allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
             ),
@@ -183,7 +182,7 @@ class MetadataOnlyModel(GenerateModel):
         if layouts < len(request.images):  # media decoded here (takes_media): the engine processes them
             if layouts:
                 raise InvalidInput("messages", "give media either as media or as layouts (image_layouts, "
-                                               "video_layouts), not both")
+                                               "video_layouts, audio_layouts), not both")
             return request
         if not request.images:
             return request
@@ -192,7 +191,7 @@ class MetadataOnlyModel(GenerateModel):
             from backend.diagnostics.naive_media import process_original_media
 
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
-                                             self.limits.media, self.video_processor())
+                                             self.limits.media, self.video_processor(), self.feature_extractor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
         from backend.transfer.consumer import media_grids, media_kwargs, pull_media_embeds
@@ -216,12 +215,23 @@ class MetadataOnlyModel(GenerateModel):
                        timings=timings)
 
     def image_processor(self):
-        """The checkpoint's image processor, loaded at the first request with ``original_media``."""
-        if getattr(self, "_image_processor", None) is None:
-            from transformers import AutoImageProcessor
+        """The checkpoint's image processor (None: it has none), loaded at the first request with ``original_media``."""
+        return self._processor("AutoImageProcessor")
 
-            self._image_processor = AutoImageProcessor.from_pretrained(self.engine_args["model"])
-        return self._image_processor
+    def feature_extractor(self):
+        """The checkpoint's audio feature extractor (None: it has none), loaded as ``image_processor``."""
+        return self._processor("AutoFeatureExtractor") if self.limits.media.audio_sampling_rate else None
+
+    def _processor(self, auto: str):
+        loaded = self.__dict__.setdefault("_processors", {})
+        if auto not in loaded:
+            import transformers
+
+            try:
+                loaded[auto] = getattr(transformers, auto).from_pretrained(self.engine_args["model"])
+            except (OSError, ValueError):
+                loaded[auto] = None
+        return loaded[auto]
 
     def video_processor(self):
         """The checkpoint's video processor (None: it has none), loaded at the first request with ``original_media``."""

@@ -13,7 +13,9 @@ latencies read from its profile export (``clients.bench.perf_analyzer.load_level
 the server's cores, and the Python one costs ~2-3 ms of CPU per request). Dataset: synthetic
 images (``--image-sizes``) or ``--image-dir``; ``--images`` per request; ``--modalities image,video`` adds rows of
 synthetic MP4 clips (``--videos`` per request, ``--video-size``, ``--video-frames``, ``--video-fps``) beside the
-image rows, in the same run; ``--max-tokens`` greedy tokens with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
+image rows, in the same run; ``--modalities audio`` rows of synthetic WAV files (``--audios`` per request,
+``--audio-seconds``, ``--audio-rate``), on an audio checkpoint's topology (``--topology topologies/cpu-audio.yaml``);
+``--max-tokens`` greedy tokens with ignore_eos. Reported per deployment and load level (``clients.bench.report``): requests/s, tokens/s,
 TTFT, time per output token and end-to-end latency p50/p90/p99, the p50 stage breakdown from the
 orchestrators' ``timings`` (encode, transfer, media, prefill, generate); a markdown table on stdout, a
 progress bar on stderr, and with ``--out DIR`` results.json (rows and every sample), results.csv,
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from clients.bench import report as bench_report
 from clients.bench.load import (folder_images, folder_requests, run_concurrency, run_rate, synthetic_requests,
-                                synthetic_video_requests)
+                                synthetic_audio_requests, synthetic_video_requests)
 
 NAIVE = {"epd_metadata_only": False}
 P_D = {"epd_encode": False}  # E/P/D's prefill and decode without the encoders: they process the media themselves
@@ -94,6 +96,8 @@ class Bench:
         if modality == "video":
             made = synthetic_video_requests(count, a.videos, tuple(int(v) for v in a.video_size.split("x")),
                                             a.video_frames, a.video_fps, a.max_tokens, first)
+        elif modality == "audio":
+            made = synthetic_audio_requests(count, a.audios, a.audio_seconds, a.audio_rate, a.max_tokens, first)
         elif self.media is not None:
             made = folder_requests(self.media, count, a.images, a.max_tokens, first)
         else:
@@ -175,6 +179,8 @@ class Bench:
                 "images": a.images, "dataset": str(a.image_dir) if a.image_dir else f"synthetic {a.image_sizes}",
                 "modalities": self.modalities, "videos": a.videos if "video" in self.modalities else 0,
                 "video": f"{a.video_size}, {a.video_frames} frames at {a.video_fps:g} fps" if "video" in self.modalities else "",
+                "audios": a.audios if "audio" in self.modalities else 0,
+                "audio": f"{a.audio_seconds:g} s at {a.audio_rate} Hz" if "audio" in self.modalities else "",
                 "max_tokens": a.max_tokens, "warmup": a.warmup, "compile": a.compile, "seed": a.seed,
                 "servers": "given" if a.url else "shared" if a.shared else "one per deployment",
                 "stream_interval_ms": a.stream_interval_ms, "load_generator": a.load_generator,
@@ -261,11 +267,15 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--image-sizes", default="64x48,80x64,96x96,112x112", help="synthetic images: WxH,...")
     parser.add_argument("--image-dir", type=Path, help="take the images from this folder instead (name order, round-robin)")
     parser.add_argument("--modalities", default="image",
-                        help="workloads, rows of their own side by side: image (--images per request), video (--videos)")
+                        help="workloads, rows of their own side by side: image (--images per request), video (--videos), "
+                             "audio (--audios; an audio checkpoint's topology, e.g. topologies/cpu-audio.yaml)")
     parser.add_argument("--videos", type=int, default=1, help="videos per request of the video workload")
     parser.add_argument("--video-size", default="128x96", help="synthetic videos: WxH")
     parser.add_argument("--video-frames", type=int, default=20, help="synthetic videos: frames in the container")
     parser.add_argument("--video-fps", type=float, default=10.0, help="synthetic videos: frame rate")
+    parser.add_argument("--audios", type=int, default=1, help="audio files per request of the audio workload")
+    parser.add_argument("--audio-seconds", type=float, default=5.0, help="synthetic audio: length")
+    parser.add_argument("--audio-rate", type=int, default=16_000, help="synthetic audio: sample rate (Hz)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output length (greedy, ignore_eos)")
     parser.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
                         help="python: tritonclient's asyncio gRPC streams (clients.bench.load); perf_analyzer: the C++ "
@@ -291,10 +301,10 @@ def parse_args(argv: list[str] | None = None):
     args.topology = args.topology or Path(__file__).resolve().parents[2] / "topologies" / "default.yaml"
     if args.load_generator == "perf_analyzer" and args.rate:
         parser.error("--load-generator perf_analyzer runs the concurrency sweep (--concurrency), not --rate")
-    if any(m not in ("image", "video") for m in args.modalities.split(",")):
-        parser.error(f"--modalities: image and/or video, got {args.modalities!r}")
-    if "video" in args.modalities.split(",") and args.load_generator == "perf_analyzer":
-        parser.error("--load-generator perf_analyzer sends images only; leave video out or use the python one")
+    if any(m not in ("image", "video", "audio") for m in args.modalities.split(",")):
+        parser.error(f"--modalities: image, video and/or audio, got {args.modalities!r}")
+    if {"video", "audio"} & set(args.modalities.split(",")) and args.load_generator == "perf_analyzer":
+        parser.error("--load-generator perf_analyzer sends images only; leave video and audio out or use the python one")
     unknown = [k for k in args.models.split(",") if k not in DEPLOYMENTS]
     if unknown:
         parser.error(f"unknown deployments {unknown}; known: {', '.join(DEPLOYMENTS)}")
@@ -322,8 +332,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run_isolated(bench, keys)
     s = bench.settings()
     load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
-    print(f"\n{args.requests} streaming requests per row ({load}), {args.images} image(s) per request from {s['dataset']}"
-          + (f" / {args.videos} video(s) per request ({s['video']})" if s["video"] else "") + ", "
+    workloads = [f"{args.images} image(s) per request from {s['dataset']}"] if "image" in bench.modalities else []
+    workloads += [f"{args.videos} video(s) per request ({s['video']})"] if s["video"] else []
+    workloads += [f"{args.audios} audio file(s) per request ({s['audio']})"] if s["audio"] else []
+    print(f"\n{args.requests} streaming requests per row ({load}), {' / '.join(workloads)}, "
           f"{args.max_tokens} greedy tokens (ignore_eos); servers: {s['servers']}; engines "
           f"{'compiled' if args.compile and not args.url else 'as configured'}; load generator {args.load_generator}"
           + (f"; stream_interval_ms {args.stream_interval_ms:g}" if args.stream_interval_ms is not None else "") + "\n")

@@ -2,8 +2,9 @@
 mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC streaming.
 
 - Datasets: ``synthetic_requests`` (random-pixel PNGs of the given sizes), ``folder_requests`` (the
-  images of a folder, in name order, reused round-robin) or ``synthetic_video_requests`` (MP4 clips of
-  ``clients.videos``, one colour pair per request); items per request, ``max_tokens`` greedy tokens with
+  images of a folder, in name order, reused round-robin), ``synthetic_video_requests`` (MP4 clips of
+  ``clients.videos``, one colour pair per request) or ``synthetic_audio_requests`` (WAV files of ``clients.audios``);
+  items per request, ``max_tokens`` greedy tokens with
   ``ignore_eos`` so every request generates the same length.
 - ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
   request when the previous one finished (closed loop: the load adapts to the server).
@@ -49,11 +50,28 @@ def synthetic_video_requests(count: int, videos: int, size: tuple[int, int], fra
     """``videos`` clips of ``frames`` frames at ``fps`` per request, as ``{"type": "video"}`` chat parts."""
     from clients.videos import make_video
 
+    return _chat_requests(count, videos, lambda seed: make_video(*size, frames=frames, fps=fps, seed=seed), "video",
+                          "what happens?", max_tokens, first)
+
+
+def synthetic_audio_requests(count: int, audios: int, seconds: float, rate: int, max_tokens: int,
+                             first: int = 0) -> list[GenerateInputs]:
+    """``audios`` WAV files of ``seconds`` at ``rate`` Hz (mono) per request, as ``{"type": "audio"}`` chat parts."""
+    from clients.audios import make_audio
+
+    return _chat_requests(count, audios, lambda seed: make_audio(seconds, rate, seed=seed), "audio",
+                          "what is this sound?", max_tokens, first)
+
+
+def _chat_requests(count: int, per_request: int, make, modality: str, question: str, max_tokens: int,
+                   first: int) -> list[GenerateInputs]:
+    """Chat requests of ``per_request`` items ``make(seed)`` each, as ``{"type": <modality>}`` parts, in the
+    modality's tensor (``videos``, ``audios``)."""
     out = []
     for seed in range(first, first + count):
-        clips = [make_video(*size, frames=frames, fps=fps, seed=seed * 7 + i) for i in range(videos)]
-        content = [{"type": "video"}] * videos + [{"type": "text", "text": f"Request {seed}: what happens?"}]
-        out.append(GenerateInputs(messages=[{"role": "user", "content": content}], videos=clips,
+        items = [make(seed * 7 + i) for i in range(per_request)]
+        content = [{"type": modality}] * per_request + [{"type": "text", "text": f"Request {seed}: {question}"}]
+        out.append(GenerateInputs(messages=[{"role": "user", "content": content}], **{f"{modality}s": items},
                                   sampling=_sampling(max_tokens), stream=True))
     return out
 

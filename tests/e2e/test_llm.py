@@ -72,7 +72,7 @@ def test_health_and_metadata(server):
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("llm")
     meta = client.get_model_metadata("llm")
     assert {i["name"] for i in meta["inputs"]} == {
-        "text_input", "messages", "image", "video", "stream", "sampling_parameters", "exclude_input_in_output",
+        "text_input", "messages", "image", "video", "audio", "stream", "sampling_parameters", "exclude_input_in_output",
         "return_num_input_tokens", "return_num_output_tokens"}
     assert {o["name"] for o in meta["outputs"]} == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
 

@@ -159,3 +159,15 @@ def test_too_many_videos_are_refused(server):
         with pytest.raises(GenerateError) as info:
             ask(server, model, prompt="x", videos=[vid(2)] * 3)
         assert info.value.message.startswith("video: 3 videos, over the per-request limit of 2"), info.value.message
+
+
+def test_audio_is_refused_by_a_checkpoint_without_audio(server):
+    """The tiny Qwen2-VL has no audio tower: llm's vLLM refuses the item, epd's encoder before decoding it."""
+    from tests.audios import make_audio
+
+    expected = {"llm": "audio: At most 0 audio(s)", "epd": "audio[0]: this checkpoint's encoder takes image and video, "
+                                                            "not audio"}
+    for model, start in expected.items():
+        with pytest.raises(GenerateError) as info:
+            ask(server, model, messages=user({"type": "audio"}), audios=[make_audio(1.0)])
+        assert info.value.message.startswith(start), info.value.message

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from clients.bench.e2e import parse_args
-from clients.bench.load import folder_requests, rate_schedule, synthetic_requests, synthetic_video_requests
+from clients.bench.load import folder_requests, rate_schedule, synthetic_audio_requests, synthetic_requests, \
+    synthetic_video_requests
 from clients.bench.report import (CSV_FIELDS, Sample, csv_rows, markdown_table, percentile, plot_latency_cdf,
                                   plot_throughput, summarise, write_csv)
 
@@ -90,6 +91,10 @@ def test_datasets():
     assert [len(r.videos) for r in clips] == [2, 2] and clips[0].videos[0] != clips[1].videos[0]
     assert clips[0].videos[0][4:8] == b"ftyp" and not clips[0].images  # MP4 containers, no images
     assert [p["type"] for p in clips[0].messages[0]["content"]] == ["video", "video", "text"]
+    sounds = synthetic_audio_requests(2, audios=3, seconds=0.5, rate=8_000, max_tokens=5, first=1)
+    assert [len(r.audios) for r in sounds] == [3, 3] and sounds[0].audios[0] != sounds[1].audios[0]
+    assert sounds[0].audios[0][:4] == b"RIFF" and not sounds[0].images and not sounds[0].videos
+    assert [p["type"] for p in sounds[1].messages[0]["content"]] == ["audio", "audio", "audio", "text"]
 
 
 def test_cli_deployments_and_load_modes():
@@ -103,8 +108,11 @@ def test_cli_deployments_and_load_modes():
     shared = parse_args(["--shared", "--topology", "topologies/checkpoint-gpu.yaml", "--checkpoint", "/tmp/ckpt"])
     assert shared.shared_topology and str(shared.checkpoint) == "/tmp/ckpt"
     with pytest.raises(SystemExit):
-        parse_args(["--modalities", "image,audio"])
+        parse_args(["--modalities", "image,speech"])
+    with pytest.raises(SystemExit):  # perf_analyzer sends images only
+        parse_args(["--modalities", "audio", "--load-generator", "perf_analyzer"])
     assert parse_args(["--modalities", "image,video", "--videos", "2"]).videos == 2
+    assert parse_args(["--modalities", "audio", "--audios", "2", "--audio-seconds", "3"]).audio_seconds == 3.0
     committed = parse_args(["--shared"])
     assert not committed.shared_topology and committed.topology.name == "default.yaml"
 

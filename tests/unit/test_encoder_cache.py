@@ -37,6 +37,7 @@ class RecordingPool:
 class CountingEncoder:
     def __init__(self, encoder):
         self.encoder, self.identity, self.calls = encoder, encoder.identity, []
+        self.modalities = encoder.modalities
 
     def encode(self, images):
         self.calls.append(len(images))

@@ -37,6 +37,8 @@ def test_vllm_errors_map_to_domain_errors():
     assert too_long.code is ErrorCode.INVALID_ARG and too_long.field == "messages"
     bad_param = _domain_error(VLLMValidationError("bad", parameter="max_tokens", value=-1), req)
     assert bad_param.field == "sampling_parameters.max_tokens"
+    no_audio = _domain_error(VLLMValidationError("At most 0 audio(s) may be provided in one prompt.", parameter="audio"), req)
+    assert no_audio.field == "audio"  # a model without audio, given some
     assert _domain_error(ValueError("bad image"), req).code is ErrorCode.INVALID_ARG
     assert _domain_error(QueueOverflowError(), req).code is ErrorCode.UNAVAILABLE
     other = RuntimeError("boom")

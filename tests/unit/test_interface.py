@@ -11,7 +11,7 @@ from backend.deploy.render import _generate_io
 from backend.engine.serving import ResponseChunk
 from backend.protocol import generate
 from backend.protocol.errors import InvalidInput
-from backend.protocol.modality import IMAGE, VIDEO, Modality, content_part, modalities, register, unregister
+from backend.protocol.modality import AUDIO, IMAGE, VIDEO, Modality, content_part, modalities, register, unregister
 from backend.request.generate import RawGenerateInputs, parse_generate_request
 from tests.fakes import FakeLayoutResolver
 
@@ -40,11 +40,13 @@ def test_every_input_and_output_maps_to_a_field_of_the_typed_request_and_chunk()
 
 def test_each_kind_takes_its_media_form():
     assert names(generate.input_tensors("llm")) == names(generate.input_tensors("epd")) == [
-        "text_input", "messages", "image", "video", "stream", "sampling_parameters", "exclude_input_in_output",
+        "text_input", "messages", "image", "video", "audio", "stream", "sampling_parameters", "exclude_input_in_output",
         "return_num_input_tokens", "return_num_output_tokens"]
     assert names(generate.input_tensors("pd"))[2] == "image_layouts" and "image" not in names(generate.input_tensors("pd"))
     assert names(generate.input_tensors("pd"))[3] == "video_layouts" and "video" not in names(generate.input_tensors("pd"))
-    assert names(generate.input_tensors("prefill"))[-4:] == ["original_media", "image", "video", "kv_transfer_params"]
+    assert names(generate.input_tensors("pd"))[4] == "audio_layouts" and "audio" not in names(generate.input_tensors("pd"))
+    assert names(generate.input_tensors("prefill"))[-5:] == ["original_media", "image", "video", "audio",
+                                                             "kv_transfer_params"]
     assert generate.output_names("llm") == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
     assert generate.output_names("prefill")[-2:] == ["timings", "kv_transfer_params"]
 
@@ -60,16 +62,18 @@ def test_values_and_fields_round_trip():
 
 
 def test_a_registered_modality_adds_its_tensors(fake_modality):
-    assert modalities() == (IMAGE, VIDEO, FAKE)
+    assert modalities() == (IMAGE, VIDEO, AUDIO, FAKE)
     llm, pd = names(generate.input_tensors("llm")), names(generate.input_tensors("pd"))
-    assert llm[2:5] == ["image", "video", "fake"] and pd[2:5] == ["image_layouts", "video_layouts", "fake_layouts"]
-    assert names(generate.input_tensors("decode"))[-5:] == ["original_media", "image", "video", "fake", "kv_transfer_params"]
+    assert llm[2:6] == ["image", "video", "audio", "fake"]
+    assert pd[2:6] == ["image_layouts", "video_layouts", "audio_layouts", "fake_layouts"]
+    assert names(generate.input_tensors("decode"))[-6:] == ["original_media", "image", "video", "audio", "fake",
+                                                            "kv_transfer_params"]
     assert '{ name: "fake" data_type: TYPE_STRING dims: [ -1 ] optional: true }' in _generate_io("epd")
     assert generate.input_values({"fakes": [b"f"]})["fake"] == [b"f"]
 
 
 def test_registration_is_undone():
-    assert modalities() == (IMAGE, VIDEO) and content_part("fake") is None
+    assert modalities() == (IMAGE, VIDEO, AUDIO) and content_part("fake") is None
     assert "fake" not in names(generate.input_tensors())
 
 
@@ -81,8 +85,9 @@ def test_a_registered_modality_s_content_parts_are_parsed(fake_modality):
     assert request.conversation == [{"role": "user", "content": [{"type": "fake"}, {"type": "image"},
                                                                   {"type": "text", "text": "?"}]}]
     assert request.images == (("data:fake/x;base64,Zg==", "messages[0].content[0].fake_url", "fake"), "I")
-    with pytest.raises(InvalidInput, match="use text, image_url, image, video_url, video, fake_url or fake"):
-        parse_generate_request(RawGenerateInputs(messages=json.dumps([{"role": "user", "content": [{"type": "audio"}]}])),
+    with pytest.raises(InvalidInput, match="use text, image_url, image, video_url, video, audio_url, input_audio, audio, "
+                                           "fake_url or fake"):
+        parse_generate_request(RawGenerateInputs(messages=json.dumps([{"role": "user", "content": [{"type": "speech"}]}])),
                                UrlResolver())
 
 
@@ -95,7 +100,10 @@ def test_a_fake_part_without_items_names_its_tensors(fake_modality):
 def test_content_part_types_are_unique():
     with pytest.raises(ValueError, match="taken"):
         register(dataclasses.replace(FAKE, url_part="image_url"))
-    assert content_part("image_url") == (IMAGE, True) and content_part("image") == (IMAGE, False)
+    assert content_part("image_url") == (IMAGE, "url") and content_part("image") == (IMAGE, "item")
+    assert content_part("input_audio") == (AUDIO, "data") and content_part("audio_url") == (AUDIO, "url")
+    with pytest.raises(ValueError, match="taken"):
+        register(dataclasses.replace(FAKE, data_part="input_audio"))
 
 
 class UrlResolver(FakeLayoutResolver):

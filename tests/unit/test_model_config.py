@@ -74,7 +74,8 @@ def test_rendered_values_reach_the_settings_typed(tmp_path):
 def test_an_unknown_parameter_fails_naming_it():
     config = {"parameters": {"engine_args": {"string_value": "model.json"}, "stream_interval_msx": {"string_value": "5"}}}
     with pytest.raises(ConfigError, match=r"^pd: unknown parameter 'stream_interval_msx' in config.pbtxt \(known: "
-                                          r"engine_args, max_image_pixels, max_item_bytes, max_video_frames, max_video_seconds, "
+                                          r"engine_args, max_audio_seconds, max_image_pixels, max_item_bytes, max_video_frames, "
+                                          r"max_video_seconds, "
                                           r"stream_interval_ms\)$"):
         parse_settings(EngineSettings, "pd", config)
     with pytest.raises(ConfigError, match="encoder: unknown parameter 'nixl_poll_delay_us'"):  # not the encoder's
@@ -116,6 +117,7 @@ def test_defaults_are_the_renderer_s():
                               "max_item_bytes": EncoderSettings.max_item_bytes, "max_videos": ProxySettings.max_videos,
                               "max_video_frames": EngineSettings.max_video_frames,
                               "max_video_seconds": EncoderSettings.max_video_seconds,
+                              "max_audios": ProxySettings.max_audios, "max_audio_seconds": EngineSettings.max_audio_seconds,
                               "request_timeout_seconds": ColocatedSettings.request_timeout_seconds}
     assert LOCAL == server_address.LOCAL
     # a topology that leaves transfer and limits out renders the defaults the models would take anyway

@@ -75,7 +75,7 @@ def test_messages_with_data_url_and_tensor_images():
     ('["hi"]', (), "messages[0]", "object with 'role'"),
     ('[{"role": "robot", "content": "x"}]', (), "messages[0].role", "robot"),
     ('[{"role": "user", "content": 3}]', (), "messages[0].content", "string or a list"),
-    ('[{"role": "user", "content": [{"type": "audio_url"}]}]', (), "messages[0].content[0].type", "audio_url"),
+    ('[{"role": "user", "content": [{"type": "speech_url"}]}]', (), "messages[0].content[0].type", "speech_url"),
     ('[{"role": "user", "content": [{"type": "text"}]}]', (), "messages[0].content[0].text", "string"),
     ('[{"role": "user", "content": [{"type": "image"}]}]', (), "messages[0].content[0]", "none is left"),
     ('[{"role": "user", "content": "hi"}]', (image_bytes(8, 8),), "image", "not referenced"),

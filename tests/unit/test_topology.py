@@ -62,7 +62,7 @@ def test_colocated_orchestrator_renders_one_epd_model_with_pd_s_engine_and_insta
     assert 'name: "timings"' in config and "decoupled: true" in config
     assert 'key: "orchestrator" value: { string_value: "colocated" }' in config
     assert 'key: "encoder_model" value: { string_value: "encoder" }' in config
-    assert json.loads(files["epd/model.json"])["limit_mm_per_prompt"] == {"image": 4, "video": 2}
+    assert json.loads(files["epd/model.json"])["limit_mm_per_prompt"] == {"image": 4, "video": 2, "audio": 3}
 
 
 def test_colocated_beside_e_p_d_keeps_the_proxy_for_e_p_d():

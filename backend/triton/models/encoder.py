@@ -1,4 +1,4 @@
-"""``encoder``: decode, preprocess and encode images and videos; publish embeddings as NIXL leases.
+"""``encoder``: decode, preprocess and encode images and videos (or audio); publish embeddings as NIXL leases.
 
 Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
@@ -13,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import processing_options
-from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
+from backend.encode.encoder import EncodeJob, EncoderService, load_encoder
 from backend.engine.host import prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part
@@ -21,7 +21,7 @@ from backend.protocol.layout import content_key
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings
 from backend.request.media import MediaLimits, media_limits
-from backend.request.video import video_processor_for
+from backend.request.generate import checkpoint_media
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
@@ -38,14 +38,14 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"]) / settings.model
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
         dtype = settings.encoder_dtype  # "" = the checkpoint's; bfloat16 for speed on GPU
-        self.encoder = VisionEncoder.load(model_dir.resolve(), device=device,
-                                          dtype=getattr(torch, dtype) if dtype else None,
-                                          impl=settings.encoder_impl, compile=settings.encoder_compile)
+        # the checkpoint's vision tower, or an audio-only checkpoint's audio tower (backend.encode.audio)
+        self.encoder = load_encoder(model_dir.resolve(), device=device, dtype=getattr(torch, dtype) if dtype else None,
+                                    impl=settings.encoder_impl, compile=settings.encoder_compile)
         self.processing = processing_options(model_dir)
         self.pool = EmbeddingPool(settings.pool_bytes, lease_seconds=settings.lease_seconds,
                                   alloc_timeout=settings.alloc_timeout_seconds,
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
-        limits = MediaLimits(**media_limits(settings), video_processor=video_processor_for(model_dir.resolve()))
+        limits = MediaLimits(**media_limits(settings), **checkpoint_media(model_dir.resolve()))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
         # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
