@@ -111,7 +111,7 @@ class VideoLayout(GridLayout):
     ``part``: for one slice of a video encoded in parts (``backend.protocol.generate.PART_PARAMETER``), the slice's
     first temporal patch and the whole video's count, ``(first_t, total_t)``; ``grid_thw`` is then the slice's own
     grid. The consumer joins consecutive slices that cover ``[0, total_t)`` into the video's grid row
-    (``backend.transfer.consumer.media_grids``). None: the whole video.
+    (``backend.transfer.engine_inputs.media_grids``). None: the whole video.
 
     Timing, for vLLM's field of that name (None: the family has none): ``second_per_grid_ts``, Qwen2.5-VL's seconds
     per temporal patch (scales M-RoPE's temporal positions; a part carries its video's); ``timestamps``, Qwen3-VL's

@@ -248,7 +248,7 @@ class VideoParts(tuple):
 def _grouped(layouts: list) -> list:
     """Consecutive parts of one video (``VideoLayout.part``: those past its first join the one before) as one item,
     ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.images`` has them flat
-    again, in order; ``backend.transfer.consumer.media_grids`` checks that they make up their video."""
+    again, in order; ``backend.transfer.engine_inputs.media_grids`` checks that they make up their video."""
     out: list = []
     for layout in layouts:
         part = getattr(getattr(layout, "media", None), "part", None)

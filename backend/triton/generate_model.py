@@ -194,11 +194,11 @@ class MetadataOnlyModel(GenerateModel):
                                              self.limits.media, self.video_processor(), self.feature_extractor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.consumer import media_grids, media_kwargs, pull_media_embeds
+        from backend.transfer.engine_inputs import media_grids, media_kwargs, pull_media_embeds
 
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
             from backend.engine.host import takes_layout_only
-            from backend.transfer.consumer import placeholder_media_embeds
+            from backend.transfer.engine_inputs import placeholder_media_embeds
 
             zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
             grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.images).items()}

@@ -19,7 +19,7 @@ from backend.request.audio import DecodedAudio, decode_audio, sampling_rate_for
 from backend.request.generate import DecodeMedia, EncodedMedia, GenerateRequest, MediaBytes, RawGenerateInputs, \
     RequestLimits, parse_generate_request
 from backend.request.media import MediaLimits, decode_counter
-from backend.transfer.consumer import media_fields, media_grids, placeholder_media_embeds
+from backend.transfer.engine_inputs import media_fields, media_grids, placeholder_media_embeds
 from tests.audios import hostile_audio, make_audio
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-audio"

@@ -17,7 +17,7 @@ from backend.protocol.layout import ImageLayout, LayoutMetadata, NixlHandle, Vid
 from backend.request.generate import GenerateRequest, LayoutMedia
 from backend.request.media import MediaLimits
 from backend.request.video import decode_video, video_processor_for
-from backend.transfer.consumer import media_grids, media_kwargs
+from backend.transfer.engine_inputs import media_grids, media_kwargs
 from clients.local_server import ROOT
 from tests.videos import make_video
 

@@ -134,7 +134,7 @@ def test_placeholder_embeddings_of_a_kv_consumer_have_the_pulled_shape_and_dtype
     import torch
 
     from backend.protocol.layout import VideoLayout
-    from backend.transfer.consumer import media_grids, placeholder_media_embeds
+    from backend.transfer.engine_inputs import media_grids, placeholder_media_embeds
 
     layouts = [layout(dtype="bfloat16"), layout(dtype="bfloat16", shape=(8, 128), media=VideoLayout((2, 4, 4))),
                layout(dtype="bfloat16", shape=(16, 128), media=ImageLayout((1, 8, 8)))]

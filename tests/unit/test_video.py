@@ -17,7 +17,7 @@ from backend.request.generate import DecodeMedia, EncodedMedia, GenerateRequest,
     parse_generate_request
 from backend.request.media import MediaLimits, decode_counter
 from backend.request.video import DecodedVideo, decode_video, read_video_url, video_processor_for
-from backend.transfer.consumer import media_fields, media_grids
+from backend.transfer.engine_inputs import media_fields, media_grids
 from tests.images import image_bytes, make_image
 from tests.videos import make_video
 

@@ -19,7 +19,7 @@ from backend.protocol.layout import LayoutMetadata, NixlHandle, VideoLayout, con
 from backend.request.generate import LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.request.media import MediaLimits, decode_counter
 from backend.request.video import decode_video
-from backend.transfer.consumer import media_grids
+from backend.transfer.engine_inputs import media_grids
 from tests.videos import make_video
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-vl"
