@@ -1,0 +1,41 @@
+"""``python -m frontend.openai``: the OpenAI-compatible endpoint on 127.0.0.1:$OPENAI_PORT (default 9000) in front
+of tritonserver's gRPC endpoint (127.0.0.1:$GRPC_PORT)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_MODELS = "llm,epd,epd_disagg"
+
+
+def _die_with_parent() -> None:
+    """Exit when the process that started this one does (``clients.local_server`` execs tritonserver after
+    starting this endpoint: the endpoint then ends with the server)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", "9000")))
+    parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', '8001')}",
+                        help="tritonserver's gRPC endpoint")
+    parser.add_argument("--models", default=DEFAULT_MODELS, help="the generating models served (`model` values)")
+    parser.add_argument("--with-parent", action="store_true", help="exit when the parent process exits")
+    args = parser.parse_args(argv)
+    if args.with_parent:
+        _die_with_parent()
+    import uvicorn
+
+    from frontend.openai.app import create_app
+
+    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m]), host=args.host, port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible endpoint's FastAPI application: each request one generate request on tritonserver's gRPC
+streaming endpoint (``backend.triton.grpc_stream``), answered as OpenAI answers (``frontend.openai.translate``).
+
+A client that goes away before the answer is complete (a closed SSE stream, a dropped connection) gets its request
+cancelled in band (``epd_cancel``), which every model here passes on to its stages, so nothing keeps generating.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from backend.protocol.generate import ERROR_CODES_PARAMETER
+from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
+from clients.triton_client import GenerateInputs
+from frontend.openai import translate
+from frontend.openai.translate import ApiError, GenerateCall
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class Backend:
+    """tritonserver's gRPC endpoint at ``url`` and the generating models served through it (``models``)."""
+
+    def __init__(self, url: str, models: list[str]):
+        self.url, self.models = url, list(models)
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:  # made in the serving event loop
+            import tritonclient.grpc.aio as grpcaio
+
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def ready(self) -> dict[str, bool]:
+        try:
+            return {m: bool(await self.client.is_model_ready(m)) for m in self.models}
+        except Exception:  # noqa: BLE001 - the server is down or not answering: nothing is ready
+            return {m: False for m in self.models}
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[tuple[str, str | None, tuple[int, int] | None]]:
+        """(text delta, finish reason, (prompt, completion) tokens) per response, up to the final one; ApiError for
+        the request's error. Leaving early (the caller stops iterating) cancels the request in band."""
+        inputs = GenerateInputs(stream=True, **call.inputs).as_values()
+        request = {"model_name": call.model, "inputs": grpc_inputs(inputs), "request_id": call.request_id,
+                   "parameters": {ERROR_CODES_PARAMETER: True}, "enable_empty_final_response": True}
+        finished = False
+        async with single_request_stream(self.client, request) as stream:
+            try:
+                async for result, error in stream:
+                    if error is not None:
+                        finished = True
+                        raise translate.api_error(_message(error), call.model)
+                    final = result.get_response().parameters["triton_final_response"].bool_param
+                    text = _str(result.as_numpy("text_output")) or ""
+                    reason = _str(result.as_numpy("finish_reason"))
+                    counts = _counts(result)
+                    finished = final
+                    yield text, reason, counts
+                    if final:
+                        return
+                finished = True
+                raise ApiError(502, "the generate stream ended before its final response", "internal_error")
+            finally:
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        await cancel_in_band(self.client, call.model, call.request_id)
+
+
+def _message(error) -> str:
+    return error.message() if callable(getattr(error, "message", None)) else str(error)
+
+
+def _str(arr) -> str | None:
+    if arr is None or not arr.size:
+        return None
+    value = arr.reshape(-1)[0]
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _counts(result) -> tuple[int, int] | None:
+    prompt, completion = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
+    if prompt is None or completion is None:
+        return None
+    return int(prompt.reshape(-1)[0]), int(completion.reshape(-1)[0])
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(int(err.retry_after))} if err.retry_after else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def _whole(backend: Backend, call: GenerateCall, request: Request) -> dict[str, Any]:
+    """A request without ``stream``: read to the end, cancelled if the client disconnects meanwhile."""
+    async def read():
+        text, reason, counts = [], None, (0, 0)
+        async for delta, finish, tokens in backend.generate(call):
+            text.append(delta)
+            reason, counts = finish or reason, tokens or counts
+        return translate.completion(call, "".join(text), reason, counts)
+
+    task = asyncio.ensure_future(read())
+    while not task.done():
+        await asyncio.wait([task], timeout=DISCONNECT_POLL_SECONDS)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # leaves backend.generate early: it cancels the request in band
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ApiError(499, "client disconnected", "cancelled")
+    return task.result()
+
+
+async def _events(call: GenerateCall, responses, head) -> AsyncIterator[str]:
+    """Server-Sent Events as OpenAI sends them: ``data: {...}`` lines, ``data: [DONE]`` last; ``head``: the first
+    response, read before the HTTP status was sent (so an error of the request itself is an HTTP error). An error
+    after that is sent as an error object (as vLLM does), then [DONE]. A client that leaves stops this generator,
+    which closes ``responses`` and so cancels the request."""
+    first, counts = True, None
+    try:
+        async for delta, reason, tokens in _chain(head, responses):
+            counts = tokens or counts
+            if delta or reason or first:
+                yield _sse(translate.chunk(call, delta, reason, first=first))
+                first = False
+        if call.include_usage:
+            yield _sse(translate.chunk(call, None, counts=counts or (0, 0)))
+    except ApiError as err:
+        yield _sse(err.body())
+    finally:
+        await responses.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _chain(head, rest):
+    yield head
+    async for item in rest:
+        yield item
+
+
+def _sse(doc: dict) -> str:
+    return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
+
+
+def create_app(grpc_url: str, models: list[str]) -> FastAPI:
+    """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models``."""
+    from frontend.openai.metrics import Metrics
+
+    app, backend, metrics = FastAPI(title="triton-epd OpenAI endpoint"), Backend(grpc_url, models), Metrics()
+    app.state.backend = backend
+
+    async def answer(request: Request, make_call) -> Any:
+        started, model = time.perf_counter(), "-"
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise ApiError(400, "body: not valid JSON", param="body") from None
+            call = make_call(body, set(backend.models))
+            model = call.model
+            if call.stream:
+                responses = backend.generate(call)
+                try:
+                    head = await responses.__anext__()
+                except StopAsyncIteration:
+                    raise ApiError(502, "the generate stream ended before its first response", "internal_error")
+                except BaseException:
+                    await responses.aclose()
+                    raise
+                metrics.done(model, 200, started)
+                return StreamingResponse(_events(call, responses, head), media_type="text/event-stream")
+            doc = await _whole(backend, call, request)
+            metrics.done(model, 200, started)
+            return JSONResponse(doc)
+        except ApiError as err:
+            metrics.done(model, err.status, started)
+            return _error_response(err)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, translate.chat_call)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, translate.completion_call)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "triton-epd"}
+                                           for m in backend.models]}
+
+    @app.get("/health")
+    async def health():
+        ready = await backend.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready and all(ready.values()) else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

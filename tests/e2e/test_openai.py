@@ -1,0 +1,139 @@
+"""The OpenAI-compatible endpoint (``python -m frontend.openai``) in front of the session's tritonserver, driven by
+the ``openai`` Python SDK: the same tokens as Triton's generate endpoint on ``llm``, ``epd`` and ``epd_disagg`` for
+text, image and video parts, streaming and not; errors as OpenAI error objects with their HTTP status; a client that
+leaves mid-stream cancels its request; health and models."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from backend.deploy.ports import free_ports
+from clients.local_server import ROOT
+from clients.triton_client import GenerateInputs, generate
+from tests.e2e.conftest import metric
+from tests.images import image_bytes
+from tests.videos import make_video
+
+pytestmark = pytest.mark.e2e
+openai = pytest.importorskip("openai")
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def _url(kind: str, data: bytes) -> str:
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+CASES = {
+    "text": [{"role": "user", "content": "Tell me a story."}],
+    "image": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url("image/png", image_bytes(
+        96, 64, 1))}}, {"type": "text", "text": "What is in the image?"}]}],
+    "video": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": _url("video/mp4", make_video(
+        64, 64, frames=8, fps=4, seed=3))}}, {"type": "text", "text": "What happens?"}]}],
+}
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    """The endpoint on a free port, pointed at the session's server; stopped (and checked stopped) after."""
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url",
+                             server.grpc_url], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        else:
+            raise AssertionError("the OpenAI endpoint did not become healthy")
+        yield base
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) is not None
+
+
+@pytest.fixture(scope="module")
+def sdk(endpoint):
+    return openai.OpenAI(base_url=endpoint + "/v1", api_key="unused", max_retries=0)
+
+
+def _triton(server, model: str, messages) -> tuple[str, int, int]:
+    result = generate(server.grpc_url, model, GenerateInputs(messages=messages, sampling=GREEDY))
+    return result.text, result.num_input_tokens, result.num_output_tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
+def test_sdk_answers_equal_tritons_generate_streaming_and_not(server, sdk, model, case):
+    want = _triton(server, model, CASES[case])
+    whole = sdk.chat.completions.create(model=model, messages=CASES[case], **GREEDY)
+    assert (whole.choices[0].message.content, whole.usage.prompt_tokens, whole.usage.completion_tokens) == want
+    assert whole.choices[0].finish_reason == "length" and whole.object == "chat.completion"
+    chunks = list(sdk.chat.completions.create(model=model, messages=CASES[case], stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert (text, chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == want
+    assert len([c for c in chunks if c.choices]) > 2  # streamed, not one piece
+
+
+def test_completions_text(server, sdk):
+    want = generate(server.grpc_url, "llm", GenerateInputs(prompt="Once upon a time", sampling=GREEDY))
+    got = sdk.completions.create(model="llm", prompt="Once upon a time", **GREEDY)
+    assert (got.choices[0].text, got.usage.completion_tokens) == (want.text, want.num_output_tokens)
+
+
+def test_errors_are_openai_error_objects(sdk):
+    bad = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    for model in ("llm", "epd"):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=model, messages=bad, **GREEDY)
+        err = info.value.body
+        assert err["param"] == "messages[0].content[1].image_url" and err["message"].startswith(
+            "messages[0].content[1].image_url: not a PNG/JPEG"), err
+        with pytest.raises(openai.BadRequestError) as info:  # the same error before a stream starts: HTTP 400 too
+            sdk.chat.completions.create(model=model, messages=bad, stream=True, **GREEDY)
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.chat.completions.create(model="nope", messages=CASES["text"], **GREEDY)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="llm", messages=CASES["text"], n=2, **GREEDY)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="llm", messages=CASES["text"], temperature=0.0, max_tokens=-1)
+    assert info.value.body["param"] == "sampling_parameters.max_tokens", info.value.body
+
+
+def test_a_client_leaving_mid_stream_cancels_its_request(server, sdk):
+    before = metric(server, "epd_requests_total", model="epd", outcome="cancelled")
+    stream = sdk.chat.completions.create(model="epd", messages=CASES["image"], stream=True, temperature=0.0,
+                                         max_tokens=4000, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while metric(server, "epd_requests_total", model="epd", outcome="cancelled") == before:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.2)
+
+
+def test_health_models_and_metrics(endpoint, sdk):
+    assert sorted(m.id for m in sdk.models.list()) == ["epd", "epd_disagg", "llm"]
+    health = json.loads(urllib.request.urlopen(endpoint + "/health", timeout=5).read())
+    assert health == {"ready": {"llm": True, "epd": True, "epd_disagg": True}}
+    text = urllib.request.urlopen(endpoint + "/metrics", timeout=5).read().decode()
+    assert 'openai_requests_total{model="llm",status="200"}' in text
