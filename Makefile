@@ -3,16 +3,19 @@ PY := .venv/bin/python
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
-export HTTP_PORT GRPC_PORT METRICS_PORT
+OPENAI_PORT ?= 9000
+OPENAI ?= 1
+export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT
 
 .PHONY: setup serve demo test
 
 setup:
 	@bash scripts/setup.sh
 
-# tritonserver in the foreground on 127.0.0.1 with the environment the Python backend needs.
+# tritonserver in the foreground on 127.0.0.1 with the environment the Python backend needs, and the OpenAI-compatible
+# endpoint on $(OPENAI_PORT) beside it (`make serve OPENAI=0` leaves it out).
 serve: setup
-	$(PY) -m clients.local_server --model-repository model_repository
+	$(PY) -m clients.local_server --model-repository model_repository --openai-port $(if $(filter 0,$(OPENAI)),0,$(OPENAI_PORT))
 
 demo: setup
 	$(PY) -m clients.demo

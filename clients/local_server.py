@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--topology", type=Path, help="render this topology and serve it (instead of --model-repository)")
     parser.add_argument("--checkpoint", type=Path, help="with --topology: serve this checkpoint directory")
+    parser.add_argument("--openai-port", type=int, default=0,
+                        help="also serve the OpenAI-compatible endpoint (frontend.openai) on this port; 0: leave it out")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     if args.checkpoint and not args.topology:
@@ -337,8 +339,21 @@ def main(argv: list[str] | None = None) -> None:
         except TopologyError as exc:
             parser.exit(2, f"error: {exc}\n")
         print(f"rendered {args.topology} into {repository}", flush=True)
-    cmd = command(repository, Ports.from_env(), args.extra)
+    ports = Ports.from_env()
+    cmd = command(repository, ports, args.extra)
+    if args.openai_port:
+        start_openai(args.openai_port, ports.grpc)
     os.execve(cmd[0], cmd, server_env())
+
+
+def start_openai(port: int, grpc_port: int) -> subprocess.Popen:
+    """The OpenAI-compatible endpoint beside the tritonserver this process is about to become (``execve``): it exits
+    when this process does (``--with-parent``), so it stops with the server."""
+    print(f"OpenAI-compatible endpoint on http://127.0.0.1:{port}/v1", flush=True)
+    return subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url",
+                             f"127.0.0.1:{grpc_port}", "--with-parent"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                           os.environ.get("PYTHONPATH")]))})
 
 
 if __name__ == "__main__":

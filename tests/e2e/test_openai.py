@@ -137,3 +137,27 @@ def test_health_models_and_metrics(endpoint, sdk):
     assert health == {"ready": {"llm": True, "epd": True, "epd_disagg": True}}
     text = urllib.request.urlopen(endpoint + "/metrics", timeout=5).read().decode()
     assert 'openai_requests_total{model="llm",status="200"}' in text
+
+
+def test_the_readme_commands_answer_as_triton_does(server, endpoint, tmp_path):
+    """The README's OpenAI examples (the ``sh`` curl block and the ``py`` SDK block), run as written against this
+    endpoint: both answer what Triton's generate answers for the same request."""
+    import re
+
+    from tests.e2e.test_readme import README
+
+    (tmp_path / "cat.png").write_bytes(image_bytes(64, 48, seed=11))
+    (curl,) = re.findall(r"```sh\n(.*?)```", README, flags=re.S)
+    (snippet,) = re.findall(r"```py\n(.*?)```", README, flags=re.S)
+    port = endpoint.rsplit(":", 1)[1]
+    url = "data:image/png;base64," + base64.b64encode((tmp_path / "cat.png").read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is in it?"}]}]
+    want = generate(server.grpc_url, "epd", GenerateInputs(messages=messages, sampling={"max_tokens": 16,
+                                                                                        "temperature": 0})).text
+    done = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:9000", f"127.0.0.1:{port}")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["choices"][0]["message"]["content"] == want, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-c", snippet.replace("127.0.0.1:9000", f"127.0.0.1:{port}")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.stdout.rstrip("\n") == want and want, done.stdout + done.stderr

@@ -43,7 +43,7 @@ def streamed_text(sse: str) -> list[str]:
 
 
 def test_the_curl_commands_answer_as_llm_does(server, workdir):
-    (block,) = [b for b in blocks("bash") if "curl" in b]
+    (block,) = [b for b in blocks("bash") if "curl" in b]  # the OpenAI examples are `sh`/`py` blocks: test_openai.py
     first, second = [c.strip() for c in on_server(block, server).split("\ncurl") if c.strip()]
     stream = subprocess.run(["bash", "-c", first], cwd=workdir, capture_output=True, text=True, timeout=120)
     assert stream.returncode == 0 and "error" not in stream.stdout, stream.stdout + stream.stderr

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from backend.deploy.ports import free_ports
 from clients.local_server import ROOT, VENV, Ports, TritonServer
 from clients.triton_client import GenerateInputs, generate
 from tests.e2e.conftest import _shm, settled_orphans
@@ -44,15 +45,44 @@ def _stopped_clean(server: TritonServer, before: set[str]) -> None:
     assert not (left := settled_orphans(before)), f"/dev/shm entries left after the stop: {sorted(left)}"
 
 
+def _openai_answers_as_triton(server: TritonServer, port: int) -> None:
+    """The OpenAI-compatible endpoint ``make serve`` started beside the server: healthy once the models are, and
+    an image chat request through it gives what Triton's generate gives."""
+    import base64
+    import time
+
+    import openai
+
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the OpenAI endpoint of make serve did not become healthy"
+        time.sleep(0.5)
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(72, 56, seed=5)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Describe the picture."}]}]
+    want = generate(server.grpc_url, "epd", GenerateInputs(messages=messages, sampling=GREEDY), timeout=120)
+    got = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="epd", messages=messages, **GREEDY)
+    assert got.choices[0].message.content == want.text
+
+
 def test_make_serve_on_other_ports(tmp_path):
-    ports = Ports.free()
-    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    ports, (openai_port,) = Ports.free(), free_ports(1)
+    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
+           "OPENAI_PORT": str(openai_port)}
     server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env,
                           argv=[shutil.which("make") or "make", "-C", str(ROOT), "serve"])
     before = _shm()
     with server:
         _same_tokens_through_every_deployment(server)
-    _stopped_clean(server, before)
+        _openai_answers_as_triton(server, openai_port)
+    _stopped_clean(server, before)  # the endpoint too: it is in the server's process group
 
 
 def test_tritonserver_run_directly_with_its_own_flags(tmp_path):
