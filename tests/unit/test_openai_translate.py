@@ -1,0 +1,67 @@
+"""The OpenAI endpoint's translation (``frontend.openai.translate``): request bodies to generate requests, and the
+project's errors to OpenAI error objects with their HTTP status."""
+from __future__ import annotations
+
+import pytest
+
+from backend.protocol import errors
+from frontend.openai import translate
+from frontend.openai.translate import ApiError
+
+SERVED = {"llm", "epd"}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_a_chat_body_becomes_one_generate_request_with_vllm_sampling_names():
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "max_completion_tokens": 7, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                                "user": "someone"}, SERVED)
+    assert (call.model, call.stream, call.include_usage, call.chat) == ("epd", True, True, True)
+    assert call.inputs == {"messages": MESSAGES, "sampling": {"max_tokens": 7, "temperature": 0, "ignore_eos": True}}
+    assert translate.chat_call({"model": "llm", "messages": MESSAGES}, SERVED).inputs["sampling"] == {"max_tokens": 16}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "messages": MESSAGES}, 404, "model"),
+    ({"messages": MESSAGES}, 400, "model"),
+    ({"model": "llm", "messages": []}, 400, "messages"),
+    ({"model": "llm", "messages": MESSAGES, "n": 3}, 400, "n"),
+    ({"model": "llm", "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "tools": []}, 400, "tools"),
+    ({"model": "llm", "messages": MESSAGES, "stream": "yes"}, 400, "stream"),
+])
+def test_bad_bodies_name_the_field(body, status, param):
+    with pytest.raises(ApiError) as info:
+        translate.chat_call(body, SERVED)
+    assert (info.value.status, info.value.param) == (status, param)
+    assert info.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("exc, status, kind, retry", [
+    (errors.InvalidInput("image[0]", "cannot decode image"), 400, "invalid_request_error", None),
+    (errors.Overloaded("embedding pool full", "image[0]"), 429, "rate_limit_error", 1),
+    (errors.Unavailable("stage pd unavailable"), 503, "service_unavailable", 1),
+    (RuntimeError("boom"), 500, "internal_error", None),
+])
+def test_errors_map_to_openai_statuses(exc, status, kind, retry):
+    err = translate.api_error(errors.encode(exc), "epd")
+    assert (err.status, err.type, err.retry_after) == (status, kind, retry)
+    if isinstance(exc, errors.InvalidInput):
+        assert err.param == "image[0]" and err.message == "image[0]: cannot decode image"
+
+
+def test_chunks_and_completions_have_openais_shape():
+    call = translate.chat_call({"model": "llm", "messages": MESSAGES, "stream": True,
+                                "stream_options": {"include_usage": True}}, SERVED)
+    first = translate.chunk(call, "He", first=True)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant",
+                                                                                            "content": "He"}
+    assert translate.chunk(call, "", "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                                 "finish_reason": "length"}
+    assert translate.chunk(call, None, counts=(5, 2)) == {**{k: first[k] for k in ("id", "object", "created", "model")},
+                                                          "choices": [], "usage": {"prompt_tokens": 5,
+                                                                                   "completion_tokens": 2,
+                                                                                   "total_tokens": 7}}
+    whole = translate.completion(call, "Hello", "stop", (5, 2))
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"} and whole["id"].startswith(
+        "chatcmpl-")
