@@ -80,6 +80,7 @@ class Bench:
         self.media = folder_images(args.image_dir) if args.image_dir else None
         self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
         self.modalities = args.modalities.split(",")
+        self.label_modality = len(self.modalities) > 1  # rows say their workload (also when audio runs apart)
         self.rows: list[dict] = []
         self.samples: dict[tuple[str, float], list[bench_report.Sample]] = {}
         self.gpu_mib: dict[str, int] = {}
@@ -149,7 +150,7 @@ class Bench:
             for level in self.levels:  # deployments of one server alternate per level: drift hits them alike
                 for modality, (key, model) in ((m, d) for m in self.modalities for d in deployments):
                     label, _, _, parameters = DEPLOYMENTS[key]
-                    if len(self.modalities) > 1:
+                    if self.label_modality:
                         label = f"{label} [{modality}]"
                     order.append((self.modalities.index(modality), [k for k, _ in deployments].index(key)))
                     requests = self.requests(a.requests, parameters, self._fresh(a.requests), modality)
@@ -273,6 +274,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--video-size", default="128x96", help="synthetic videos: WxH")
     parser.add_argument("--video-frames", type=int, default=20, help="synthetic videos: frames in the container")
     parser.add_argument("--video-fps", type=float, default=10.0, help="synthetic videos: frame rate")
+    parser.add_argument("--audio-topology", type=Path, default=Path("topologies/cpu-audio.yaml"),
+                        help="with audio among other --modalities: the audio rows' topology (an audio checkpoint's)")
     parser.add_argument("--audios", type=int, default=1, help="audio files per request of the audio workload")
     parser.add_argument("--audio-seconds", type=float, default=5.0, help="synthetic audio: length")
     parser.add_argument("--audio-rate", type=int, default=16_000, help="synthetic audio: sample rate (Hz)")
@@ -314,9 +317,36 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def _audio_apart(args) -> argparse.Namespace | None:
+    """With audio among other workloads: the audio rows' own arguments (``--audio-topology``, an audio checkpoint's
+    topology, since no tiny checkpoint here has both towers), run after the others and shown in the same table."""
+    kinds = args.modalities.split(",")
+    if "audio" not in kinds or len(kinds) == 1:
+        return None
+    args.modalities = ",".join(k for k in kinds if k != "audio")
+    return argparse.Namespace(**{**vars(args), "modalities": "audio", "topology": args.audio_topology,
+                                 "checkpoint": None, "shared_topology": bool(args.shared)})
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    bench, keys = Bench(args), args.models.split(",")
+    audio = _audio_apart(args)
+    bench = Bench(args)
+    bench.label_modality |= audio is not None
+    _serve(bench, args)
+    if audio is not None:
+        apart = Bench(audio)
+        apart.label_modality = True
+        _serve(apart, audio)
+        bench.rows += apart.rows
+        bench.samples.update(apart.samples)
+        bench.modalities += ["audio"]
+    _report(bench, args)
+    return bench.rows
+
+
+def _serve(bench: "Bench", args) -> None:
+    keys = args.models.split(",")
     if args.url:
         asyncio.run(bench.run_server(args.url, [(k, DEPLOYMENTS[k][2]) for k in keys]))
     elif args.shared_topology:
@@ -330,6 +360,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          server.proc.pid))
     else:
         run_isolated(bench, keys)
+
+
+def _report(bench: "Bench", args) -> None:
     s = bench.settings()
     load = f"concurrency {args.concurrency}" if bench.mode == "concurrency" else f"Poisson arrivals at {args.rate} req/s"
     workloads = [f"{args.images} image(s) per request from {s['dataset']}"] if "image" in bench.modalities else []
@@ -346,7 +379,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_outputs(bench, args.out)
     if args.json:
         args.json.write_text(json.dumps(bench.rows, indent=2))
-    return bench.rows
 
 
 if __name__ == "__main__":
