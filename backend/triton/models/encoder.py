@@ -13,7 +13,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import processing_options
-from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
+from backend.encode.encoder import VisionEncoder
+from backend.encode.service import EncodeJob, EncoderService
 from backend.engine.host import prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part

@@ -5,7 +5,7 @@ others, and whether one process can hold both a Mooncake client and a NIXL agent
 Runs outside the project venv (the venv cannot import mooncake), one run, everything printed side by side:
 
     export LD_LIBRARY_PATH=/work/tmp/ibv/usr/lib/x86_64-linux-gnu:/work/tmp/ibv/lib/x86_64-linux-gnu
-    PYTHONPATH=$PWD /work/tmp/mcvenv/bin/python -m backend.diagnostics.tier_eval
+    PYTHONPATH=$PWD /work/tmp/mcvenv/bin/python -m clients.tools.tier_eval
 
 Client processes are *spawned*, never forked: a process forked from one that holds a Mooncake client hangs in its
 own ``setup`` (the lead's first script did exactly that, through multiprocessing's default ``fork``).
