@@ -45,10 +45,48 @@ def library_env(libs: str, env: dict | None = None) -> dict:
     return env
 
 
+class _Service:
+    """A child process of ours: ``stop`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``); ``kill`` is
+    SIGKILL (the tests' "it died")."""
+
+    process: subprocess.Popen | None
+    stop_timeout: float = 10.0
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def _launch(self, command: list[str], libs: str, log_path: str, ready, timeout: float) -> None:
+        """Start ``command`` (output appended to ``log_path``) and wait until ``ready()``, or raise naming the log."""
+        name = Path(command[0]).name
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=library_env(libs),
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.process.returncode} (log: {log_path})")
+            if ready():
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{name} was not ready within {timeout} s (log: {log_path})")
+
+
 @dataclass
-class MooncakeMaster:
-    """One ``mooncake_master`` on free 127.0.0.1 ports. ``start`` waits until its RPC port accepts; ``stop`` sends
-    SIGTERM and waits (SIGKILL after ``stop_timeout``); ``kill`` is SIGKILL (the tests' "master died")."""
+class MooncakeMaster(_Service):
+    """One ``mooncake_master`` on free 127.0.0.1 ports (the same ones again after a ``start`` that follows a
+    ``stop``); ``start`` waits until its RPC and metadata ports accept."""
 
     binary: Path | None = None
     libs: str = ""
@@ -56,7 +94,6 @@ class MooncakeMaster:
     eviction_high_watermark: float = 0.9
     lease_ttl_ms: int = 10_000
     client_ttl_s: int = 10
-    stop_timeout: float = 10.0
     rpc_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
@@ -77,39 +114,15 @@ class MooncakeMaster:
                 f"-eviction_high_watermark_ratio={self.eviction_high_watermark}",
                 f"-default_kv_lease_ttl={self.lease_ttl_ms}", f"-client_ttl={self.client_ttl_s}"]
 
-    def start(self, timeout: float = 30.0) -> "MooncakeMaster":
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env=library_env(self.libs), start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.process.returncode} (log: {self.log_path})")
-            if all(_accepts(port) for port in (self.rpc_port, self.http_port)):
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_master did not listen within {timeout} s (log: {self.log_path})")
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        self._launch(self.command(), self.libs, self.log_path,
+                     lambda: all(_accepts(port) for port in (self.rpc_port, self.http_port)), timeout)
+        return self
 
     def client_config(self) -> dict:
         """What a store client's ``setup`` takes to reach this master."""
         return {"local_hostname": "127.0.0.1", "metadata": f"http://127.0.0.1:{self.http_port}/metadata",
                 "rpc": f"127.0.0.1:{self.rpc_port}"}
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
 
 
 def _accepts(port: int) -> bool:
@@ -121,7 +134,7 @@ def _accepts(port: int) -> bool:
 
 
 @dataclass
-class MooncakeHolder:
+class MooncakeHolder(_Service):
     """The tier's memory: one ``mooncake_client`` (Mooncake's standalone client) mounting ``budget_bytes`` into the
     master's pool, so entries outlive the encoder instances that wrote them (an encoder's own segment goes with it)."""
 
@@ -137,24 +150,13 @@ class MooncakeHolder:
                 "-host=127.0.0.1", f"-port={self.port}", f"-master_server_address={config['rpc']}",
                 f"-metadata_server={config['metadata']}", "-protocol=tcp"]
 
-    def start(self, timeout: float = 30.0) -> "MooncakeHolder":
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env=library_env(self.master.libs), start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited with {self.process.returncode} (log: {self.log_path})")
-            if _accepts(self.port) and b"Mounting segment" in Path(self.log_path).read_bytes():
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_client did not mount its segment within {timeout} s (log: {self.log_path})")
-
-    stop = MooncakeMaster.stop
-    kill = MooncakeMaster.kill
-    stop_timeout = 10.0
+    def start(self, timeout: float = 30.0) -> MooncakeHolder:
+        """Start it and wait until it has mounted its segment (a log line after this start's offset)."""
+        offset = Path(self.log_path).stat().st_size if Path(self.log_path).exists() else 0
+        self._launch(self.command(), self.master.libs, self.log_path,
+                     lambda: _accepts(self.port) and b"Mounting segment" in Path(self.log_path).read_bytes()[offset:],
+                     timeout)
+        return self
 
 
 def start_tier(budget_bytes: int, log_dir: str = "/tmp", **master_options) -> tuple[MooncakeMaster, MooncakeHolder]:

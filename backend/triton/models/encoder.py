@@ -1,6 +1,6 @@
 """``encoder``: decode, preprocess and encode images and videos; publish embeddings as NIXL leases.
 
-Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
+Adapter only: ``backend.encode.service.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
 (``backend.protocol.generate.PART_PARAMETER``) asks for part i of n of its video. Model parameters: ``backend.protocol.settings.EncoderSettings``
 (``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
