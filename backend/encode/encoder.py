@@ -31,14 +31,11 @@ import torch
 from PIL import Image
 
 from backend.encode import families
-from backend.encode.cache import EmbeddingCache
 from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
-from backend.protocol.errors import InvalidInput
-from backend.protocol.generate import PART_PARAMETER, part_range
+from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
-from backend.protocol.modality import IMAGE, VIDEO, modality
+from backend.protocol.modality import IMAGE, VIDEO
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' handlers
-from backend.request.media import handler
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
 
@@ -258,136 +255,3 @@ def _transformers_forward(tower):
     def forward(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         return families.tower_output(tower(pixels, grid_thw=grid.to(pixels.device)))
     return forward
-
-
-@dataclass(frozen=True)
-class EncodeJob:
-    """One media item of one Triton request in a batch."""
-
-    request_index: int
-    data: bytes
-    content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
-    own_key: str = ""  # the key computed in this process from ``data`` (and ``part``), if already done (the cache's key)
-    modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
-    part: tuple[int, int] | None = None  # part (i, n) of a video (backend.protocol.generate.PART_PARAMETER)
-
-
-class EncoderService:
-    """Decode -> one batched tower forward -> publish, for the items of several requests at once.
-
-    Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
-    ``run`` returns, per request index, the layout JSON documents of its items or the exception that
-    failed it; a bad item fails only its own request. Items whose embeddings are in the cache
-    (``cache_bytes`` > 0; same bytes, processing options and model, and part) are published again without being
-    decoded or encoded (``cache_hits``); every item gets its own lease either way. Items of one batch with the same
-    bytes are decoded once (two parts of a video Triton batched together). A video part with no temporal patches
-    (more parts than the video has) gets no lease: its layout is "" (``PART_PARAMETER``).
-    """
-
-    def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0):
-        self.encoder, self.pool, self.limits = encoder, pool, limits
-        self.processing = processing
-        self.cache = EmbeddingCache(cache_bytes)
-        self.items_encoded = 0
-        self.cache_hits = 0
-        self.encode_seconds = 0.0
-
-    def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import content_key
-
-        results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
-        ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
-        decoded: dict[tuple[str, bytes], object] = {}  # one decode per item of the batch (a video's parts share it)
-        for job in jobs:
-            if isinstance(results[job.request_index], BaseException):
-                continue
-            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity, job.part)) \
-                if self.cache.max_bytes else ""
-            cached = self.cache.get(key) if key else None
-            if cached is not None and cached.modality == job.modality:
-                ready.append([job, cached, key, None])
-                continue
-            try:
-                if (job.modality, job.data) not in decoded:
-                    decoded[job.modality, job.data] = _decode(job, self.limits, self.encoder)
-                item = self._part(job, decoded[job.modality, job.data])
-                ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
-            except Exception as exc:
-                results[job.request_index] = exc
-        # a request with one bad item fails whole; its other items are not encoded
-        ready = [r for r in ready if not isinstance(results[r[0].request_index], BaseException)]
-        misses = [i for i, entry in enumerate(ready) if entry[1] is None]
-        if not ready:
-            return results
-        if misses:
-            started = time.perf_counter()
-            try:
-                encoded = self.encoder.encode([ready[i][3] for i in misses])
-            except Exception as exc:
-                for i in misses:
-                    results[ready[i][0].request_index] = exc
-                ready = [entry for entry in ready if not isinstance(results[entry[0].request_index], BaseException)]
-                encoded, misses = [], []
-            self.encode_seconds += time.perf_counter() - started
-            self.items_encoded += len(encoded)
-            for index, item in zip(misses, encoded):
-                ready[index][1] = item
-                if ready[index][2]:
-                    self.cache.put(ready[index][2], item)
-        self.cache_hits += sum(entry[1] is not EMPTY_PART for entry in ready) - len(misses)
-        self._publish(ready, results)
-        return results
-
-    def _publish(self, ready: list[list], results: list) -> None:
-        """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request
-        whose lease cannot be had fails, and the leases it got are released)."""
-        from backend.protocol.layout import LayoutMetadata
-
-        leases: dict[int, list[str]] = {}
-        # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
-        # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
-        deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
-        for job, item, _, _ in ready:
-            if isinstance(results[job.request_index], BaseException):
-                continue
-            if item is EMPTY_PART:
-                results[job.request_index].append("")
-                continue
-            try:
-                handle = self.pool.publish(item.embeddings, timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as exc:
-                results[job.request_index] = exc
-                for lease_id in leases.pop(job.request_index, []):  # the request failed: free what it got
-                    self.pool.release(lease_id)
-                continue
-            leases.setdefault(job.request_index, []).append(handle.lease_id)
-            layout = LayoutMetadata(content_key=job.content_key, model=self.encoder.identity,
-                                    dtype=str(item.embeddings.dtype).removeprefix("torch."),
-                                    shape=tuple(item.embeddings.shape), handle=handle,
-                                    media=item.media())
-            results[job.request_index].append(layout.to_json())
-
-    def _part(self, job: EncodeJob, decoded):
-        """``decoded`` as the item the job asks for: the whole, its ``VideoPart``, or ``EMPTY_PART``."""
-        if job.part is None:
-            return decoded
-        if job.modality != VIDEO.name:
-            raise InvalidInput(f"parameters.{PART_PARAMETER}", f"only a video is encoded in parts, not an {job.modality}")
-        first, stop = part_range(job.part, self.encoder.temporal_patches(decoded))
-        return VideoPart(decoded, job.part) if stop > first else EMPTY_PART
-
-
-EMPTY_PART = object()  # a video part with no temporal patches: nothing to encode, an empty layout
-
-
-def _decode(job: EncodeJob, limits, encoder):
-    """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor); a modality
-    the encoder does not take is refused first."""
-    try:
-        m = modality(job.modality)
-    except KeyError:
-        raise InvalidInput("modality", f"unsupported modality {job.modality!r}") from None
-    if m.name not in encoder.modalities:
-        raise InvalidInput(m.media_tensor, f"this checkpoint's encoder takes {' and '.join(encoder.modalities)}, "
-                                           f"not {m.name}")
-    return handler(m).decode(job.data, m.media_tensor, limits)

@@ -182,7 +182,7 @@ def test_the_encoder_serves_an_audio_only_checkpoint_item_by_item_as_in_a_batch(
 
 
 def test_an_encoder_refuses_a_modality_it_does_not_take_and_serves_the_rest(encoder):
-    from backend.encode.encoder import EncodeJob, EncoderService
+    from backend.encode.service import EncodeJob, EncoderService
     from tests.unit.test_encoder_cache import RecordingPool
 
     service = EncoderService(encoder, RecordingPool(), LIMITS)

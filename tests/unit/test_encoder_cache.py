@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from backend.encode.checkpoint import processing_options
-from backend.encode.encoder import EncodeJob, EncoderService, VisionEncoder
+from backend.encode.encoder import VisionEncoder
+from backend.encode.service import EncodeJob, EncoderService
 from backend.protocol.layout import LayoutMetadata, NixlHandle
 from backend.request.media import MediaLimits
 from tests.images import make_image

@@ -65,3 +65,14 @@ def test_chunks_and_completions_have_openais_shape():
     whole = translate.completion(call, "Hello", "stop", (5, 2))
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"} and whole["id"].startswith(
         "chatcmpl-")
+
+
+def test_the_overhead_benchmark_summary_compares_the_two_paths():
+    from clients.bench.openai import summary
+
+    rows = [{"path": p, "req_per_s": rps, "latency_p50_ms": p50, "latency_p90_ms": p50 * 2, "ttft_p50_ms": 1.0,
+             "errors": 0} for p, rps, p50 in (("grpc", 10.0, 100.0), ("openai", 9.0, 101.5), ("grpc", 12.0, 98.0),
+                                               ("openai", 11.0, 99.0))]
+    text = summary(rows)
+    assert "| openai | 2 | 11.0 | 99.0 / 198.0 | 1.0 | 0 |" in text
+    assert "requests/s 0.909 (mean of rounds), latency p50 +1.25 ms (median of rounds)" in text

@@ -190,7 +190,7 @@ def test_the_encoder_s_pixels_are_those_vllm_s_own_processing_makes(encoder):
 
 
 def test_the_encoder_service_publishes_video_layouts_and_fails_only_a_bad_video_s_request(encoder):
-    from backend.encode.encoder import EncodeJob, EncoderService
+    from backend.encode.service import EncodeJob, EncoderService
     from tests.unit.test_encoder_cache import RecordingPool
 
     service = EncoderService(encoder, RecordingPool(), LIMITS, "", cache_bytes=1 << 20)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.encode.encoder import EncodeJob, EncoderService, VideoPart, VisionEncoder
+from backend.encode.encoder import VideoPart, VisionEncoder
+from backend.encode.service import EncodeJob, EncoderService
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.generate import parse_part, part_range
 from backend.protocol.layout import LayoutMetadata, NixlHandle, VideoLayout, content_key

@@ -1,6 +1,6 @@
 """``encoder``: decode, preprocess and encode images and videos (or audio); publish embeddings as NIXL leases.
 
-Adapter only: ``backend.encode.encoder.EncoderService`` does the work for all items Triton batched together.
+Adapter only: ``backend.encode.service.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
 (``backend.protocol.generate.PART_PARAMETER``) asks for part i of n of its video. Model parameters: ``backend.protocol.settings.EncoderSettings``
 (``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
@@ -13,7 +13,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import processing_options
-from backend.encode.encoder import EncodeJob, EncoderService, load_encoder
+from backend.encode.encoder import load_encoder
+from backend.encode.service import EncodeJob, EncoderService
 from backend.engine.host import prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part

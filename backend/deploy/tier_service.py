@@ -1,0 +1,174 @@
+"""The shared embedding tier's service: a Mooncake Store master (``mooncake_master``, with its HTTP metadata server)
+on 127.0.0.1, started and stopped like the server is (tests, the launcher), never by hand.
+
+Where Mooncake comes from (docs/tier.md, "Set-up"): a venv of its own (``EPD_MOONCAKE_VENV``, its
+``lib/python3.11/site-packages/mooncake/mooncake_master`` binary) and the private libibverbs/libnl it links
+(``EPD_MOONCAKE_LIBS``: colon-separated directories, set as ``LD_LIBRARY_PATH`` for the master and for the encoder
+processes that load the store client). Standard library only: the deploy layer imports nothing heavier.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VENV_ENV, LIBS_ENV = "EPD_MOONCAKE_VENV", "EPD_MOONCAKE_LIBS"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def mooncake_paths() -> tuple[Path, Path, str] | None:
+    """(the venv's site-packages, the master binary, the library path) where ``EPD_MOONCAKE_VENV`` names a venv with
+    mooncake installed; None otherwise (the tier is then unavailable, and says so)."""
+    venv = os.environ.get(VENV_ENV)
+    if not venv:
+        return None
+    found = sorted(Path(venv).glob("lib/python3*/site-packages/mooncake/mooncake_master"))
+    if not found:
+        return None
+    return found[0].parent.parent, found[0], os.environ.get(LIBS_ENV, "")
+
+
+def library_env(libs: str, env: dict | None = None) -> dict:
+    """``env`` (this process's by default) with ``libs`` in front of ``LD_LIBRARY_PATH``."""
+    env = dict(os.environ if env is None else env)
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+class _Service:
+    """A child process of ours: ``stop`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``); ``kill`` is
+    SIGKILL (the tests' "it died")."""
+
+    process: subprocess.Popen | None
+    stop_timeout: float = 10.0
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def _launch(self, command: list[str], libs: str, log_path: str, ready, timeout: float) -> None:
+        """Start ``command`` (output appended to ``log_path``) and wait until ``ready()``, or raise naming the log."""
+        name = Path(command[0]).name
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=library_env(libs),
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.process.returncode} (log: {log_path})")
+            if ready():
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{name} was not ready within {timeout} s (log: {log_path})")
+
+
+@dataclass
+class MooncakeMaster(_Service):
+    """One ``mooncake_master`` on free 127.0.0.1 ports (the same ones again after a ``start`` that follows a
+    ``stop``); ``start`` waits until its RPC and metadata ports accept."""
+
+    binary: Path | None = None
+    libs: str = ""
+    log_path: str = "/tmp/mooncake_master.log"
+    eviction_high_watermark: float = 0.9
+    lease_ttl_ms: int = 10_000
+    client_ttl_s: int = 10
+    rpc_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    def __post_init__(self):
+        if self.binary is None:
+            paths = mooncake_paths()
+            if paths is None:
+                raise RuntimeError(f"mooncake_master not found: set {VENV_ENV} to a venv with "
+                                   "mooncake-transfer-engine-non-cuda installed (docs/tier.md)")
+            _, self.binary, self.libs = paths
+
+    def command(self) -> list[str]:
+        return [str(self.binary), f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
+                "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+                f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
+                f"-eviction_high_watermark_ratio={self.eviction_high_watermark}",
+                f"-default_kv_lease_ttl={self.lease_ttl_ms}", f"-client_ttl={self.client_ttl_s}"]
+
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        self._launch(self.command(), self.libs, self.log_path,
+                     lambda: all(_accepts(port) for port in (self.rpc_port, self.http_port)), timeout)
+        return self
+
+    def client_config(self) -> dict:
+        """What a store client's ``setup`` takes to reach this master."""
+        return {"local_hostname": "127.0.0.1", "metadata": f"http://127.0.0.1:{self.http_port}/metadata",
+                "rpc": f"127.0.0.1:{self.rpc_port}"}
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MooncakeHolder(_Service):
+    """The tier's memory: one ``mooncake_client`` (Mooncake's standalone client) mounting ``budget_bytes`` into the
+    master's pool, so entries outlive the encoder instances that wrote them (an encoder's own segment goes with it)."""
+
+    master: MooncakeMaster
+    budget_bytes: int
+    log_path: str = "/tmp/mooncake_holder.log"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        config = self.master.client_config()
+        return [str(self.master.binary.parent / "mooncake_client"), f"-global_segment_size={self.budget_bytes}",
+                "-host=127.0.0.1", f"-port={self.port}", f"-master_server_address={config['rpc']}",
+                f"-metadata_server={config['metadata']}", "-protocol=tcp"]
+
+    def start(self, timeout: float = 30.0) -> MooncakeHolder:
+        """Start it and wait until it has mounted its segment (a log line after this start's offset)."""
+        offset = Path(self.log_path).stat().st_size if Path(self.log_path).exists() else 0
+        self._launch(self.command(), self.master.libs, self.log_path,
+                     lambda: _accepts(self.port) and b"Mounting segment" in Path(self.log_path).read_bytes()[offset:],
+                     timeout)
+        return self
+
+
+def start_tier(budget_bytes: int, log_dir: str = "/tmp", **master_options) -> tuple[MooncakeMaster, MooncakeHolder]:
+    """The tier's service: a master and the holder of its ``budget_bytes`` (stop both with ``stop_tier``)."""
+    master = MooncakeMaster(log_path=f"{log_dir}/mooncake_master.log", **master_options).start()
+    try:
+        return master, MooncakeHolder(master, budget_bytes, log_path=f"{log_dir}/mooncake_holder.log").start()
+    except Exception:
+        master.stop()
+        raise
+
+
+def stop_tier(master: MooncakeMaster, holder: MooncakeHolder) -> None:
+    holder.stop()
+    master.stop()

@@ -1,0 +1,212 @@
+"""The E stage's service: the items of the requests Triton batched, decoded, looked up (the instance's cache, the
+shared tier), encoded once per distinct item, and published into the pool's leases (``EncoderService``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from backend.encode.cache import EmbeddingCache
+from backend.encode.encoder import VideoPart, VisionEncoder
+from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import PART_PARAMETER, part_range
+from backend.protocol.modality import IMAGE, VIDEO, modality
+from backend.request.media import handler
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One media item of one Triton request in a batch."""
+
+    request_index: int
+    data: bytes
+    content_key: str  # the key the layout carries (the caller's, or computed from ``data``)
+    own_key: str = ""  # the key computed in this process from ``data`` (and ``part``), if already done (the cache's key)
+    modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
+    part: tuple[int, int] | None = None  # part (i, n) of a video (backend.protocol.generate.PART_PARAMETER)
+
+
+class EncoderService:
+    """Decode -> one batched tower forward -> publish, for the items of several requests at once.
+
+    Who calls it: the ``encoder`` model's ``execute`` with every item of the requests Triton batched.
+    ``run`` returns, per request index, the layout JSON documents of its items or the exception that
+    failed it; a bad item fails only its own request. Items whose embeddings are in the cache
+    (``cache_bytes`` > 0; same bytes, processing options and model, and part) are published again without being
+    decoded or encoded (``cache_hits``); every item gets its own lease either way. Items of one batch with the same
+    bytes are decoded once (two parts of a video Triton batched together), and encoded once. A video part with no
+    temporal patches (more parts than the video has) gets no lease: its layout is "" (``PART_PARAMETER``).
+
+    ``tier`` (``backend.encode.tier.EmbeddingTier``, shared by every instance): read on a local cache miss
+    (``tier_hits``), written after an encode (asynchronously: the entry may appear after ``run`` returns). Before
+    encoding an item the tier does not hold, the service claims it; an item another instance has claimed is waited
+    for (up to the tier's ``claim_seconds``, after this batch's own encodes) and encoded here only if it does not
+    appear. A tier that fails is skipped (the tier counts it); no request fails for it.
+    """
+
+    def __init__(self, encoder: VisionEncoder, pool, limits, processing: str = "", cache_bytes: int = 0, tier=None):
+        self.encoder, self.pool, self.limits = encoder, pool, limits
+        self.processing = processing
+        self.cache = EmbeddingCache(cache_bytes)
+        self.tier = tier
+        self.items_encoded = 0
+        self.cache_hits = 0
+        self.tier_hits = 0
+        self.encode_seconds = 0.0
+
+    def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
+        from backend.protocol.layout import content_key
+
+        results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
+        ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
+        decoded: dict[tuple[str, bytes], object] = {}  # one decode per item of the batch (a video's parts share it)
+        for job in jobs:
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity, job.part)) \
+                if self.cache.max_bytes or self.tier is not None else ""
+            cached = self._lookup(key, job.modality)
+            if cached is not None:
+                ready.append([job, cached, key, None])
+                continue
+            try:
+                if (job.modality, job.data) not in decoded:
+                    decoded[job.modality, job.data] = _decode(job, self.limits, self.encoder)
+                item = self._part(job, decoded[job.modality, job.data])
+                ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
+            except Exception as exc:
+                results[job.request_index] = exc
+        # a request with one bad item fails whole; its other items are not encoded
+        ready = [r for r in ready if not isinstance(results[r[0].request_index], BaseException)]
+        if not ready:
+            return results
+        self._encode_missing(ready, results)
+        ready = [entry for entry in ready if not isinstance(results[entry[0].request_index], BaseException)]
+        self._publish(ready, results)
+        return results
+
+    def _lookup(self, key: str, modality: str):
+        """The item of ``key`` from the local cache, else from the tier (then cached here too); None: encode it."""
+        if not key:
+            return None
+        item = self.cache.get(key)
+        if item is not None and item.modality == modality:
+            self.cache_hits += 1
+            return item
+        if self.tier is None:
+            return None
+        item = self.tier.get(key, self.expect())
+        if item is None or item.modality != modality:
+            return None
+        self.tier_hits += 1
+        self.cache.put(key, item)
+        return item
+
+    def expect(self):
+        """What a tier entry must match to be served here."""
+        from backend.encode.tier import TierExpect
+
+        return TierExpect(self.encoder.identity, self.processing, str(self.encoder.dtype).removeprefix("torch."),
+                          int(self.encoder.width))
+
+    def _encode_missing(self, ready: list[list], results: list) -> None:
+        """Fill in every ready entry still without an item: one encode per distinct (key, modality), those another
+        instance claimed waited for in the tier first."""
+        groups: dict[tuple, list[int]] = {}
+        for i, entry in enumerate(ready):
+            if entry[1] is None:
+                groups.setdefault((entry[2], entry[0].modality) if entry[2] else ("", i), []).append(i)
+        if not groups:
+            return
+        mine, theirs = [], []
+        for group in groups:
+            claimed = self.tier is None or not group[0] or self.tier.claim(group[0])
+            (mine if claimed else theirs).append(group)
+        self._encode(mine, groups, ready, results)
+        if theirs:
+            found = self.tier.wait([key for key, _ in theirs], self.expect())
+            for group in theirs:
+                item = found.get(group[0])
+                if item is not None and item.modality == group[1]:
+                    self.tier_hits += len(groups[group])
+                    self.cache.put(group[0], item)
+                    for i in groups[group]:
+                        ready[i][1] = item
+            self._encode([g for g in theirs if ready[groups[g][0]][1] is None], groups, ready, results)
+
+    def _encode(self, todo: list[tuple], groups: dict, ready: list[list], results: list) -> None:
+        """One tower forward for the groups ``todo``; their items cached and written to the tier."""
+        if not todo:
+            return
+        started = time.perf_counter()
+        try:
+            encoded = self.encoder.encode([ready[groups[g][0]][3] for g in todo])
+        except Exception as exc:
+            for group in todo:
+                for i in groups[group]:
+                    results[ready[i][0].request_index] = exc
+            return
+        finally:
+            self.encode_seconds += time.perf_counter() - started
+        self.items_encoded += len(encoded)
+        for group, item in zip(todo, encoded):
+            for i in groups[group]:
+                ready[i][1] = item
+            if group[0]:
+                self.cache.put(group[0], item)
+                if self.tier is not None:
+                    self.tier.put(group[0], item, self.expect(), release_claim=True)
+
+    def _publish(self, ready: list[list], results: list) -> None:
+        """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request
+        whose lease cannot be had fails, and the leases it got are released)."""
+        from backend.protocol.layout import LayoutMetadata
+
+        leases: dict[int, list[str]] = {}
+        # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
+        # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).
+        deadline = time.monotonic() + getattr(self.pool, "alloc_timeout", 0.0)
+        for job, item, _, _ in ready:
+            if isinstance(results[job.request_index], BaseException):
+                continue
+            if item is EMPTY_PART:
+                results[job.request_index].append("")
+                continue
+            try:
+                handle = self.pool.publish(item.embeddings, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                results[job.request_index] = exc
+                for lease_id in leases.pop(job.request_index, []):  # the request failed: free what it got
+                    self.pool.release(lease_id)
+                continue
+            leases.setdefault(job.request_index, []).append(handle.lease_id)
+            layout = LayoutMetadata(content_key=job.content_key, model=self.encoder.identity,
+                                    dtype=str(item.embeddings.dtype).removeprefix("torch."),
+                                    shape=tuple(item.embeddings.shape), handle=handle,
+                                    media=item.media())
+            results[job.request_index].append(layout.to_json())
+
+    def _part(self, job: EncodeJob, decoded):
+        """``decoded`` as the item the job asks for: the whole, its ``VideoPart``, or ``EMPTY_PART``."""
+        if job.part is None:
+            return decoded
+        if job.modality != VIDEO.name:
+            raise InvalidInput(f"parameters.{PART_PARAMETER}", f"only a video is encoded in parts, not an {job.modality}")
+        first, stop = part_range(job.part, self.encoder.temporal_patches(decoded))
+        return VideoPart(decoded, job.part) if stop > first else EMPTY_PART
+
+
+EMPTY_PART = object()  # a video part with no temporal patches: nothing to encode, an empty layout
+
+
+def _decode(job: EncodeJob, limits, encoder):
+    """The job's item decoded by its modality's request-stage handler (the field: the modality's tensor); a modality
+    the encoder does not take is refused first."""
+    try:
+        m = modality(job.modality)
+    except KeyError:
+        raise InvalidInput("modality", f"unsupported modality {job.modality!r}") from None
+    if m.name not in encoder.modalities:
+        raise InvalidInput(m.media_tensor, f"this checkpoint's encoder takes {' and '.join(encoder.modalities)}, "
+                                           f"not {m.name}")
+    return handler(m).decode(job.data, m.media_tensor, limits)
