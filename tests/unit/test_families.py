@@ -41,12 +41,29 @@ def test_a_second_build_is_a_no_op(checkpoints):
 
 
 def test_qwen2_5_vl_s_window_attention_matters_in_the_tiny_config(checkpoints):
-    """A window is 2x2 merge units, smaller than the largest image (112 px: 4x4 units), and some blocks are windowed."""
-    vision = json.loads((checkpoints["qwen2_5_vl"] / "config.json").read_text())["vision_config"]
-    units_per_window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
-    max_units = 112 // vision["patch_size"] // vision["spatial_merge_size"]
-    assert 1 < units_per_window < max_units
-    assert set(vision["fullatt_block_indexes"]) < set(range(vision["depth"])) and vision["fullatt_block_indexes"]
+    """The largest image the tiny processor makes has several windows, and the windowed blocks change its embeddings:
+    the same tower with every block attending over the whole image gives other embeddings (so a consumer that got
+    window attention wrong would not match llm)."""
+    import copy
+
+    from backend.encode.encoder import VisionEncoder
+    from backend.encode.packed_tower import PackedTower
+    from tests.images import make_image
+
+    encoder = VisionEncoder.load(checkpoints["qwen2_5_vl"])
+    cfg = json.loads((checkpoints["qwen2_5_vl"] / "config.json").read_text())["vision_config"]
+    batch = encoder.processor(images=[make_image(400, 400, 3)], return_tensors="pt")
+    (t, h, w), = batch["image_grid_thw"].tolist()
+    units = lambda n: -(-n // cfg["spatial_merge_size"] // (cfg["window_size"] // cfg["spatial_merge_size"]
+                                                             // cfg["patch_size"]))
+    assert units(h) * units(w) > 1, (h, w)  # patches per side over merge units per window, rounded up
+    assert encoder.forward.full_blocks and encoder.forward.full_blocks < set(range(cfg["depth"]))
+    all_full = copy.deepcopy(encoder.tower.config)
+    all_full.fullatt_block_indexes = list(range(cfg["depth"]))
+    with torch.inference_mode():
+        windowed = encoder.forward(batch["pixel_values"], batch["image_grid_thw"])
+        full = PackedTower(encoder.tower, all_full)(batch["pixel_values"], batch["image_grid_thw"])
+    assert windowed.shape == full.shape and (windowed - full).abs().max() > 1e-3 * windowed.abs().max()
 
 
 def test_embedding_widths_come_from_the_config(checkpoints):
