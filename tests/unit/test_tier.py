@@ -130,6 +130,16 @@ def test_a_claim_is_won_once_and_a_dead_owners_claim_is_taken_over():
     assert CLAIM_PREFIX + "k" not in store.data and "k" in store.data
 
 
+def test_a_claim_won_after_the_entry_appeared_is_given_back_and_the_entry_read():
+    """The entry was published (and its claim released) between this caller's lookup and its claim: no encode."""
+    store = MemoryStore()
+    writer, late = EmbeddingTier(store), EmbeddingTier(store)
+    writer.put("k", _item(), EXPECT, release_claim=True)
+    writer.flush()
+    assert late.claim("k") is False and CLAIM_PREFIX + "k" not in store.data
+    assert late.wait(["k"], EXPECT)["k"].embeddings.equal(_item().embeddings) and late.stats.waits_served == 1
+
+
 # -- EncoderService with a tier: the real tiny encoder ------------------------------------------------------------
 
 class Counting(CountingEncoder):
