@@ -2,7 +2,8 @@
 instances, E+PD and the ``llm`` baseline): ``TritonServer`` starts the tier's Mooncake master and holder before
 tritonserver and stops them after it. ``epd`` gives ``llm``'s tokens with the tier on; 16 concurrent cold requests for
 one new image are encoded once across both instances; an item one instance encoded is served to the other from the
-tier; a corrupt entry planted in the store is dropped and encoded again; a killed master fails no request.
+tier; a corrupt entry planted in the store is dropped and encoded again; a killed master fails no request. And
+``python -m clients.local_server`` starts the tier with the server and stops it after.
 
 Counts come from the encoders' metrics (``epd_encoder_items_total``: tower outputs; ``epd_tier_*``), summed over the
 two instances. Skipped where Mooncake is not installed (scripts/setup_mooncake.sh)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ import pytest
 from backend.deploy.render import render
 from backend.deploy.tier_service import mooncake_paths
 from backend.deploy.topology import load
-from clients.local_server import ROOT, TritonServer
+from clients.local_server import ROOT, Ports, TritonServer
 from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
 from tests.e2e.test_epd import CASES, ask
 from tests.images import image_bytes
@@ -189,3 +191,54 @@ def test_a_killed_master_fails_no_request_and_is_counted(tier_server):
         assert delta["epd_encoder_items_total"] == 3 and delta["epd_tier_errors_total"] >= 1, delta
     finally:
         tier_server.tier.master.start()  # a live one for the server's stop (the entries are gone: a new index)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid``: pid -> executable name."""
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out[int(entry)] = os.path.basename(os.readlink(f"/proc/{entry}/exe"))
+        except OSError:
+            continue
+    return out
+
+
+def test_local_server_starts_the_tier_before_the_server_and_stops_it_after(tmp_path):
+    """``python -m clients.local_server`` on a repository whose encoder has the tier (the encoder alone: no engine to
+    wait for): the master and holder run beside tritonserver, both instances connect, and a SIGTERM to the server
+    stops all three."""
+    if mooncake_paths() is None:
+        pytest.skip("Mooncake is not installed (scripts/setup_mooncake.sh makes .venv-mooncake)")
+    repo = tmp_path / "repo"
+    render(load(TOPOLOGY, "cpu"), repo)
+    for model in os.listdir(repo):
+        if model != "encoder":
+            shutil.rmtree(repo / model)
+    ports = Ports.free()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EPD_TIER_LOG_DIR": str(tmp_path), "HTTP_PORT": str(ports.http),
+           "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    argv = [sys.executable, "-m", "clients.local_server", "--model-repository", str(repo)]
+    with TritonServer(repo, ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv) as server:
+        launcher = server.proc.pid
+        children = _children(launcher)
+        assert sorted(children.values()) == ["mooncake_client", "mooncake_master", "tritonserver"], children
+        assert _wait(lambda: metric(server, "epd_tier_connected", model="encoder") == 2)
+    assert not any(_alive(pid) for pid in children), "the tier must stop with the server"
+    assert not server.stragglers, server.stragglers
+
+
+def _wait(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if condition():
+                return True
+        except AssertionError:  # not exported yet
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
