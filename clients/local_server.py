@@ -219,11 +219,6 @@ class TritonServer:
             self.tier = launch_for(self.repository, str(Path(self.log_path).parent) if self.log_path else "/tmp")
         return self.tier.env(env) if self.tier is not None else env
 
-    def _stop_tier(self) -> None:
-        if self.tier is not None:
-            self.tier.stop()
-            self.tier = None
-
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
@@ -247,7 +242,9 @@ class TritonServer:
         try:
             self._stop_server(timeout)
         finally:
-            self._stop_tier()
+            if self.tier is not None:
+                self.tier, tier = None, self.tier
+                tier.stop()
 
     def _stop_server(self, timeout: float) -> None:
         if self.proc is None:
