@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -42,7 +43,6 @@ def tier_server(tmp_path_factory):
         pytest.skip("Mooncake is not installed (scripts/setup_mooncake.sh makes .venv-mooncake)")
     repo = tmp_path_factory.mktemp("tier") / "repo"
     render(load(TOPOLOGY, "cpu"), repo)
-    shm_before = set(os.listdir("/dev/shm"))
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         assert server.tier is not None, "the topology has a tier: TritonServer must have started it"
         pids = (server.tier.master.process.pid, server.tier.holder.process.pid)
@@ -52,7 +52,6 @@ def tier_server(tmp_path_factory):
         "the tier's master and holder must stop with the server"
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
-    print(f"\n/dev/shm entries new since the start: {sorted(set(os.listdir('/dev/shm')) - shm_before)}")
 
 
 def _alive(pid: int) -> bool:
@@ -112,22 +111,52 @@ def test_sixteen_concurrent_cold_requests_for_one_image_are_encoded_once(tier_se
     assert delta["epd_encoder_items_total"] == 1, delta
 
 
+REASSIGNED = 8  # images asked for twice each
+
+
+def ask_twice(server, first_seed: int) -> tuple[dict, list[tuple[float, float]]]:
+    """``REASSIGNED`` new images, each asked for twice in a row through ``epd``: the encoders' counts moved, and
+    each image's encode phase (``encode_ms``: first ask, second ask)."""
+    before, phases = counts(server), []
+    for seed in range(first_seed, first_seed + REASSIGNED):
+        data = new_image(seed)
+        first, second = ask(server, "epd", **one_image(data)), ask(server, "epd", **one_image(data))
+        assert (first.text, first.num_output_tokens) == (second.text, second.num_output_tokens)
+        phases.append((first.timings["encode_ms"], second.timings["encode_ms"]))
+    return moved(before, counts(server)), phases
+
+
 def test_an_item_one_instance_encoded_is_served_to_the_other_from_the_tier(tier_server):
-    """Each image is asked for twice, one after the other; Triton gives a request to either idle instance. A tier hit
-    is a local cache miss (the instance that encoded it was the other one): with per-instance caches only, each would
-    have been encoded again. With the tier: no image is encoded twice, and the reassigned ones are tier hits."""
-    before, images, seen = counts(tier_server), 0, {}
-    while images < 24 and seen.get("epd_tier_hits_total", 0) < 3:
-        for seed in range(100 + images, 104 + images):
-            data = new_image(seed)
-            first, second = ask(tier_server, "epd", **one_image(data)), ask(tier_server, "epd", **one_image(data))
-            assert (first.text, first.num_output_tokens) == (second.text, second.num_output_tokens)
-        images += 4
-        seen = moved(before, counts(tier_server))
-    print(f"{images} images asked for twice each:", seen)
-    assert seen["epd_encoder_items_total"] == images, seen  # encoded once each, never again
+    """Triton gives each request to either idle instance (here it alternated). A tier hit is a local cache miss:
+    the instance that encoded the image was the other one, and with per-instance caches only it would have been
+    encoded again (``test_without_the_tier_a_reassigned_item_is_encoded_again``). With the tier: never twice."""
+    seen, phases = ask_twice(tier_server, 100)
+    print(f"{REASSIGNED} images asked for twice each, with the tier:", seen, "encode_ms (first, second):", phases)
+    assert seen["epd_encoder_items_total"] == REASSIGNED, seen  # encoded once each, never again
     assert seen["epd_tier_hits_total"] >= 1, f"no request was reassigned to the other instance: {seen}"
-    assert seen["epd_tier_hits_total"] + seen.get("epd_encoder_cache_hits_total", 0) == images, seen
+    assert seen["epd_tier_hits_total"] + seen.get("epd_encoder_cache_hits_total", 0) == REASSIGNED, seen
+
+
+def test_without_the_tier_a_reassigned_item_is_encoded_again(tmp_path):
+    """The same topology without its ``tier:`` block (E+PD alone), the same requests: the images the other instance
+    gets are encoded again. A deployment without the tier still serves (and exports no tier metrics)."""
+    repo = tmp_path / "repo"
+    render(replace(load(TOPOLOGY, "cpu").only("E+PD"), tier={}), repo)
+    assert "tier_" not in (repo / "encoder" / "config.pbtxt").read_text()
+    with TritonServer(repo, log_path=tmp_path / "server.log") as server:
+        assert server.tier is None
+        with pytest.raises(AssertionError, match="not exported"):
+            metric(server, "epd_tier_connected", model="encoder")
+        before = metrics(server, ("epd_encoder_items_total", "epd_encoder_cache_hits_total"), model="encoder")
+        for seed in range(100, 100 + REASSIGNED):
+            data = new_image(seed)
+            ask(server, "epd", **one_image(data)), ask(server, "epd", **one_image(data))
+        time.sleep(2.0)  # refreshed once a second
+        seen = moved(before, metrics(server, ("epd_encoder_items_total", "epd_encoder_cache_hits_total"),
+                                     model="encoder"))
+    print(f"{REASSIGNED} images asked for twice each, per-instance caches only:", seen)
+    assert seen["epd_encoder_items_total"] > REASSIGNED, seen  # re-encodes
+    assert not server.stragglers, server.stragglers
 
 
 PLANT = '''
