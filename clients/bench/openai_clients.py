@@ -24,7 +24,7 @@ from clients.local_server import ROOT
 
 VLLM = ROOT / ".venv" / "bin" / "vllm"
 METRICS = [("request_throughput", "req/s", 2), ("output_throughput", "out tok/s", 1), ("median_ttft_ms", "TTFT p50 ms", 1),
-           ("p99_ttft_ms", "TTFT p99 ms", 1), ("median_tpot_ms", "TPOT p50 ms", 2), ("median_e2el_ms", "e2e p50 ms", 1),
+           ("p99_ttft_ms", "TTFT p99 ms", 1), ("median_tpot_ms", "TPOT p50 ms", 2), ("median_itl_ms", "ITL p50 ms", 2),
            ("completed", "completed", 0)]
 
 

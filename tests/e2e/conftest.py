@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from clients.local_server import ROOT, TritonServer
+from clients.triton_client import GenerateInputs, GenerateResult, generate
 
 
 def _shm() -> set[str]:
@@ -182,3 +183,13 @@ def assert_same_answer(got, want) -> None:
     assert got.text == want.text
     assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
         want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+
+
+def asker(greedy: dict):
+    """``ask(server, model, protocol="grpc", **GenerateInputs fields)``: one request, sampled with ``greedy`` unless the
+    inputs say otherwise, over gRPC or HTTP."""
+    def ask(server, model: str, protocol: str = "grpc", **inputs) -> GenerateResult:
+        inputs.setdefault("sampling", greedy)
+        url = server.grpc_url if protocol == "grpc" else server.http_url
+        return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=180)
+    return ask

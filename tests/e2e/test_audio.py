@@ -15,9 +15,10 @@ from backend.deploy.topology import load
 from backend.protocol.modality import AUDIO
 from backend.triton.counter_batch import CounterBatch
 from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
+from clients.triton_client import GenerateError
 from tests.audios import hostile_audio, make_audio
-from tests.e2e.conftest import EPD_DEPLOYMENTS, _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric
+from tests.e2e.conftest import EPD_DEPLOYMENTS, _shm_of_this_process, assert_same_answer, asker, held_shm, left_behind, \
+    metric
 
 pytestmark = pytest.mark.e2e
 
@@ -75,10 +76,7 @@ def server(tmp_path_factory):
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 
 
-def ask(server, model: str, protocol: str = "grpc", **inputs) -> GenerateResult:
-    inputs.setdefault("sampling", GREEDY)
-    url = server.grpc_url if protocol == "grpc" else server.http_url
-    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=180)
+ask = asker(GREEDY)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 
 from backend.protocol.modality import IMAGE, VIDEO
 from backend.triton.counter_batch import CounterBatch
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
-from tests.e2e.conftest import EPD_DEPLOYMENTS, assert_same_answer, metric
+from clients.triton_client import GenerateError
+from tests.e2e.conftest import EPD_DEPLOYMENTS, assert_same_answer, asker, metric
 from tests.images import image_bytes
 from tests.videos import make_video
 
@@ -57,10 +57,7 @@ CASES = {
 }
 
 
-def ask(server, model: str, protocol: str = "grpc", **inputs) -> GenerateResult:
-    inputs.setdefault("sampling", GREEDY)
-    url = server.grpc_url if protocol == "grpc" else server.http_url
-    return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=180)
+ask = asker(GREEDY)
 
 
 @pytest.fixture(scope="module")
