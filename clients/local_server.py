@@ -9,6 +9,11 @@ the Python backend come from the ``nvidia-pytriton`` wheel in the project venv (
 ``.venv/bin/tritonserver`` (the console script ``tritonserver``, ``exec_tritonserver``) is the real binary
 with the environment the Python backend needs and the venv's backend and cache directories; any flag
 tritonserver takes is passed through (addresses default to 127.0.0.1 unless given).
+
+A repository whose ``encoder`` has the shared embedding tier on (a topology's ``tier:`` block; docs/tier.md) gets it
+from here: ``main`` and ``TritonServer`` start its Mooncake master and holder on free 127.0.0.1 ports before
+tritonserver, give the server their addresses and Mooncake's libraries (``backend.deploy.tier_service.TierRun.env``),
+and stop them after tritonserver has stopped, also when it failed to start.
 """
 from __future__ import annotations
 
@@ -147,6 +152,7 @@ class TritonServer:
         self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
         self.regions: set[str] = set()  # the stubs' /dev/shm regions, seen when ready and at stop
         self.server_pid: int | None = None  # tritonserver's (proc's, unless argv is a launcher), once ready
+        self.tier = None  # the embedding tier started for the repository (tier_service.TierRun), while it runs
 
     @property
     def http_url(self) -> str:
@@ -184,6 +190,8 @@ class TritonServer:
         try:
             argv = self.argv or command(self.repository, self.ports, self.extra_args)
             env = dict(os.environ if self.env is None else self.env) if self.argv else server_env(self.env)
+            if not self.argv:  # a launcher command (make serve) starts its tier itself
+                env = self._with_tier(env)
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if self.log_path:
@@ -203,6 +211,14 @@ class TritonServer:
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
 
+    def _with_tier(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` for a server with the repository's embedding tier, started here if it has one and it is not up."""
+        from backend.deploy.tier_service import launch_for
+
+        if self.tier is None:
+            self.tier = launch_for(self.repository, str(Path(self.log_path).parent) if self.log_path else "/tmp")
+        return self.tier.env(env) if self.tier is not None else env
+
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
@@ -221,7 +237,16 @@ class TritonServer:
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM the server (it unloads models and stops their stubs), SIGKILL it if it hangs; then make
-        sure nothing of its process group survives (a stub killed hard leaves its vLLM EngineCore behind)."""
+        sure nothing of its process group survives (a stub killed hard leaves its vLLM EngineCore behind); then the
+        embedding tier's service, if one was started for it."""
+        try:
+            self._stop_server(timeout)
+        finally:
+            if self.tier is not None:
+                self.tier, tier = None, self.tier
+                tier.stop()
+
+    def _stop_server(self, timeout: float) -> None:
         if self.proc is None:
             return
         regions = self.regions | stub_regions(self.proc.pid)
@@ -343,7 +368,14 @@ def main(argv: list[str] | None = None) -> None:
     cmd = command(repository, ports, args.extra)
     if args.openai_port:
         start_openai(args.openai_port, ports.grpc)
-    os.execve(cmd[0], cmd, server_env())
+    from backend.deploy.tier_service import launch_for
+
+    tier = launch_for(repository, os.environ.get("EPD_TIER_LOG_DIR", "/tmp"))
+    if tier is None:
+        os.execve(cmd[0], cmd, server_env())
+    print(f"embedding tier: Mooncake master on 127.0.0.1:{tier.master.rpc_port}", flush=True)
+    sys.exit(tier.serve(cmd, server_env()))
+
 
 
 def start_openai(port: int, grpc_port: int) -> subprocess.Popen:

@@ -2,7 +2,7 @@
 # One-command set-up on a fresh machine (make setup). Idempotent: a second run checks stamps and
 # takes seconds. Installs the venv (.venv), the pinned Python stack, the real tritonserver with its
 # Python backend, and builds the tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen2-Audio models under
-# models/.
+# models/. The shared embedding tier's Mooncake Store goes into .venv-mooncake (scripts/setup_mooncake.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,7 +26,8 @@ if [ ! -x "$PY" ]; then
 fi
 
 stamp="$VENV/.epd-packages"
-want="$(cat requirements/*.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
+# requirements/mooncake.txt is the tier venv's (scripts/setup_mooncake.sh), not this one's
+want="$(cat $(ls requirements/*.txt | grep -v mooncake.txt) scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   : > "$LOG"
   pip=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
@@ -44,6 +45,7 @@ else
 fi
 
 "$PY" scripts/post_install.py
+bash scripts/setup_mooncake.sh  # .venv-mooncake: the shared embedding tier (docs/tier.md)
 "$PY" -m backend.deploy.tiny_model --out "$MODEL_DIR"
 for family in qwen2_5_vl qwen3_vl; do "$PY" -m backend.deploy.tiny_model --family "$family"; done  # models/tiny-<family>
 "$PY" -m backend.deploy.tiny_audio_model --out "$ROOT/models/tiny-qwen2-audio"

@@ -115,7 +115,9 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # engines compiled (CUDA graphs, torch.compile): a GPU encoder compiles its packed blocks too
         if topology.engine_args.get("enforce_eager") is False and spec.device == "gpu":
             engine_dtype["encoder_compile"] = "true"
-        return header + body + _params({"model": checkpoint, **engine_dtype, **transfer, **limits})
+        # the shared embedding tier: only where the topology has one (the launcher starts it: tier_service.launch_for)
+        tier = {f"tier_{k}": _fmt(v) for k, v in topology.tier.items()}
+        return header + body + _params({"model": checkpoint, **engine_dtype, **transfer, **limits, **tier})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind.colocated:
         mode = kind.mode.value

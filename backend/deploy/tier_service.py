@@ -1,14 +1,19 @@
 """The shared embedding tier's service: a Mooncake Store master (``mooncake_master``, with its HTTP metadata server)
-on 127.0.0.1, started and stopped like the server is (tests, the launcher), never by hand.
+and the holder of its byte budget (``mooncake_client``) on 127.0.0.1, started and stopped like the server is (the
+launcher and the tests: ``launch_for``), never by hand.
 
-Where Mooncake comes from (docs/tier.md, "Set-up"): a venv of its own (``EPD_MOONCAKE_VENV``, its
-``lib/python3.11/site-packages/mooncake/mooncake_master`` binary) and the private libibverbs/libnl it links
-(``EPD_MOONCAKE_LIBS``: colon-separated directories, set as ``LD_LIBRARY_PATH`` for the master and for the encoder
-processes that load the store client). Standard library only: the deploy layer imports nothing heavier.
+Where Mooncake comes from (docs/tier.md, "Set-up"): ``.venv-mooncake`` beside ``.venv`` (scripts/setup_mooncake.sh;
+``EPD_MOONCAKE_VENV`` names another), its ``site-packages`` (appended to an encoder's ``sys.path``, after the
+project's own packages) and ``mooncake_master`` / ``mooncake_client`` binaries, and the private libibverbs/libnl it
+links under ``.venv-mooncake/private-libs`` (``EPD_MOONCAKE_LIBS``: other colon-separated directories), put on
+``LD_LIBRARY_PATH`` of the master, the holder and the server (the loader reads it at a process's start).
+Standard library only: the deploy layer imports nothing heavier.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VENV_ENV, LIBS_ENV = "EPD_MOONCAKE_VENV", "EPD_MOONCAKE_LIBS"
+# how the launcher tells the encoder instances where the tier it started is (EncoderSettings.tier_master: "" reads them)
+MASTER_ENV, METADATA_ENV = "EPD_TIER_MASTER", "EPD_TIER_METADATA"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = ROOT / ".venv-mooncake"
+PRIVATE_LIBS = "private-libs"
+LOG = logging.getLogger("epd.tier")
 
 
 def free_port() -> int:
@@ -26,15 +37,18 @@ def free_port() -> int:
 
 
 def mooncake_paths() -> tuple[Path, Path, str] | None:
-    """(the venv's site-packages, the master binary, the library path) where ``EPD_MOONCAKE_VENV`` names a venv with
-    mooncake installed; None otherwise (the tier is then unavailable, and says so)."""
-    venv = os.environ.get(VENV_ENV)
-    if not venv:
-        return None
-    found = sorted(Path(venv).glob("lib/python3*/site-packages/mooncake/mooncake_master"))
+    """(the venv's site-packages, the master binary, the library path) of the Mooncake venv (``EPD_MOONCAKE_VENV``,
+    else ``.venv-mooncake``) where it has mooncake installed; None otherwise (the tier is then unavailable, and says
+    so). The library path: ``EPD_MOONCAKE_LIBS``, else the directories of the venv's ``private-libs`` holding
+    libraries."""
+    venv = Path(os.environ.get(VENV_ENV) or DEFAULT_VENV)
+    found = sorted(venv.glob("lib/python3*/site-packages/mooncake/mooncake_master"))
     if not found:
         return None
-    return found[0].parent.parent, found[0], os.environ.get(LIBS_ENV, "")
+    libs = os.environ.get(LIBS_ENV)
+    if libs is None:
+        libs = os.pathsep.join(sorted({str(lib.parent) for lib in (venv / PRIVATE_LIBS).rglob("lib*.so*")}))
+    return found[0].parent.parent, found[0], libs
 
 
 def library_env(libs: str, env: dict | None = None) -> dict:
@@ -71,7 +85,7 @@ class _Service:
         name = Path(command[0]).name
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=library_env(libs),
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -125,6 +139,14 @@ class MooncakeMaster(_Service):
                 "rpc": f"127.0.0.1:{self.rpc_port}"}
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (a launcher killed hard must not
+    leave the tier running)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -172,3 +194,66 @@ def start_tier(budget_bytes: int, log_dir: str = "/tmp", **master_options) -> tu
 def stop_tier(master: MooncakeMaster, holder: MooncakeHolder) -> None:
     holder.stop()
     master.stop()
+
+
+_PARAMETER = re.compile(r'parameters \{ key: "(tier_[a-z_]+)" value: \{ string_value: "([^"]*)" \} \}')
+
+
+def tier_parameters(repository: Path) -> dict[str, str]:
+    """The ``tier_*`` parameters of the repository's ``encoder`` (as ``backend.deploy.render`` writes them; {} where
+    there is no encoder or no tier)."""
+    config = Path(repository) / "encoder" / "config.pbtxt"
+    return dict(_PARAMETER.findall(config.read_text())) if config.is_file() else {}
+
+
+@dataclass
+class TierRun:
+    """The tier a launcher started for one server: ``env`` is what the server's processes need to use it."""
+
+    master: MooncakeMaster
+    holder: MooncakeHolder
+
+    def env(self, base: dict) -> dict:
+        """``base`` with the tier's addresses, Mooncake's libraries on ``LD_LIBRARY_PATH``, and UCX's InfiniBand module
+        off (libibverbs is loadable in these processes now; docs/tier.md)."""
+        config = self.master.client_config()
+        env = library_env(self.master.libs, base)
+        env.update({MASTER_ENV: config["rpc"], METADATA_ENV: config["metadata"]})
+        env.setdefault("UCX_MODULES", "^ib")
+        return env
+
+    def stop(self) -> None:
+        stop_tier(self.master, self.holder)
+
+    def serve(self, command: list[str], env: dict) -> int:
+        """Run the server ``command`` in the foreground with this tier (``env`` + ``self.env``) and stop the tier after
+        it (``clients.local_server``): the server stays in this process's group (Ctrl-C reaches it; a ``TritonServer``
+        launcher command finds it there); SIGTERM to this process is passed on to it. Returns its exit status."""
+        server = None
+        try:
+            server = subprocess.Popen(command, env=self.env(env))
+            signal.signal(signal.SIGTERM, lambda signum, frame: server.send_signal(signal.SIGTERM))
+            while True:
+                try:
+                    return server.wait()
+                except KeyboardInterrupt:  # the server got the Ctrl-C too: wait for it to stop
+                    continue
+        finally:
+            if server is not None and server.poll() is None:
+                server.kill()
+                server.wait()
+            self.stop()
+
+
+def launch_for(repository: Path, log_dir: str = "/tmp") -> TierRun | None:
+    """The tier of the repository's encoder, started (its master and holder): where its config asks for one
+    (``tier_bytes`` > 0) and names no master of its own (``tier_master``). None: no tier to start, or Mooncake not
+    installed (logged: the encoders then run without the tier)."""
+    params = tier_parameters(repository)
+    if int(params.get("tier_bytes", 0) or 0) <= 0 or params.get("tier_master"):
+        return None
+    if mooncake_paths() is None:
+        LOG.warning("the topology asks for the embedding tier, but Mooncake is not installed (%s; "
+                    "scripts/setup_mooncake.sh): serving without it", DEFAULT_VENV)
+        return None
+    return TierRun(*start_tier(int(params["tier_bytes"]), log_dir=log_dir))

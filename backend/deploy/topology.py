@@ -24,6 +24,7 @@ BLS either way, and the engines still take metadata-only requests. Example::
       epd:     {instances: 1}
     engine_args: {dtype: float32, enforce_eager: true, max_model_len: 4096}
     transfer: {pool_bytes: 67108864, lease_seconds: 30}
+    tier: {bytes: 268435456}                 # optional: the shared embedding tier (docs/tier.md)
 
     python -m backend.deploy.topology render topologies/cpu-e-p-d.yaml --out /tmp/repo
     python -m backend.deploy.topology check topologies/gpu-e-p-d.yaml --machine gpu
@@ -59,7 +60,7 @@ ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
-            "video_split"}
+            "video_split", "tier"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
@@ -72,6 +73,10 @@ LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos", "max_aud
                   **defaults(MediaSettings, "max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds",
                              "max_audio_seconds"),
                   **defaults(ProxySettings, "request_timeout_seconds")}  # the last: epd's deadline per request
+# tier: {bytes: N, ...}: the shared embedding tier (EncoderSettings.tier_*; docs/tier.md); no block: no tier
+TIER_DEFAULTS = {"bytes": 0, **{k.removeprefix("tier_"): v for k, v in defaults(
+    EncoderSettings, "tier_master", "tier_metadata", "tier_call_timeout_seconds", "tier_retry_seconds",
+    "tier_claim_seconds").items()}}
 ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
                    "disable_log_stats": True}
@@ -145,6 +150,7 @@ class Topology:
     limits: dict[str, Any] = field(default_factory=dict)
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
+    tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
@@ -270,8 +276,31 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                     checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                     transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
-                    video_split=split,
+                    video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
                     source=_source(path))
+
+
+def _tier(doc, where: str, has_encoder: bool) -> dict[str, Any]:
+    """The ``tier`` block checked, with its defaults ({} without one)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{where}: expected a mapping with bytes (the budget) and optional {', '.join(TIER_DEFAULTS)}")
+    _check_keys(doc, set(TIER_DEFAULTS), where)
+    if not has_encoder:
+        raise TopologyError(f"{where}: no deployment served has an encoder to use it")
+    tier = {**TIER_DEFAULTS, **doc}
+    for key, value in tier.items():
+        if key in ("master", "metadata"):
+            if not isinstance(value, str):
+                raise TopologyError(f"{where}.{key}: expected a string, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise TopologyError(f"{where}.{key}: expected a positive number, got {value!r}")
+    if not isinstance(tier["bytes"], int):
+        raise TopologyError(f"{where}.bytes: expected an integer, got {tier['bytes']!r}")
+    if bool(tier["master"]) != bool(tier["metadata"]):
+        raise TopologyError(f"{where}: master and metadata go together (a tier run elsewhere), or neither (started here)")
+    return tier
 
 
 def _source(path: Path) -> str:

@@ -35,6 +35,8 @@ from backend.encode.encoder import EncodedItem
 LOG = logging.getLogger("epd.tier")
 MAGIC = b"EPDT\x01"
 CLAIM_PREFIX = "claim:"
+# why an entry was dropped (TierStats.bad's keys; BadEntry.reason)
+BAD_REASONS = ("format", "key", "model", "processing", "dtype", "shape", "truncated", "integrity")
 
 
 class TierUnavailable(RuntimeError):
@@ -228,6 +230,12 @@ class EmbeddingTier:
                 return True  # the tier is down (or lost the claim at once): encode
             owner, _, since = held.decode(errors="replace").partition(" ")
             if owner == token:
+                if self._call("is_exist", self.store.exists, key, default=False):
+                    # the entry appeared since this caller's lookup (its encoder published it, then released the
+                    # claim): no encode; ``wait`` reads it at once
+                    self._call("claim", self.store.remove, claim_key)
+                    self.stats.claims_lost += 1
+                    return False
                 self.stats.claims_won += 1
                 return True
             if time.time() - float(since or 0) < self.claim_seconds:

@@ -4,8 +4,10 @@ starts beside the master), so an encoder that exits takes no entries with it.
 
 ``mooncake`` is imported when a store is made, never at module import: the project venv does not have it, and a
 deployment without it works as before (``connect`` raises ``TierUnavailable`` naming the reason, the encoder runs
-without a tier). Where it comes from: ``EPD_MOONCAKE_VENV`` (its site-packages is appended to ``sys.path``) and
-``EPD_MOONCAKE_LIBS`` (must already be in ``LD_LIBRARY_PATH`` of the process: the dynamic loader reads it at start).
+without a tier). Where it comes from: the site-packages of Mooncake's own venv (``backend.deploy.tier_service.
+mooncake_paths``, which the encoder model passes in; else ``EPD_MOONCAKE_VENV``'s), appended to ``sys.path``, and its
+private libraries, which must already be on ``LD_LIBRARY_PATH`` of the process (the dynamic loader reads it at start:
+the launcher sets it for the server, ``tier_service.TierRun.env``).
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from backend.encode.tier import EmbeddingTier, TierUnavailable
 OBJECT_NOT_FOUND, OBJECT_HAS_LEASE = -704, -706  # mooncake-store/include/types.h
 
 
-def import_store_class():
-    """``mooncake.store.MooncakeDistributedStore``, from this environment or ``EPD_MOONCAKE_VENV``'s."""
+def import_store_class(site_packages: str | Path | None = None):
+    """``mooncake.store.MooncakeDistributedStore``, from this environment, ``site_packages`` or
+    ``EPD_MOONCAKE_VENV``'s."""
     venv = os.environ.get("EPD_MOONCAKE_VENV")
-    if venv:
-        for site in sorted(Path(venv).glob("lib/python3*/site-packages")):
-            if str(site) not in sys.path:
-                sys.path.append(str(site))  # after the project's own packages: theirs win
+    sites = [Path(site_packages)] if site_packages else sorted(Path(venv).glob("lib/python3*/site-packages")) if venv else []
+    for site in sites:
+        if str(site) not in sys.path:
+            sys.path.append(str(site))  # after the project's own packages: theirs win
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:  # not installed, or its libibverbs not on LD_LIBRARY_PATH
@@ -35,8 +38,9 @@ def import_store_class():
 class MooncakeStore:
     """The byte store ``EmbeddingTier`` runs on: one ``MooncakeDistributedStore`` client over TCP."""
 
-    def __init__(self, master: str, metadata: str, local_hostname: str = "127.0.0.1", local_buffer: int = 64 << 20):
-        self.store = import_store_class()()
+    def __init__(self, master: str, metadata: str, local_hostname: str = "127.0.0.1", local_buffer: int = 64 << 20,
+                 site_packages: str | Path | None = None):
+        self.store = import_store_class(site_packages)()
         rc = self.store.setup(local_hostname, metadata, 0, local_buffer, "tcp", "", master)
         if rc != 0:
             raise TierUnavailable(f"mooncake store setup with master {master} failed: rc {rc}")
@@ -65,7 +69,8 @@ class MooncakeStore:
         self.store.close()
 
 
-def connect(master: str, metadata: str, **options) -> EmbeddingTier:
+def connect(master: str, metadata: str, site_packages: str | Path | None = None, **options) -> EmbeddingTier:
     """A tier on the Mooncake master at ``master`` (``host:port``) with its metadata server ``metadata``
-    (``http://host:port/metadata``); ``options``: ``EmbeddingTier``'s. ``TierUnavailable`` where it cannot be had."""
-    return EmbeddingTier(MooncakeStore(master, metadata), **options)
+    (``http://host:port/metadata``); ``site_packages``: where mooncake is (``import_store_class``); ``options``:
+    ``EmbeddingTier``'s. ``TierUnavailable`` where it cannot be had."""
+    return EmbeddingTier(MooncakeStore(master, metadata, site_packages=site_packages), **options)

@@ -64,6 +64,13 @@ class EncoderSettings(MediaSettings):
     lease_seconds: float = 30  # how long an unread embedding lease is kept
     alloc_timeout_seconds: float = 1.0  # how long an encode waits for pool space before OVERLOADED
     cache_bytes: int = 32 << 20  # embeddings of recent items kept for reuse (0: no cache)
+    # the shared embedding tier every instance reads on a cache miss and writes after an encode (docs/tier.md)
+    tier_bytes: int = 0  # its byte budget (0: no tier); the launcher starts a tier of this size for the server
+    tier_master: str = ""  # its Mooncake master, host:port ("": the one the launcher started, EPD_TIER_MASTER)
+    tier_metadata: str = ""  # its metadata server, http://host:port/metadata ("": the launcher's, EPD_TIER_METADATA)
+    tier_call_timeout_seconds: float = 1.0  # a store call slower than this counts as the tier down
+    tier_retry_seconds: float = 10.0  # how long a down tier is skipped before it is tried again
+    tier_claim_seconds: float = 5.0  # how long an item another instance claimed is waited for before encoding it here
 
 
 @dataclass(frozen=True)

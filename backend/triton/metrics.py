@@ -145,7 +145,8 @@ class EncoderMetrics:
     ``epd_encoder_items_total{model}``, ``epd_encoder_compute_seconds_total{model}`` (image processor + tower
     forward), ``epd_encoder_cache_hits_total{model}`` (items published from the embedding cache), ``epd_pool_leases{model}`` (open leases), ``epd_pool_used_bytes{model}``,
     ``epd_pool_capacity_bytes{model}``, ``epd_pool_released_total{model}`` (read by their consumer, or
-    released), ``epd_pool_expired_total{model}`` (expired before anyone read them).
+    released), ``epd_pool_expired_total{model}`` (expired before anyone read them). With the shared embedding tier
+    configured, ``TIER_FAMILIES`` too (``epd_tier_*``: hits, misses, bad entries by reason, claims, waits, ...).
     """
 
     _FAMILIES = {
@@ -159,27 +160,90 @@ class EncoderMetrics:
         "epd_pool_expired_total": ("COUNTER", "Leases that expired before anyone read them"),
     }
 
-    def __init__(self, model_name: str, instance: str = ""):
+    def __init__(self, model_name: str, instance: str = "", tier: bool = False):
+        """``tier``: the instance has the shared embedding tier configured (``TIER_FAMILIES`` exported too)."""
+        families = {**self._FAMILIES, **(TIER_FAMILIES if tier else {})}
         self._families = {name: pb_utils.MetricFamily(name=name, kind=getattr(pb_utils.MetricFamily, kind), description=text)
-                          for name, (kind, text) in self._FAMILIES.items()}
+                          for name, (kind, text, _) in _with_labels(families).items()}
         labels = metric_labels(model_name, instance)
-        self._metrics = {name: family.Metric(labels=labels) for name, family in self._families.items()}
-        self._seen = {name: 0.0 for name in self._FAMILIES}
+        self._kinds, self._metrics = {}, {}
+        label_values = tier_labels() if tier else {}
+        for name, (kind, _, label) in _with_labels(families).items():
+            for value in label_values.get(name, (None,)):
+                series = (name, value)
+                self._kinds[series] = kind
+                self._metrics[series] = self._families[name].Metric(labels={**labels, label: value} if label else labels)
+        self._seen = {series: 0.0 for series in self._metrics}
         self._lock = threading.Lock()
 
-    def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0) -> None:
+    def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0, tier=None,
+                tier_hits: int = 0) -> None:
+        """``tier``: the instance's ``EmbeddingTier`` (None: not connected: ``epd_tier_connected`` 0)."""
         values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
                   "epd_encoder_cache_hits_total": cache_hits,
                   "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
                   "epd_pool_capacity_bytes": stats.capacity_bytes, "epd_pool_released_total": stats.released_total,
                   "epd_pool_expired_total": stats.expired_total}
+        values = {(name, None): value for name, value in values.items()}
+        if ("epd_tier_connected", None) in self._metrics:
+            values.update(tier_values(tier, tier_hits))
         with self._lock:
-            for name, value in values.items():
-                if self._FAMILIES[name][0] == "GAUGE":
-                    self._metrics[name].set(value)
-                elif value > self._seen[name]:
-                    self._metrics[name].increment(value - self._seen[name])
-                self._seen[name] = value
+            for series, value in values.items():
+                if self._kinds[series] == "GAUGE":
+                    self._metrics[series].set(value)
+                elif value > self._seen[series]:
+                    self._metrics[series].increment(value - self._seen[series])
+                self._seen[series] = value
+
+
+# The shared embedding tier, per encoder instance (backend.encode.tier.TierStats; docs/tier.md): name -> (kind, text,
+# label); tier_labels: a labelled family's label values.
+TIER_FAMILIES = {
+    "epd_tier_connected": ("GAUGE", "1: the instance reached its embedding tier at load (0: it encodes without one)", ""),
+    "epd_tier_hits_total": ("COUNTER", "Media items served from the shared embedding tier (a local cache miss)", ""),
+    "epd_tier_misses_total": ("COUNTER", "Tier lookups that found no entry to serve", ""),
+    "epd_tier_bytes_read_total": ("COUNTER", "Entry bytes read from the tier", ""),
+    "epd_tier_bytes_written_total": ("COUNTER", "Entry bytes written to the tier", ""),
+    "epd_tier_dropped_writes_total": ("COUNTER", "Tier writes dropped (write queue full, or the tier down)", ""),
+    "epd_tier_errors_total": ("COUNTER", "Tier store calls that failed or timed out (the tier then skipped a while)", ""),
+    "epd_tier_skipped_total": ("COUNTER", "Tier calls not made because the tier was down", ""),
+    "epd_tier_bad_entries_total": ("COUNTER", "Tier entries dropped as unservable, by reason", "reason"),
+    "epd_tier_claims_total": ("COUNTER", "Single-flight claims: won (encoded here) or lost (another instance encodes)",
+                              "outcome"),
+    "epd_tier_waits_total": ("COUNTER", "Items waited for another instance to publish: served, or expired (encoded here)",
+                             "outcome"),
+}
+
+
+def tier_labels() -> dict[str, tuple[str, ...]]:
+    """A labelled tier family's label values (imported here only: the tier module brings torch, which not every
+    model that imports this module needs)."""
+    from backend.encode.tier import BAD_REASONS
+
+    return {"epd_tier_bad_entries_total": BAD_REASONS, "epd_tier_claims_total": ("won", "lost"),
+            "epd_tier_waits_total": ("served", "expired")}
+
+
+def _with_labels(families: dict) -> dict:
+    """``EncoderMetrics._FAMILIES`` (kind, text) and ``TIER_FAMILIES`` (kind, text, label) alike."""
+    return {name: (spec + ("",))[:3] for name, spec in families.items()}
+
+
+def tier_values(tier, tier_hits: int) -> dict:
+    """The tier's series (name, label value) -> value, from its stats (zeros where not connected)."""
+    from backend.encode.tier import BAD_REASONS
+
+    stats = tier.stats if tier is not None else None
+    get = (lambda field: getattr(stats, field)) if stats is not None else (lambda field: 0)
+    values = {("epd_tier_connected", None): int(tier is not None), ("epd_tier_hits_total", None): tier_hits}
+    for field in ("misses", "bytes_read", "bytes_written", "dropped_writes", "errors", "skipped"):
+        values[f"epd_tier_{field}_total", None] = get(field)
+    for reason in BAD_REASONS:
+        values["epd_tier_bad_entries_total", reason] = stats.bad.get(reason, 0) if stats is not None else 0
+    values.update({("epd_tier_claims_total", "won"): get("claims_won"), ("epd_tier_claims_total", "lost"): get("claims_lost"),
+                   ("epd_tier_waits_total", "served"): get("waits_served"),
+                   ("epd_tier_waits_total", "expired"): get("waits_expired")})
+    return values
 
 
 class EngineMetrics:

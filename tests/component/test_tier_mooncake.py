@@ -2,8 +2,8 @@
 holding the budget on free 127.0.0.1 ports (``backend.deploy.tier_service``), and stops them; the tier's clients run
 in processes of their own (the dynamic loader needs Mooncake's private libibverbs on ``LD_LIBRARY_PATH`` at start).
 
-Skipped, saying why, where Mooncake is not installed: ``EPD_MOONCAKE_VENV`` names its venv and ``EPD_MOONCAKE_LIBS``
-its libibverbs/libnl directories (docs/tier.md, "Set-up")."""
+Skipped, saying why, where Mooncake is not installed: ``.venv-mooncake`` (scripts/setup_mooncake.sh), or
+``EPD_MOONCAKE_VENV`` naming its venv and ``EPD_MOONCAKE_LIBS`` its libibverbs/libnl directories (docs/tier.md)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,8 @@ from backend.encode.tier_mooncake import MooncakeStore
 master, metadata, command = sys.argv[1], sys.argv[2], sys.argv[3]
 expect = TierExpect("qwen2_vl:abc", "{}", "float32", 64)
 store = MooncakeStore(master, metadata)
-tier = EmbeddingTier(store, call_timeout=float(sys.argv[4]) if len(sys.argv) > 4 else 1.0)
+# claims live 120 s: the four claimants may start seconds apart on a loaded machine
+tier = EmbeddingTier(store, call_timeout=float(sys.argv[4]) if len(sys.argv) > 4 else 1.0, claim_seconds=120)
 item = EncodedItem(torch.randn(256, 64, generator=torch.Generator().manual_seed(7)), (1, 32, 32))
 out = {}
 if command == "put":
@@ -63,7 +64,7 @@ def tier_service(tmp_path_factory):
         pytest.skip(f"Mooncake is not installed: set {VENV_ENV} (a venv with mooncake-transfer-engine-non-cuda) and "
                     f"{LIBS_ENV} (its libibverbs/libnl directories), docs/tier.md")
     probe = subprocess.run([sys.executable, "-c", "from backend.encode.tier_mooncake import import_store_class as i; i()"],
-                           env=library_env(paths[2]), capture_output=True, text=True, timeout=120)
+                           env=client_env(paths[2]), capture_output=True, text=True, timeout=120)
     if probe.returncode != 0:
         pytest.skip(f"mooncake is not importable here: {probe.stderr.strip().splitlines()[-1:]}")
     master, holder = start_tier(64 << 20, log_dir=str(tmp_path_factory.mktemp("mooncake")))
@@ -71,10 +72,15 @@ def tier_service(tmp_path_factory):
     stop_tier(master, holder)
 
 
+def client_env(libs: str) -> dict:
+    """A tier client process's environment: Mooncake's libraries on ``LD_LIBRARY_PATH``, its venv named."""
+    return {**library_env(libs), VENV_ENV: str(mooncake_paths()[0].parents[2])}
+
+
 def _client(master, command: str, *extra: str, timeout: float = 120) -> dict:
     config = master.client_config()
     done = subprocess.run([sys.executable, "-c", WORKER, config["rpc"], config["metadata"], command, *extra],
-                          env=library_env(master.libs), capture_output=True, text=True, timeout=timeout)
+                          env=client_env(master.libs), capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-2000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -101,7 +107,7 @@ def test_a_dead_master_costs_one_call_timeout_and_fails_nothing(tier_service):
     master, _ = tier_service
     config = master.client_config()
     client = subprocess.Popen([sys.executable, "-c", WORKER, config["rpc"], config["metadata"], "down", "0.5"],
-                              env=library_env(master.libs), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=client_env(master.libs), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
     try:
         assert client.stdout.readline().strip() == "READY"

@@ -130,6 +130,16 @@ def test_a_claim_is_won_once_and_a_dead_owners_claim_is_taken_over():
     assert CLAIM_PREFIX + "k" not in store.data and "k" in store.data
 
 
+def test_a_claim_won_after_the_entry_appeared_is_given_back_and_the_entry_read():
+    """The entry was published (and its claim released) between this caller's lookup and its claim: no encode."""
+    store = MemoryStore()
+    writer, late = EmbeddingTier(store), EmbeddingTier(store)
+    writer.put("k", _item(), EXPECT, release_claim=True)
+    writer.flush()
+    assert late.claim("k") is False and CLAIM_PREFIX + "k" not in store.data
+    assert late.wait(["k"], EXPECT)["k"].embeddings.equal(_item().embeddings) and late.stats.waits_served == 1
+
+
 # -- EncoderService with a tier: the real tiny encoder ------------------------------------------------------------
 
 class Counting(CountingEncoder):
@@ -194,3 +204,29 @@ def test_the_tier_failing_fails_no_request(encoder):
     results = service.run([EncodeJob(0, _png(64, 48, 4), "k"), EncodeJob(1, _png(64, 48, 5), "j")], 2)
     assert all(isinstance(r, list) and len(r) == 1 for r in results) and counting.calls == [2]
     assert service.tier.stats.errors == 1
+
+
+def test_the_mooncake_venv_is_found_beside_the_project_or_where_named(tmp_path, monkeypatch):
+    """``tier_service.mooncake_paths``: the venv's site-packages, its master binary and the private library
+    directories (those holding a library), from ``EPD_MOONCAKE_VENV`` or ``.venv-mooncake``; None without mooncake."""
+    from backend.deploy import tier_service
+
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    (site / "mooncake").mkdir(parents=True)
+    (site / "mooncake" / "mooncake_master").write_bytes(b"")
+    for lib in ("usr/lib/x86_64-linux-gnu/libibverbs.so.1", "lib/x86_64-linux-gnu/libnl-3.so.200"):
+        (tmp_path / "private-libs" / lib).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "private-libs" / lib).write_bytes(b"")
+    (tmp_path / "private-libs" / "etc").mkdir()
+    monkeypatch.setenv(tier_service.VENV_ENV, str(tmp_path))
+    monkeypatch.delenv(tier_service.LIBS_ENV, raising=False)
+    assert tier_service.mooncake_paths() == (site, site / "mooncake" / "mooncake_master",
+                                             f"{tmp_path}/private-libs/lib/x86_64-linux-gnu:"
+                                             f"{tmp_path}/private-libs/usr/lib/x86_64-linux-gnu")
+    monkeypatch.setenv(tier_service.LIBS_ENV, "/opt/ibv")
+    assert tier_service.mooncake_paths()[2] == "/opt/ibv"
+    monkeypatch.setenv(tier_service.VENV_ENV, str(tmp_path / "none"))
+    assert tier_service.mooncake_paths() is None
+    monkeypatch.delenv(tier_service.VENV_ENV)
+    monkeypatch.setattr(tier_service, "DEFAULT_VENV", tmp_path)
+    assert tier_service.mooncake_paths()[0] == site

@@ -20,7 +20,8 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
     assert on_disk == expected, "re-render: python -m backend.deploy.topology render topologies/default.yaml --out model_repository"
 
 
-@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated"])
+@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated",
+                                  "cpu-e-pd-tier"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
 
@@ -177,6 +178,13 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"stages": {"encoder": {}, "pd": {"endpoint": "h"}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got 'h'"),
     ({"stages": {"encoder": {}, "pd": {"endpoint": 9001}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got '9001'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated", "endpoint": "h:1"}}}, "stages.pd.endpoint: this stage runs inside"),
+    ({"tier": 5}, "tier: expected a mapping with bytes"),
+    ({"tier": {"budget": 5}}, "tier: unknown key(s) budget"),
+    ({"tier": {"bytes": 0}}, "tier.bytes: expected a positive number"),
+    ({"tier": {"bytes": 1.5}}, "tier.bytes: expected an integer"),
+    ({"tier": {"bytes": 1, "claim_seconds": -1}}, "tier.claim_seconds: expected a positive number"),
+    ({"tier": {"bytes": 1, "master": "h:1"}}, "tier: master and metadata go together"),
+    ({"serve": ["baseline"], "stages": {"llm": {}}, "tier": {"bytes": 1}}, "tier: no deployment served has an encoder"),
 ])
 def test_invalid_topologies_are_refused_with_the_reason(tmp_path, change, fragment):
     doc = {**BASE, **change}
@@ -217,3 +225,23 @@ def test_every_rendered_file_says_it_is_generated_and_from_what():
     assert files and all(line in text for text in files.values()), [f for f, t in files.items() if line not in t]
     assert json.loads(files["pd/model.json"])["_generated"].startswith(line)
     assert "_generated" not in load_engine_args(ROOT / "model_repository" / "pd" / "model.json")  # a note, not an argument
+
+
+def test_the_tier_renders_into_the_encoder_only_where_the_topology_has_one(tmp_path):
+    """The default topology has no tier (its committed rendering stays as it is); a ``tier:`` block becomes the
+    encoder's ``tier_*`` parameters, which the launcher reads back (``tier_service.tier_parameters``)."""
+    from backend.deploy.render import render
+    from backend.deploy.tier_service import launch_for, tier_parameters
+
+    assert "tier_" not in render_files(load(DEFAULT, "cpu"), Path("/r"))["encoder/config.pbtxt"]
+    assert load(DEFAULT, "cpu").tier == {}
+    render(load(ROOT / "topologies" / "cpu-e-pd-tier.yaml", "cpu"), tmp_path / "tier")
+    assert tier_parameters(tmp_path / "tier") == {
+        "tier_bytes": "268435456", "tier_master": "", "tier_metadata": "", "tier_call_timeout_seconds": "1.0",
+        "tier_retry_seconds": "10.0", "tier_claim_seconds": "5.0"}
+    render(load(DEFAULT, "cpu"), tmp_path / "default")
+    assert tier_parameters(tmp_path / "default") == {} and launch_for(tmp_path / "default") is None
+    assert tier_parameters(tmp_path / "nothing") == {}
+    doc = {**BASE, "tier": {"bytes": 1 << 20, "master": "10.0.0.2:50051", "metadata": "http://10.0.0.2:8080/metadata"}}
+    render(load(_write(tmp_path, doc), "cpu"), tmp_path / "remote")
+    assert launch_for(tmp_path / "remote") is None  # a tier run elsewhere: nothing to start here

@@ -4,7 +4,12 @@ Adapter only: ``backend.encode.service.EncoderService`` does the work for all it
 On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
 (``backend.protocol.generate.PART_PARAMETER``) asks for part i of n of its video. Model parameters: ``backend.protocol.settings.EncoderSettings``
 (``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
+With ``tier_bytes`` (or ``tier_master``) set, every instance connects at load to the shared embedding tier the launcher
+started (``backend.deploy.tier_service.launch_for``; its addresses in ``EPD_TIER_MASTER`` / ``EPD_TIER_METADATA``) and
+the service reads it on a cache miss and writes it after an encode (docs/tier.md); a tier that cannot be reached is
+logged once and the instance encodes without it.
 """
+import os
 import threading
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from backend.deploy.tier_service import MASTER_ENV, METADATA_ENV, mooncake_paths
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import load_encoder
 from backend.encode.service import EncodeJob, EncoderService
@@ -53,7 +59,10 @@ class TritonPythonModel:
         # (check_width), not a request; warm_up compiles a compiled tower's blocks.
         self.encoder.warm_up()
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
-        self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""))
+        # last: nothing may fork this process once it holds a Mooncake client (docs/tier.md)
+        self.service.tier = self.tier = connect_tier(settings)
+        self.metrics = EncoderMetrics(args["model_name"], args.get("model_instance_name", ""),
+                                      tier=bool(settings.tier_bytes or settings.tier_master))
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report, name="encoder-metrics", daemon=True)
         self._reporter.start()
@@ -100,7 +109,7 @@ class TritonPythonModel:
         while not self._stop.wait(METRICS_SECONDS):
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
-                                     self.service.cache_hits)
+                                     self.service.cache_hits, self.tier, self.service.tier_hits)
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 
@@ -109,4 +118,31 @@ class TritonPythonModel:
         self._stop.set()
         self._reporter.join(timeout=5)
         del self.metrics  # metric families must go while the stub's shared memory is alive
+        if self.tier is not None:
+            self.tier.close()
         self.pool.close()
+
+
+def connect_tier(settings: EncoderSettings):
+    """The shared embedding tier of these settings (``backend.encode.tier.EmbeddingTier``), or None: none configured,
+    or it cannot be had (logged, with the reason: the instance encodes without it)."""
+    if not (settings.tier_bytes or settings.tier_master):
+        return None
+    from backend.encode.tier import TierUnavailable
+    from backend.encode.tier_mooncake import connect
+
+    master = settings.tier_master or os.environ.get(MASTER_ENV, "")
+    metadata = settings.tier_metadata or os.environ.get(METADATA_ENV, "")
+    paths = mooncake_paths()
+    try:
+        if not (master and metadata):
+            raise TierUnavailable(f"no tier address ({MASTER_ENV} unset: the server was not started by "
+                                  "clients.local_server, or Mooncake is not installed)")
+        tier = connect(master, metadata, site_packages=paths[0] if paths else None,
+                       call_timeout=settings.tier_call_timeout_seconds, retry_seconds=settings.tier_retry_seconds,
+                       claim_seconds=settings.tier_claim_seconds)
+    except TierUnavailable as exc:
+        pb_utils.Logger.log_warn(f"encoder: embedding tier unavailable, encoding without it: {exc}")
+        return None
+    pb_utils.Logger.log_info(f"encoder: embedding tier connected (master {master})")
+    return tier
