@@ -139,6 +139,7 @@ class GenerationDelta:
     num_output_tokens: int
     finish_reason: str | None
     kv_transfer_params: dict | None = None  # from a KV producer's final output (prefill)
+    cached_tokens: int | None = None  # on the final delta: prompt tokens vLLM's prefix cache covered
 
     @property
     def finished(self) -> bool:
@@ -269,6 +270,10 @@ class EngineHost:
         media = multi_modal_data(request)
         if media:
             prompt["multi_modal_data"] = media
+        if request.media_embeds is not None and request.media_uuids:
+            # the items' content keys as vLLM's item ids: its prefix cache then covers an item sent again whatever
+            # embeddings it comes with (a re-encode may differ in the last bits), and vLLM hashes no tensor
+            prompt["multi_modal_uuids"] = {modality(name).data_key: list(keys) for name, keys in request.media_uuids.items()}
         produced = 0
         try:
             async for out in self._engine.generate(prompt, params, request_id):
@@ -279,7 +284,8 @@ class EngineHost:
                                       f"{', a KV transfer' if request.kv_transfer_params else ''})")
                 yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
                                       completion.finish_reason if out.finished else None,
-                                      getattr(out, "kv_transfer_params", None) if out.finished else None)
+                                      getattr(out, "kv_transfer_params", None) if out.finished else None,
+                                      getattr(out, "num_cached_tokens", None) if out.finished else None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

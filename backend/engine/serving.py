@@ -132,8 +132,15 @@ def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> Respo
         text, finish_reason=delta.finish_reason,
         num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
         num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
-        timings=request.timings, kv_transfer_params=delta.kv_transfer_params,
+        timings=_with_cached(request.timings, delta.cached_tokens), kv_transfer_params=delta.kv_transfer_params,
     )
+
+
+def _with_cached(timings: dict | None, cached_tokens: int | None) -> dict | None:
+    """A consumer's timings (a request with media) and the prompt tokens vLLM's prefix cache covered."""
+    if timings is None or cached_tokens is None:
+        return timings
+    return {**timings, "cached_tokens": cached_tokens}
 
 
 async def _abort_quietly(engine: GenerationEngine, request_id: str) -> None:

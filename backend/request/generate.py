@@ -93,6 +93,7 @@ class GenerateRequest:
     return_num_output_tokens: bool = False
     media_embeds: Mapping[str, tuple] | None = None  # set by a consumer: modality name -> (embeds or None, grid_thw)
     media_kwargs: Mapping[str, Mapping[str, Any]] | None = None  # and its other vLLM fields (video timing) per modality
+    media_uuids: Mapping[str, tuple[str, ...]] | None = None  # and its items' content keys, per modality (vLLM's ids)
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout

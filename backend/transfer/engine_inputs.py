@@ -99,6 +99,20 @@ def media_grids(layouts) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(rows, dtype=torch.int64) for name, rows in grids.items()}
 
 
+def media_uuids(layouts) -> dict[str, tuple[str, ...]]:
+    """Per modality, each item's id for vLLM (``multi_modal_uuids``): its content key; a video in parts (one item,
+    ``media_grids``) joins its parts' keys with "+"."""
+    out: dict[str, list[str]] = {}
+    for layout in layouts:
+        part = getattr(layout.media, "part", None)
+        keys = out.setdefault(layout.modality, [])
+        if part is None or part[0] == 0 or not keys:
+            keys.append(layout.content_key)
+        else:
+            keys[-1] += "+" + layout.content_key
+    return {name: tuple(keys) for name, keys in out.items()}
+
+
 TIMING = ("second_per_grid_ts", "timestamps")  # the VideoLayout members that are vLLM fields of the same name
 
 

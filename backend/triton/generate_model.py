@@ -203,7 +203,7 @@ class MetadataOnlyModel(GenerateModel):
                                              self.limits.media, self.video_processor(), self.feature_extractor())
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.engine_inputs import media_grids, media_kwargs, pull_media_embeds
+        from backend.transfer.engine_inputs import media_grids, media_kwargs, media_uuids
 
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
             from backend.engine.host import takes_layout_only
@@ -212,7 +212,7 @@ class MetadataOnlyModel(GenerateModel):
             zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
             grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.images).items()}
             return replace(request, images=(), media_embeds=grids, media_kwargs=media_kwargs(request.images),
-                           timings=timings or None)
+                           media_uuids=media_uuids(request.images), timings=timings or None)
 
         started = time.perf_counter()
         embeds, taken = await asyncio.get_running_loop().run_in_executor(self.pulls, self._pull, request)
@@ -224,7 +224,7 @@ class MetadataOnlyModel(GenerateModel):
             timings["held_taken"] = sum(taken)
             self.metrics.held(sum(taken), self.held.nbytes)
         return replace(request, images=(), media_embeds=embeds, media_kwargs=media_kwargs(request.images),
-                       timings=timings)
+                       media_uuids=media_uuids(request.images), timings=timings)
 
     def _pull(self, request: GenerateRequest):
         """On the pulls' thread: the request's embeddings (its items this consumer holds taken from its copies,

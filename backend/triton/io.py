@@ -205,10 +205,14 @@ def answer_held_lookup(sender, query, held, tag_code: bool) -> None:
     one final response whose ``text_output`` is the JSON object {content key: layout document} of the keys ``held``
     (``backend.transfer.held.HeldEmbeddings``; None: this consumer keeps no copies) holds."""
     try:
-        doc = json.loads(query) if isinstance(query, str) else None
+        try:
+            doc = json.loads(query) if isinstance(query, str) else None
+        except ValueError:
+            doc = None
         keys, session = (doc.get("keys"), doc.get("session")) if isinstance(doc, dict) else (None, None)
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise InvalidInput(f"parameters.{HELD_PARAMETER}", 'expected JSON {"keys": [content key, ...], "session": ...}')
+            raise InvalidInput(f"parameters.{HELD_PARAMETER}", 'expected JSON {"keys": [content key, ...], "session": ...}, '
+                                                               f"got {query!r:.80}")
         found = held.lookup(keys, parse_session(session)) if held is not None else {}
     except Exception as exc:  # noqa: BLE001 - the asker's error, never this model's
         send_error(sender, exc, tag_code)

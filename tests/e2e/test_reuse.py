@@ -85,6 +85,7 @@ def test_each_turn_encodes_only_its_new_screenshot_and_gives_the_llm_tokens(serv
     for k, (result, encoded) in enumerate(turns):
         assert encoded == 1, f"turn {k} of {model} encoded {encoded} items (only its new screenshot is new)"
         assert result.timings["held"] == k and result.timings["items"] == k + 1, result.timings
+        assert result.timings["cached_tokens"] >= 0  # the consumer's engine reports its prefix-cache hits
         want = ask(server, "llm", **turn([screenshot(s) for s in seeds[:k + 1]], f"step {k}: what changed?"))
         assert_same_answer(result, want)
 

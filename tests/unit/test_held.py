@@ -143,3 +143,15 @@ def test_pull_media_embeds_takes_the_copies_and_keeps_what_it_pulled(session):
     assert puller.pulled == [[("b", "image_layouts[1]")]]  # named as the request's second image
     assert embeds.shape == (8, 128) and embeds[:4].eq(1).all() and embeds[4:].eq(2).all()
     assert grid.tolist() == [[1, 4, 4], [1, 4, 4]] and "b" in held
+
+
+def test_each_items_vllm_id_is_its_content_key_and_a_videos_parts_join_theirs():
+    from dataclasses import replace
+
+    from backend.protocol.layout import VideoLayout
+    from backend.transfer.engine_inputs import media_uuids
+
+    video = layout(content_key="v0", media=VideoLayout((2, 4, 4), part=(0, 4)))
+    rest = replace(video, content_key="v1", media=VideoLayout((2, 4, 4), part=(2, 4)))
+    assert media_uuids([layout(content_key="a"), video, rest, layout(content_key="b")]) == {
+        "image": ("a", "b"), "video": ("v0+v1",)}
