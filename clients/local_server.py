@@ -213,11 +213,11 @@ class TritonServer:
 
     def _with_tier(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` for a server with the repository's embedding tier, started here if it has one and it is not up."""
-        from backend.deploy.tier_service import launch_for
+        from backend.deploy.tier_service import launch_for, remote_tier_env
 
         if self.tier is None:
             self.tier = launch_for(self.repository, str(Path(self.log_path).parent) if self.log_path else "/tmp")
-        return self.tier.env(env) if self.tier is not None else env
+        return self.tier.env(env) if self.tier is not None else remote_tier_env(self.repository, env)
 
     def is_ready(self) -> bool:
         try:
@@ -368,11 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     cmd = command(repository, ports, args.extra)
     if args.openai_port:
         start_openai(args.openai_port, ports.grpc)
-    from backend.deploy.tier_service import launch_for
+    from backend.deploy.tier_service import launch_for, remote_tier_env
 
     tier = launch_for(repository, os.environ.get("EPD_TIER_LOG_DIR", "/tmp"))
     if tier is None:
-        os.execve(cmd[0], cmd, server_env())
+        os.execve(cmd[0], cmd, remote_tier_env(repository, server_env()))
     print(f"embedding tier: Mooncake master on 127.0.0.1:{tier.master.rpc_port}", flush=True)
     sys.exit(tier.serve(cmd, server_env()))
 

@@ -245,6 +245,18 @@ class TierRun:
             self.stop()
 
 
+def remote_tier_env(repository: Path, env: dict) -> dict:
+    """``env`` for a server whose encoder uses a tier run elsewhere (``tier_master`` given: nothing to start here):
+    Mooncake's libraries on ``LD_LIBRARY_PATH`` and UCX's InfiniBand module off, as ``TierRun.env`` gives a tier
+    started here; ``env`` unchanged for any other repository (or without Mooncake installed)."""
+    paths = mooncake_paths()
+    if not tier_parameters(repository).get("tier_master") or paths is None:
+        return env
+    env = library_env(paths[2], env)
+    env.setdefault("UCX_MODULES", "^ib")
+    return env
+
+
 def launch_for(repository: Path, log_dir: str = "/tmp") -> TierRun | None:
     """The tier of the repository's encoder, started (its master and holder): where its config asks for one
     (``tier_bytes`` > 0) and names no master of its own (``tier_master``). None: no tier to start, or Mooncake not

@@ -203,6 +203,67 @@ def test_a_planted_corrupt_entry_is_dropped_and_encoded_again(tier_server, tmp_p
     assert bad == {"format": 1, "integrity": 1} and delta["epd_encoder_items_total"] == 2, (bad, delta)
 
 
+OTHER = ROOT / "models" / "tiny-qwen2.5-vl"  # another model of the same embedding width (128): its entries would fit
+
+
+def test_two_checkpoints_on_one_tier_never_get_each_others_entries(tier_server, tmp_path):
+    """A second server on another checkpoint (tiny Qwen2.5-VL, embeddings as wide as tiny Qwen2-VL's, so a crossed
+    entry would even fit), its encoder on this server's tier (the topology's ``tier: {master, metadata}``: a tier run
+    elsewhere, nothing started): the same images asked of both never hit the other's entries (the content key
+    carries the model identity), each ``epd`` gives its own ``llm``'s tokens, and an entry stored under the second
+    model's key but written for the first (planted, header naming the first model) is dropped as ``model``."""
+    config = tier_server.tier.master.client_config()
+    other = load(TOPOLOGY, "cpu", checkpoint=OTHER)
+    other = replace(other, stages={**other.stages, "encoder": replace(other.stages["encoder"], instances=1)},
+                    tier={**other.tier, "master": config["rpc"], "metadata": config["metadata"]})
+    repo = tmp_path / "repo"
+    render(other, repo)
+    images = [new_image(500 + i) for i in range(3)]
+    (tmp_path / "crossed").write_bytes(images[2])
+    with TritonServer(repo, log_path=tmp_path / "server.log") as second:
+        assert second.tier is None and metric(second, "epd_tier_connected", model="encoder") == 1
+        for data in images[:2]:  # the first server puts its entries first
+            assert_same_answer(ask(tier_server, "epd", **one_image(data)), ask(tier_server, "llm", **one_image(data)))
+        _plant_crossed(tier_server, tmp_path / "crossed")
+        before = counts(second)
+        for data in images:
+            assert_same_answer(ask(second, "epd", **one_image(data)), ask(second, "llm", **one_image(data)))
+        delta = moved(before, counts(second))
+        crossed = metric(second, "epd_tier_bad_entries_total", model="encoder", reason="model")
+    print("second checkpoint on the first one's tier:", delta, "crossed entries dropped:", crossed)
+    assert "epd_tier_hits_total" not in delta and delta["epd_encoder_items_total"] == 3, delta
+    assert crossed == 1, "the entry written for the other model under this model's key was not dropped as 'model'"
+    assert not second.stragglers, second.stragglers
+
+
+CROSS = '''
+import sys, torch
+from backend.encode.checkpoint import embedding_width, model_identity, processing_options
+from backend.encode.encoder import EncodedItem
+from backend.encode.tier import TierExpect, encode_entry
+from backend.encode.tier_mooncake import MooncakeStore
+from backend.protocol.layout import content_key
+master, metadata, site, writer, owner, path = sys.argv[1:7]
+store = MooncakeStore(master, metadata, site_packages=site)
+key = content_key(open(path, "rb").read(), processing_options(owner), model_identity(owner))  # the owner's key
+expect = TierExpect(model_identity(writer), processing_options(writer), "float32", embedding_width(writer))
+store.put_bytes(key, encode_entry(key, EncodedItem(torch.ones(20, expect.width), (1, 4, 20)), expect))
+print("PLANTED", store.exists(key), flush=True)
+store.close()
+'''
+
+
+def _plant_crossed(server, path) -> None:
+    """Store, under the second model's content key of the image at ``path``, a well-formed entry written for the first
+    model (its identity and processing options in the header)."""
+    config = server.tier.master.client_config()
+    done = subprocess.run([sys.executable, "-c", CROSS, config["rpc"], config["metadata"], str(mooncake_paths()[0]),
+                           str(CHECKPOINT), str(OTHER), str(path)],
+                          env=server.tier.env({**os.environ, "PYTHONPATH": str(ROOT)}), capture_output=True, text=True,
+                          timeout=120)
+    assert "PLANTED True" in done.stdout, done.stderr[-3000:]
+
+
 def test_a_killed_master_fails_no_request_and_is_counted(tier_server):
     """The master dies (SIGKILL) while the server runs: the next requests' items are encoded locally, each answer
     still the baseline's; the instances count the failed call and skip the tier after it (``tier_retry_seconds``)."""
