@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("reassignment", "cold", "agent", "cost")
 DEPLOYMENTS = {"caches": ("reassignment", "cold", "agent"), "tier": ("reassignment", "cold", "cost")}
 EXPLICIT = ["--model-control-mode=explicit", "--load-model=*"]  # the encoder is reloaded between phases
+START_SECONDS = 900.0  # a server's start on a busy 2-core machine took 110 s to over 300 s
 WARM_SEEDS, COLD_SEED = 1_000_000, 3_000_000  # requests' seeds (synthetic_requests: images seed * 7 + i)
 
 
@@ -121,9 +122,9 @@ def reuse_block(args) -> dict | None:
             "session_bytes": args.session_mib << 20, "demand_aware": False}
 
 
-def topology_for(args, deployment: str):
+def topology_for(args, deployment: str, baseline: bool = True):
     """``--topology`` as the deployment serves it: ``caches`` without its ``tier:`` block; room for the agent's
-    screenshots (``limits.max_images``); the ``reuse:`` block where there is one."""
+    screenshots (``limits.max_images``); the ``reuse:`` block where there is one; ``llm`` only with ``baseline``."""
     import yaml
 
     from backend.deploy.topology import load
@@ -135,6 +136,9 @@ def topology_for(args, deployment: str):
     doc["name"] = f"{doc.get('name', args.topology.stem)}-{deployment}"
     if deployment == "caches":
         doc.pop("tier")
+    if not baseline:
+        doc["serve"] = [mode for mode in doc["serve"] if mode != "baseline"]
+        doc["stages"].pop("llm", None)
     limits = doc.setdefault("limits", {})
     limits["max_images"] = max(limits.get("max_images", 0), args.images, args.turns)
     if (block := reuse_block(args)) is not None:
@@ -181,7 +185,8 @@ class Run:
                                    [*self.names, "cold"], self.checker, progress)
         if "reassignment" in todo:
             self.results["reassignment"][deployment] = await parts.reassignment(
-                server, self.requests, self.names, self.fresh(4), self.checker, deployment, a.concurrency, progress)
+                server, self.requests, self.names, self.fresh(2 * a.concurrency), self.checker, deployment, a.concurrency,
+                progress)
         if "cold" in todo:
             self.results["cold"][deployment] = await parts.cold(server, self.cold, "cold", a.cold, self.checker,
                                                                 deployment, progress)
@@ -210,12 +215,15 @@ class Run:
         from tqdm import tqdm
 
         a = self.args
-        self.topology = topology_for(a, deployment)
+        # the baseline's answers come from the first server; the second serves E+PD alone (an idle llm engine
+        # costs ~1% of a core, its start minutes on a busy machine)
+        self.topology = topology_for(a, deployment, baseline=deployment == deployments(a)[0] and a.parts != ["cost"])
         a.workdir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f"reuse-{deployment}-") as repo:
             render(self.topology, Path(repo))
             set_parameter(Path(repo) / "encoder" / "config.pbtxt", "cache_bytes", int(a.encoder_cache_mib * (1 << 20)))
-            with TritonServer(Path(repo), log_path=a.workdir / f"server-{deployment}.log", extra_args=EXPLICIT) as server:
+            with TritonServer(Path(repo), log_path=a.workdir / f"server-{deployment}.log", extra_args=EXPLICIT,
+                              start_timeout=START_SECONDS) as server:
                 print(f"{deployment}: server ready in {server.ready_seconds:.1f} s"
                       f"{' (with the tier)' if server.tier else ''}", file=sys.stderr, flush=True)
                 self.results.setdefault("ready_s", {})[deployment] = round(server.ready_seconds, 1)
@@ -234,14 +242,26 @@ def settings(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     run = Run(args)
-    for deployment in deployments(args):
-        run.serve(deployment)
+    try:
+        for deployment in deployments(args):
+            run.serve(deployment)
+            report(run, args, final=False)
+    except BaseException as exc:  # what ran still reports (Ctrl-C, a server that did not start)
+        run.results["failed"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        report(run, args)
+    return run.results
+
+
+def report(run: Run, args, final: bool = True) -> None:
+    """The table on stdout (at the end), the JSON (``--json``, also after each deployment)."""
     run.results["checks"] = {"tally": run.checker.tally, "problems": run.checker.problems}
-    print(markdown(run.results))
+    if final:
+        print(markdown(run.results), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(run.results, indent=2, default=str))
-    return run.results
 
 
 if __name__ == "__main__":

@@ -118,11 +118,13 @@ def ms(values: list[float], q: float) -> float | None:
 
 
 def phase_summary(samples: list[Sample], errors: list[str], wall: float, problems: int) -> dict:
-    """TTFT p50/p90 (ms), the encode phase's p50 (``timings.encode_ms``), counts."""
+    """TTFT p50/p90 (ms), the encode phase's p50 (``timings.encode_ms``), counts; every request's (index, TTFT ms,
+    encode ms) for the JSON."""
     ttft = [s.ttft for s in samples]
     encode = [s.timings["encode_ms"] / 1000 for s in samples if "encode_ms" in s.timings]
     return {"requests": len(samples) + len(errors), "errors": len(errors), "problems": problems, "wall_s": round(wall, 2),
-            "ttft_p50_ms": ms(ttft, 50), "ttft_p90_ms": ms(ttft, 90), "encode_p50_ms": ms(encode, 50)}
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p90_ms": ms(ttft, 90), "encode_p50_ms": ms(encode, 50),
+            "samples": sorted([s.index, round(s.ttft * 1000, 1), s.timings.get("encode_ms")] for s in samples)}
 
 
 async def ask(url: str, concurrency: int, requests: list, names: list[str], checker: Checker, where: str,
@@ -144,20 +146,25 @@ async def references(url: str, concurrency: int, requests: list, names: list[str
 async def reassignment(server, requests: list, names: list[str], warm: list, checker: Checker, deployment: str,
                        concurrency: int, progress) -> dict:
     """Phase 1: ``requests`` (all their images new). The encoder model reloaded: fresh instances, none of which has
-    seen an image. ``warm`` (requests of other new images, so that the consumer has connected to the new instances'
-    pools). Phase 2: the same requests again. Encodes per phase from the counters; phase 2's are re-encodes."""
+    seen an image. Phase 2: the same requests again. Encodes per phase from the counters; phase 2's are re-encodes.
+    ``warm`` (requests of other new images) is sent before phase 1 and again after the reload, before phase 2: the
+    fresh instances' first requests (the consumer connecting to their pools; with the tier, their store clients'
+    first reads of the holder) are paid there, not in phase 2, alike in both deployments; their TTFT is reported."""
     url, metrics_url = server.grpc_url, server.metrics_url
+    await run_concurrency(url, "epd", concurrency, warm, progress)
     start = await settled(metrics_url)
     phase1 = await ask(url, concurrency, requests, names, checker, f"reassignment {deployment} phase 1", progress,
                        deployment)
     before_reload = await settled(metrics_url)
     reload_s = await asyncio.to_thread(reload_model, server.http_url)
-    await run_concurrency(url, "epd", 2, warm, progress)
+    results, wall = await run_concurrency(url, "epd", concurrency, warm, progress)
+    first = phase_summary(results.samples, results.errors, wall, 0)
     before = await settled(metrics_url)
     phase2 = await ask(url, concurrency, requests, names, checker, f"reassignment {deployment} phase 2", progress,
                        deployment)
     after = await settled(metrics_url)
     return {"phase1": {**phase1, "counts": moved(start, before_reload)}, "reload_s": round(reload_s, 1),
+            "after_reload": {**first, "counts": moved(before_reload, before)},
             "phase2": {**phase2, "counts": moved(before, after)}}
 
 

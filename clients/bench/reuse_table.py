@@ -48,6 +48,9 @@ def reassignment_rows(results: dict) -> list[tuple]:
              num(p2[0], 0), num(p2[1], 0), f"{num(p2[0], 0)} -> {num(p2[1], 0)}", f"{items} -> 0"),
             ("(a)", "phase 2: served from the tier (hits)", num(_get(c, "phase2", "counts", "epd_tier_hits_total"), 0),
              num(_get(t, "phase2", "counts", "epd_tier_hits_total"), 0), "", "")]
+    warm = lambda d: f"{num(_get(d, 'after_reload', 'ttft_p50_ms'))} / {num(_get(d, 'after_reload', 'ttft_p90_ms'))}"
+    rows.append(("(a)", f"after the reload, {s['concurrency'] * 2} requests of images sent before phase 1 (the fresh "
+                 "instances' first work): TTFT p50 / p90, ms", warm(c), warm(t), "", ""))
     for q, target in (("p50", ""), ("p90", ">= 40% lower")):
         before, after = _get(c, "phase2", f"ttft_{q}_ms"), _get(t, "phase2", f"ttft_{q}_ms")
         rows.append(("(a)", f"phase 2 TTFT {q}, ms", num(before), num(after), change(before, after), target))
@@ -149,6 +152,8 @@ def markdown(results: dict) -> str:
             *check_rows(results)]
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    if results.get("failed"):
+        lines += ["", f"**The run stopped early**: {results['failed']}"]
     problems = (results.get("checks") or {}).get("problems", [])
     if problems:
         lines += ["", f"{len(problems)} problem(s):", *(f"- {p}" for p in problems[:20])]

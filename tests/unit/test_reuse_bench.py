@@ -95,7 +95,7 @@ def results() -> dict:
                                         "epd_tier_waits_total": 1.0}
     phase = lambda ttft, encodes, hits=0.0: {"ttft_p50_ms": ttft, "ttft_p90_ms": ttft * 2, "encode_p50_ms": 10.0,
                                              "counts": counts(encodes, hits)}
-    return {"settings": {"requests": 4, "images": 2, "cold": 16, "turns": 2},
+    return {"settings": {"requests": 4, "images": 2, "cold": 16, "turns": 2, "concurrency": 4},
             "reassignment": {"caches": {"phase1": phase(100.0, 8.0), "reload_s": 20.0, "phase2": phase(100.0, 8.0)},
                              "tier": {"phase1": phase(110.0, 8.0), "reload_s": 21.0, "phase2": phase(50.0, 0.0, 8.0)}},
             "cold": {"caches": {"counts": counts(2.0), "ttft_p50_ms": 1.0}, "tier": {"counts": counts(1.0)}},
