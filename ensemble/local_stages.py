@@ -40,17 +40,25 @@ class LocalStages:
 
     def __init__(self, remote, engine: GenerationEngine, resolver: MediaResolver, limits: RequestLimits,
                  prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
-                 interval: float = 0.0, local: Stage = Stage.PD):
+                 interval: float = 0.0, local: Stage = Stage.PD, held=None):
         """``remote``: the ``StageClient`` of the other stages; ``encode`` at least (``BlsEncoders``), and
         ``generate`` where the orchestrator asks other generator stages (E/P/D's decode: ``TritonStages``).
         ``resolver`` and ``limits``: how the local stage parses its metadata-only request (``LayoutMedia``).
         ``prepare``: runs on each parsed request before the engine sees it. ``interval``: the stream interval
-        of ``Chunker``."""
+        of ``Chunker``. ``held``: the local stage's lookup of its copies (``HeldEmbeddings.lookup``; None: it keeps
+        none), for demand-aware encoding."""
         self.remote, self.engine, self.resolver, self.limits = remote, engine, resolver, limits
-        self.prepare, self.interval, self.local = prepare, interval, local
+        self.prepare, self.interval, self.local, self._held = prepare, interval, local, held
 
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
         return await self.remote.encode(item, key, part)
+
+    async def held(self, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
+        """The layouts of the ``keys`` this process's stage holds (in process: exact, no round trip); another stage's
+        over ``remote``."""
+        if stage is self.local:
+            return self._held(keys, session) if self._held is not None else {}
+        return await self.remote.held(keys, session, stage)
 
     def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         if stage is self.local:

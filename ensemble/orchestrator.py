@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
@@ -58,6 +59,8 @@ from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
 
+log = logging.getLogger(__name__)
+
 
 class StageClient(Protocol):
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
@@ -67,6 +70,10 @@ class StageClient(Protocol):
     def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
         """Stream the chunks of the generator stage ``stage`` (pd, prefill or decode); the one carrying ``finish_reason`` is the last. Closing the
         stream before that (``aclose``) must stop the stage's work for this request."""
+
+    # optional (demand-aware encoding): ``async def held(self, keys: list[str], session: str | None, stage: Stage)
+    # -> dict[str, str]``, the layout documents of the keys the consumer stage ``stage`` holds
+    # (``backend.transfer.held``: it serves them as its own copies when they come back). Raises on failure.
 
 
 @dataclass(frozen=True)
@@ -79,17 +86,21 @@ class Identity:
 
 class Orchestrator:
     RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
+    LOOKUP_SECONDS = 0.5  # a demand-aware lookup slower than this counts as failed (the items are encoded)
+    _lookup_failed = False  # one warning per orchestrator
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
                  mode: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0, metadata_only: bool = True,
-                 stages_take_media: bool = False, video_split: int = 1):
+                 stages_take_media: bool = False, video_split: int = 1, demand_aware: bool = False):
         """``mode``: which generator stages a request goes through (``mode.generators``, the last streams to the
         client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
         decode models), so a request may skip the encoders (``run(encode=False)``: P/D). ``video_split``: each video
         of a metadata-only request is encoded in that many parts at once (their layouts go on in order; a video of
-        fewer temporal patches has that many parts, the encoders answer the others with nothing)."""
+        fewer temporal patches has that many parts, the encoders answer the others with nothing). ``demand_aware``:
+        before encoding, ask the consumer stage which items it holds (``StageClient.held``) and encode only the
+        others."""
         self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
-        self.video_split = video_split
+        self.video_split, self.demand_aware = video_split, demand_aware
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
         self.media = EncodedMedia(limits.media)
 
@@ -98,12 +109,13 @@ class Orchestrator:
         return parse_generate_request(raw, self.media, self.limits)
 
     async def run(self, raw: RawGenerateInputs, sink: ResponseSink, observer: RequestObserver | None = None,
-                  metadata_only: bool | None = None, encode: bool = True) -> Outcome:
-        """``metadata_only``: this request's choice (None: the orchestrator's). ``encode=False``: P/D, the
-        encoders are skipped and the generator stages get the client's request as it came, media included."""
+                  metadata_only: bool | None = None, encode: bool = True, demand_aware: bool | None = None) -> Outcome:
+        """``metadata_only``, ``demand_aware``: this request's choice (None: the orchestrator's). ``encode=False``:
+        P/D, the encoders are skipped and the generator stages get the client's request as it came, media included."""
         started = time.perf_counter()
         state = _State(observer)
         state.metadata_only = self.metadata_only if metadata_only is None else metadata_only
+        state.demand_aware = self.demand_aware if demand_aware is None else demand_aware
         state.encode = encode
         try:
             if not encode and not self.stages_take_media:
@@ -127,7 +139,7 @@ class Orchestrator:
         while True:
             if state.encode:
                 state.phase = "encoding"
-                encoded = await self._encode_all(request.images, state)
+                encoded = await self._encode_all(request.images, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
                 timings.update(items=len(request.images), encode_ms=_ms(started),
                                encoders=sorted({layout.producer for layout in layouts if layout.producer}))
@@ -194,18 +206,46 @@ class Orchestrator:
         timings["prefill_ms"] = _ms(started)
         return replace(rewritten, kv_transfer_params=json.dumps(params))
 
-    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State") -> list[tuple[MediaBytes, "EncodedLayout"]]:
+    async def _encode_all(self, items: tuple[MediaBytes, ...], state: "_State",
+                          session: str | None = None) -> list[tuple[MediaBytes, "EncodedLayout"]]:
         """Every item's layouts, in order, each with its item: one per item, or one per part of a video split in
-        parts (those with no temporal patches left out)."""
+        parts (those with no temporal patches left out); those the consumer holds (``_held``) as its copies."""
         if not items:
             return []
         split = self.video_split if state.metadata_only else 1  # naive EPD's consumers pair media and layouts 1:1
-        jobs = [(item, part) for item in items
+        jobs = [(item, part, content_key(item.data, self.identity.processing, self.identity.model, part))
+                for item in items
                 for part in ([(i, split) for i in range(split)] if item.modality == VIDEO.name and split > 1 else [None])]
-        layouts = await asyncio.gather(*(self._encode(item, content_key(item.data, self.identity.processing,
-                                                                        self.identity.model, part), state, part)
-                                         for item, part in jobs))
-        return [(item, layout) for (item, _), layout in zip(jobs, layouts) if layout is not None]
+        held = await self._held([key for _, _, key in jobs], session, state)
+
+        async def layout(item: MediaBytes, part, key: str) -> "EncodedLayout | None":
+            if key in held:
+                return EncodedLayout.read(held[key], item.field)
+            return await self._encode(item, key, state, part)
+
+        layouts = await asyncio.gather(*(layout(*job) for job in jobs))
+        return [(item, layout) for (item, _, _), layout in zip(jobs, layouts) if layout is not None]
+
+    async def _held(self, keys: list[str], session: str | None, state: "_State") -> dict[str, str]:
+        """Demand-aware encoding: the layouts of the ``keys`` the consumer stage holds (``StageClient.held``), asked
+        within ``LOOKUP_SECONDS``; nothing on a retry (a copy was missing: encode everything), when off, or when the
+        lookup fails (logged once; the items are encoded as without it). ``timings``: ``held`` items, ``lookup_ms``."""
+        lookup = getattr(self.stages, "held", None)
+        if not state.demand_aware or not state.metadata_only or lookup is None or state.request_retries:
+            return {}
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.LOOKUP_SECONDS):
+                found = await lookup(keys, session, self.mode.generators[0])
+        except Exception as exc:  # noqa: BLE001 - an optimisation only
+            if not self._lookup_failed:
+                self._lookup_failed = True
+                log.warning("demand-aware lookup at %s failed (%s); encoding as without it (logged once)",
+                            self.mode.generators[0].value, exc)
+            found = {}
+        found = {key: text for key, text in found.items() if key in keys and isinstance(text, str)}
+        state.timings.update(held=len(found), lookup_ms=_ms(started))
+        return found
 
     async def _encode(self, item: MediaBytes, key: str, state: "_State",
                       part: tuple[int, int] | None = None) -> "EncodedLayout | None":
@@ -235,7 +275,7 @@ class _State:
         self.outcome, self.tokens, self.sent = Outcome.ERROR, 0, False
         self.request_retries = 0
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
-        self.metadata_only, self.encode = True, True
+        self.metadata_only, self.encode, self.demand_aware = True, True, False
 
     def retried(self, what: str) -> None:
         if what == "request":

@@ -131,6 +131,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         if topology.video_split > 1:
             params["video_split"] = _fmt(topology.video_split)
+        params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
         return header + body + _params(params)
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value
@@ -145,6 +146,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         per_request = {m.limit_field: _fmt(topology.limits[m.limit_field]) for m in modalities()}
         if topology.video_split > 1:
             per_request["video_split"] = _fmt(topology.video_split)
+        if topology.reuse:
+            per_request["demand_aware"] = _fmt(topology.reuse["demand_aware"])
         return header + body + _params({**names, **per_request, **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
     body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
@@ -153,6 +156,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
     if kind.role.spec.kv_role:
         params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
+    if kind.role.spec.pulls_embeddings:  # a consumer: its copies (the reuse block)
+        params.update({k: _fmt(v) for k, v in topology.reuse.items() if k != "demand_aware"})
     return header + body + _params(params)
 
 

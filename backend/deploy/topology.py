@@ -49,8 +49,9 @@ from typing import Any
 import yaml
 
 from backend.deploy.server_address import LOCAL, EndpointError, check_endpoint
-from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, KvEngineSettings,
-                                       MediaSettings, ProxySettings, defaults)
+from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, HeldSettings, KvEngineSettings,
+                                       MediaSettings, PdSettings, PrefillSettings, ProxySettings, RoutingSettings,
+                                       defaults)
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
-            "video_split", "tier"}
+            "video_split", "tier", "reuse"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
@@ -77,6 +78,10 @@ LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos", "max_aud
 TIER_DEFAULTS = {"bytes": 0, **{k.removeprefix("tier_"): v for k, v in defaults(
     EncoderSettings, "tier_master", "tier_metadata", "tier_call_timeout_seconds", "tier_retry_seconds",
     "tier_claim_seconds").items()}}
+# reuse: {held_bytes, session_seconds, session_bytes, demand_aware}: the consumers' copies of what they pulled
+# (HeldSettings; backend.transfer.held) and demand-aware encoding at the orchestrators (docs/tier.md); no block: off
+REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "session_bytes"),
+                  **defaults(RoutingSettings, "demand_aware")}
 ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
                    "disable_log_stats": True}
@@ -126,7 +131,7 @@ class ModelKind(enum.StrEnum):
         """The settings class (``backend.protocol.settings``) the model reads its rendered parameters into."""
         if self.role is Stage.ORCHESTRATOR:
             return ColocatedSettings if self.colocated else ProxySettings
-        return {Stage.ENCODER: EncoderSettings, Stage.PREFILL: KvEngineSettings,
+        return {Stage.ENCODER: EncoderSettings, Stage.PREFILL: PrefillSettings, Stage.PD: PdSettings,
                 Stage.DECODE: KvEngineSettings}.get(self.role, EngineSettings)
 
 
@@ -151,6 +156,7 @@ class Topology:
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
+    reuse: dict[str, Any] = field(default_factory=dict)  # consumers' copies, demand-aware (REUSE_DEFAULTS' keys); {}: off
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
@@ -277,7 +283,39 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                     serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                     transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
                     video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
-                    source=_source(path))
+                    reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
+
+
+def _reuse(doc, where: str, stages: dict[str, "StageSpec"], serve) -> dict[str, Any]:
+    """The ``reuse`` block checked, with its defaults ({} without one). Demand-aware encoding asks the consumer the
+    request will go to: a proxy orchestrator cannot know which of several consumer instances Triton will pick (a
+    lookup answered by one and a request served by another is encoded again after a failed pull), so it needs one
+    instance, or the colocated orchestrator (each instance asks itself)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{where}: expected a mapping of {', '.join(REUSE_DEFAULTS)}")
+    _check_keys(doc, set(REUSE_DEFAULTS), where)
+    reuse = {**REUSE_DEFAULTS, **doc}
+    for key, value in reuse.items():
+        if key == "demand_aware":
+            if not isinstance(value, bool):
+                raise TopologyError(f"{where}.{key}: expected true or false, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                key.endswith("bytes") and not isinstance(value, int)):
+            raise TopologyError(f"{where}.{key}: expected a {'byte count' if key.endswith('bytes') else 'number'} >= 0, "
+                                f"got {value!r}")
+    if reuse["demand_aware"] and not (reuse["held_bytes"] or reuse["session_bytes"]):
+        raise TopologyError(f"{where}.demand_aware: the consumers keep no copies to find (held_bytes, session_bytes: 0)")
+    for mode in serve:
+        if mode not in HOSTS:
+            continue
+        host = stages[HOSTS[mode]]
+        if reuse["demand_aware"] and host.orchestrator != "colocated" and host.instances > 1:
+            raise TopologyError(f"{where}.demand_aware: {mode}'s proxy orchestrator cannot know which of stages."
+                                f"{HOSTS[mode]}'s {host.instances} instances Triton gives a request; use one instance, "
+                                f"or orchestrator: colocated")
+    return reuse
 
 
 def _tier(doc, where: str, has_encoder: bool) -> dict[str, Any]:

@@ -38,6 +38,25 @@ ENCODE_PARAMETER = "epd_encode"
 # [i*T//n, (i+1)*T//n) only (T: the video's grid t), the layout says which (backend.protocol.layout.VideoLayout.part);
 # a part with no temporal patches (n > T) answers an empty layout ("": nothing to consume)
 PART_PARAMETER = "epd_part"
+# (string) the conversation a request is a turn of: its consumer keeps the items' embeddings for the next turn
+# (the consumer's session_seconds, backend.transfer.held); orchestrators pass it on to their stages
+SESSION_PARAMETER = "session_id"
+MAX_SESSION_ID = 256  # characters
+# (bool) this request's demand-aware setting, over the orchestrator's `demand_aware` parameter
+DEMAND_AWARE_PARAMETER = "epd_demand_aware"
+# (JSON {"keys": [content key, ...], "session": id or null}) a lookup, answered by a consumer stage (pd, prefill):
+# one response whose text_output is the JSON object {content key: layout document} of the keys it holds
+HELD_PARAMETER = "epd_held"
+
+
+def parse_session(value) -> str | None:
+    """A ``session_id`` parameter's value: a non-empty string of at most ``MAX_SESSION_ID`` characters, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID:
+        raise InvalidInput(f"parameters.{SESSION_PARAMETER}",
+                           f"expected a non-empty string of at most {MAX_SESSION_ID} characters, got {value!r:.80}")
+    return value
 
 
 def parse_part(text: str, field: str = f"parameters.{PART_PARAMETER}") -> tuple[int, int]:

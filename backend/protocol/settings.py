@@ -55,6 +55,25 @@ class KvEngineSettings(EngineSettings):
 
 
 @dataclass(frozen=True)
+class HeldSettings:
+    """A consumer's own copies of the embeddings it pulled (``pd``, ``prefill``; ``backend.transfer.held``)."""
+
+    held_bytes: int = 0  # recently pulled items kept, least recently used evicted first (0: none kept)
+    session_seconds: float = 0  # a conversation's (session_id) items are kept this long after its last turn (0: not)
+    session_bytes: int = 0  # the budget of those; over it, the sessions idle longest lose their protection first
+
+
+@dataclass(frozen=True)
+class PdSettings(HeldSettings, EngineSettings):
+    """``pd``: prefill and decode on one engine, fed metadata-only media."""
+
+
+@dataclass(frozen=True)
+class PrefillSettings(HeldSettings, KvEngineSettings):
+    """``prefill``: a KV producer fed metadata-only media (or media, for P/D)."""
+
+
+@dataclass(frozen=True)
 class EncoderSettings(MediaSettings):
     model: str = ""  # the checkpoint, relative to the model repository
     encoder_impl: str = "packed"  # or "transformers"
@@ -86,6 +105,9 @@ class RoutingSettings:
     # each video encoded in this many parts at once, on the encoder instances Triton has free (1: whole; metadata-only
     # requests only; a video of fewer temporal patches gets as many parts as it has: backend.protocol.generate.PART_PARAMETER)
     video_split: int = 1
+    # before encoding, ask the consumer which items it already holds (backend.transfer.held) and send those as its
+    # copies: no encode, no transfer (a request's epd_demand_aware parameter overrides it)
+    demand_aware: bool = False
 
     def targets(self) -> dict[Stage, tuple[str, str]]:
         """Model name and endpoint of each generator stage this orchestrator may ask over gRPC."""
@@ -113,7 +135,7 @@ class ProxySettings(RoutingSettings, MediaSettings):
 
 
 @dataclass(frozen=True)
-class ColocatedSettings(RoutingSettings, KvEngineSettings):
+class ColocatedSettings(RoutingSettings, HeldSettings, KvEngineSettings):
     """An orchestrator in the instances of its host stage (``topology``'s host: pd or prefill), beside its engine."""
 
     orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt

@@ -78,6 +78,7 @@ class RawGenerateInputs:
     return_num_output_tokens: bool = False
     kv_transfer_params: str | None = None      # JSON, between prefill and decode stages
     original_media: tuple[bytes, ...] = ()     # metadata-only off: the client's media beside image_layouts
+    session_id: str | None = None              # the request parameter (backend.protocol.generate.SESSION_PARAMETER)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class GenerateRequest:
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout
+    session_id: str | None = None               # the conversation this request is a turn of
 
     @property
     def prompt_field(self) -> str:
@@ -218,7 +220,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
-        original_media=tuple(raw.original_media),
+        original_media=tuple(raw.original_media), session_id=raw.session_id,
     )
 
 

@@ -13,17 +13,26 @@ import torch
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout, GridLayout, VideoLayout
 from backend.transfer.consumer import EmbeddingConsumer
+from backend.transfer.held import HeldEmbeddings
 from backend.transfer.same_host import DTYPES
 
 
-def pull_media_embeds(consumer: EmbeddingConsumer, layouts) -> dict[str, tuple]:
+def pull_media_embeds(consumer: EmbeddingConsumer, layouts, copies=None, held: "HeldEmbeddings | None" = None,
+                      session: str | None = None) -> dict[str, tuple]:
     """Pull every item of a request in one ``pull_many``: per modality, in prompt order, (embeddings, grid) as vLLM's
     ``<modality>_embeds`` input wants them: concatenated [tokens, hidden] with grid_thw [items, 3], or, for a modality
     vLLM takes item by item (``Modality.embeds_per_item``: audio), a list of [tokens, hidden] with the token counts
     [items]. A failed pull is ``Unavailable`` naming the item as its modality's layouts tensor does
-    (``video_layouts[i]: ...``)."""
+    (``video_layouts[i]: ...``). ``copies``: per layout, the consumer's own copy to use instead of pulling it, or
+    None (``HeldEmbeddings.take``); ``held``: where the pulled ones are kept for later requests (of ``session``)."""
     grids, names = media_grids(layouts), media_fields(layouts)
-    embeds = consumer.pull_many(layouts, names)
+    embeds = list(copies) if copies is not None else [None] * len(layouts)
+    wanted = [i for i, tensor in enumerate(embeds) if tensor is None]
+    pulled = consumer.pull_many([layouts[i] for i in wanted], [names[i] for i in wanted]) if wanted else []
+    for i, tensor in zip(wanted, pulled):
+        embeds[i] = tensor
+        if held is not None:
+            held.put(layouts[i], tensor, session)
     return {name: (_joined(name, [e for e, layout in zip(embeds, layouts) if layout.modality == name]), grid)
             for name, grid in grids.items()}
 

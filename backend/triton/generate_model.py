@@ -97,12 +97,16 @@ class GenerateModel:
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
         return request
 
+    def answer_lookup(self, sender, params: dict, tag: bool) -> bool:
+        """Answer the request if it is a lookup of held embeddings (``HELD_PARAMETER``); False: it is not one."""
+        return False
+
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             params = request_parameters(request)
             tag = bool(params.get(ERROR_CODES_PARAMETER))
-            if in_band_cancel(sender, params, self.cancels, tag):
+            if in_band_cancel(sender, params, self.cancels, tag) or self.answer_lookup(sender, params, tag):
                 continue
             try:
                 parsed = parse_generate_request(read_generate_inputs(request), self.resolver, self.limits)
@@ -139,11 +143,16 @@ class MetadataOnlyModel(GenerateModel):
 
     def initialize(self, args):
         super().initialize(args)
+        self.held = None  # this consumer's copies of what it pulled (backend.transfer.held)
         if self.spec.pulls_embeddings:
             from backend.transfer.announce import ProducerWatcher, directory
             from backend.transfer.consumer import EmbeddingConsumer
+            from backend.transfer.held import HeldEmbeddings
 
             self.consumer = EmbeddingConsumer(role=self.name)
+            settings = self.settings  # a consumer's settings are HeldSettings too (pd, prefill, colocated)
+            self.held = HeldEmbeddings(settings.held_bytes, settings.session_seconds, settings.session_bytes) \
+                if settings.held_bytes or (settings.session_seconds and settings.session_bytes) else None
             self.pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-pull")  # one agent user
             # connect to this server's encoders ahead of the first pull, on the pulls' thread
             self.producers = ProducerWatcher(directory(), lambda handle: self.pulls.submit(self.consumer.warm, handle))
@@ -206,13 +215,34 @@ class MetadataOnlyModel(GenerateModel):
                            timings=timings or None)
 
         started = time.perf_counter()
-        embeds = await asyncio.get_running_loop().run_in_executor(
-            self.pulls, pull_media_embeds, self.consumer, request.images)
+        embeds, taken = await asyncio.get_running_loop().run_in_executor(self.pulls, self._pull, request)
         seconds = time.perf_counter() - started
-        timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in request.images))
+        pulled = [layout for layout, held in zip(request.images, taken) if not held]
+        timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in pulled))
         self.metrics.transferred(timings["transfer_bytes"], seconds, dict(self.consumer.paths))
+        if self.held is not None:
+            timings["held_taken"] = sum(taken)
+            self.metrics.held(sum(taken), self.held.nbytes)
         return replace(request, images=(), media_embeds=embeds, media_kwargs=media_kwargs(request.images),
                        timings=timings)
+
+    def _pull(self, request: GenerateRequest):
+        """On the pulls' thread: the request's embeddings (its items this consumer holds taken from its copies,
+        ``backend.transfer.held``) and, per item, whether it was taken so."""
+        from backend.transfer.engine_inputs import pull_media_embeds
+
+        layouts, held, session = request.images, self.held, request.session_id
+        copies = [held.take(layout, session) for layout in layouts] if held is not None else [None] * len(layouts)
+        return pull_media_embeds(self.consumer, layouts, copies, held, session), [c is not None for c in copies]
+
+    def answer_lookup(self, sender, params, tag):
+        from backend.protocol.generate import HELD_PARAMETER
+        from backend.triton.io import answer_held_lookup
+
+        if HELD_PARAMETER not in params:
+            return False
+        answer_held_lookup(sender, params[HELD_PARAMETER], self.held, tag)
+        return True
 
     def image_processor(self):
         """The checkpoint's image processor (None: it has none), loaded at the first request with ``original_media``."""

@@ -15,7 +15,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.protocol.errors import ErrorCode, EpdError, InvalidInput, decode, encode, error_code
-from backend.protocol.generate import CANCEL_PARAMETER, ERROR_CODES_PARAMETER, Form, input_tensors, output_tensors
+from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, HELD_PARAMETER, SESSION_PARAMETER, Form,
+                                       input_tensors, output_tensors, parse_session)
 from backend.request.generate import RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 
@@ -99,8 +100,10 @@ _READ = {Form.TEXT: _text, Form.TEXTS: _texts, Form.BYTES: _bytes_items, Form.BO
 
 
 def read_generate_inputs(request) -> RawGenerateInputs:
-    """The request's tensors of the generate interface (``backend.protocol.generate.input_tensors``) as typed values."""
-    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()})
+    """The request's tensors of the generate interface (``backend.protocol.generate.input_tensors``) as typed values,
+    and its ``session_id`` parameter (InvalidInput naming it if it is no short string)."""
+    session = parse_session(request_parameters(request).get(SESSION_PARAMETER))
+    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()}, session_id=session)
 
 
 def _output(tensor, value) -> "pb_utils.Tensor":
@@ -195,6 +198,23 @@ def in_band_cancel(sender, params: dict, board, tag_code: bool) -> bool:
         board.cancel(target)
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     return True
+
+
+def answer_held_lookup(sender, query, held, tag_code: bool) -> None:
+    """Answer a lookup of held embeddings (``HELD_PARAMETER``'s JSON ``{"keys": [...], "session": id or null}``):
+    one final response whose ``text_output`` is the JSON object {content key: layout document} of the keys ``held``
+    (``backend.transfer.held.HeldEmbeddings``; None: this consumer keeps no copies) holds."""
+    try:
+        doc = json.loads(query) if isinstance(query, str) else None
+        keys, session = (doc.get("keys"), doc.get("session")) if isinstance(doc, dict) else (None, None)
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise InvalidInput(f"parameters.{HELD_PARAMETER}", 'expected JSON {"keys": [content key, ...], "session": ...}')
+        found = held.lookup(keys, parse_session(session)) if held is not None else {}
+    except Exception as exc:  # noqa: BLE001 - the asker's error, never this model's
+        send_error(sender, exc, tag_code)
+        return
+    text = pb_utils.Tensor("text_output", np.array([json.dumps(found).encode()], dtype=np.object_))
+    sender.send(pb_utils.InferenceResponse(output_tensors=[text]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def watched_sink(request, sender, board, tag_code: bool, timer: "RequestMetrics | None" = None) -> tuple[str, "TritonSink"]:

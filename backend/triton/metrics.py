@@ -45,6 +45,9 @@ class RequestMetrics:
     ``cuda_ipc`` device to device, ``shared_memory`` through host memory, ``nixl``).
     ``epd_retries_total{model,what}``: orchestrator retries: ``encode`` (one item encoded again after its
     encode failed) and ``request`` (items encoded again and the stages asked again after UNAVAILABLE).
+    ``epd_demand_skipped_total{model}``: items an orchestrator sent as the consumer's own copy instead of encoding
+    them (demand-aware encoding, ``backend.transfer.held``); ``epd_held_hits_total{model}`` /
+    ``epd_held_bytes{model}``: items a consumer took from its copies, and the bytes those copies hold now.
 
     Histograms (``LATENCY_BUCKETS``, seconds), per request, from the request read in ``execute`` (``TritonSink``):
     ``epd_request_ttft_seconds`` (to its first text) and ``epd_request_duration_seconds`` (to its final response);
@@ -68,6 +71,10 @@ class RequestMetrics:
         moved = _counter("epd_transfer_bytes_total", "Embedding bytes pulled from encoders")
         moving = _counter("epd_transfer_seconds_total", "Seconds spent pulling embeddings from encoders")
         paths = _counter("epd_transfer_items_total", "Embedding items pulled from encoders, by data path")
+        skipped = _counter("epd_demand_skipped_total", "Items not encoded because the consumer held their embeddings")
+        held_hits = _counter("epd_held_hits_total", "Items a consumer took from its own copies instead of pulling them")
+        held_bytes = pb_utils.MetricFamily(name="epd_held_bytes", kind=pb_utils.MetricFamily.GAUGE,
+                                           description="Bytes of embeddings a consumer holds for later requests")
         labels = metric_labels(model_name, instance)
         histogram = pb_utils.MetricFamily.HISTOGRAM
         self._histograms = {}
@@ -77,7 +84,10 @@ class RequestMetrics:
             histogram_families.append(family)
             self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         # a family must outlive its metrics
-        self._families = (requests, tokens, decodes, retries, moved, moving, paths, *histogram_families)
+        self._families = (requests, tokens, decodes, retries, moved, moving, paths, skipped, held_hits, held_bytes,
+                          *histogram_families)
+        self._skipped, self._held_hits = skipped.Metric(labels=labels), held_hits.Metric(labels=labels)
+        self._held_bytes = held_bytes.Metric(labels=labels)
         # a pull's path is its handle's transport
         self._paths = {p: paths.Metric(labels={**labels, "path": p}) for p in TRANSPORTS}
         self._paths_seen: dict[str, int] = {}
@@ -113,6 +123,10 @@ class RequestMetrics:
     def request_retried(self, what: str) -> None:
         self._batch.add(self._retries[what], 1)
 
+    def held(self, hits: int, nbytes: int) -> None:
+        """A consumer took ``hits`` items of a request from its copies, which now hold ``nbytes``."""
+        self._batch.add_many(((self._held_hits, hits),), ((self._held_bytes, nbytes),))
+
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
 
@@ -122,6 +136,8 @@ class RequestMetrics:
     def final_response(self, seconds: float, timings: dict | None) -> None:
         """A request's final response, ``seconds`` after it was read, with its timing breakdown (if any)."""
         observations = [(self._histograms["duration"], seconds)]
+        if timings and timings.get("held"):
+            self._batch.add(self._skipped, timings["held"])
         if timings:
             if timings.get("items") and timings.get("encode_ms") is not None:
                 observations.append((self._histograms["encode"], timings["encode_ms"] / 1000))

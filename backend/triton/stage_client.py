@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -37,7 +38,8 @@ import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
-from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER
+from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
+                                       PART_PARAMETER, SESSION_PARAMETER)
 from backend.deploy.server_address import resolve
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
@@ -182,7 +184,8 @@ class TritonStages(BlsEncoders):
         client, url = self._client(stage), self.urls[stage]
         outputs = PREFILL_OUTPUTS if stage is Stage.PREFILL else GENERATE_OUTPUTS
         request_id = f"epd-{uuid.uuid4().hex}"
-        request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": _TAGGED,
+        parameters = {**_TAGGED, SESSION_PARAMETER: inputs.session_id} if inputs.session_id else _TAGGED
+        request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
         finished = False
         async with single_request_stream(client, request) as stream:
@@ -201,6 +204,22 @@ class TritonStages(BlsEncoders):
             finally:
                 if not finished:  # the block's exit then reads the stream to its end, which the stage closes
                     await self._cancel(client, self.models[stage], request_id)
+
+    async def held(self, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
+        """Demand-aware encoding: ask the consumer stage which of ``keys`` it holds (``HELD_PARAMETER``, on a stream
+        of its own); its answer, {content key: layout document}. Raises the stage's error."""
+        import tritonclient.grpc as grpcclient
+
+        query = json.dumps({"keys": keys, "session": session})
+        request = {"model_name": self.models[stage], "inputs": [], "parameters": {**_TAGGED, HELD_PARAMETER: query},
+                   "outputs": [grpcclient.InferRequestedOutput("text_output")]}
+        async with single_request_stream(self._client(stage), request) as stream:
+            async for result, error in _unavailable_if_unreachable(stream, self.models[stage], self.urls[stage]):
+                if error is not None:
+                    raise from_triton_error(error, self.models[stage])
+                answer = json.loads(result.as_numpy("text_output").reshape(-1)[0])
+                return answer if isinstance(answer, dict) else {}
+        return {}
 
     async def _cancel(self, client, model: str, request_id: str) -> None:
         """Cancel a stage request in band (``backend.triton.cancel_board``: cancelling the gRPC stream can deadlock

@@ -236,3 +236,86 @@ def test_a_layout_that_is_not_json_fails_the_item_unavailable_after_one_retry():
     outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"A",)))
     assert outcome is Outcome.ERROR and isinstance(sink.errors[0], Unavailable) and sink.errors[0].field == "image[0]"
     assert len(stages.encoded) == 2 and stages.generated == []
+
+
+class HoldingStages(FakeStages):
+    """A consumer stage that holds some items (``held``: content key -> layout text): the demand-aware lookup."""
+
+    def __init__(self, held=None, lookup_error=None, lookup_delay=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.holding, self.lookup_error, self.lookup_delay = dict(held or {}), lookup_error, lookup_delay
+        self.lookups = []
+
+    async def held(self, keys, session, stage):
+        self.lookups.append((list(keys), session, stage))
+        await asyncio.sleep(self.lookup_delay)
+        if self.lookup_error is not None:
+            raise self.lookup_error
+        return {key: text for key, text in self.holding.items() if key in keys}
+
+
+def demand_run(stages, raw, demand_aware=True):
+    sink = FakeSink()
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), demand_aware=demand_aware)
+    return asyncio.run(orchestrator.run(raw, sink)), sink
+
+
+TWO_IMAGES = RawGenerateInputs(text_input="<|image_pad|> <|image_pad|>", images=(b"A", b"B"), session_id="conv-1")
+
+
+def key_of(data):
+    from backend.protocol.layout import content_key
+    return content_key(data, IDENTITY.processing, IDENTITY.model)
+
+
+def test_demand_aware_sends_the_consumers_copy_and_encodes_only_the_rest():
+    stages = HoldingStages(held={key_of(b"A"): '{"held": "A"}'})
+    outcome, sink = demand_run(stages, TWO_IMAGES)
+    assert outcome is Outcome.OK
+    assert [data for data, _ in stages.encoded] == [b"B"]  # A skipped: the consumer holds it
+    [sent] = stages.generated
+    assert sent.image_layouts == ('{"held": "A"}', '{"layout": 0}') and sent.session_id == "conv-1"  # prompt order
+    [(keys, session, stage)] = stages.lookups
+    assert keys == [key_of(b"A"), key_of(b"B")] and session == "conv-1" and stage.value == "pd"
+    timings = sink.chunks[-1][0].timings
+    assert timings["held"] == 1 and timings["items"] == 2 and timings["lookup_ms"] >= 0
+
+
+def test_demand_aware_is_off_unless_asked_and_a_request_may_turn_it_on_or_off():
+    stages = HoldingStages(held={key_of(b"A"): '{"held": "A"}'})
+    assert demand_run(stages, TWO_IMAGES, demand_aware=False)[0] is Outcome.OK
+    assert stages.lookups == [] and len(stages.encoded) == 2
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), demand_aware=True)
+    asyncio.run(orchestrator.run(TWO_IMAGES, FakeSink(), demand_aware=False))
+    assert stages.lookups == [] and len(stages.encoded) == 4
+
+
+def test_a_failed_or_slow_lookup_encodes_every_item_and_the_request_succeeds(monkeypatch):
+    monkeypatch.setattr(Orchestrator, "LOOKUP_SECONDS", 0.05)
+    for stages in (HoldingStages(held={key_of(b"A"): "x"}, lookup_error=Unavailable("pd not reachable")),
+                   HoldingStages(held={key_of(b"A"): "x"}, lookup_delay=1.0)):
+        outcome, sink = demand_run(stages, TWO_IMAGES)
+        assert outcome is Outcome.OK and len(stages.encoded) == 2 and sink.chunks[-1][0].timings["held"] == 0
+
+
+def test_a_copy_gone_at_the_consumer_is_encoded_and_the_request_retried_without_a_lookup():
+    stages = HoldingStages(held={key_of(b"A"): '{"held": "A"}'}, generate_error=Unavailable("lease released", "image_layouts[0]"),
+                           generate_failures=1)
+    outcome, sink = demand_run(stages, TWO_IMAGES)
+    assert outcome is Outcome.OK and len(stages.lookups) == 1
+    assert [data for data, _ in stages.encoded] == [b"B", b"A", b"B"]  # the retry encodes everything
+    assert stages.generated[1].image_layouts == ('{"layout": 1}', '{"layout": 2}')
+    assert sink.chunks[-1][0].timings["retries"] == 1
+
+
+def test_a_consumer_answer_naming_keys_not_asked_for_is_ignored():
+    stages = HoldingStages(held={key_of(b"A"): '{"held": "A"}'})
+    stages.holding["unasked"] = "y"
+    original = stages.held
+
+    async def leaky(keys, session, stage):
+        return {**(await original(keys, session, stage)), "unasked": "y"}
+
+    stages.held = leaky
+    outcome, sink = demand_run(stages, TWO_IMAGES)
+    assert outcome is Outcome.OK and sink.chunks[-1][0].timings["held"] == 1

@@ -245,3 +245,40 @@ def test_the_tier_renders_into_the_encoder_only_where_the_topology_has_one(tmp_p
     doc = {**BASE, "tier": {"bytes": 1 << 20, "master": "10.0.0.2:50051", "metadata": "http://10.0.0.2:8080/metadata"}}
     render(load(_write(tmp_path, doc), "cpu"), tmp_path / "remote")
     assert launch_for(tmp_path / "remote") is None  # a tier run elsewhere: nothing to start here
+
+
+def test_the_reuse_block_renders_copies_into_the_consumers_and_demand_aware_into_the_orchestrators():
+    """``reuse``: the consumers' copies (pd; the colocated E/P/D orchestrator, whose engine is prefill's) and
+    demand-aware encoding at both orchestrators; decode and the baseline get none of it; no block: nothing."""
+    files = render_files(load(ROOT / "topologies" / "cpu-reuse.yaml", "cpu"), Path("/r"))
+    held = ('key: "held_bytes" value: { string_value: "16777216" }', 'key: "session_seconds" value: { string_value: "60" }')
+    demand = 'key: "demand_aware" value: { string_value: "true" }'
+    for model in ("pd", "epd_disagg"):
+        assert all(line in files[f"{model}/config.pbtxt"] for line in held), model
+    assert demand in files["epd/config.pbtxt"] and demand in files["epd_disagg/config.pbtxt"]
+    assert "held_bytes" not in files["epd/config.pbtxt"] and "demand_aware" not in files["pd/config.pbtxt"]
+    for model in ("llm", "decode", "encoder"):
+        assert "held_bytes" not in files[f"{model}/config.pbtxt"] and "demand_aware" not in files[f"{model}/config.pbtxt"]
+    assert not any("held_bytes" in text or "demand_aware" in text for text in render_files(load(DEFAULT, "cpu"), Path("/r")).values())
+
+
+@pytest.mark.parametrize("reuse, stages, message", [
+    ({"held": 1}, {}, "unknown key"),
+    ({"held_bytes": -1}, {}, "reuse.held_bytes: expected a byte count >= 0"),
+    ({"held_bytes": 1.5}, {}, "reuse.held_bytes: expected a byte count"),
+    ({"session_seconds": "60"}, {}, "reuse.session_seconds: expected a number"),
+    ({"held_bytes": 1, "demand_aware": "yes"}, {}, "reuse.demand_aware: expected true or false"),
+    ({"demand_aware": True}, {}, "the consumers keep no copies to find"),
+    ({"held_bytes": 1 << 20, "demand_aware": True}, {"pd": {"instances": 2}},
+     "E\\+PD's proxy orchestrator cannot know which of stages.pd's 2 instances"),
+])
+def test_a_bad_reuse_block_is_refused_naming_the_key(tmp_path, reuse, stages, message):
+    doc = {**BASE, "stages": {**BASE["stages"], **stages}, "reuse": reuse}
+    with pytest.raises(TopologyError, match=message):
+        load(_write(tmp_path, doc), "cpu")
+
+
+def test_demand_aware_with_several_consumer_instances_is_fine_for_the_colocated_orchestrator(tmp_path):
+    doc = {**BASE, "stages": {"encoder": {}, "pd": {"instances": 2, "orchestrator": "colocated"}},
+           "reuse": {"held_bytes": 1 << 20, "demand_aware": True}}
+    assert load(_write(tmp_path, doc), "cpu").reuse["demand_aware"] is True

@@ -49,11 +49,12 @@ class TritonPythonModel(MetadataOnlyModel):
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
-                                  interval=self.stream_interval, local=mode.host)
+                                  interval=self.stream_interval, local=mode.host,
+                                  held=self.held.lookup if self.held is not None else None)
         self.orchestrator = Orchestrator(
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
             deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
-            video_split=settings.video_split)
+            video_split=settings.video_split, demand_aware=settings.demand_aware)
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)

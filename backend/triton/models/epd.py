@@ -25,7 +25,7 @@ from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import TritonStages, stage_urls
-from backend.protocol.generate import ENCODE_PARAMETER, METADATA_ONLY_PARAMETER
+from backend.protocol.generate import ENCODE_PARAMETER, DEMAND_AWARE_PARAMETER, METADATA_ONLY_PARAMETER
 
 
 def _bool_parameter(params: dict, name: str) -> bool | None:
@@ -49,11 +49,12 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: 
             raw = read_generate_inputs(request)
             metadata_only = _bool_parameter(params, METADATA_ONLY_PARAMETER)
             encode = _bool_parameter(params, ENCODE_PARAMETER) is not False
+            demand_aware = _bool_parameter(params, DEMAND_AWARE_PARAMETER)
         except Exception as exc:
             send_error(sender, exc, tag)
             continue
         request_id, sink = watched_sink(request, sender, cancels, tag, metrics)
-        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, metadata_only, encode)))
+        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, metadata_only, encode, demand_aware)))
 
 
 class TritonPythonModel:
@@ -79,7 +80,7 @@ class TritonPythonModel:
                                          limits, mode, deadline=settings.request_timeout_seconds,
                                          metadata_only=settings.metadata_only,
                                          stages_take_media=mode.generators_take_media,
-                                         video_split=settings.video_split)
+                                         video_split=settings.video_split, demand_aware=settings.demand_aware)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses

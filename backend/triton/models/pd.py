@@ -5,9 +5,11 @@ embeddings are pulled from the encoder's buffer (``backend.triton.generate_model
 or expired pull fails that request with UNAVAILABLE and nothing reaches vLLM. This model never
 receives or decodes media.
 """
+from backend.protocol.settings import PdSettings
 from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
     ROLE = Stage.PD
+    SETTINGS = PdSettings

@@ -5,11 +5,11 @@ The orchestrator sends it the request with ``max_tokens=1`` and ``kv_transfer_pa
 needs to pull the KV through NIXL. P/D: an orchestrator that skips the encoders sends the client's media;
 the EngineCore's idle wait defaults to the role's (``backend.protocol.stages``).
 """
-from backend.protocol.settings import KvEngineSettings
+from backend.protocol.settings import PrefillSettings
 from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 
 
 class TritonPythonModel(MetadataOnlyModel):
     ROLE = Stage.PREFILL
-    SETTINGS = KvEngineSettings
+    SETTINGS = PrefillSettings

@@ -1,0 +1,144 @@
+"""E2E: demand-aware encoding and conversations kept across turns (docs/reuse.md) in a real tritonserver on
+``topologies/cpu-reuse.yaml``: E+PD through the proxy ``epd`` (it asks ``pd`` over gRPC which items it holds), E/P/D
+through ``epd_disagg`` colocated with prefill (it asks its own engine's copies in process), the ``llm`` baseline.
+
+The recent-items budget is cut to a few items here (``held_bytes``), so other traffic evicts what no conversation
+keeps. Counts come from the metrics: the encoder's tower outputs (``epd_encoder_items_total``), the orchestrators'
+``epd_demand_skipped_total``, the consumers' ``epd_held_hits_total``; and from each final response's timings
+(``held``: items sent as the consumer's copy)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from backend.deploy.render import render
+from backend.deploy.topology import load
+from clients.local_server import ROOT, TritonServer
+from clients.triton_client import GenerateError
+from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
+from tests.e2e.test_epd import ask
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.e2e
+
+TOPOLOGY = ROOT / "topologies" / "cpu-reuse.yaml"
+RECENT_BYTES = 4 * 12 * 128 * 4  # about four of the test images' embeddings (12 tokens x 128 x float32)
+DEPLOYMENTS = ("epd", "epd_disagg")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("reuse") / "repo"
+    topology = load(TOPOLOGY, "cpu")
+    render(replace(topology, reuse={**topology.reuse, "held_bytes": RECENT_BYTES}), repo)
+    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        yield server
+        held = held_shm(server.proc.pid) - _shm_of_this_process()
+    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
+
+
+def screenshot(seed: int) -> bytes:
+    return image_bytes(96, 80, seed=20_000 + seed)
+
+
+def turn(images: list[bytes], text: str) -> dict:
+    """A user turn with its images first (an agent re-sending its earlier screenshots and one new one)."""
+    return dict(messages=[{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}],
+                images=images)
+
+
+def encodes(server) -> float:
+    """The items the encoder was asked for so far (tower outputs + items its own cache served), once the counters
+    stopped moving (they are batched)."""
+    last = None
+    for _ in range(10):
+        now = sum(metrics(server, ("epd_encoder_items_total", "epd_encoder_cache_hits_total"), model="encoder").values())
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.2)
+    return last
+
+
+def converse(server, model: str, seeds: list[int], session: str | None, demand_aware: bool | None = None):
+    """One conversation: turn k sends the screenshots of seeds[:k+1]; per turn, (result, items the encoder was asked
+    for)."""
+    parameters = {**({"session_id": session} if session else {}),
+                  **({"epd_demand_aware": demand_aware} if demand_aware is not None else {})}
+    out = []
+    for k in range(len(seeds)):
+        before = encodes(server)
+        result = ask(server, model, parameters=parameters or None,
+                     **turn([screenshot(s) for s in seeds[:k + 1]], f"step {k}: what changed?"))
+        out.append((result, encodes(server) - before))
+    return out
+
+
+@pytest.mark.parametrize("model", DEPLOYMENTS)
+def test_each_turn_encodes_only_its_new_screenshot_and_gives_the_llm_tokens(server, model):
+    seeds = [100 + 10 * DEPLOYMENTS.index(model) + i for i in range(3)]
+    turns = converse(server, model, seeds, session=f"agent-{model}")
+    for k, (result, encoded) in enumerate(turns):
+        assert encoded == 1, f"turn {k} of {model} encoded {encoded} items (only its new screenshot is new)"
+        assert result.timings["held"] == k and result.timings["items"] == k + 1, result.timings
+        want = ask(server, "llm", **turn([screenshot(s) for s in seeds[:k + 1]], f"step {k}: what changed?"))
+        assert_same_answer(result, want)
+
+
+def test_a_request_can_turn_demand_aware_encoding_off_and_gets_the_same_tokens(server):
+    on = converse(server, "epd", [200, 201, 202], session="on")
+    off = converse(server, "epd", [210, 211, 212], session=None, demand_aware=False)
+    assert [encoded for _, encoded in on] == [1, 1, 1]
+    assert [encoded for _, encoded in off] == [1, 2, 3]  # every screenshot goes to the encoder again
+    assert all("held" not in r.timings and "lookup_ms" not in r.timings for r, _ in off)
+    again = converse(server, "epd", [200, 201, 202], session=None, demand_aware=False)  # the same turns as "on"
+    for (a, _), (b, _) in zip(on, again):
+        assert_same_answer(a, b)
+
+
+def test_a_conversation_keeps_its_items_through_other_traffic_and_one_without_a_session_does_not(server):
+    kept = converse(server, "epd", [300], session="paused-agent")
+    loose = converse(server, "epd", [301], session=None)
+    for seed in range(310, 318):  # other users' new screenshots: more than the recent-items budget holds
+        ask(server, "epd", **turn([screenshot(seed)], "what is this?"))
+    before = metrics(server, ("epd_demand_skipped_total", "epd_held_hits_total"))
+    again_kept = ask(server, "epd", parameters={"session_id": "paused-agent"},
+                     **turn([screenshot(300), screenshot(302)], "step 1: what changed?"))
+    again_loose = ask(server, "epd", **turn([screenshot(301), screenshot(303)], "step 1: what changed?"))
+    assert again_kept.timings["held"] == 1, "the paused conversation's screenshot was evicted by other traffic"
+    assert again_loose.timings["held"] == 0, "an item of no conversation outlived the recent-items budget"
+    assert kept[0][0].text and loose[0][0].text
+    time.sleep(1.0)
+    after = metrics(server, ("epd_demand_skipped_total", "epd_held_hits_total"))
+    assert after["epd_demand_skipped_total"] - before["epd_demand_skipped_total"] == 1
+    assert after["epd_held_hits_total"] - before["epd_held_hits_total"] == 1
+
+
+@pytest.mark.parametrize("value", [17, "", "x" * 257])
+def test_a_bad_session_id_is_invalid_arg_naming_it(server, value):
+    for model in ("epd", "pd"):
+        with pytest.raises(GenerateError) as info:
+            ask(server, model, parameters={"session_id": value}, prompt="hello")
+        assert info.value.message.startswith("parameters.session_id: expected a non-empty string"), (model, info.value)
+
+
+def test_a_malformed_lookup_is_invalid_arg_and_pd_keeps_serving(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers = []
+    client.start_stream(callback=lambda result, error: answers.append((result, error)))
+    for query in ("not json", json.dumps({"keys": "k"})):
+        client.async_stream_infer("pd", inputs=[], parameters={"epd_held": query},
+                                  outputs=[grpcclient.InferRequestedOutput("text_output")])
+    deadline = time.monotonic() + 30
+    while len(answers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.stop_stream()
+    assert len(answers) == 2 and all(error is not None and "parameters.epd_held" in error.message() for _, error in answers), \
+        [error and error.message() for _, error in answers]
+    assert ask(server, "epd", **turn([screenshot(400)], "still there?")).text
