@@ -8,8 +8,8 @@ ON's turn k, the counters read, OFF's turn k, the counters read, then the pause 
 the same churn, and each turn's encodes are its own: the counters' movement since the last read, less the background
 items in between (every background image is new, so each is encoded exactly once). A conversation's gap between turns
 is therefore the pause plus the reads and the other conversation's turn (~3 s; reported as ``gap_s``).
-Per turn: the items sent to the encoder (``timings.items``), the items served from the consumer's copy
-(``timings.held``), encodes (the counters), TTFT. Every answer is checked against ``llm``'s.
+Per turn: the request's items (``timings.items``), those served from the consumer's copy (``timings.held``; the others
+were sent to the encoder), the demand-aware lookup (``timings.lookup_ms``), encodes (the counters), TTFT. Every answer is checked against ``llm``'s.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from clients.triton_client import GenerateInputs
 
 ON, OFF = "on", "off"
 SESSION_PARAMETER, DEMAND_PARAMETER = "session_id", "epd_demand_aware"
-HELD = ("epd_held_hits_total", "epd_demand_skipped_total", "epd_held_bytes")  # the consumer's copy (docs/tier.md)
+HELD = ("epd_held_hits_total", "epd_demand_skipped_total", "epd_held_bytes")  # the consumer's copies
 SEEDS = 5_000_000  # screenshots' seeds: apart from every other part's images
 BACKGROUND_SEEDS = 7_000_000
 
@@ -108,11 +108,11 @@ async def lockstep(server, pair: tuple[Conversation, Conversation], turns: int, 
             now = await settled(metrics_url)
             encodes = moved(last, now)["epd_encoder_items_total"] - background_items
             last, background_items = now, 0
-            sample = results.samples[0] if results.samples else None
+            timings = results.samples[0].timings if results.samples else {}
             records.append({"mode": conversation.mode, "pause_s": pause, "turn": k, "encodes": encodes,
-                            "items": sample.timings.get("items") if sample else None,
-                            "held": sample.timings.get("held", 0) if sample else None,
-                            "ttft_ms": round(sample.ttft * 1000, 1) if sample else None,
+                            "items": timings.get("items"), "held": timings.get("held", 0) if timings else None,
+                            "lookup_ms": timings.get("lookup_ms"),
+                            "ttft_ms": round(results.samples[0].ttft * 1000, 1) if results.samples else None,
                             "gap_s": round(sent - ended[conversation.mode], 1) if conversation.mode in ended else None,
                             "background_errors": background_errors, "error": results.errors[:1]})
             ended[conversation.mode] = ended_now
@@ -129,9 +129,11 @@ def summary(records: list[dict], mode: str) -> dict:
     their new screenshot."""
     later = [r for r in records if r["mode"] == mode and r["turn"] > 1]
     ttft = [r["ttft_ms"] / 1000 for r in later if r["ttft_ms"] is not None]
+    lookups = [r["lookup_ms"] / 1000 for r in later if r.get("lookup_ms") is not None]
     gaps = [r["gap_s"] for r in later if r["gap_s"] is not None]
-    return {"encodes": sum(r["encodes"] for r in later), "items": sum(r["items"] or 0 for r in later),
-            "held": sum(r["held"] or 0 for r in later), "only_new": sum(r["encodes"] == 1 for r in later),
+    items, held = sum(r["items"] or 0 for r in later), sum(r["held"] or 0 for r in later)
+    return {"encodes": sum(r["encodes"] for r in later), "items": items, "held": held, "to_encoder": items - held,
+            "only_new": sum(r["encodes"] == 1 for r in later), "lookup_p50_ms": ms(lookups, 50),
             "turns": len(later), "ttft_p50_ms": ms(ttft, 50), "ttft_p90_ms": ms(ttft, 90),
             "gap_s": round(sum(gaps) / len(gaps), 1) if gaps else None,
             "errors": sum(bool(r["error"]) for r in later) + sum(r["background_errors"] for r in later)}

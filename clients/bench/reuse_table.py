@@ -83,7 +83,8 @@ def _turn(record: dict | None) -> str:
         return MISSING
     if record.get("error"):
         return f"ERROR {record['error'][0][:60]}"
-    return (f"enc {num(record['encodes'], 0)} · E {num(record['items'], 0)} · held {num(record['held'], 0)} · "
+    to_encoder = record["items"] - record["held"] if record["items"] is not None else None
+    return (f"enc {num(record['encodes'], 0)} · E {num(to_encoder, 0)} · held {num(record['held'], 0)} · "
             f"{num(record['ttft_ms'])} ms")
 
 
@@ -101,12 +102,14 @@ def agent_rows(results: dict) -> list[tuple]:
         rows += [(where, f"turns 2-{turns}: encodes (tower outputs)", num(off["encodes"], 0), num(on["encodes"], 0),
                   f"{num(off['encodes'], 0)} -> {num(on['encodes'], 0)}", f"{turns - 1} (the new screenshots)"),
                  (where, "items sent to the encoder / served from the consumer's copy",
-                  f"{off['items']} / {off['held']}", f"{on['items']} / {on['held']}", "", ""),
+                  f"{off['to_encoder']} / {off['held']}", f"{on['to_encoder']} / {on['held']}", "", ""),
                  (where, "turns that encoded only their new screenshot", f"{off['only_new']} of {off['turns']}",
                   f"{on['only_new']} of {on['turns']}", "", f"{turns - 1} of {turns - 1}"),
                  (where, "TTFT p50 / p90, ms", f"{num(off['ttft_p50_ms'])} / {num(off['ttft_p90_ms'])}",
                   f"{num(on['ttft_p50_ms'])} / {num(on['ttft_p90_ms'])}",
                   change(off["ttft_p50_ms"], on["ttft_p50_ms"]), ""),
+                 (where, "demand-aware lookup p50 (timings.lookup_ms), ms", num(off["lookup_p50_ms"]),
+                  num(on["lookup_p50_ms"]), "", ""),
                  (where, "mean gap between turns, s (pause + reads + the other's turn)", num(off["gap_s"]),
                   num(on["gap_s"]), "", "")]
         by = {(r["mode"], r["turn"]): r for r in run["turns"]}

@@ -81,12 +81,13 @@ def test_an_agent_turn_resends_every_earlier_screenshot_and_only_on_carries_the_
 
 
 def test_an_agent_summary_leaves_out_the_first_turn():
-    records = [{"mode": ON, "turn": k, "encodes": 1.0, "items": 1, "held": k - 1, "ttft_ms": 100.0 + k,
+    records = [{"mode": ON, "turn": k, "encodes": 1.0, "items": k, "held": k - 1, "ttft_ms": 100.0 + k,
                 "gap_s": None if k == 1 else 5.5, "background_errors": 0, "error": []} for k in (1, 2, 3)]
     records += [{"mode": OFF, "turn": k, "encodes": float(k), "items": k, "held": 0, "ttft_ms": 200.0,
                  "gap_s": None if k == 1 else 6.0, "background_errors": 1, "error": []} for k in (1, 2, 3)]
     on, off = summary(records, ON), summary(records, OFF)
-    assert (on["encodes"], on["items"], on["held"], on["only_new"], on["turns"]) == (2.0, 2, 3, 2, 2)
+    assert (on["encodes"], on["items"], on["held"], on["only_new"], on["turns"]) == (2.0, 5, 3, 2, 2)
+    assert on["to_encoder"] == 2 and off["to_encoder"] == 5
     assert (off["encodes"], off["only_new"], off["errors"], off["gap_s"]) == (5.0, 0, 2, 6.0)
 
 
@@ -119,3 +120,17 @@ def test_the_table_puts_both_deployments_side_by_side_with_the_change():
 def test_change_is_relative_to_the_first_value():
     assert change(200.0, 100.0) == "-50%" and change(100.0, 150.0) == "+50%"
     assert change(None, 1.0) == change(0, 1.0) == change(1.0, None) == "-"
+
+
+def test_the_agent_rows_show_each_turn_of_both_modes():
+    turn = lambda mode, k, encodes, held: {"mode": mode, "turn": k, "encodes": encodes, "items": k, "held": held,
+                                           "lookup_ms": 1.0, "ttft_ms": 50.0 * k, "gap_s": None if k == 1 else 5.0,
+                                           "background_errors": 0, "error": []}
+    records = [turn(OFF, 1, 1.0, 0), turn(OFF, 2, 2.0, 0), turn(ON, 1, 1.0, 0), turn(ON, 2, 1.0, 1)]
+    done = {"settings": {"turns": 2}, "agent": {"5": {"turns": records, "on": summary(records, ON),
+                                                      "off": summary(records, OFF)}}}
+    rows = {line.split(" | ")[1]: line for line in markdown(done).splitlines() if line.startswith("| ")}
+    assert "| 2 | 1 | 2 -> 1 | 1 (the new screenshots) |" in rows["turns 2-2: encodes (tower outputs)"]
+    assert "| 2 / 0 | 1 / 1 |" in rows["items sent to the encoder / served from the consumer's copy"]
+    turn2 = next(line for key, line in rows.items() if key.startswith("turn 2:"))
+    assert "| enc 2 · E 2 · held 0 · 100.0 ms | enc 1 · E 1 · held 1 · 100.0 ms |" in turn2
