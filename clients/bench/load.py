@@ -8,6 +8,8 @@ mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC stream
   ``ignore_eos`` so every request generates the same length.
 - ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
   request when the previous one finished (closed loop: the load adapts to the server).
+- ``run_until``: the same closed loop, each request made as it is sent, until a deadline (``clients.bench.reuse``'s
+  background traffic).
 - ``run_rate``: requests sent at Poisson arrival times (``rate_schedule``: exponential gaps of mean
   1/rate, seeded), each on its own stream, whatever the server's state (open loop: queues grow when the
   rate exceeds what the server can do, which is what a rate sweep is for).
