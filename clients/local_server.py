@@ -135,10 +135,12 @@ class TritonServer:
 
     def __init__(self, repository: Path = DEFAULT_REPOSITORY, ports: Ports | None = None,
                  log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None,
-                 argv: list[str] | None = None):
+                 argv: list[str] | None = None, start_timeout: float = 300.0):
         """``argv``: start this command instead of tritonserver (e.g. ``make serve``, the console script), in a
-        session of its own, with ``env`` as is; it must serve on ``ports``."""
+        session of its own, with ``env`` as is; it must serve on ``ports``. ``start_timeout``: how long ``with``
+        waits for ready."""
         self.argv = argv
+        self.start_timeout = start_timeout
         self.repository = Path(repository)
         self.ports = ports or Ports.free()
         self._own_ports = ports is None  # picked here: picked again if another process takes one first
@@ -306,7 +308,7 @@ class TritonServer:
 
     def __enter__(self) -> "TritonServer":
         self._sigterm = _exit_on_sigterm()
-        return self.start()
+        return self.start(self.start_timeout)
 
     def __exit__(self, *exc) -> None:
         try:

@@ -8,6 +8,8 @@ mode and an open-loop request-rate mode, over tritonclient's asyncio gRPC stream
   ``ignore_eos`` so every request generates the same length.
 - ``run_concurrency``: ``concurrency`` simulated clients, each with one gRPC stream, sending its next
   request when the previous one finished (closed loop: the load adapts to the server).
+- ``run_until``: the same closed loop, each request made as it is sent, until a deadline (``clients.bench.reuse``'s
+  background traffic).
 - ``run_rate``: requests sent at Poisson arrival times (``rate_schedule``: exponential gaps of mean
   1/rate, seeded), each on its own stream, whatever the server's state (open loop: queues grow when the
   rate exceeds what the server can do, which is what a rate sweep is for).
@@ -103,14 +105,16 @@ def rate_schedule(rate: float, count: int, seed: int = 0) -> list[float]:
 
 async def _read_response(stream, started: float) -> tuple[Sample | None, str | None]:
     """Read one request's responses from ``stream`` up to its final one."""
-    ttft, tokens, timings, responses = None, 0, {}, 0
+    ttft, tokens, timings, responses, chunks = None, 0, {}, 0, []
     async for result, error in stream:
         if error is not None:
             return None, str(error)
         responses += 1
         text = result.as_numpy("text_output")
-        if ttft is None and text is not None and text.size and text.reshape(-1)[0]:
-            ttft = time.perf_counter() - started
+        if text is not None and text.size and text.reshape(-1)[0]:
+            chunks.append(_text(text.reshape(-1)[0]))
+            if ttft is None:
+                ttft = time.perf_counter() - started
         count = result.as_numpy("num_output_tokens")
         if count is not None:
             tokens = int(count.reshape(-1)[0])
@@ -119,8 +123,12 @@ async def _read_response(stream, started: float) -> tuple[Sample | None, str | N
             timings = json.loads(stage.reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
             latency = time.perf_counter() - started
-            return Sample(ttft or latency, latency, tokens, timings, responses), None
+            return Sample(ttft or latency, latency, tokens, timings, responses, "".join(chunks)), None
     return None, "stream ended before the final response"
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _request(model: str, inputs: GenerateInputs) -> dict:
@@ -137,15 +145,18 @@ class Results:
         self.errors: list[str] = []
         self.progress = progress
 
-    def add(self, sample: Sample | None, error: str | None) -> None:
+    def add(self, sample: Sample | None, error: str | None, index: int | None = None) -> None:
+        """One request's outcome; ``index``: its position in the requests given (``Sample.index``)."""
         if sample is not None:
+            sample.index = index
             self.samples.append(sample)
         if error is not None:
             self.errors.append(error)
         self.progress.update(1)
 
 
-async def _closed_loop_client(url: str, model: str, jobs: asyncio.Queue, results: Results) -> None:
+async def _closed_loop_client(url: str, model: str, next_job, results: Results) -> None:
+    """One simulated client on one gRPC stream: ``next_job()`` -> (index, inputs), or None when there is no more."""
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -157,11 +168,11 @@ async def _closed_loop_client(url: str, model: str, jobs: asyncio.Queue, results
 
     stream = client.stream_infer(requests())
     try:
-        while not jobs.empty():
-            inputs = jobs.get_nowait()
+        while (job := next_job()) is not None:
+            index, inputs = job
             started = time.perf_counter()
             await outbox.put(_request(model, inputs))
-            results.add(*await _read_response(stream, started))
+            results.add(*await _read_response(stream, started), index=index)
     finally:
         await outbox.put(None)
         await read_to_end(stream)  # before closing the channel: see read_to_end
@@ -170,11 +181,29 @@ async def _closed_loop_client(url: str, model: str, jobs: asyncio.Queue, results
 
 async def run_concurrency(url: str, model: str, concurrency: int, requests: list[GenerateInputs], progress) -> tuple[Results, float]:
     jobs: asyncio.Queue = asyncio.Queue()
-    for inputs in requests:
-        jobs.put_nowait(inputs)
+    for job in enumerate(requests):
+        jobs.put_nowait(job)
     results = Results(progress)
     started = time.perf_counter()
-    await asyncio.gather(*(_closed_loop_client(url, model, jobs, results) for _ in range(concurrency)))
+    await asyncio.gather(*(_closed_loop_client(url, model, lambda: None if jobs.empty() else jobs.get_nowait(), results)
+                           for _ in range(concurrency)))
+    return results, time.perf_counter() - started
+
+
+async def run_until(url: str, model: str, concurrency: int, make, deadline: float, progress) -> tuple[Results, float]:
+    """Closed loop like ``run_concurrency``, with requests ``make(i)`` (i = 0, 1, ...) made as they are sent, until
+    ``time.monotonic()`` passes ``deadline``: no request is sent after it (those in flight finish)."""
+    counter = iter(range(1 << 62))
+
+    def next_job():
+        if time.monotonic() >= deadline:
+            return None
+        i = next(counter)
+        return i, make(i)
+
+    results = Results(progress)
+    started = time.perf_counter()
+    await asyncio.gather(*(_closed_loop_client(url, model, next_job, results) for _ in range(concurrency)))
     return results, time.perf_counter() - started
 
 
@@ -186,17 +215,18 @@ async def run_rate(url: str, model: str, rate: float, requests: list[GenerateInp
     results = Results(progress)
     start = time.perf_counter()
 
-    async def one(at: float, inputs: GenerateInputs) -> None:
+    async def one(index: int, at: float, inputs: GenerateInputs) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         started = time.perf_counter()
         try:
             async with single_request_stream(client, _request(model, inputs)) as stream:
-                results.add(*await _read_response(stream, started))
+                results.add(*await _read_response(stream, started), index=index)
         except Exception as exc:  # noqa: BLE001 - a failed request is an error row, not the end of the run
             results.add(None, f"{type(exc).__name__}: {exc}")
 
     try:
-        await asyncio.gather(*(one(at, inputs) for at, inputs in zip(rate_schedule(rate, len(requests), seed), requests)))
+        await asyncio.gather(*(one(i, at, inputs) for i, (at, inputs)
+                               in enumerate(zip(rate_schedule(rate, len(requests), seed), requests))))
     finally:
         await client.close()
     return results, time.perf_counter() - start

@@ -30,6 +30,8 @@ class Sample:
     tokens: int
     timings: dict = field(default_factory=dict)
     responses: int = 0  # streamed responses (fewer than tokens when the server coalesced under load)
+    text: str = ""  # the answer's text, all chunks joined (the reuse benchmark compares it with the baseline's)
+    index: int | None = None  # the request's position in the list the load functions were given
 
     @property
     def tpot(self) -> float | None:
