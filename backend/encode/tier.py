@@ -126,6 +126,8 @@ class EmbeddingTier:
     value of a key, ``remove(key)``): contract checks, stats, asynchronous writes, claims, and a breaker: after a
     failed or slow (``call_timeout``) store call the tier is skipped for ``retry_seconds``, then tried again."""
 
+    CLAIM_READS = 20  # reads of a claim that is not there yet (an in-flight put of another instance), poll_seconds apart
+
     def __init__(self, store, call_timeout: float = 1.0, retry_seconds: float = 10.0, queue_size: int = 64,
                  claim_seconds: float = 5.0, poll_seconds: float = 0.01):
         self.store, self.call_timeout, self.retry_seconds = store, call_timeout, retry_seconds
@@ -225,9 +227,9 @@ class EmbeddingTier:
         claim_key = CLAIM_PREFIX + key
         for _ in range(2):
             self._call("claim", self.store.put_bytes, claim_key, f"{token} {time.time()}".encode())
-            held = self._call("claim", self.store.get_bytes, claim_key)
+            held = self._read_claim(claim_key)
             if not held:
-                return True  # the tier is down (or lost the claim at once): encode
+                return True  # the tier is down (or the claim vanished at once): encode
             owner, _, since = held.decode(errors="replace").partition(" ")
             if owner == token:
                 if self._call("is_exist", self.store.exists, key, default=False):
@@ -243,6 +245,19 @@ class EmbeddingTier:
                 return False
             self._call("claim", self.store.remove, claim_key)  # its owner died: take it over
         return True
+
+    def _read_claim(self, claim_key: str) -> bytes | None:
+        """The claim's value once it reads back. Another instance's put of the same claim may still be in flight:
+        Mooncake then keeps the key for that put (ours changes nothing) and answers a read with nothing until it
+        completes, so an empty read is read again (``CLAIM_READS`` times, ``poll_seconds`` apart) while the tier is
+        up; taken at once for "tier down", both instances encoded (2 of 16 cold requests, docs/benchmarks.md)."""
+        held = self._call("claim", self.store.get_bytes, claim_key)
+        for _ in range(self.CLAIM_READS):
+            if held or not self.available():
+                break
+            time.sleep(self.poll_seconds)
+            held = self._call("claim", self.store.get_bytes, claim_key)
+        return held
 
     def wait(self, keys: list[str], expect: TierExpect) -> dict[str, EncodedItem]:
         """The entries of ``keys`` that appear within ``claim_seconds`` (the others: encode them here)."""

@@ -130,6 +130,26 @@ def test_a_claim_is_won_once_and_a_dead_owners_claim_is_taken_over():
     assert CLAIM_PREFIX + "k" not in store.data and "k" in store.data
 
 
+def test_a_claim_whose_rival_put_is_still_in_flight_is_lost_not_taken_for_a_tier_down():
+    """Mooncake: while another instance's put of the claim key is in flight, ours keeps nothing and a read answers
+    nothing; the claim is read again until the rival's value is there (the benchmark's race: both encoded)."""
+    store = MemoryStore()
+    rival = f"rival-token {time.time()}".encode()
+    reads = []
+
+    def get_bytes(key):
+        reads.append(key)
+        if len(reads) < 3:  # the rival's put completes after two reads
+            return b""
+        store.data[key] = rival
+        return rival
+
+    store.put_bytes = lambda key, blob: None  # the key is the rival's in-flight put's
+    store.get_bytes = get_bytes
+    tier = EmbeddingTier(store, claim_seconds=5.0, poll_seconds=0.001)
+    assert tier.claim("k") is False and len(reads) == 3 and tier.stats.claims_lost == 1 and tier.stats.errors == 0
+
+
 def test_a_claim_won_after_the_entry_appeared_is_given_back_and_the_entry_read():
     """The entry was published (and its claim released) between this caller's lookup and its claim: no encode."""
     store = MemoryStore()
