@@ -16,6 +16,8 @@ one after the other, each on a tritonserver of its own started here with explici
   ``--pauses``, background traffic of new images in the pauses; demand-aware encoding with retention ON against OFF
   (``clients.bench.reuse_agent``). Needs the topology's ``reuse:`` block (issue 18 items 3-4); without it the part is
   skipped and says so.
+- ``lookup`` (e), on ``caches``: ``--lookup-requests`` cold requests (``--images`` new images each) one at a time,
+  demand-aware on and off alternately: what a lookup that finds nothing costs a request's TTFT.
 - ``cost`` (d), on ``tier``: a tier lookup (miss, hit, ``is_exist``, a claim; ``clients.bench.tier_lookup``), the bytes
   the pool holds, the master's and the holder's RSS/PSS.
 
@@ -43,8 +45,8 @@ from clients.bench.load import run_concurrency, synthetic_requests
 from clients.bench.reuse_table import markdown
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("reassignment", "cold", "agent", "cost")
-DEPLOYMENTS = {"caches": ("reassignment", "cold", "agent"), "tier": ("reassignment", "cold", "cost")}
+PARTS = ("reassignment", "cold", "agent", "lookup", "cost")
+DEPLOYMENTS = {"caches": ("reassignment", "cold", "agent", "lookup"), "tier": ("reassignment", "cold", "cost")}
 EXPLICIT = ["--model-control-mode=explicit", "--load-model=*"]  # the encoder is reloaded between phases
 START_SECONDS = 900.0  # a server's start on a busy 2-core machine took 110 s to over 300 s
 WARM_SEEDS, COLD_SEED = 1_000_000, 3_000_000  # requests' seeds (synthetic_requests: images seed * 7 + i)
@@ -81,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-mib", type=int, default=32, help="(c) reuse.session_bytes (MiB)")
     p.add_argument("--encoder-cache-mib", type=float, default=2.0, help="each encoder instance's own cache (MiB)")
     p.add_argument("--lookups", type=int, default=100, help="(d) lookups of each kind")
+    p.add_argument("--lookup-requests", type=int, default=24, help="(e) cold requests per mode (on, off)")
     p.add_argument("--max-tokens", type=int, default=16, help="output length (greedy, ignore_eos)")
     p.add_argument("--json", type=Path, help="write every result here (JSON)")
     p.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench-reuse", help="server logs")
@@ -92,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.images <= 7:
         p.error("--images: 1 to 7 (synthetic_requests gives request i the images of seeds 7i..7i+6)")
     for name in ("requests", "concurrency", "cold", "turns", "background_concurrency", "background_images", "lookups",
-                 "max_tokens"):
+                 "lookup_requests", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: at least 1, got {getattr(args, name)}")
     try:
@@ -192,6 +195,9 @@ class Run:
                                                                 deployment, progress)
         if "agent" in todo:
             await self.agent(server, progress)
+        if "lookup" in todo:
+            if reuse_block(a) is not None:
+                self.results["lookup"] = await parts.lookup_cost(server, self.fresh(a.lookup_requests), progress)
         if "cost" in todo:
             self.results["cost"] = await asyncio.to_thread(parts.cost, server, self.topology.checkpoint, a.lookups,
                                                            a.workdir)

@@ -176,6 +176,27 @@ async def cold(server, request, name: str, n: int, checker: Checker, deployment:
     return {**summary, "counts": moved(before, await settled(server.metrics_url))}
 
 
+async def lookup_cost(server, requests: list, progress) -> dict:
+    """What a demand-aware lookup costs a cold request (every image new, so it finds nothing): ``requests`` one at a
+    time, ``epd_demand_aware`` on and off alternately (neighbours see the same machine), TTFT p50/p90 each, and the
+    lookups' own time (``timings.lookup_ms``). Not checked against ``llm`` (new images; the other parts check)."""
+    from dataclasses import replace
+
+    runs = {}
+    for mode, flag in (("on", True), ("off", False)):
+        runs[mode] = [replace(r, parameters={**(r.parameters or {}), "epd_demand_aware": flag}) for r in requests]
+    samples: dict[str, list] = {"on": [], "off": []}
+    for pair in zip(runs["on"], runs["off"]):
+        for mode, request in zip(("on", "off"), pair):
+            results, _ = await run_concurrency(server.grpc_url, "epd", 1, [request], progress)
+            samples[mode] += results.samples
+    lookup = [s.timings["lookup_ms"] / 1000 for s in samples["on"] if "lookup_ms" in s.timings]
+    return {mode: {"requests": len(got), "ttft_p50_ms": ms([s.ttft for s in got], 50),
+                   "ttft_p90_ms": ms([s.ttft for s in got], 90)} for mode, got in samples.items()} | {
+        "lookup_p50_ms": ms(lookup, 50), "lookup_p90_ms": ms(lookup, 90),
+        "held": sum(s.timings.get("held", 0) for s in samples["on"])}
+
+
 def memory_kib(pid: int) -> dict[str, int]:
     """RSS and PSS (KiB) of one process, from /proc/<pid>/smaps_rollup."""
     fields = {}

@@ -14,7 +14,7 @@ from clients.bench.reuse_table import change, markdown
 
 def test_every_part_by_default_and_the_deployments_they_need():
     args = parse_args([])
-    assert args.parts == ["reassignment", "cold", "agent", "cost"] and args.pauses == [0.0, 5.0, 30.0]
+    assert args.parts == ["reassignment", "cold", "agent", "lookup", "cost"] and args.pauses == [0.0, 5.0, 30.0]
     assert (args.requests, args.images, args.cold, args.turns) == (128, 4, 16, 10)
     assert deployments(args) == ["caches", "tier"]
     assert deployments(parse_args(["--parts", "agent"])) == ["caches"]
@@ -134,3 +134,14 @@ def test_the_agent_rows_show_each_turn_of_both_modes():
     assert "| 2 / 0 | 1 / 1 |" in rows["items sent to the encoder / served from the consumer's copy"]
     turn2 = next(line for key, line in rows.items() if key.startswith("turn 2:"))
     assert "| enc 2 · E 2 · held 0 · 100.0 ms | enc 1 · E 1 · held 1 · 100.0 ms |" in turn2
+
+
+def test_the_lookup_part_reads_off_against_on_and_the_lookups_own_time():
+    from clients.bench.reuse_table import lookup_rows
+
+    results = {"lookup": {"on": {"requests": 4, "ttft_p50_ms": 105.0, "ttft_p90_ms": 130.0},
+                          "off": {"requests": 4, "ttft_p50_ms": 100.0, "ttft_p90_ms": 120.0},
+                          "lookup_p50_ms": 3.2, "lookup_p90_ms": 4.0, "held": 0}}
+    first, second = lookup_rows(results)
+    assert first[2:5] == ("100.0 / 120.0", "105.0 / 130.0", "+5%") and "3.2 / 4.0; 0" in second[3]
+    assert lookup_rows({}) == []
