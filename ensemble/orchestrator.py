@@ -45,6 +45,7 @@ Triton (BLS to encoders, gRPC streams to generator stages) in the ``epd`` model 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -87,6 +88,7 @@ class Identity:
 class Orchestrator:
     RETRIES = 1  # per item encode, and per request after a generator stage's UNAVAILABLE
     LOOKUP_SECONDS = 0.5  # a demand-aware lookup slower than this counts as failed (the items are encoded)
+    SENT_KEYS = 1 << 16  # content keys of the items sent to the consumers, remembered (least recent out first)
     _lookup_failed = False  # one warning per orchestrator
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
@@ -101,6 +103,7 @@ class Orchestrator:
         others."""
         self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
         self.video_split, self.demand_aware = video_split, demand_aware
+        self._sent: collections.OrderedDict[str, None] = collections.OrderedDict()  # demand-aware: keys sent
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
         self.media = EncodedMedia(limits.media)
 
@@ -228,22 +231,33 @@ class Orchestrator:
 
     async def _held(self, keys: list[str], session: str | None, state: "_State") -> dict[str, str]:
         """Demand-aware encoding: the layouts of the ``keys`` the consumer stage holds (``StageClient.held``), asked
-        within ``LOOKUP_SECONDS``; nothing on a retry (a copy was missing: encode everything), when off, or when the
+        within ``LOOKUP_SECONDS`` about the keys this orchestrator sent before (``SENT_KEYS``); nothing on a retry (a copy was missing: encode everything), when off, or when the
         lookup fails (logged once; the items are encoded as without it). ``timings``: ``held`` items, ``lookup_ms``."""
         lookup = getattr(self.stages, "held", None)
         if not state.demand_aware or not state.metadata_only or lookup is None or state.request_retries:
             return {}
+        # a consumer holds only what an orchestrator sent it: keys this one never sent are not asked about, so a
+        # cold request costs no lookup (another orchestrator's items are then encoded: a missed saving, never an error)
+        asked = [key for key in keys if key in self._sent]
+        for key in keys:
+            self._sent[key] = None
+            self._sent.move_to_end(key)
+        while len(self._sent) > self.SENT_KEYS:
+            self._sent.popitem(last=False)
+        if not asked:
+            state.timings["held"] = 0
+            return {}
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.LOOKUP_SECONDS):
-                found = await lookup(keys, session, self.mode.generators[0])
+                found = await lookup(asked, session, self.mode.generators[0])
         except Exception as exc:  # noqa: BLE001 - an optimisation only
             if not self._lookup_failed:
                 self._lookup_failed = True
                 log.warning("demand-aware lookup at %s failed (%s); encoding as without it (logged once)",
                             self.mode.generators[0].value, exc)
             found = {}
-        found = {key: text for key, text in found.items() if key in keys and isinstance(text, str)}
+        found = {key: text for key, text in found.items() if key in asked and isinstance(text, str)}
         state.timings.update(held=len(found), lookup_ms=_ms(started))
         return found
 

@@ -111,7 +111,7 @@ async def lockstep(server, pair: tuple[Conversation, Conversation], turns: int, 
             timings = results.samples[0].timings if results.samples else {}
             records.append({"mode": conversation.mode, "pause_s": pause, "turn": k, "encodes": encodes,
                             "items": timings.get("items"), "held": timings.get("held", 0) if timings else None,
-                            "lookup_ms": timings.get("lookup_ms"),
+                            "lookup_ms": timings.get("lookup_ms"), "cached_tokens": timings.get("cached_tokens"),
                             "ttft_ms": round(results.samples[0].ttft * 1000, 1) if results.samples else None,
                             "gap_s": round(sent - ended[conversation.mode], 1) if conversation.mode in ended else None,
                             "background_errors": background_errors, "error": results.errors[:1]})
@@ -134,6 +134,8 @@ def summary(records: list[dict], mode: str) -> dict:
     items, held = sum(r["items"] or 0 for r in later), sum(r["held"] or 0 for r in later)
     return {"encodes": sum(r["encodes"] for r in later), "items": items, "held": held, "to_encoder": items - held,
             "only_new": sum(r["encodes"] == 1 for r in later), "lookup_p50_ms": ms(lookups, 50),
+            "cached_tokens": sum(r.get("cached_tokens") or 0 for r in later),
+
             "turns": len(later), "ttft_p50_ms": ms(ttft, 50), "ttft_p90_ms": ms(ttft, 90),
             "gap_s": round(sum(gaps) / len(gaps), 1) if gaps else None,
             "errors": sum(bool(r["error"]) for r in later) + sum(r["background_errors"] for r in later)}

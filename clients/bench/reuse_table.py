@@ -108,6 +108,8 @@ def agent_rows(results: dict) -> list[tuple]:
                  (where, "TTFT p50 / p90, ms", f"{num(off['ttft_p50_ms'])} / {num(off['ttft_p90_ms'])}",
                   f"{num(on['ttft_p50_ms'])} / {num(on['ttft_p90_ms'])}",
                   change(off["ttft_p50_ms"], on["ttft_p50_ms"]), ""),
+                 (where, f"prompt tokens vLLM's prefix cache covered, turns 2-{turns} (timings.cached_tokens)",
+                  num(off.get("cached_tokens"), 0), num(on.get("cached_tokens"), 0), "", ""),
                  (where, "demand-aware lookup p50 (timings.lookup_ms), ms", num(off["lookup_p50_ms"]),
                   num(on["lookup_p50_ms"]), "", ""),
                  (where, "mean gap between turns, s (pause + reads + the other's turn)", num(off["gap_s"]),

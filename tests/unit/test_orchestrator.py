@@ -254,10 +254,21 @@ class HoldingStages(FakeStages):
         return {key: text for key, text in self.holding.items() if key in keys}
 
 
-def demand_run(stages, raw, demand_aware=True):
-    sink = FakeSink()
+ONE_IMAGE = RawGenerateInputs(text_input="<|image_pad|>", images=(b"A",), session_id="conv-1")
+
+
+def demand_run(stages, raw, demand_aware=True, before=(ONE_IMAGE,)):
+    """``raw`` after the requests ``before`` (turn 1: image A), on one orchestrator; (outcome, sink) of ``raw``."""
     orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), demand_aware=demand_aware)
-    return asyncio.run(orchestrator.run(raw, sink)), sink
+
+    async def turns():
+        for earlier in before:
+            await orchestrator.run(earlier, FakeSink())
+        stages.encoded, stages.generated, stages.lookups = [], [], []  # what ``raw`` does, from here
+        sink = FakeSink()
+        return await orchestrator.run(raw, sink), sink
+
+    return asyncio.run(turns())
 
 
 TWO_IMAGES = RawGenerateInputs(text_input="<|image_pad|> <|image_pad|>", images=(b"A", b"B"), session_id="conv-1")
@@ -276,9 +287,18 @@ def test_demand_aware_sends_the_consumers_copy_and_encodes_only_the_rest():
     [sent] = stages.generated
     assert sent.image_layouts == ('{"held": "A"}', '{"layout": 0}') and sent.session_id == "conv-1"  # prompt order
     [(keys, session, stage)] = stages.lookups
-    assert keys == [key_of(b"A"), key_of(b"B")] and session == "conv-1" and stage.value == "pd"
+    assert keys == [key_of(b"A")] and session == "conv-1" and stage.value == "pd"  # B was never sent
     timings = sink.chunks[-1][0].timings
     assert timings["held"] == 1 and timings["items"] == 2 and timings["lookup_ms"] >= 0
+
+
+def test_a_cold_request_costs_no_lookup_and_only_keys_sent_before_are_asked_about():
+    stages = HoldingStages(held={key_of(b"A"): '{"held": "A"}'})
+    outcome, sink = demand_run(stages, TWO_IMAGES, before=())  # nothing sent yet: the consumer can hold nothing
+    assert outcome is Outcome.OK and stages.lookups == [] and len(stages.encoded) == 2
+    assert sink.chunks[-1][0].timings["held"] == 0 and "lookup_ms" not in sink.chunks[-1][0].timings
+    demand_run(stages, TWO_IMAGES)  # after a turn with A: asked about A only
+    assert [keys for keys, _, _ in stages.lookups] == [[key_of(b"A")]]
 
 
 def test_demand_aware_is_off_unless_asked_and_a_request_may_turn_it_on_or_off():
