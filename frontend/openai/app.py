@@ -40,8 +40,13 @@ class Backend:
         return self._client
 
     async def ready(self) -> dict[str, bool]:
+        """Every model of the server's repository (the served ones and the stages behind them: ``encoder``, ``pd``,
+        ...) -> whether it is READY; a served model the index lacks, and everything while the server does not
+        answer, is not."""
         try:
-            return {m: bool(await self.client.is_model_ready(m)) for m in self.models}
+            index = await self.client.get_model_repository_index(as_json=True)
+            states = {m["name"]: m.get("state") == "READY" for m in index.get("models", [])}
+            return {**{m: False for m in self.models}, **states}
         except Exception:  # noqa: BLE001 - the server is down or not answering: nothing is ready
             return {m: False for m in self.models}
 

@@ -3,6 +3,7 @@ checked for leaked /dev/shm files and processes afterwards; reference outputs fr
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -193,3 +194,36 @@ def asker(greedy: dict):
         url = server.grpc_url if protocol == "grpc" else server.http_url
         return generate(url, model, GenerateInputs(**inputs), protocol=protocol, timeout=180)
     return ask
+
+
+@contextlib.contextmanager
+def openai_endpoint(grpc_url: str, models: str | None = None, wait: bool = True):
+    """``python -m frontend.openai`` on a free port in front of ``grpc_url`` (``models``: its ``--models``), its base
+    URL yielded once its /health answers (200 or 503: it is up; ``wait``: once it is 200); stopped (and checked
+    stopped) after."""
+    import urllib.error
+
+    from backend.deploy.ports import free_ports
+
+    (port,) = free_ports(1)
+    argv = [sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url", grpc_url]
+    proc = subprocess.Popen(argv + (["--models", models] if models else []), cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    break
+            except urllib.error.HTTPError:
+                if not wait:
+                    break
+                time.sleep(0.2)
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        else:
+            raise AssertionError("the OpenAI endpoint did not become healthy")
+        yield base
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) is not None

@@ -18,7 +18,7 @@ from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
 from tests.audios import hostile_audio, make_audio
 from tests.e2e.conftest import EPD_DEPLOYMENTS, _shm_of_this_process, assert_same_answer, asker, held_shm, left_behind, \
-    metric
+    metric, openai_endpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -162,3 +162,19 @@ def test_too_many_audios_and_bad_parts_are_refused(server):
         with pytest.raises(GenerateError) as info:
             ask(server, model, messages=user({"type": "input_audio", "input_audio": {"data": "not base64!"}}))
         assert info.value.message.startswith("messages[0].content[0].input_audio.data: not valid base64")
+
+
+@pytest.mark.parametrize("case", ["input_audio", "audio_url"])
+def test_the_openai_endpoint_takes_audio_parts_with_the_same_tokens(server, baseline, case):
+    """``python -m frontend.openai`` in front of this server: the ``openai`` SDK's chat completions with an
+    ``input_audio`` / ``audio_url`` part give Triton's generate answer on ``llm``, ``epd`` and ``epd_disagg``,
+    streaming and not."""
+    openai = pytest.importorskip("openai")
+    with openai_endpoint(server.grpc_url) as base:
+        sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        for model in ("llm", "epd", "epd_disagg"):
+            whole = sdk.chat.completions.create(model=model, messages=CASES[case]["messages"], **GREEDY)
+            assert whole.choices[0].message.content == baseline[case].text, model
+            assert whole.usage.prompt_tokens == baseline[case].num_input_tokens, model
+            chunks = sdk.chat.completions.create(model=model, messages=CASES[case]["messages"], stream=True, **GREEDY)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == baseline[case].text, model

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,10 +14,9 @@ import urllib.request
 
 import pytest
 
-from backend.deploy.ports import free_ports
 from clients.local_server import ROOT
 from clients.triton_client import GenerateInputs, generate
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, openai_endpoint
 from tests.images import image_bytes
 from tests.videos import make_video
 
@@ -44,23 +42,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def endpoint(server):
     """The endpoint on a free port, pointed at the session's server; stopped (and checked stopped) after."""
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url",
-                             server.grpc_url], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
-        else:
-            raise AssertionError("the OpenAI endpoint did not become healthy")
+    with openai_endpoint(server.grpc_url) as base:
         yield base
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) is not None
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +117,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request(server, sdk):
 def test_health_models_and_metrics(endpoint, sdk):
     assert sorted(m.id for m in sdk.models.list()) == ["epd", "epd_disagg", "llm"]
     health = json.loads(urllib.request.urlopen(endpoint + "/health", timeout=5).read())
-    assert health == {"ready": {"llm": True, "epd": True, "epd_disagg": True}}
+    assert health == {"ready": {m: True for m in ("llm", "encoder", "pd", "epd", "prefill", "decode", "epd_disagg")}}
     text = urllib.request.urlopen(endpoint + "/metrics", timeout=5).read().decode()
     assert 'openai_requests_total{model="llm",status="200"}' in text
 
@@ -161,3 +144,41 @@ def test_the_readme_commands_answer_as_triton_does(server, endpoint, tmp_path):
     done = subprocess.run([sys.executable, "-c", snippet.replace("127.0.0.1:9000", f"127.0.0.1:{port}")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.stdout.rstrip("\n") == want and want, done.stdout + done.stderr
+
+
+def _health(base: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as failed:
+        return failed.code, json.loads(failed.read())
+
+
+def test_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(tmp_path):
+    """A server of its own in explicit model control (E+PD alone): the encoder unloaded, /health answers 503 naming it
+    while ``epd`` itself is still READY, and a chat request with an image is a 503 error object; loaded again, 200."""
+    import tritonclient.http as httpclient
+
+    from backend.deploy.render import render
+    from backend.deploy.topology import load
+    from clients.local_server import TritonServer
+
+    repo = tmp_path / "repo"
+    render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("E+PD"), repo)
+    with TritonServer(repo, log_path=tmp_path / "server.log",
+                      extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server, \
+            openai_endpoint(server.grpc_url, models="epd") as base:
+        assert _health(base) == (200, {"ready": {"encoder": True, "pd": True, "epd": True}})
+        control = httpclient.InferenceServerClient(server.http_url)
+        control.unload_model("encoder")
+        deadline = time.monotonic() + 60
+        while _health(base)[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _health(base) == (503, {"ready": {"encoder": False, "pd": True, "epd": True}})
+        sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY)
+        assert info.value.status_code == 503, info.value
+        control.load_model("encoder")
+        assert _health(base)[0] == 200
+        assert sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY).choices[0].message.content

@@ -62,7 +62,9 @@ def test_pd_output_comes_from_the_pulled_embeddings(server, producer, baseline):
 
 
 def test_corrupting_the_producer_buffer_before_the_pull_changes_the_output(server, producer, baseline):
-    layout = publish(producer)
+    # under a content key of its own: vLLM takes an item's content key for its id (multi_modal_uuids) and answers a
+    # key it has seen from its own caches (prefix, encoder), whatever embeddings come with it
+    layout = replace(publish(producer), content_key="test-corrupted")
     _, pool = producer
     lease = pool._leases[layout.handle.lease_id]
     pool.buffer[lease.offset + HEADER: lease.offset + HEADER + layout.handle.nbytes].bitwise_xor_(0x21)
