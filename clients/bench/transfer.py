@@ -125,7 +125,7 @@ def bench_triton(sizes: list[int], iters: int) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         with TritonServer(_repository(Path(tmp) / "repo"), log_path=Path(tmp) / "server.log") as server:
-            client = httpclient.InferenceServerClient(server.http_url)
+            client = httpclient.InferenceServerClient(server.http_url)  # closed before the stop (else 30 s)
             for nbytes in sizes:
                 n = max(4, min(iters, (256 << 20) // nbytes))
                 inputs = []
@@ -135,6 +135,7 @@ def bench_triton(sizes: list[int], iters: int) -> dict:
                     inputs.append(tensor)
                 seconds = client.infer("bench_consumer", inputs).as_numpy("seconds").tolist()[3:]
                 results[nbytes] = _summary(seconds, nbytes)
+            client.close()
     return results
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateInputs, GenerateResult, generate
+from tests.timeline import made_during
 
 
 def _shm() -> set[str]:
@@ -129,7 +130,7 @@ def server(tmp_path_factory):
     leaked = left_behind(held)
     assert not leaked, f"/dev/shm entries leaked by the server: {sorted(leaked)}"
     new = settled_orphans(before)  # every entry new since the start that no live process holds, semaphores too
-    assert not new, f"/dev/shm entries left after the server stopped: {sorted(new)}"
+    assert not new, f"/dev/shm entries left after the server stopped: {[made_during('/dev/shm/' + n) for n in sorted(new)]}"
 
 
 class Reference:

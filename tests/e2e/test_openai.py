@@ -169,16 +169,19 @@ def test_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(tmp
                       extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server, \
             openai_endpoint(server.grpc_url, models="epd") as base:
         assert _health(base) == (200, {"ready": {"encoder": True, "pd": True, "epd": True}})
-        control = httpclient.InferenceServerClient(server.http_url)
-        control.unload_model("encoder")
-        deadline = time.monotonic() + 60
-        while _health(base)[0] == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _health(base) == (503, {"ready": {"encoder": False, "pd": True, "epd": True}})
-        sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as info:
-            sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY)
-        assert info.value.status_code == 503, info.value
-        control.load_model("encoder")
+        control = httpclient.InferenceServerClient(server.http_url)  # closed before the stop: an open HTTP
+        try:  # connection holds tritonserver 30 s at exit, then it kills the stubs (a vLLM semaphore leaked so)
+            control.unload_model("encoder")
+            deadline = time.monotonic() + 60
+            while _health(base)[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _health(base) == (503, {"ready": {"encoder": False, "pd": True, "epd": True}})
+            sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as info:
+                sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY)
+            assert info.value.status_code == 503, info.value
+            control.load_model("encoder")
+        finally:
+            control.close()
         assert _health(base)[0] == 200
         assert sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY).choices[0].message.content
