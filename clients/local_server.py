@@ -261,13 +261,14 @@ class TritonServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
             self.stop_seconds = time.monotonic() - started
-        # Stubs and engine processes should exit with the server; give them a moment, record any that
-        # did not (tests assert there are none), then kill them so nothing leaks either way.
+        # Stubs and engine processes exit with the server: the ones that did not in 20 s are recorded, then killed
         deadline = time.monotonic() + 20
         while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.stragglers = left
         if left:
+            from backend.diagnostics.stacks import report_native_stacks
+            report_native_stacks(left, self.log_path)  # py-spy's view first: C frames too
             for pid in left:  # a stub prints its threads' stacks into the log first (backend.engine.host.prepare_process)
                 try:
                     os.kill(pid, signal.SIGUSR1)
@@ -397,3 +398,4 @@ def start_openai_process(port: int, grpc_url: str, *flags: str) -> subprocess.Po
 
 if __name__ == "__main__":
     main()
+

@@ -56,7 +56,7 @@ class GenerateInputs:
     stream: bool = True
     exclude_input_in_output: bool = True
     return_counts: bool = True
-    parameters: dict[str, Any] | None = None  # Triton request parameters (gRPC), e.g. {"epd_metadata_only": False}
+    parameters: dict[str, Any] | None = None  # Triton request parameters, e.g. {"epd_metadata_only": False}
 
     def as_values(self) -> dict[str, Any]:
         """Input name -> value for the shared interface (``backend.protocol.generate``); absent inputs are left out."""
@@ -162,6 +162,7 @@ def generate_http(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     import urllib.request
 
     values = inputs.as_values()
+    values.update(inputs.parameters or {})  # the generate extension takes a key that names no input as a parameter
     for tensor in interface.input_tensors():  # media bytes travel base64-encoded
         if tensor.form is interface.Form.BYTES and tensor.name in values:
             values[tensor.name] = [base64.b64encode(b).decode() for b in values[tensor.name]]

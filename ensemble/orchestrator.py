@@ -216,7 +216,8 @@ class Orchestrator:
         if not items:
             return []
         split = self.video_split if state.metadata_only else 1  # naive EPD's consumers pair media and layouts 1:1
-        jobs = [(item, part, content_key(item.data, self.identity.processing, self.identity.model, part))
+        jobs = [(item, part, content_key(item.data, self.identity.processing, self.identity.model, part,
+                                          item.options))
                 for item in items
                 for part in ([(i, split) for i in range(split)] if item.modality == VIDEO.name and split > 1 else [None])]
         held = await self._held([key for _, _, key in jobs], session, state)

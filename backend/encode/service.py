@@ -3,6 +3,7 @@ shared tier), encoded once per distinct item, and published into the pool's leas
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class EncodeJob:
     own_key: str = ""  # the key computed in this process from ``data`` (and ``part``), if already done (the cache's key)
     modality: str = IMAGE.name  # what ``data`` is: a registered modality's name
     part: tuple[int, int] | None = None  # part (i, n) of a video (backend.protocol.generate.PART_PARAMETER)
+    options: str = ""  # the request's options for its modality (backend.protocol.media_options.MediaOptions.key)
 
 
 class EncoderService:
@@ -59,20 +61,21 @@ class EncoderService:
 
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         ready: list[list] = []  # [job, item (cached, or None until encoded), cache key, decoded image]
-        decoded: dict[tuple[str, bytes], object] = {}  # one decode per item of the batch (a video's parts share it)
+        decoded: dict[tuple, object] = {}  # one decode per item and options of the batch (a video's parts share it)
         for job in jobs:
             if isinstance(results[job.request_index], BaseException):
                 continue
-            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity, job.part)) \
+            key = (job.own_key or content_key(job.data, self.processing, self.encoder.identity, job.part, job.options)) \
                 if self.cache.max_bytes or self.tier is not None else ""
             cached = self._lookup(key, job.modality)
             if cached is not None:
                 ready.append([job, cached, key, None])
                 continue
             try:
-                if (job.modality, job.data) not in decoded:
-                    decoded[job.modality, job.data] = _decode(job, self.limits, self.encoder)
-                item = self._part(job, decoded[job.modality, job.data])
+                how = (job.modality, job.data, job.options)
+                if how not in decoded:
+                    decoded[how] = _decode(job, self.limits, self.encoder)
+                item = self._part(job, decoded[how])
                 ready.append([job, EMPTY_PART if item is EMPTY_PART else None, key, item])
             except Exception as exc:
                 results[job.request_index] = exc
@@ -209,4 +212,5 @@ def _decode(job: EncodeJob, limits, encoder):
     if m.name not in encoder.modalities:
         raise InvalidInput(m.media_tensor, f"this checkpoint's encoder takes {' and '.join(encoder.modalities)}, "
                                            f"not {m.name}")
-    return handler(m).decode(job.data, m.media_tensor, limits)
+    options = json.loads(job.options) if job.options else {}
+    return handler(m).decode(job.data, m.media_tensor, limits, **options)

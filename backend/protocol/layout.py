@@ -287,10 +287,13 @@ def _check_version(version: Any, field: str) -> None:
                                                f"release)")
 
 
-def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] | None = None) -> str:
+def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] | None = None,
+                options: str = "") -> str:
     """The identity of one encoded item: its bytes, the processing options applied to it, and the model
     (the same picture through another processor config or model is another item); ``part``: ``(i, n)`` for part i
-    of n of a video (``backend.protocol.generate.PART_PARAMETER``), a key of its own, never the whole item's."""
+    of n of a video (``backend.protocol.generate.PART_PARAMETER``), a key of its own, never the whole item's;
+    ``options``: the request's options for its modality (``MediaOptions.key``: the same video sampled at another
+    fps is another item)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -298,4 +301,6 @@ def content_key(data: bytes, processing: str, model: str, part: tuple[int, int] 
         h.update(piece)
     if part is not None:
         h.update(f"\x00part {part[0]}/{part[1]}".encode())
+    if options:
+        h.update(b"\x00options " + options.encode())
     return h.hexdigest()[:32]

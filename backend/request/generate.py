@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import LayoutMetadata
+from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import Modality, content_part, modalities
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' MediaHandlers
 from backend.request.media import MediaLimits, check_encoded, handler
@@ -79,6 +81,7 @@ class RawGenerateInputs:
     kv_transfer_params: str | None = None      # JSON, between prefill and decode stages
     original_media: tuple[bytes, ...] = ()     # metadata-only off: the client's media beside image_layouts
     session_id: str | None = None              # the request parameter (backend.protocol.generate.SESSION_PARAMETER)
+    media_io: MediaOptions = MediaOptions()    # the request parameter media_io_kwargs (backend.protocol.media_options)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class GenerateRequest:
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout
     session_id: str | None = None               # the conversation this request is a turn of
+    media_io: MediaOptions = MediaOptions()     # its media options (metadata-only off: original_media decode alike)
 
     @property
     def prompt_field(self) -> str:
@@ -113,26 +117,37 @@ class MediaBytes:
     data: bytes
     field: str
     modality: str
+    options: str = ""  # its modality's per-request options, canonical JSON (MediaOptions.key): part of its content key
 
 
 class MediaResolver(Protocol):
     def from_tensor(self, data: bytes, field: str, modality: Modality) -> Any: ...
     def from_url(self, url: str, field: str, modality: Modality) -> Any: ...
     def from_layout(self, text: str, field: str, modality: Modality) -> Any: ...
+    def with_options(self, options: MediaOptions) -> "MediaResolver": ...
 
 
 class DecodeMedia:
     """``llm``: media are decoded here (images into RGB images)."""
 
+    options = MediaOptions()  # this request's (with_options)
+
     def __init__(self, limits: MediaLimits = MediaLimits()):
         self.limits = limits
 
+    def with_options(self, options: MediaOptions) -> "DecodeMedia":
+        """This resolver for one request's media options (its modality's go to each item's loader)."""
+        resolver = copy.copy(self)
+        resolver.options = options
+        return resolver
+
     def from_tensor(self, data, field, modality):
-        return handler(modality).decode(data, field, self.limits)
+        return handler(modality).decode(data, field, self.limits, **self.options.kwargs(modality.name))
 
     def from_url(self, url, field, modality):
         items = handler(modality)
-        return items.decode(items.read_url(url, field, self.limits), field, self.limits)
+        return items.decode(items.read_url(url, field, self.limits), field, self.limits,
+                            **self.options.kwargs(modality.name))
 
     def from_layout(self, text, field, modality):
         raise InvalidInput(field, "this model takes media, not layout metadata")
@@ -142,10 +157,12 @@ class EncodedMedia(DecodeMedia):
     """``epd``: media stay encoded bytes (the encoder decodes them); URLs are read, not decoded."""
 
     def from_tensor(self, data, field, modality):
-        return MediaBytes(check_encoded(data, field, self.limits, modality), field, modality.name)
+        return MediaBytes(check_encoded(data, field, self.limits, modality), field, modality.name,
+                          self.options.key(modality.name))
 
     def from_url(self, url, field, modality):
-        return MediaBytes(handler(modality).read_url(url, field, self.limits), field, modality.name)
+        return MediaBytes(handler(modality).read_url(url, field, self.limits), field, modality.name,
+                          self.options.key(modality.name))
 
 
 class LayoutMedia:
@@ -154,6 +171,9 @@ class LayoutMedia:
 
     def __init__(self, model_identity: str, embedding_width: int | None = None):
         self.model_identity, self.embedding_width = model_identity, embedding_width
+
+    def with_options(self, options: MediaOptions) -> "LayoutMedia":
+        return self  # layouts were made with the options already (their content keys say so)
 
     def from_tensor(self, data, field, modality):
         raise InvalidInput(field, f"this model takes metadata-only media ({modality.layout_tensor}), not media bytes")
@@ -202,6 +222,8 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         raise InvalidInput("text_input", "give exactly one of text_input and messages" +
                            (", not both" if has_text else ", got neither"))
     _check_media(raw, limits)
+    if raw.media_io:
+        resolver = resolver.with_options(raw.media_io)
     sampling = parse_sampling_parameters(raw.sampling_parameters)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
     given = {m.name: [resolver.from_tensor(data, f"{m.media_tensor}[{i}]", m) for i, data in enumerate(media_of(raw, m))] +
@@ -221,7 +243,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
-        original_media=tuple(raw.original_media), session_id=raw.session_id,
+        original_media=tuple(raw.original_media), session_id=raw.session_id, media_io=raw.media_io,
     )
 
 

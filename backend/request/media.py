@@ -61,8 +61,8 @@ decode_counter = _DecodeCounter()
 
 @dataclass(frozen=True)
 class MediaHandler:
-    """A modality's item handling in the request stage: ``decode(data, field, limits)`` makes what an engine given
-    media takes (an RGB image); ``read_url(url, field, limits)`` the encoded bytes a URL names; ``decoded``: the
+    """A modality's item handling in the request stage: ``decode(data, field, limits, **options)`` makes what an
+    engine given media takes (an RGB image; ``options``: the request's for the modality, ``MediaOptions.kwargs``); ``read_url(url, field, limits)`` the encoded bytes a URL names; ``decoded``: the
     class of what ``decode`` makes (how an engine tells a decoded item's modality, ``modality_of``)."""
 
     decode: Callable[[bytes, str, MediaLimits], Any]

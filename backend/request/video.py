@@ -107,15 +107,18 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
                                   "limit")
 
 
-def decode_video(data: bytes, field: str, limits: MediaLimits) -> DecodedVideo:
-    """Decode and sample encoded video bytes (or their base64 text) as the ``llm`` engine's vLLM would."""
+def decode_video(data: bytes, field: str, limits: MediaLimits, num_frames: int = NUM_FRAMES,
+                 **options) -> DecodedVideo:
+    """Decode and sample encoded video bytes (or their base64 text) as the ``llm`` engine's vLLM would; ``num_frames``
+    and ``options`` (``fps``): the request's ``media_io_kwargs.video``, passed to the loader as vLLM's
+    ``VideoMediaIO`` passes them (``backend.protocol.media_options``)."""
     import cv2
 
     decode_counter.count += 1
     data = _container(check_encoded(data, field, limits, VIDEO), field)
     _check_header(data, field, limits)
     try:
-        frames, metadata = video_loader(limits).load_bytes(data, num_frames=NUM_FRAMES)
+        frames, metadata = video_loader(limits).load_bytes(data, num_frames=num_frames, **options)
     except (ValueError, RuntimeError, cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
     if frames is None or len(frames) == 0:

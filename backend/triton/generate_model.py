@@ -200,7 +200,8 @@ class MetadataOnlyModel(GenerateModel):
             from backend.diagnostics.naive_media import process_original_media
 
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
-                                             self.limits.media, self.video_processor(), self.feature_extractor())
+                                             self.limits.media, self.video_processor(), self.feature_extractor(),
+                                             request.media_io)
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
         from backend.transfer.engine_inputs import media_grids, media_kwargs, media_uuids

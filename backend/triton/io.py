@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 from backend.protocol.errors import ErrorCode, EpdError, InvalidInput, decode, encode, error_code
 from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, HELD_PARAMETER, SESSION_PARAMETER, Form,
                                        input_tensors, output_tensors, parse_session)
+from backend.protocol.media_options import MediaOptions
 from backend.request.generate import RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 
@@ -101,9 +102,11 @@ _READ = {Form.TEXT: _text, Form.TEXTS: _texts, Form.BYTES: _bytes_items, Form.BO
 
 def read_generate_inputs(request) -> RawGenerateInputs:
     """The request's tensors of the generate interface (``backend.protocol.generate.input_tensors``) as typed values,
-    and its ``session_id`` parameter (InvalidInput naming it if it is no short string)."""
-    session = parse_session(request_parameters(request).get(SESSION_PARAMETER))
-    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()}, session_id=session)
+    and its ``session_id`` and ``media_io_kwargs`` parameters (InvalidInput naming what is wrong)."""
+    params = request_parameters(request)
+    session = parse_session(params.get(SESSION_PARAMETER))
+    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()}, session_id=session,
+                             media_io=MediaOptions.from_parameters(params))
 
 
 def _output(tensor, value) -> "pb_utils.Tensor":

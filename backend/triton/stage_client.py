@@ -41,6 +41,7 @@ from backend.protocol.errors import Unavailable
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
                                        PART_PARAMETER, SESSION_PARAMETER)
 from backend.deploy.server_address import resolve
+from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
@@ -108,6 +109,8 @@ class BlsEncoders:
 
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
         parameters = {**_TAGGED, PART_PARAMETER: f"{part[0]}/{part[1]}"} if part else _TAGGED
+        if item.options:  # the request's options for its modality (backend.protocol.media_options)
+            parameters = {**parameters, MEDIA_IO_PARAMETER: json.dumps({item.modality: json.loads(item.options)})}
         if part and part[0]:
             await asyncio.sleep(part[0] * PART_STAGGER_SECONDS)
         request = pb_utils.InferenceRequest(
@@ -185,6 +188,8 @@ class TritonStages(BlsEncoders):
         outputs = PREFILL_OUTPUTS if stage is Stage.PREFILL else GENERATE_OUTPUTS
         request_id = f"epd-{uuid.uuid4().hex}"
         parameters = {**_TAGGED, SESSION_PARAMETER: inputs.session_id} if inputs.session_id else _TAGGED
+        if inputs.media_io:  # consumers that decode media (metadata-only off, P/D) sample them as the client asked
+            parameters = {**parameters, MEDIA_IO_PARAMETER: inputs.media_io.parameter()}
         request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
         finished = False

@@ -55,7 +55,7 @@ class Backend:
         the request's error. Leaving early (the caller stops iterating) cancels the request in band."""
         inputs = GenerateInputs(stream=True, **call.inputs).as_values()
         request = {"model_name": call.model, "inputs": grpc_inputs(inputs), "request_id": call.request_id,
-                   "parameters": {ERROR_CODES_PARAMETER: True}, "enable_empty_final_response": True}
+                   "parameters": {ERROR_CODES_PARAMETER: True, **call.parameters}, "enable_empty_final_response": True}
         finished = False
         async with single_request_stream(self.client, request) as stream:
             try:

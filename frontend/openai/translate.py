@@ -2,12 +2,14 @@
 Pure functions: the FastAPI app (``frontend.openai.app``) does the I/O."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.protocol import errors
+from backend.protocol.media_options import MEDIA_IO_PARAMETER
 
 # OpenAI sampling fields -> the generate interface's sampling_parameters keys (vLLM's names); vLLM's extras too
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
@@ -16,7 +18,7 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-           "user", "logprobs", "top_logprobs", "echo"}  # handled below, or without effect on the answer (user)
+           "user", "logprobs", "top_logprobs", "echo", "media_io_kwargs"}  # handled below, or without effect (user)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -43,6 +45,7 @@ class GenerateCall:
     stream: bool
     include_usage: bool
     chat: bool
+    parameters: dict[str, Any] = field(default_factory=dict)  # Triton request parameters (media_io_kwargs)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -98,7 +101,19 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
-    return GenerateCall(model, {"messages": messages, "sampling": _sampling(body)}, stream, usage, chat=True)
+    return GenerateCall(model, {"messages": messages, "sampling": _sampling(body)}, stream, usage, chat=True,
+                        parameters=_media_io(body))
+
+
+def _media_io(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's per-request ``media_io_kwargs`` (``{"video": {"fps": 1}}``), checked by the server as its request
+    parameter of that name (``backend.protocol.media_options``); errors name it."""
+    options = body.get("media_io_kwargs")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise _invalid("media_io_kwargs", "must be an object keyed by modality")
+    return {MEDIA_IO_PARAMETER: json.dumps(options)}
 
 
 def completion_call(body: Any, served: set[str]) -> GenerateCall:

@@ -72,6 +72,26 @@ def test_sdk_answers_equal_tritons_generate_streaming_and_not(server, sdk, model
     assert len([c for c in chunks if c.choices]) > 2  # streamed, not one piece
 
 
+@pytest.mark.parametrize("model", ["llm", "epd"])
+def test_media_io_kwargs_sample_the_video_as_they_say(server, sdk, model):
+    """vLLM's per-request ``media_io_kwargs`` through the SDK's ``extra_body``: the answer Triton's generate gives
+    with the request parameter of that name, and another than the default sampling's (8 frames at 4 fps: 4 frames at
+    2 fps, 16 at 8 fps)."""
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": _url("video/mp4", make_video(
+        64, 64, frames=16, fps=4, seed=5))}}, {"type": "text", "text": "What happens?"}]}]
+    options = {"video": {"fps": 8}}
+    want = generate(server.grpc_url, model, GenerateInputs(messages=video, sampling=GREEDY,
+                                                           parameters={"media_io_kwargs": json.dumps(options)}))
+    got = sdk.chat.completions.create(model=model, messages=video, extra_body={"media_io_kwargs": options}, **GREEDY)
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == (want.text, want.num_input_tokens)
+    default = sdk.chat.completions.create(model=model, messages=video, **GREEDY)
+    assert default.usage.prompt_tokens < got.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=model, messages=video, extra_body={"media_io_kwargs": {"audio": {}}},
+                                    **GREEDY)
+    assert "parameters.media_io_kwargs.audio" in str(info.value)
+
+
 def test_completions_text(server, sdk):
     want = generate(server.grpc_url, "llm", GenerateInputs(prompt="Once upon a time", sampling=GREEDY))
     got = sdk.completions.create(model="llm", prompt="Once upon a time", **GREEDY)

@@ -11,7 +11,7 @@ import pytest
 from backend.protocol.modality import IMAGE, VIDEO
 from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError
-from tests.e2e.conftest import EPD_DEPLOYMENTS, assert_same_answer, asker, metric
+from tests.e2e.conftest import EPD_DEPLOYMENTS, P_D, assert_same_answer, asker, metric
 from tests.images import image_bytes
 from tests.videos import make_video
 
@@ -80,6 +80,38 @@ def test_epd_returns_the_baseline_tokens(server, baseline, name, model, paramete
 def test_a_different_video_changes_the_epd_output(server, baseline):
     got = ask(server, "epd", messages=user(V), videos=[make_video(160, 120, frames=45, fps=15, seed=999)])
     assert got.text != baseline["one_video"].text
+
+
+SLOW = {"media_io_kwargs": '{"video": {"fps": 1}}'}  # vLLM's per-request media_io_kwargs: sample 1 frame a second
+
+
+@pytest.fixture(scope="module")
+def slow_baseline(server):
+    return ask(server, "llm", messages=user(V), videos=[vid(0)], parameters=SLOW)
+
+
+def test_the_baseline_samples_as_the_request_s_media_io_kwargs_say(server, baseline, slow_baseline):
+    assert slow_baseline.num_input_tokens < baseline["one_video"].num_input_tokens  # 3 s at 1 fps: 4 frames (the least), not 6
+
+
+@pytest.mark.parametrize("model, parameters", [("epd", SLOW), ("epd_disagg", SLOW), ("epd_disagg", {**SLOW, **P_D}),
+                                               ("epd", {**SLOW, "epd_metadata_only": False})],
+                         ids=["E+PD", "E/P/D", "P/D", "E+PD-naive"])
+def test_epd_samples_as_the_request_s_media_io_kwargs_say(server, baseline, slow_baseline, model, parameters):
+    """The same video asked with the default sampling first (its embeddings are then in the encoder's cache and the
+    consumer's), then at 1 fps: the tokens of llm at 1 fps, never the cached embeddings of the default sampling."""
+    assert_same_answer(ask(server, model, messages=user(V), videos=[vid(0)]), baseline["one_video"])
+    assert_same_answer(ask(server, model, messages=user(V), videos=[vid(0)], parameters=parameters), slow_baseline)
+
+
+@pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
+def test_bad_media_io_kwargs_are_invalid_naming_the_option(server, model):
+    with pytest.raises(GenerateError) as info:
+        ask(server, model, "http", messages=user(V), videos=[vid(2)],
+            parameters={"media_io_kwargs": '{"video": {"fps": -1}}'})
+    assert info.value.status == "400", info.value.status  # INVALID_ARG
+    assert info.value.message.startswith("parameters.media_io_kwargs.video.fps: expected a number"), info.value.message
+    assert ask(server, model, **CASES["short_slow_video"]).finish_reason is not None  # still serving
 
 
 def _settled(read):

@@ -55,3 +55,19 @@ def test_a_video_item_is_decoded_and_run_through_the_video_processor(processor):
         process_original_media([clip], [SimpleNamespace(media=VideoLayout((2, 6, 8)))], processor, limits, video_processor)
     with pytest.raises(InvalidInput, match="no video processor"):
         process_original_media([clip], [SimpleNamespace(media=VideoLayout((3, 6, 8)))], processor, limits)
+
+
+def test_a_video_is_sampled_as_the_request_s_media_options_say(processor):
+    from backend.encode.encoder import load_video_processor
+    from backend.protocol.layout import VideoLayout
+    from backend.protocol.media_options import MediaOptions
+    from tests.videos import make_video
+
+    video_processor = load_video_processor(CHECKPOINT)
+    limits = MediaLimits(video_processor="Qwen2VLVideoProcessor")
+    clip = make_video(160, 120, frames=45, fps=15)  # 3 s: 6 frames at the default 2 fps (grid t 3); at 1 fps 4 (t 2)
+    slow = [SimpleNamespace(media=VideoLayout((2, 6, 8)))]
+    options = MediaOptions.parse({"video": {"fps": 1}})
+    assert process_original_media([clip], slow, processor, limits, video_processor, options=options) > 0
+    with pytest.raises(InvalidInput, match=r"processes to video video_grid_thw \[3, 6, 8\]"):
+        process_original_media([clip], slow, processor, limits, video_processor)

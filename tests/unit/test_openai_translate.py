@@ -21,6 +21,12 @@ def test_a_chat_body_becomes_one_generate_request_with_vllm_sampling_names():
     assert translate.chat_call({"model": "llm", "messages": MESSAGES}, SERVED).inputs["sampling"] == {"max_tokens": 16}
 
 
+def test_media_io_kwargs_go_on_as_the_request_parameter():
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "media_io_kwargs": {"video": {"fps": 1}}}, SERVED)
+    assert call.parameters == {"media_io_kwargs": '{"video": {"fps": 1}}'}
+    assert translate.chat_call({"model": "epd", "messages": MESSAGES}, SERVED).parameters == {}
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "messages": MESSAGES}, 404, "model"),
     ({"messages": MESSAGES}, 400, "model"),
@@ -29,6 +35,8 @@ def test_a_chat_body_becomes_one_generate_request_with_vllm_sampling_names():
     ({"model": "llm", "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
     ({"model": "llm", "messages": MESSAGES, "tools": []}, 400, "tools"),
     ({"model": "llm", "messages": MESSAGES, "stream": "yes"}, 400, "stream"),
+    ({"model": "llm", "messages": MESSAGES, "media_io_kwargs": "fps=1"}, 400, "media_io_kwargs"),
+    ({"model": "llm", "messages": MESSAGES, "mm_processor_kwargs": {"fps": 1}}, 400, "mm_processor_kwargs"),
 ])
 def test_bad_bodies_name_the_field(body, status, param):
     with pytest.raises(ApiError) as info:

@@ -339,3 +339,19 @@ def test_a_consumer_answer_naming_keys_not_asked_for_is_ignored():
     stages.held = leaky
     outcome, sink = demand_run(stages, TWO_IMAGES)
     assert outcome is Outcome.OK and sink.chunks[-1][0].timings["held"] == 1
+
+
+def test_a_video_s_options_make_its_content_key_and_go_on_to_the_consumer():
+    from backend.protocol.media_options import MediaOptions
+    from tests.videos import make_video
+
+    video = make_video(64, 48, frames=8, fps=4)
+    keys = []
+    for options in (None, {"video": {"fps": 1}}, {"video": {"fps": 3}}, {"video": {"fps": 1.0}}):
+        stages = FakeStages()
+        raw = RawGenerateInputs(text_input="<|video_pad|>?", videos=(video,), media_io=MediaOptions.parse(options))
+        outcome, _ = run(stages, raw)
+        assert outcome is Outcome.OK
+        keys.append(stages.encoded[0][1])
+        assert stages.generated[0].media_io == raw.media_io  # consumers that decode media sample them alike
+    assert len(set(keys[:3])) == 3 and keys[3] == keys[1]  # other options: another item; 1 == 1.0: the same

@@ -25,6 +25,7 @@ from backend.engine.host import prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part
 from backend.protocol.layout import content_key
+from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings
 from backend.request.media import MediaLimits, media_limits
@@ -77,8 +78,9 @@ class TritonPythonModel:
             images = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()
             shapes.append(images.shape)
             try:
-                part = request_parameters(request).get(PART_PARAMETER)
-                part = parse_part(part) if part is not None else None
+                params = request_parameters(request)
+                part = parse_part(params[PART_PARAMETER]) if PART_PARAMETER in params else None
+                options = MediaOptions.from_parameters(params)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 refused[index] = exc
                 continue
@@ -88,12 +90,12 @@ class TritonPythonModel:
             kinds = [k.decode() if k else IMAGE.name for k in kinds.as_numpy().reshape(-1)] if kinds is not None else \
                 [IMAGE.name] * images.shape[0]
             for data, key, kind in zip(images.reshape(-1), keys, kinds):
-                data = bytes(data)
+                data, how = bytes(data), options.key(kind)
                 if isinstance(key, bytes) and key:
-                    jobs.append(EncodeJob(index, data, key.decode(), modality=kind, part=part))
+                    jobs.append(EncodeJob(index, data, key.decode(), modality=kind, part=part, options=how))
                 else:  # computed here from the bytes: the cache may use it as its own key
-                    own = content_key(data, self.processing, self.encoder.identity, part)
-                    jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind, part=part))
+                    own = content_key(data, self.processing, self.encoder.identity, part, how)
+                    jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind, part=part, options=how))
         results = self.service.run(jobs, len(requests))
         responses = []
         for index, (request, shape) in enumerate(zip(requests, shapes)):

@@ -1,0 +1,35 @@
+"""The native stacks of a process that would not exit (``py-spy dump --native``): a stub hung in a C destructor shows
+no Python frame in its own faulthandler dump ("Garbage-collecting"), so the harness (``clients.local_server``)
+asks py-spy before it kills a straggler, and prints what it says into the test's output and the server's log."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def native_stacks(pid: int, timeout: float = 20.0) -> str:
+    """What ``py-spy dump --native`` says of ``pid`` (its threads' Python and C frames); "" without py-spy."""
+    exe = Path(sys.executable).with_name("py-spy")
+    exe = str(exe) if exe.exists() else shutil.which("py-spy")
+    if not exe:
+        return ""
+    try:
+        done = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy dump --native --pid {pid}: {exc}"
+    return f"py-spy dump --native --pid {pid}:\n{done.stdout}{done.stderr}"
+
+
+def report_native_stacks(pids, log_path=None) -> None:
+    """The native stacks of processes that outlived the server, printed (a failing test shows them) and logged."""
+    text = "\n".join(native_stacks(pid) for pid in pids)
+    print(text, flush=True)
+    if log_path:
+        with open(log_path, "a") as log:
+            log.write(text)
+
+
+__all__ = ["native_stacks", "report_native_stacks"]
