@@ -41,3 +41,16 @@ def test_a_killed_engine_leaves_no_semaphore_once_its_host_exits():
     while (left := [name for name in made if os.path.exists(f"/dev/shm/{name}")]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"left in /dev/shm: {left}"
+
+
+def test_a_teardown_that_hangs_after_finalize_is_cut_at_the_bound():
+    """``bound_the_exit``: the interpreter's last garbage collection stuck (a finalizer that never returns, as the
+    encoder stub's once did in C) ends the process at the bound with every thread's stack in its stderr."""
+    code = ("import time\nfrom backend.engine.host import bound_the_exit\n"
+            "class Stuck:\n    def __del__(self):\n        time.sleep(60)\n"
+            "a = Stuck(); a.cycle = [a]; del a  # a cycle: freed by the collection at exit\n"
+            "bound_the_exit(1.0)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and time.monotonic() - started < 30, (done.returncode, done.stderr[-2000:])
+    assert "Timeout (0:00:01)!" in done.stderr and "__del__" in done.stderr, done.stderr[-2000:]

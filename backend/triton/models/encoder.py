@@ -21,7 +21,7 @@ from backend.deploy.tier_service import MASTER_ENV, METADATA_ENV, mooncake_paths
 from backend.encode.checkpoint import processing_options
 from backend.encode.encoder import load_encoder
 from backend.encode.service import EncodeJob, EncoderService
-from backend.engine.host import prepare_process
+from backend.engine.host import bound_the_exit, prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part
 from backend.protocol.layout import content_key
@@ -123,6 +123,7 @@ class TritonPythonModel:
         if self.tier is not None:
             self.tier.close()
         self.pool.close()
+        bound_the_exit()  # what comes after finalize once hung for good (backend.engine.host.bound_the_exit)
 
 
 def connect_tier(settings: EncoderSettings):
