@@ -11,6 +11,7 @@ ports; ``vllm serve`` only while its rows run, so it and tritonserver's engines 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -52,7 +53,8 @@ def bench_argv(base_url: str, model: str, tokenizer: Path, args, out: Path) -> l
             "--temperature", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
-def _wait(url: str, timeout: float) -> None:
+def wait_healthy(url: str, timeout: float) -> None:
+    """Poll ``url`` until it answers 200 (the endpoint's ``/health``: every model of the repository ready)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -62,6 +64,24 @@ def _wait(url: str, timeout: float) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def openai_endpoint(log_path: Path):
+    """tritonserver with the committed repository and ``frontend.openai`` in front of it, both on free 127.0.0.1 ports,
+    as users start them; yields the endpoint's base URL once ``/health`` is 200, stops both on exit."""
+    from backend.deploy.ports import free_ports
+    from clients.local_server import TritonServer, start_openai_process
+
+    with TritonServer(log_path=log_path) as server:
+        (port,) = free_ports(1)
+        endpoint = start_openai_process(port, server.grpc_url)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/health", 120)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            endpoint.terminate()
+            endpoint.wait(timeout=30)
 
 
 def run(target: str, base_url: str, model: str, args, workdir: Path) -> dict:
@@ -97,7 +117,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", type=Path, help="keep vllm bench serve's result files here")
     args = parser.parse_args(argv)
     from backend.deploy.ports import free_ports
-    from clients.local_server import TritonServer, start_openai_process
 
     targets = args.targets.split(",")
     workdir = args.out or Path(tempfile.mkdtemp(prefix="bench-openai-clients-"))
@@ -105,22 +124,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     ours = [t for t in targets if t != "vllm-serve"]
     if ours:
-        with TritonServer(log_path=ROOT / ".cache" / "bench-openai-clients-server.log") as server:
-            (port,) = free_ports(1)
-            endpoint = start_openai_process(port, server.grpc_url)
-            try:
-                _wait(f"http://127.0.0.1:{port}/health", 120)
-                rows += [run(t, f"http://127.0.0.1:{port}", t, args, workdir) for t in ours]
-            finally:
-                endpoint.terminate()
-                endpoint.wait(timeout=30)
+        with openai_endpoint(ROOT / ".cache" / "bench-openai-clients-server.log") as base_url:
+            rows += [run(t, base_url, t, args, workdir) for t in ours]
     if "vllm-serve" in targets:
         (port,) = free_ports(1)
         log = open(ROOT / ".cache" / "bench-openai-clients-vllm-serve.log", "w")
         proc = subprocess.Popen(vllm_serve_argv(port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "VLLM_PLUGINS": ""}, start_new_session=True)
         try:
-            _wait(f"http://127.0.0.1:{port}/health", 600)
+            wait_healthy(f"http://127.0.0.1:{port}/health", 600)
             rows.append(run("vllm-serve", f"http://127.0.0.1:{port}", "vllm-serve", args, workdir))
         finally:
             os.killpg(proc.pid, 15)
