@@ -47,6 +47,9 @@ DEMAND_AWARE_PARAMETER = "epd_demand_aware"
 # (JSON {"keys": [content key, ...], "session": id or null}) a lookup, answered by a consumer stage (pd, prefill):
 # one response whose text_output is the JSON object {content key: layout document} of the keys it holds
 HELD_PARAMETER = "epd_held"
+# (bool) a health and load probe, answered by every engine stage (llm, pd, prefill, decode): one response whose
+# text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (backend.triton.replicas)
+LOAD_PARAMETER = "epd_load"
 
 
 def parse_session(value) -> str | None:

@@ -16,13 +16,16 @@ from backend.protocol.errors import InvalidInput
 
 
 def host_identity() -> str:
-    """This host as seen by a peer: the kernel boot id and the network namespace. Processes in other
-    network namespaces count as other hosts (that is how tests model a second machine)."""
+    """This host as seen by a peer: the kernel boot id, the network namespace, and the host's name in its topology
+    (``EPD_HOST``, set by its launch command: ``backend.deploy.hosts``). Processes in other network namespaces, or
+    of another topology host, count as other hosts: their consumers never take the same-host shared-memory or CUDA
+    IPC path to each other's producers, even where a /dev/shm is shared (two hosts of a topology on one machine)."""
     import os
 
     with open("/proc/sys/kernel/random/boot_id") as fh:
         boot = fh.read().strip()
-    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    name = os.environ.get("EPD_HOST", "")
+    return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}" + (f"/{name}" if name else "")
 
 
 # -- wire values ------------------------------------------------------------------------------------

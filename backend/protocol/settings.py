@@ -98,6 +98,7 @@ class RoutingSettings:
 
     topology: Disaggregation = Disaggregation.E_PD
     encoder_model: str = "encoder"
+    encoder_endpoint: str = LOCAL
     decode_model: str = "decode"
     decode_endpoint: str = LOCAL
     request_timeout_seconds: float = 300  # per request, encode to last token (0: none)
@@ -108,10 +109,17 @@ class RoutingSettings:
     # before encoding, ask the consumer which items it already holds (backend.transfer.held) and send those as its
     # copies: no encode, no transfer (a request's epd_demand_aware parameter overrides it)
     demand_aware: bool = False
+    # between health checks of the replicas of stages on other servers or on several (backend.triton.replicas)
+    health_check_seconds: float = 2.0
 
     def targets(self) -> dict[Stage, tuple[str, str]]:
         """Model name and endpoint of each generator stage this orchestrator may ask over gRPC."""
         return {Stage.DECODE: (self.decode_model, self.decode_endpoint)}
+
+    def health_seconds(self) -> float:
+        """``health_check_seconds`` where a stage is remote or replicated (an endpoint other than ``local``), else 0."""
+        endpoints = [self.encoder_endpoint, *(endpoint for _, endpoint in self.targets().values())]
+        return self.health_check_seconds if any((e or LOCAL).strip() != LOCAL for e in endpoints) else 0.0
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ from backend.triton.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
 from backend.triton.config import load_settings
-from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
-                               watched_sink)
+from backend.protocol.generate import LOAD_PARAMETER
+from backend.triton.io import (ERROR_CODES_PARAMETER, answer_json, in_band_cancel, read_generate_inputs,
+                               request_parameters, send_error, watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
 
 
@@ -108,6 +109,9 @@ class GenerateModel:
             tag = bool(params.get(ERROR_CODES_PARAMETER))
             if in_band_cancel(sender, params, self.cancels, tag) or self.answer_lookup(sender, params, tag):
                 continue
+            if params.get(LOAD_PARAMETER):  # a router's health and load probe (backend.triton.replicas)
+                answer_json(sender, {"kv_cache_usage": self.engine_metrics.kv_cache_usage})
+                continue
             try:
                 parsed = parse_generate_request(read_generate_inputs(request), self.resolver, self.limits)
             except Exception as exc:
@@ -179,7 +183,7 @@ class MetadataOnlyModel(GenerateModel):
         port = settings.nixl_side_channel_port if settings.nixl_side_channel_port is not None else free_ports()[0]
         # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)
         wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else self.spec.idle_wait_ms
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
                 POLL_DELAY_ENV: str(settings.nixl_poll_delay_us),
                 "EPD_ENGINE_IDLE_WAIT_MS": "" if wait is None else f"{wait:g}",
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}

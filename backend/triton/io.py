@@ -220,7 +220,12 @@ def answer_held_lookup(sender, query, held, tag_code: bool) -> None:
     except Exception as exc:  # noqa: BLE001 - the asker's error, never this model's
         send_error(sender, exc, tag_code)
         return
-    text = pb_utils.Tensor("text_output", np.array([json.dumps(found).encode()], dtype=np.object_))
+    answer_json(sender, found)
+
+
+def answer_json(sender, doc) -> None:
+    """One final response whose ``text_output`` is ``doc`` as JSON (the answer to a lookup or a load probe)."""
+    text = pb_utils.Tensor("text_output", np.array([json.dumps(doc).encode()], dtype=np.object_))
     sender.send(pb_utils.InferenceResponse(output_tensors=[text]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 

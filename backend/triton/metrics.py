@@ -304,6 +304,7 @@ class EngineMetrics:
         self._families.append(queue)
         self._queue = queue.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         self._timings, self._closed = {}, False
+        self.kv_cache_usage: float | None = None  # the last step's, for load probes (backend.protocol.generate.LOAD_PARAMETER)
         for key, (name, text) in self._TIMINGS.items():
             seconds = pb_utils.MetricFamily(name=f"{name}_seconds_total", kind=counter, description=f"Seconds {text}")
             count = pb_utils.MetricFamily(name=f"{name}_count_total", kind=counter, description=f"Samples: {text}")
@@ -331,5 +332,7 @@ class EngineMetrics:
             samples = getattr(delta, key)
             amounts += [(seconds, samples.seconds), (count, samples.count)]
         gauges = () if delta.kv_cache_usage is None else ((self._kv_usage, delta.kv_cache_usage),)
+        if delta.kv_cache_usage is not None:
+            self.kv_cache_usage = delta.kv_cache_usage
         observations = [(self._queue, value) for value in delta.queue.values]
         self._batch.add_many(amounts, gauges, observations)  # one step's figures in one flush

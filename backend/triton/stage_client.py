@@ -22,11 +22,23 @@ Each generator stage's gRPC address comes from the topology (its ``endpoint``, r
 ``<role>_endpoint`` parameter): ``local`` is this server's own gRPC endpoint, read from its command line at load
 (``backend.deploy.server_address``). ``watch`` checks after load that every stage answers there and logs the outcome, so a
 deployment whose stages cannot be reached says so before a request fails.
+
+Several replicas (an endpoint that lists several addresses, or a DNS name of several: ``backend.triton.replicas``):
+each generate call and each encode goes to the healthy replica with the fewest of this orchestrator's calls in
+flight (generators: then the lowest KV-cache usage); demand-aware lookups ask every healthy consumer replica and
+pin the request to the one holding most of its items, unless that one is overloaded. The encoder too may live on
+other servers (``encoder_endpoint``: a list of addresses): then each item is one gRPC ``infer`` to a replica, with a
+deadline (``STAGE_CALL_SECONDS``), instead of BLS. Where any stage is remote or replicated, every replica is probed
+every ``health_seconds`` (engines: the load probe ``LOAD_PARAMETER``, which also reads their KV-cache usage;
+encoders: model readiness): a replica that fails a call at the connection level or a probe is routed around at
+once and taken back once it answers again; the streams still open to one that is lost (``replicas.LOST_AFTER``)
+(a dead or cut-off host) end with UNAVAILABLE naming the stage, so nothing waits for a host that is gone.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -39,14 +51,15 @@ import triton_python_backend_utils as pb_utils
 from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
-                                       PART_PARAMETER, SESSION_PARAMETER)
-from backend.deploy.server_address import resolve
+                                       LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER)
+from backend.deploy.server_address import LOCAL, resolve
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
+from backend.triton.replicas import Replica, ReplicaSet, split_endpoints
 
 # What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
 # prefill's with the kv_transfer_params decode needs.
@@ -55,6 +68,11 @@ PREFILL_OUTPUTS = interface.output_names(interface.PREFILL)
 log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
 PART_STAGGER_SECONDS = 0.002  # between the BLS requests of a video's parts (see above)
+STAGE_CALL_SECONDS = 120.0  # deadline of one encode over gRPC (a remote encoder)
+HEALTH_SECONDS = 2.0  # between health checks of remote or replicated stages
+PROBE_SECONDS = 1.5  # a probe not answered within this counts as failed
+# the consumer replica a demand-aware lookup chose for this request (its task's context): stage -> address
+_PINNED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("epd_pinned_replica", default=None)
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
@@ -69,23 +87,54 @@ def _chunk(result) -> ResponseChunk:
     return ResponseChunk(**interface.output_fields(value))
 
 
-async def _unavailable_if_unreachable(stream, model: str, url: str):
+async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asyncio.Event | None = None):
     """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
-    lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above)."""
+    lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above), and so is ``lost`` set
+    while waiting (the replica stopped answering health checks: ``backend.triton.replicas``)."""
     import grpc
 
     iterator = stream.__aiter__()
     while True:
         try:
-            item = await iterator.__anext__()
+            item = await (iterator.__anext__() if lost is None else _unless(iterator.__anext__(), lost))
         except StopAsyncIteration:
             return
+        except _Lost:
+            raise Unreachable(f"stage {model} at {url} was lost (it stopped answering health checks)") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise
-            raise Unavailable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
+            raise Unreachable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
                               f"{exc.code().name} {exc.details()}") from None
         yield item
+
+
+class Unreachable(Unavailable):
+    """A call to a stage failed itself (no server there, connection lost, replica lost), not the stage's work."""
+
+
+class _Lost(Exception):
+    """The replica a call waits on was lost."""
+
+
+async def _unless(awaitable, lost: asyncio.Event):
+    """``awaitable``'s result, or ``_Lost`` (``awaitable`` cancelled) if ``lost`` is or gets set first."""
+    call = asyncio.ensure_future(awaitable)
+    if lost.is_set():
+        call.cancel()
+        raise _Lost
+    waiter = asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait((call, waiter), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this task cancelled: the call goes too
+        call.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if not call.done():
+        call.cancel()
+        raise _Lost
+    return call.result()
 
 
 def _is_final(result) -> bool:
@@ -93,11 +142,18 @@ def _is_final(result) -> bool:
     return bool(param and param.bool_param)
 
 
-def stage_urls(targets: dict[Stage, tuple[str, str]], stages) -> dict[Stage, str]:
-    """The gRPC address of each of ``stages`` from its model name and endpoint (``targets``: the orchestrator's
-    ``<role>_model`` / ``<role>_endpoint`` parameters, ``RoutingSettings.targets``); raises
+def stage_urls(targets: dict[Stage, tuple[str, str]], stages) -> dict[Stage, list[str]]:
+    """The gRPC addresses of each of ``stages`` (one per replica) from its model name and endpoint (``targets``: the
+    orchestrator's ``<role>_model`` / ``<role>_endpoint`` parameters, ``RoutingSettings.targets``); raises
     ``backend.deploy.server_address.EndpointError`` naming the stage."""
-    return {stage: resolve(*targets[stage]) for stage in stages}
+    return {stage: [resolve(targets[stage][0], entry) for entry in split_endpoints(targets[stage][1]) or [LOCAL]]
+            for stage in stages}
+
+
+def encoder_urls(model: str, endpoint: str) -> list[str] | None:
+    """The gRPC addresses of the encoder replicas (``encoder_endpoint``), or None: ``local``, BLS in this server."""
+    entries = split_endpoints(endpoint or LOCAL)
+    return None if entries in ([], [LOCAL]) else [resolve(model, entry) for entry in entries]
 
 
 class BlsEncoders:
@@ -125,101 +181,205 @@ class BlsEncoders:
 
 
 class TritonStages(BlsEncoders):
-    """``urls``: the gRPC address of each generator stage role this orchestrator asks (``backend.deploy.server_address``);
-    one client per address."""
+    """``urls``: the gRPC addresses of each generator stage role this orchestrator asks, one per replica
+    (``backend.deploy.server_address``); ``encoders``: the encoder replicas' addresses, None: BLS in this server.
+    ``health_seconds``: between health checks of every replica (0: none; a deployment in one server needs none).
+    One client per address."""
 
-    def __init__(self, urls: dict[Stage, str], encoder_model: str = "encoder", generator_model: str = "pd",
-                 prefill_model: str = "prefill", decode_model: str = "decode"):
+    def __init__(self, urls: dict[Stage, list[str]], encoder_model: str = "encoder", generator_model: str = "pd",
+                 prefill_model: str = "prefill", decode_model: str = "decode", encoders: list[str] | None = None,
+                 health_seconds: float = 0.0):
         super().__init__(encoder_model)
         self.models = {Stage.PD: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self.urls = dict(urls)
+        self.replicas = {stage: ReplicaSet(self.models[stage], addresses) for stage, addresses in urls.items()}
+        self.encoders = ReplicaSet(encoder_model, encoders) if encoders else None
+        self.health_seconds = health_seconds
         self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
 
-    def _client(self, stage: Stage):
+    @property
+    def urls(self) -> dict[Stage, str]:
+        """Each stage's addresses as one string (for messages)."""
+        return {stage: ",".join(r.address for r in replicas.replicas) for stage, replicas in self.replicas.items()}
+
+    def _sets(self) -> list[tuple[ReplicaSet, bool]]:
+        """Every replica set with whether it is an engine stage's (answers load probes)."""
+        return [*((s, True) for s in self.replicas.values()), *([(self.encoders, False)] if self.encoders else [])]
+
+    def _client(self, address: str):
         import tritonclient.grpc.aio as aio
 
-        url = self.urls[stage]
-        if url not in self._clients:
-            self._clients[url] = aio.InferenceServerClient(url)
-        return self._clients[url]
+        if address not in self._clients:
+            self._clients[address] = aio.InferenceServerClient(address)
+        return self._clients[address]
 
     async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
-        """After load: wait until every stage answers ready at its address; log that once (INFO), or, while one
-        does not after ``warn_after`` seconds, a WARNING naming the stage, the address and the last answer (then
-        keep waiting: a stage may load late). Returns stage model -> address. Cancelled at unload."""
-        import tritonclient.grpc.aio as aio
-
-        waiting = {self.models[stage]: stage for stage in self.urls}
+        """After load: wait until every stage answers ready at one address at least; log that once (INFO), or,
+        while one does not after ``warn_after`` seconds, a WARNING naming the stage, the addresses and the last
+        answer (then keep waiting: a stage may load late). Then, with ``health_seconds``, check every replica
+        that often until cancelled (at unload). Returns stage model -> addresses."""
+        waiting = {replicas.stage: replicas for replicas, _ in self._sets()}
         started, warned, last = time.monotonic(), False, {}
         while waiting:
-            for model, stage in list(waiting.items()):
-                # A channel of its own per probe: one that failed to connect (the server's endpoints open only
-                # after every model loaded) backs off before it tries again, and would fail requests meanwhile.
-                probe = aio.InferenceServerClient(self.urls[stage])
-                try:
-                    if await probe.is_model_ready(model):
+            for model, replicas in list(waiting.items()):
+                for replica in replicas.replicas:
+                    last[model] = await self._ready(model, replica.address)
+                    if last[model] is True:
                         del waiting[model]
-                        continue
-                    last[model] = "not ready"
-                except Exception as exc:  # noqa: BLE001 - the answer is what we log
-                    last[model] = str(exc)
-                finally:
-                    await probe.close()
+                        break
             if waiting and not warned and time.monotonic() - started > warn_after:
                 warned = True
-                for model, stage in waiting.items():
+                for model, replicas in waiting.items():
                     pb_utils.Logger.log_warn(
-                        f"stage {model} not reachable over gRPC at {self.urls[stage]} after {warn_after:.0f} s "
+                        f"stage {model} not reachable over gRPC at {','.join(replicas.entries)} after {warn_after:.0f} s "
                         f"({last.get(model)}); still waiting (a GPU engine can take minutes to load): until it "
                         f"answers, requests that need it fail UNAVAILABLE; if it never does, check its endpoint in "
                         f"the topology")
             if waiting:
                 await asyncio.sleep(interval if not warned else 5.0)
-        reached = {self.models[stage]: url for stage, url in self.urls.items()}
+        reached = {replicas.stage: ",".join(replicas.entries) for replicas, _ in self._sets()}
         pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
+        while self.health_seconds:
+            await asyncio.gather(*(replicas.check(self._prober(replicas.stage, engine), PROBE_SECONDS)
+                                   for replicas, engine in self._sets()))
+            await asyncio.sleep(self.health_seconds)
         return reached
 
-    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
-        """Stream the stage's chunks. If the consumer stops early (``aclose``: its client cancelled), the
-        gRPC stream is cancelled, and with it the stage's request."""
+    async def _ready(self, model: str, address: str):
+        """True if ``model`` answers ready at ``address``, else what it answered. A channel of its own per probe:
+        one that failed to connect (the server's endpoints open only after every model loaded) backs off before it
+        tries again, and would fail requests meanwhile."""
+        import tritonclient.grpc.aio as aio
+
+        probe = aio.InferenceServerClient(address)
+        try:
+            return True if await probe.is_model_ready(model) else "not ready"
+        except Exception as exc:  # noqa: BLE001 - the answer is what we log
+            return str(exc)
+        finally:
+            await probe.close()
+
+    def _prober(self, model: str, engine: bool):
+        """The health probe of ``model``'s replicas (``backend.triton.replicas.Probe``): engines answer the load
+        probe (their stub is alive, and their KV-cache usage), encoders their model readiness."""
         import tritonclient.grpc as grpcclient
 
-        client, url = self._client(stage), self.urls[stage]
+        async def probe(address: str) -> tuple[bool, float | None]:
+            client = self._client(address)
+            if not engine:
+                return bool(await client.is_model_ready(model)), None
+            request = {"model_name": model, "inputs": [], "parameters": {**_TAGGED, LOAD_PARAMETER: True},
+                       "outputs": [grpcclient.InferRequestedOutput("text_output")]}
+            async with single_request_stream(client, request) as stream:
+                async for result, error in stream:
+                    if error is not None:
+                        return False, None
+                    usage = json.loads(result.as_numpy("text_output").reshape(-1)[0]).get("kv_cache_usage")
+                    return True, float(usage) if isinstance(usage, (int, float)) else None
+            return False, None
+        return probe
+
+    async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
+        """BLS in this server, or (remote encoders) one gRPC call to the least-loaded healthy encoder replica."""
+        if self.encoders is None:
+            return await super().encode(item, key, part)
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        parameters = {**_TAGGED, PART_PARAMETER: f"{part[0]}/{part[1]}"} if part else dict(_TAGGED)
+        if item.options:
+            parameters[MEDIA_IO_PARAMETER] = json.dumps({item.modality: json.loads(item.options)})
+        inputs = []
+        for name, value in ((ENCODER_ITEM.name, item.data), (ENCODER_KEY.name, key.encode()),
+                            (ENCODER_MODALITY.name, item.modality.encode())):
+            inputs.append(grpcclient.InferInput(name, [1, 1], "BYTES"))  # the encoder batches: [1, 1]
+            inputs[-1].set_data_from_numpy(np.array([[value]], dtype=np.object_))
+        replica = self.encoders.pick()
+        with self.encoders.using(replica):
+            try:
+                result = await _unless(self._client(replica.address).infer(
+                    self.encoder_model, inputs, outputs=[grpcclient.InferRequestedOutput(ENCODER_LAYOUT.name)],
+                    parameters=parameters, client_timeout=STAGE_CALL_SECONDS), replica.lost)
+            except _Lost:
+                raise Unreachable(f"stage {self.encoder_model} at {replica.address} was lost "
+                                  f"(it stopped answering health checks)") from None
+            except InferenceServerException as exc:
+                raise self._call_failed(self.encoders, replica, exc) from None
+        return result.as_numpy(ENCODER_LAYOUT.name).reshape(-1)[0].decode()
+
+    def _call_failed(self, replicas: ReplicaSet, replica: Replica, exc) -> Exception:
+        """A failed call's error: the stage's own (tagged) error as it is; a failure of the call itself (no server
+        there, connection lost, deadline passed, no such model) routes around the replica and is UNAVAILABLE."""
+        message = exc.message() or ""
+        if message.startswith("[") or (exc.status() or "") not in ("StatusCode.UNAVAILABLE",
+                                                                   "StatusCode.DEADLINE_EXCEEDED"):
+            return from_triton_error(exc, replicas.stage)
+        replicas.failed(replica.address, message, lost=exc.status() != "StatusCode.DEADLINE_EXCEEDED")
+        return Unreachable(f"stage {replicas.stage} not reachable over gRPC at {replica.address}: {message}")
+
+    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
+        """Stream the chunks of the stage's least-loaded healthy replica (the request's pinned one: ``held``).
+        If the consumer stops early (``aclose``: its client cancelled), the stage's request is cancelled in band."""
+        import tritonclient.grpc as grpcclient
+
+        replicas = self.replicas[stage]
+        replica = replicas.pick(prefer=(_PINNED.get() or {}).get(stage))
+        client, url, model = self._client(replica.address), replica.address, self.models[stage]
         outputs = PREFILL_OUTPUTS if stage is Stage.PREFILL else GENERATE_OUTPUTS
         request_id = f"epd-{uuid.uuid4().hex}"
         parameters = {**_TAGGED, SESSION_PARAMETER: inputs.session_id} if inputs.session_id else _TAGGED
         if inputs.media_io:  # consumers that decode media (metadata-only off, P/D) sample them as the client asked
             parameters = {**parameters, MEDIA_IO_PARAMETER: inputs.media_io.parameter()}
-        request = {"model_name": self.models[stage], "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
+        request = {"model_name": model, "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
-        finished = False
-        async with single_request_stream(client, request) as stream:
-            try:
-                async with contextlib.aclosing(_unavailable_if_unreachable(stream, self.models[stage], url)) as items:
-                    async for result, error in items:
-                        if error is not None:
-                            finished = True
-                            raise from_triton_error(error, self.models[stage])
-                        chunk = _chunk(result)
-                        finished = chunk.finish_reason is not None or _is_final(result)
-                        if chunk.text_output or chunk.finish_reason is not None:
-                            yield chunk
-                        if finished:
-                            return
-            finally:
-                if not finished:  # the block's exit then reads the stream to its end, which the stage closes
-                    await self._cancel(client, self.models[stage], request_id)
+        finished, lost = False, replica.lost if self.health_seconds else None
+        with replicas.using(replica):
+            async with single_request_stream(client, request) as stream:
+                try:
+                    async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, url, lost)) as items:
+                        async for result, error in items:
+                            if error is not None:
+                                finished = True
+                                raise from_triton_error(error, model)
+                            chunk = _chunk(result)
+                            finished = chunk.finish_reason is not None or _is_final(result)
+                            if chunk.text_output or chunk.finish_reason is not None:
+                                yield chunk
+                            if finished:
+                                return
+                except Unreachable as exc:  # the call itself failed: route around the replica
+                    finished = True
+                    replicas.failed(url, str(exc))
+                    stream.cancel()  # the server is gone or cut off: no in-band cancel can reach it
+                    raise
+                finally:
+                    if not finished:  # the block's exit then reads the stream to its end, which the stage closes
+                        await self._cancel(client, model, request_id)
 
     async def held(self, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
-        """Demand-aware encoding: ask the consumer stage which of ``keys`` it holds (``HELD_PARAMETER``, on a stream
-        of its own); its answer, {content key: layout document}. Raises the stage's error."""
+        """Demand-aware encoding: ask the consumer stage's healthy replicas which of ``keys`` they hold
+        (``HELD_PARAMETER``, on a stream of their own); the answer of the one holding most, {content key: layout
+        document}, and the request pinned to it (``generate``) unless it is overloaded (``ReplicaSet.pick``).
+        Raises the stage's error (one replica) or when none answers."""
+        replicas = self.replicas[stage]
+        asked = [r for r in replicas.replicas if r.healthy] or replicas.replicas
+        answers = await asyncio.gather(*(self._held_at(r.address, keys, session, stage) for r in asked),
+                                       return_exceptions=len(asked) > 1)
+        found = [(a, r) for a, r in zip(answers, asked) if isinstance(a, dict)]
+        if not found:
+            raise next(a for a in answers if isinstance(a, BaseException))
+        answer, holder = max(found, key=lambda pair: len(pair[0]))
+        chosen = replicas.pick(prefer=holder.address)
+        _PINNED.set({**(_PINNED.get() or {}), stage: chosen.address})
+        return answer if chosen is holder else dict(next((a for a, r in found if r is chosen), {}))
+
+    async def _held_at(self, address: str, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
         import tritonclient.grpc as grpcclient
 
         query = json.dumps({"keys": keys, "session": session})
         request = {"model_name": self.models[stage], "inputs": [], "parameters": {**_TAGGED, HELD_PARAMETER: query},
                    "outputs": [grpcclient.InferRequestedOutput("text_output")]}
-        async with single_request_stream(self._client(stage), request) as stream:
-            async for result, error in _unavailable_if_unreachable(stream, self.models[stage], self.urls[stage]):
+        async with single_request_stream(self._client(address), request) as stream:
+            async for result, error in _unavailable_if_unreachable(stream, self.models[stage], address):
                 if error is not None:
                     raise from_triton_error(error, self.models[stage])
                 answer = json.loads(result.as_numpy("text_output").reshape(-1)[0])

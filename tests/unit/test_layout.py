@@ -143,3 +143,14 @@ def test_placeholder_embeddings_of_a_kv_consumer_have_the_pulled_shape_and_dtype
         "image": ((20, 128), torch.bfloat16), "video": ((8, 128), torch.bfloat16)}
     assert not any(t.any() for t in zeros.values())
     assert media_grids(layouts)["image"].tolist() == [[1, 4, 4], [1, 8, 8]]
+
+
+def test_the_topology_host_name_is_part_of_the_host_identity(monkeypatch):
+    from backend.protocol.handles import host_identity
+
+    monkeypatch.delenv("EPD_HOST", raising=False)
+    plain = host_identity()
+    monkeypatch.setenv("EPD_HOST", "enc-a")
+    a = host_identity()
+    monkeypatch.setenv("EPD_HOST", "enc-b")
+    assert len({plain, a, host_identity()}) == 3 and a.startswith(plain)

@@ -32,7 +32,7 @@ from backend.deploy.server_address import EndpointError
 from backend.triton.models.epd import orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator
-from backend.triton.stage_client import BlsEncoders, TritonStages, stage_urls
+from backend.triton.stage_client import BlsEncoders, TritonStages, encoder_urls, stage_urls
 
 
 class TritonPythonModel(MetadataOnlyModel):
@@ -42,10 +42,11 @@ class TritonPythonModel(MetadataOnlyModel):
         self.watch = None
         super().initialize(args)  # the engine (the host stage's, role_spec), the consumer, the metrics, self.limits
         settings, mode = self.settings, self.settings.topology
-        if mode is Disaggregation.E_PD:
+        if mode is Disaggregation.E_PD and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
-        else:
-            remote = TritonStages(self.urls, settings.encoder_model, decode_model=settings.decode_model)
+        else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
+            remote = TritonStages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
+                                  encoders=self.encoders, health_seconds=settings.health_seconds())
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
@@ -59,6 +60,7 @@ class TritonPythonModel(MetadataOnlyModel):
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
             self.urls = stage_urls(self.settings.targets(), self.settings.topology.generators[1:])
+            self.encoders = encoder_urls(self.settings.encoder_model, self.settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
 

@@ -24,7 +24,7 @@ from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_gener
 from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
-from backend.triton.stage_client import TritonStages, stage_urls
+from backend.triton.stage_client import TritonStages, encoder_urls, stage_urls
 from backend.protocol.generate import ENCODE_PARAMETER, DEMAND_AWARE_PARAMETER, METADATA_ONLY_PARAMETER
 
 
@@ -72,10 +72,11 @@ class TritonPythonModel:
         mode = settings.topology
         try:
             urls = stage_urls(settings.targets(), mode.generators)
+            encoders = encoder_urls(settings.encoder_model, settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
         self.stages = TritonStages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
-                                   settings.decode_model)
+                                   settings.decode_model, encoders, settings.health_seconds())
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, mode, deadline=settings.request_timeout_seconds,
                                          metadata_only=settings.metadata_only,
