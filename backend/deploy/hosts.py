@@ -56,6 +56,9 @@ _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}"
                        r"[A-Za-z0-9])?)*$")
 _DEVICES = re.compile(r"^[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")  # UCX_NET_DEVICES: eth0, mlx5_0:1, all
+# a server's environment on a host: the network device NIXL/UCX moves data on, the address of vLLM's NixlConnector
+# side channel (KV), the host's name (its identity: processes with different ones never take a same-host shortcut)
+DEVICES_ENV, SIDE_CHANNEL_ENV, HOST_ENV = "UCX_NET_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST", "EPD_HOST"
 
 
 @dataclass(frozen=True)
@@ -222,11 +225,17 @@ def plan_host(topology: Topology, name: str, repository: Path, tritonserver: str
     host, repository = topology.hosts[name], Path(repository).resolve()
     view = with_endpoints(topology, {n: (h.stages, h.grpc) for n, h in topology.hosts.items()}, name)
     models = models_at(view, host.stages)
-    argv = (str(tritonserver), f"--model-repository={repository}",
-            *(f"--{kind}-{part}={value}" for kind in ("grpc", "http", "metrics")
-              for part, value in (("address", host.address), ("port", getattr(host, f"{kind}_port")))))
-    env = {"UCX_NET_DEVICES": host.interface, "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address, "EPD_HOST": name}
+    argv = launch_argv(tritonserver, repository, host.address, {key: getattr(host, key) for key in PORT_DEFAULTS})
+    env = {DEVICES_ENV: host.interface, SIDE_CHANNEL_ENV: host.address, HOST_ENV: name}
     return HostPlan(name, host, models, repository, render_files(view, repository, models), argv, env)
+
+
+def launch_argv(tritonserver: str | Path, repository: Path | str, address: str, ports: dict[str, int]) -> tuple[str, ...]:
+    """tritonserver serving ``repository`` with its three endpoints bound to ``address`` on ``ports``
+    (``PORT_DEFAULTS``' keys)."""
+    return (str(tritonserver), f"--model-repository={repository}",
+            *(f"--{kind}-{part}={value}" for kind in ("grpc", "http", "metrics")
+              for part, value in (("address", address), ("port", ports[f"{kind}_port"]))))
 
 
 def host_plan(topology: Topology, out: Path, tritonserver: str | Path = TRITONSERVER) -> dict[str, HostPlan]:
