@@ -164,8 +164,9 @@ class Topology:
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
-        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only),
-        with ``engine_args`` laid over its own and other fields replaced by ``changes``."""
+        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only; its hosts
+        keep those, a host left with none is dropped), with ``engine_args`` laid over its own and other fields replaced
+        by ``changes``."""
         modes = (mode,) if isinstance(mode, str) else tuple(mode)
         unknown = [m for m in modes if m not in DEPLOYMENTS]
         if unknown or not modes:
@@ -175,7 +176,8 @@ class Topology:
         missing = sorted({stage for stage in stages if stage not in self.stages})
         if missing:
             raise TopologyError(f"{self.name}: cannot serve {' + '.join(modes)} alone, no settings for {', '.join(missing)}")
-        kept = {name: replace(host, stages=tuple(s for s in host.stages if s in stages)) for name, host in self.hosts.items()}
+        kept = {name: replace(host, stages=tuple(s for s in host.stages if s in stages))
+                for name, host in self.hosts.items()}
         return replace(self, name=f"{self.name}-{'-'.join(modes)}", serve=modes, checkpoint=self.checkpoint.resolve(),
                        stages={s: self.stages[s] for s in stages}, hosts={n: h for n, h in kept.items() if h.stages},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
@@ -286,11 +288,11 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_INSTANCES:
         raise TopologyError(f"{path}: video_split: expected an integer from 1 to {MAX_INSTANCES}, got {split!r}")
     topology = Topology(name=str(doc.get("name") or path.stem),
-                    checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
-                    serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
-                    transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
-                    video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
-                    reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
+                        checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
+                        serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
+                        transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
+                        video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
+                        reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
     from backend.deploy.hosts import parse_hosts  # it builds on this module
 
     return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))
