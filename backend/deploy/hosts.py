@@ -32,7 +32,9 @@ Each host's launch command (``HostPlan``, ``host_plan``) is tritonserver (``.ven
 backend's environment) on the host's repository, bound to its address and ports, with ``UCX_NET_DEVICES`` (its
 interface), ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (its address: vLLM's NixlConnector side channel for KV) and ``EPD_HOST``
 (its name). The checkpoint is named relative to the repository, as in ``render``: render on each host, or keep
-the same layout. Without a ``hosts:`` block nothing here applies: one server serves the whole topology.
+the same layout. Without a ``hosts:`` block nothing here applies: one server serves the whole topology; and a plain
+``render`` (``clients.local_server --topology``) of a file with one still gives one server with every stage, all
+``local``: the same topology on one machine.
 """
 from __future__ import annotations
 
@@ -249,9 +251,6 @@ def cli(topology: Topology, command: str, out: Path, host: str | None, tritonser
     """``render --host NAME`` and ``hosts`` of ``python -m backend.deploy.topology``."""
     binary = tritonserver or TRITONSERVER
     try:
-        if command == "render" and host is None:
-            raise TopologyError(f"{topology.source or topology.name} places its stages on hosts "
-                                f"({', '.join(topology.hosts)}): render --host NAME for one, or `hosts` for all")
         if command == "render":
             plans = {host: plan_host(topology, host, out, binary)}
         elif host is not None:

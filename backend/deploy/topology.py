@@ -419,14 +419,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error(f"{args.command} needs --out")
-    if topology.hosts or args.host or args.command == "hosts":
+    if args.host or args.command == "hosts":
         from backend.deploy.hosts import cli
 
         return cli(topology, args.command, args.out, args.host, args.tritonserver)
     from backend.deploy.render import render
 
     names = render(topology, args.out)
-    print(f"rendered {', '.join(names)} into {args.out}")
+    hosts = f" (one server; its hosts: render --host {'|'.join(topology.hosts)})" if topology.hosts else ""
+    print(f"rendered {', '.join(names)} into {args.out}{hosts}")
     return 0
 
 

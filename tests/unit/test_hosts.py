@@ -201,8 +201,11 @@ def test_the_cli_renders_one_host_or_all_with_their_launch_commands(tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["decode-1", "encode-1", "prefill-1"]
     assert ("env UCX_NET_DEVICES=eth0 VLLM_NIXL_SIDE_CHANNEL_HOST=10.77.0.4 EPD_HOST=decode-1 /opt/tritonserver "
             f"--model-repository={(tmp_path / 'all' / 'decode-1').resolve()} --grpc-address=10.77.0.4") in out
-    for argv, message in ((["render", str(E_PD), "--out", str(tmp_path / "x")], "render --host NAME for one"),
-                          (["render", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--host", "a", "--out",
+    assert main(["render", str(E_PD), "--out", str(tmp_path / "one")]) == 0  # one server with every stage, all local
+    assert "(one server; its hosts: render --host front|encode-1|pd-1)" in capsys.readouterr().out
+    assert param((tmp_path / "one" / "epd" / "config.pbtxt").read_text(), "encoder_endpoint") == "local"
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["encoder", "epd", "pd"]
+    for argv, message in ((["render", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--host", "a", "--out",
                             str(tmp_path / "x")], "no hosts block"),
                           (["hosts", str(E_PD), "--host", "front", "--out", str(tmp_path / "x")], "--host goes with render")):
         assert main(argv) == 2 and message in capsys.readouterr().err
