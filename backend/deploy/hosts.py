@@ -65,6 +65,8 @@ DEVICES_ENV, SIDE_CHANNEL_ENV, HOST_ENV = "UCX_NET_DEVICES", "VLLM_NIXL_SIDE_CHA
 
 @dataclass(frozen=True)
 class HostSpec:
+    """One host of the block: where it is reached, which stages it serves, the device its data moves on."""
+
     address: str
     stages: tuple[str, ...]
     interface: str
