@@ -59,6 +59,8 @@ _CONFIG_MAP_LIMIT = 1 << 20  # a ConfigMap holds at most 1 MiB
 
 @dataclass(frozen=True)
 class Tier:
+    """Pods alike: the stages they serve and how many there are to start with."""
+
     name: str
     stages: tuple[str, ...]
     replicas: int = 1
@@ -66,6 +68,8 @@ class Tier:
 
 @dataclass(frozen=True)
 class Options:
+    """What the cluster decides and the topology does not (the CLI's flags)."""
+
     namespace: str = "epd"
     image: str = "triton-epd:latest"  # the project with its venv (make setup), `tritonserver` (the venv's) on PATH
     checkpoint_claim: str = "epd-checkpoint"  # a PersistentVolumeClaim holding the checkpoint (not rendered here)
