@@ -21,7 +21,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
 
 
 @pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated",
-                                  "cpu-e-pd-tier"])
+                                  "cpu-e-pd-tier", "hosts-e-pd", "hosts-e-p-d"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
 
