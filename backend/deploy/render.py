@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from backend.deploy.topology import ModelKind, StageSpec, Topology
 from backend.protocol import generate
@@ -123,7 +123,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         mode = kind.mode.value
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
-                  "encoder_model": "encoder", "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
+                  "encoder_model": "encoder", "encoder_endpoint": topology.stages["encoder"].endpoint,
+                  "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
         if kind.mode is Disaggregation.E_P_D:  # decode over gRPC; this model's engine is prefill's (a KV producer)
             params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
@@ -136,7 +137,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
-        names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder"}
+        names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder",
+                 "encoder_endpoint": topology.stages["encoder"].endpoint}
         names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint}
                      if kind.mode is Disaggregation.E_PD else
                      {"prefill_model": "prefill", "prefill_endpoint": topology.stages["prefill"].endpoint,
@@ -175,10 +177,13 @@ def generated_by(topology: Topology) -> str:
             "edit the topology and render again, not this file.")
 
 
-def render_files(topology: Topology, out: Path) -> dict[str, str]:
-    """The model repository for ``topology`` as it would be written at ``out``: relative path -> text."""
+def render_files(topology: Topology, out: Path, models: Iterable[str] | None = None) -> dict[str, str]:
+    """The model repository for ``topology`` as it would be written at ``out``: relative path -> text. ``models``:
+    only these of its models (one host's or tier's share: ``backend.deploy.hosts``); None: all."""
     files = {}
     for name, kind in topology.models().items():
+        if models is not None and name not in models:
+            continue
         model_dir = Path(out) / name
         files[f"{name}/config.pbtxt"] = render_config(topology, name, kind, model_dir)
         module = _module(kind)
@@ -190,14 +195,20 @@ def render_files(topology: Topology, out: Path) -> dict[str, str]:
     return files
 
 
-def render(topology: Topology, out: Path) -> list[str]:
-    """Write the model repository for ``topology`` into ``out`` (replacing what is there)."""
+def render(topology: Topology, out: Path, models: Iterable[str] | None = None) -> list[str]:
+    """Write the model repository for ``topology`` into ``out`` (replacing what is there); ``models``: as in
+    ``render_files``. Returns the names of the models written."""
     out = Path(out)
+    write_files(out, render_files(topology, out, models))
+    return [name for name in topology.models() if models is None or name in models]
+
+
+def write_files(out: Path, files: dict[str, str]) -> None:
+    """``files`` (relative path -> text) written into ``out``, which is emptied first."""
     if out.exists():
         shutil.rmtree(out)
-    for relative, text in render_files(topology, out).items():
+    for relative, text in files.items():
         (out / relative).parent.mkdir(parents=True, exist_ok=True)
         (out / relative).write_text(text)
-    return list(topology.models())
 
 

@@ -1,8 +1,11 @@
 """Where an orchestrator reaches a generator stage (``pd``, ``prefill``, ``decode``) over gRPC.
 
 A topology names each such stage's endpoint (``stages.<stage>.endpoint``, rendered into the orchestrator's
-``<role>_endpoint`` parameters): ``local``, the default, is the tritonserver the orchestrator itself runs in;
-``host:port`` is another server's gRPC endpoint. ``local`` is resolved at load from that server's own
+``<role>_endpoint`` parameters; the encoder's too, ``encoder_endpoint``): ``local``, the default, is the tritonserver
+the orchestrator itself runs in (for the encoder: BLS in that server); otherwise a comma-separated list of other
+servers' gRPC endpoints, ``host:port`` each, one per replica (``10.77.0.2:8001,10.77.0.3:8001``). A host name may
+resolve to several addresses (a Kubernetes headless Service): the runtime takes every one of them as a replica. A
+topology's ``hosts:`` block computes these lists (``backend.deploy.hosts``). ``local`` is resolved at load from that server's own
 command line (a Python-backend stub is a child of tritonserver), so the repository works on whatever ports
 the server was started with (``--grpc-port``, ``--grpc-address``), by ``make serve`` or by ``tritonserver``
 run directly, with no environment variable to keep in step. A server started without gRPC
@@ -72,8 +75,8 @@ def server_argv(pid: int | None = None) -> list[str]:
 
 
 def resolve(stage: str, endpoint: str, argv: list[str] | None = None) -> str:
-    """The gRPC address of ``stage`` for the configured ``endpoint`` (``local`` or ``host:port``). Raises
-    ``EndpointError`` naming the stage and the setting to change."""
+    """The gRPC address of ``stage`` for the configured ``endpoint``: ``local``'s, or the ``host:port`` list as
+    given (checked; ``endpoint_list`` splits it). Raises ``EndpointError`` naming the stage and the setting to change."""
     endpoint = (endpoint or LOCAL).strip()
     hint = f"set stages.{stage}.endpoint in the topology to the host:port of a server that serves {stage}"
     if endpoint != LOCAL:
@@ -86,10 +89,23 @@ def resolve(stage: str, endpoint: str, argv: list[str] | None = None) -> str:
                             f"but {exc}; start tritonserver with gRPC on, or {hint}") from None
 
 
+def endpoint_list(endpoint: str) -> list[str]:
+    """The ``host:port`` addresses of an endpoint setting, one per replica, as written (``local``: none)."""
+    endpoint = (endpoint or LOCAL).strip()
+    return [] if endpoint == LOCAL else [item.strip() for item in endpoint.split(",")]
+
+
 def check_endpoint(stage: str, endpoint: str) -> None:
-    """``local`` or ``host:port`` with a port number; raises ``EndpointError`` otherwise."""
-    if endpoint == LOCAL:
-        return
-    host, colon, port = endpoint.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EndpointError(f"stages.{stage}.endpoint: expected 'local' or host:port, got {endpoint!r}")
+    """``local``, or one or more ``host:port`` with a port number, comma-separated (one per replica, each once);
+    raises ``EndpointError`` otherwise, naming the setting."""
+    where = f"stages.{stage}.endpoint"
+    items = endpoint_list(endpoint)
+    for item in items:
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problem = "" if len(items) == 1 else f": {item!r} is not host:port"
+            raise EndpointError(f"{where}: expected 'local' or host:port, got {endpoint!r}{problem} "
+                                f"(several replicas: host:port,host:port)")
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+        raise EndpointError(f"{where}: {', '.join(twice)} listed more than once in {endpoint!r} (one entry per replica)")

@@ -29,9 +29,11 @@ BLS either way, and the engines still take metadata-only requests. Example::
     python -m backend.deploy.topology render topologies/cpu-e-p-d.yaml --out /tmp/repo
     python -m backend.deploy.topology check topologies/gpu-e-p-d.yaml --machine gpu
 
-An orchestrator reaches ``pd``, ``prefill`` and ``decode`` over gRPC at their ``endpoint`` (a stage key):
-``local`` (the default) is the server the orchestrator runs in, whatever ports it was started on
-(``backend.deploy.server_address``); ``host:port`` is another server.
+An orchestrator reaches ``encoder``, ``pd``, ``prefill`` and ``decode`` at their ``endpoint`` (a stage key):
+``local`` (the default) is the server the orchestrator runs in, whatever ports it was started on (the encoder: BLS
+there; ``backend.deploy.server_address``); ``host:port`` is another server's gRPC endpoint, several comma-separated
+are replicas. A ``hosts:`` block places the stages on hosts, each with a server and a model repository of its own,
+and computes those endpoints (``backend.deploy.hosts``; ``render --host NAME``, ``hosts``).
 
 Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
 for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
@@ -61,10 +63,11 @@ ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
-            "video_split", "tier", "reuse"}
+            "video_split", "tier", "reuse", "hosts"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
+ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
 HOSTS = {mode.value: mode.host.value for mode in Disaggregation}  # deployment -> the stage that can host its orchestrator
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
@@ -141,7 +144,7 @@ class StageSpec:
     device: str = "cpu"
     gpus: tuple[int, ...] = ()
     orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
-    endpoint: str = "local"  # REMOTE_STAGES: where the orchestrator reaches it over gRPC (backend.deploy.server_address)
+    endpoint: str = "local"  # ENDPOINT_STAGES: where the orchestrators reach it (backend.deploy.server_address)
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,13 @@ class Topology:
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
     reuse: dict[str, Any] = field(default_factory=dict)  # consumers' copies, demand-aware (REUSE_DEFAULTS' keys); {}: off
+    hosts: dict[str, Any] = field(default_factory=dict)  # host name -> backend.deploy.hosts.HostSpec; {}: one server
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
     def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
-        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only),
-        with ``engine_args`` laid over its own and other fields replaced by ``changes``."""
+        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only; its hosts
+        keep those, a host left with none is dropped), with ``engine_args`` laid over its own and other fields replaced
+        by ``changes``."""
         modes = (mode,) if isinstance(mode, str) else tuple(mode)
         unknown = [m for m in modes if m not in DEPLOYMENTS]
         if unknown or not modes:
@@ -171,8 +176,10 @@ class Topology:
         missing = sorted({stage for stage in stages if stage not in self.stages})
         if missing:
             raise TopologyError(f"{self.name}: cannot serve {' + '.join(modes)} alone, no settings for {', '.join(missing)}")
+        kept = {name: replace(host, stages=tuple(s for s in host.stages if s in stages))
+                for name, host in self.hosts.items()}
         return replace(self, name=f"{self.name}-{'-'.join(modes)}", serve=modes, checkpoint=self.checkpoint.resolve(),
-                       stages={s: self.stages[s] for s in stages},
+                       stages={s: self.stages[s] for s in stages}, hosts={n: h for n, h in kept.items() if h.stages},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
     @property
@@ -186,6 +193,8 @@ class Topology:
         """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
         deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
         as in a file)."""
+        if self.hosts:
+            raise TopologyError(f"{self.name}: orchestrator {where}: its hosts block places the stages; edit the file")
         if where not in ORCHESTRATORS:
             raise TopologyError(f"{self.name}: orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {where!r}")
         if mode not in HOSTS or mode not in self.serve:
@@ -278,12 +287,15 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     split = doc.get("video_split", 1)
     if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_INSTANCES:
         raise TopologyError(f"{path}: video_split: expected an integer from 1 to {MAX_INSTANCES}, got {split!r}")
-    return Topology(name=str(doc.get("name") or path.stem),
-                    checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
-                    serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
-                    transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
-                    video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
-                    reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
+    topology = Topology(name=str(doc.get("name") or path.stem),
+                        checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
+                        serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
+                        transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
+                        video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
+                        reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
+    from backend.deploy.hosts import parse_hosts  # it builds on this module
+
+    return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))
 
 
 def _reuse(doc, where: str, stages: dict[str, "StageSpec"], serve) -> dict[str, Any]:
@@ -373,9 +385,9 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     if orchestrator not in ORCHESTRATORS:
         raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
     endpoint = doc.get("endpoint", LOCAL)
-    if "endpoint" in doc and stage not in REMOTE_STAGES:
-        raise TopologyError(f"{where}.endpoint: only {', '.join(REMOTE_STAGES)} are reached over gRPC "
-                            f"(the encoder is reached through BLS, in the same server)")
+    if "endpoint" in doc and stage not in ENDPOINT_STAGES:
+        raise TopologyError(f"{where}.endpoint: only {', '.join(ENDPOINT_STAGES)} are reached by an orchestrator "
+                            f"at an endpoint")
     if "endpoint" in doc and orchestrator == "colocated":
         raise TopologyError(f"{where}.endpoint: this stage runs inside its colocated orchestrator; nothing reaches it over gRPC")
     try:
@@ -386,10 +398,13 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Validate a deployment topology and render its model repository.")
-    parser.add_argument("command", choices=("render", "check"))
+    parser = argparse.ArgumentParser(description="Validate a deployment topology and render its model repository "
+                                                 "(with a hosts block: each host's, and its launch command).")
+    parser.add_argument("command", choices=("render", "check", "hosts"))
     parser.add_argument("topology", type=Path)
-    parser.add_argument("--out", type=Path, help="model repository to write (render)")
+    parser.add_argument("--out", type=Path, help="model repository to write (render); the hosts' parent folder (hosts)")
+    parser.add_argument("--host", help="render: this host's repository only (a topology with a hosts block)")
+    parser.add_argument("--tritonserver", help="the binary in the launch commands (default: the venv's tritonserver)")
     parser.add_argument("--machine", choices=("cpu", "gpu"), help="the machine kind it is for (default: this one)")
     parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory instead of the topology's")
     args = parser.parse_args(argv)
@@ -399,14 +414,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "check":
-        print(f"{args.topology}: ok; models: {', '.join(topology.models())}")
+        hosts = "".join(f"; host {name}: {', '.join(host.stages)}" for name, host in topology.hosts.items())
+        print(f"{args.topology}: ok; models: {', '.join(topology.models())}{hosts}")
         return 0
     if args.out is None:
-        parser.error("render needs --out")
+        parser.error(f"{args.command} needs --out")
+    if args.host or args.command == "hosts":
+        from backend.deploy.hosts import cli
+
+        return cli(topology, args.command, args.out, args.host, args.tritonserver)
     from backend.deploy.render import render
 
     names = render(topology, args.out)
-    print(f"rendered {', '.join(names)} into {args.out}")
+    hosts = f" (one server; its hosts: render --host {'|'.join(topology.hosts)})" if topology.hosts else ""
+    print(f"rendered {', '.join(names)} into {args.out}{hosts}")
     return 0
 
 

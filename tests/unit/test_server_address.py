@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.deploy.server_address import EndpointError, grpc_address, resolve, server_argv
+from backend.deploy.server_address import (EndpointError, check_endpoint, endpoint_list, grpc_address, resolve,
+                                           server_argv)
 
 
 @pytest.mark.parametrize("argv, address", [
@@ -34,6 +35,19 @@ def test_explicit_endpoints_are_taken_as_given_and_checked():
     for bad in ("host", "host:port", ":9001", "host:0", "host:70000"):
         with pytest.raises(EndpointError, match=f"stages.decode.endpoint: expected 'local' or host:port, got '{bad}'"):
             resolve("decode", bad)
+
+
+def test_an_endpoint_may_list_one_address_per_replica():
+    assert resolve("pd", "10.77.0.3:8001,10.77.0.4:8001") == "10.77.0.3:8001,10.77.0.4:8001"  # as given
+    assert endpoint_list("a:1, b:2") == ["a:1", "b:2"] and endpoint_list("local") == [] and endpoint_list("") == []
+    assert endpoint_list("[::1]:8001,pd.epd.svc.cluster.local:8001") == ["[::1]:8001", "pd.epd.svc.cluster.local:8001"]
+    check_endpoint("encoder", "[::1]:8001,pd.epd.svc.cluster.local:8001")
+    with pytest.raises(EndpointError, match="stages.pd.endpoint: expected 'local' or host:port, got 'a:1,': '' is not host:port"):
+        check_endpoint("pd", "a:1,")
+    with pytest.raises(EndpointError, match="stages.pd.endpoint: expected 'local' or host:port, got 'a:1,b:x'"):
+        check_endpoint("pd", "a:1,b:x")
+    with pytest.raises(EndpointError, match="stages.decode.endpoint: b:2 listed more than once"):
+        check_endpoint("decode", "b:2,a:1,b:2")
 
 
 def test_local_outside_tritonserver_is_refused_with_the_reason():

@@ -21,7 +21,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
 
 
 @pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated",
-                                  "cpu-e-pd-tier"])
+                                  "cpu-e-pd-tier", "hosts-e-pd", "hosts-e-p-d"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
 
@@ -124,8 +124,11 @@ def test_stage_endpoints_render_into_the_orchestrators(tmp_path):
                                                            "decode": {"endpoint": "decode-host:8001"}, "epd": {}}}
     config = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))["epd/config.pbtxt"]
     assert (param(config, "prefill_endpoint"), param(config, "decode_endpoint")) == ("10.0.0.2:9001", "decode-host:8001")
-    doc["stages"] = {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {"endpoint": "d:7"}}
-    assert param(render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))["epd/config.pbtxt"], "decode_endpoint") == "d:7"
+    assert param(config, "encoder_endpoint") == "local"  # BLS in this server
+    doc["stages"] = {"encoder": {"endpoint": "e1:8001,e2:8001"}, "prefill": {"orchestrator": "colocated"},
+                     "decode": {"endpoint": "d:7,d2:7"}}
+    config = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))["epd/config.pbtxt"]  # one address per replica
+    assert (param(config, "decode_endpoint"), param(config, "encoder_endpoint")) == ("d:7,d2:7", "e1:8001,e2:8001")
 
 
 def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
@@ -174,7 +177,9 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"serve": ["E+PD"], "stages": {"encoder": {}, "pd": {}, "prefill": {"orchestrator": "colocated"}, "epd": {}}},
      "stages: prefill not used by serve"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}}}, "stages: pd not used by serve"),
-    ({"stages": {"encoder": {"endpoint": "h:1"}, "pd": {}, "epd": {}}}, "stages.encoder.endpoint: only pd, prefill, decode"),
+    ({"serve": ["baseline"], "stages": {"llm": {"endpoint": "h:1"}}}, "stages.llm.endpoint: only encoder, pd, prefill, decode"),
+    ({"stages": {"encoder": {}, "pd": {"endpoint": "a:1,b"}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port"),
+    ({"stages": {"encoder": {"endpoint": "a:1,a:1"}, "pd": {}, "epd": {}}}, "stages.encoder.endpoint: a:1 listed more than once"),
     ({"stages": {"encoder": {}, "pd": {"endpoint": "h"}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got 'h'"),
     ({"stages": {"encoder": {}, "pd": {"endpoint": 9001}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got '9001'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated", "endpoint": "h:1"}}}, "stages.pd.endpoint: this stage runs inside"),
