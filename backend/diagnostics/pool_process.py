@@ -61,12 +61,12 @@ def _loop(conn, commands: dict[str, Callable]) -> None:
 
 
 def _serve_producer(conn, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2,
-                    device: str = "cpu", agent_name: str | None = None) -> None:
+                    device: str = "cpu", agent_name: str | None = None, poll_delay_us: int | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from backend.transfer.producer import HEADER, EmbeddingPool
 
     pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout, device=device,
-                         agent_name=agent_name)
+                         agent_name=agent_name, poll_delay_us=poll_delay_us)
 
     def state(lease_id):
         found = pool.lease_state(lease_id)
@@ -182,14 +182,15 @@ class _ChildProcess:
 
 class ProducerProcess(_ChildProcess):
     """An ``EmbeddingPool`` (arguments: ``pool_bytes``, ``lease_seconds``, ``alloc_timeout``, ``device``,
-    ``agent_name``) in a child process."""
+    ``agent_name``, ``poll_delay_us``: its NIXL progress thread's) in a child process."""
 
     role = "producer"
 
     def __init__(self, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2,
-                 device: str = "cpu", agent_name: str | None = None, launch: Launch | None = None):
+                 device: str = "cpu", agent_name: str | None = None, poll_delay_us: int | None = None,
+                 launch: Launch | None = None):
         super().__init__(launch, pool_bytes=pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout,
-                         device=device, agent_name=agent_name)
+                         device=device, agent_name=agent_name, poll_delay_us=poll_delay_us)
 
     def wait_state(self, lease_id: str, want, timeout: float = 5.0):
         deadline = time.monotonic() + timeout

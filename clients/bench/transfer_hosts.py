@@ -9,12 +9,15 @@ namespace or in two (hosts of ``tests.netns.Network``, joined by veths through a
   tcp lo      both in host a, the same-host copy off: one NIXL READ, UCX on TCP over loopback
               (``UCX_TLS=tcp UCX_NET_DEVICES=lo``);
   tcp veth    the producer in host a, the consumer in host b: one NIXL READ over TCP on the veth
-              (``UCX_TLS=tcp UCX_NET_DEVICES=eth0``; the consumer picks NIXL by itself: another host identity).
+              (``UCX_TLS=tcp UCX_NET_DEVICES=eth0``; the consumer picks NIXL by itself: another host identity);
+  socket veth the wire's reference, no NIXL: host b asks host a for the item's bytes over one TCP connection
+              (an 8-byte request, the bytes back into a buffer allocated once), timed per item in host b.
 
 Timed in the consumer's process: each pull, leases published beforehand, pulled back to back (as in
 clients/bench/transfer.py); every mode's processes run from the start, and the rounds go through each size and mode in
 turn, so that this machine's drift hits every mode alike. Printed: p50 latency per item and GB/s at the p50, the data
-path each consumer took and the bytes that reached its host's veth. Needs root (network namespaces); nothing is bound outside them.
+path each consumer took and the bytes that reached its host's veth. Needs root (network namespaces); nothing is bound
+outside them.
 
     python -m clients.bench.transfer_hosts [--sizes 262144,1048576,8388608,33554432] [--iters 64] [--rounds 3]
 """
@@ -24,7 +27,10 @@ import argparse
 import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +57,9 @@ MODES = [Mode("same-host", "a", True, {"UCX_NET_DEVICES": "lo"}),
          Mode("cma", "a", False, {"UCX_NET_DEVICES": "lo"}),
          Mode("tcp lo", "a", False, {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}),
          Mode("tcp veth", "b", False, ucx_env())]
+SOCKET = "socket veth"
+NAMES = [mode.name for mode in MODES] + [SOCKET]
+SOCKET_PORT = 7400
 
 
 def _env(mode: Mode) -> dict[str, str]:
@@ -80,13 +89,55 @@ def measure(mode: Mode, pair, nbytes: int, iters: int) -> tuple[list[float], dic
     return pulled["seconds"], pulled["paths"]
 
 
+def socket_server(address: str) -> None:
+    """Host a's side of "socket veth": for each 8-byte request n, n bytes back (0 ends the connection)."""
+    server = socket.create_server((address, SOCKET_PORT))
+    print("ready", flush=True)
+    chunk = memoryview(os.urandom(1 << 20))
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            while n := int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little"):
+                for offset in range(0, n, len(chunk)):
+                    conn.sendall(chunk[:min(len(chunk), n - offset)])
+
+
+def socket_client(address: str, nbytes: int, count: int) -> None:
+    """Host b's side: ``count`` items of ``nbytes`` after 3 unmeasured ones; prints the seconds of each as JSON."""
+    buffer, seconds = memoryview(bytearray(nbytes)), []
+    with socket.create_connection((address, SOCKET_PORT)) as conn:
+        for i in range(count + 3):
+            started = time.perf_counter()
+            conn.sendall(nbytes.to_bytes(8, "little"))
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(buffer[got:])
+            if i >= 3:
+                seconds.append(time.perf_counter() - started)
+        conn.sendall(bytes(8))
+    print(json.dumps(seconds))
+
+
+def socket_round(net: Network, nbytes: int, iters: int) -> list[float]:
+    client = net.popen("b", [sys.executable, "-m", __spec__.name, "socket-client", HOSTS["a"], str(nbytes),
+                             str(max(8, min(iters, POOL_CEILING // nbytes)))], cwd=ROOT, stdout=subprocess.PIPE)
+    out, _ = client.communicate(timeout=120)
+    if client.returncode != 0:
+        raise RuntimeError(f"socket veth: the client in host b failed ({client.returncode})")
+    return json.loads(out)
+
+
 def bench(net: Network, sizes: list[int], iters: int, rounds: int) -> dict:
     """Every mode's pair started at once, then round after round each size through each mode in turn (drift of
     this machine's speed hits every mode alike): {mode: {"sizes": {nbytes: summary}, "paths", "veth_bytes"}}."""
-    seconds = {mode.name: {n: [] for n in sizes} for mode in MODES}
-    paths, veth = {}, {mode.name: 0 for mode in MODES}
+    seconds = {name: {n: [] for n in sizes} for name in NAMES}
+    paths, veth = {SOCKET: {}}, {mode.name: 0 for mode in MODES}
     with contextlib.ExitStack() as stack:
         pairs = {mode.name: start_pair(net, mode, sizes, stack) for mode in MODES}
+        server = net.popen("a", [sys.executable, "-m", __spec__.name, "socket-server", HOSTS["a"]], cwd=ROOT,
+                           stdout=subprocess.PIPE, text=True)
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("socket veth: the server in host a did not start")
         for _ in range(rounds):
             for nbytes in sizes:
                 for mode in MODES:
@@ -94,8 +145,10 @@ def bench(net: Network, sizes: list[int], iters: int, rounds: int) -> dict:
                     taken, paths[mode.name] = measure(mode, pairs[mode.name], nbytes, iters)
                     veth[mode.name] += net.link(mode.consumer_host)["stats64"]["rx"]["bytes"] - rx
                     seconds[mode.name][nbytes] += taken
-    return {mode.name: {"sizes": {n: _summary(seconds[mode.name][n], n) for n in sizes}, "paths": paths[mode.name],
-                        "veth_bytes": veth[mode.name]} for mode in MODES}
+                seconds[SOCKET][nbytes] += socket_round(net, nbytes, iters)
+    veth[SOCKET] = None
+    return {name: {"sizes": {n: _summary(seconds[name][n], n) for n in sizes}, "paths": paths[name],
+                   "veth_bytes": veth[name]} for name in NAMES}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iters", type=int, default=64, help="pulls per size (fewer where they would exceed 256 MiB)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds through every size and mode, interleaved")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["socket-server"]:
+        return socket_server(argv[1])
+    if argv[:1] == ["socket-client"]:
+        return socket_client(argv[1], int(argv[2]), int(argv[3]))
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("transfer_hosts: network namespaces need root (ip netns add)")
@@ -111,18 +169,18 @@ def main(argv: list[str] | None = None) -> dict:
     with Network(HOSTS) as net:
         results = bench(net, sizes, args.iters, args.rounds)
     print("p50 latency per item in µs, and GB/s at the p50; producer in host a, consumer in a or b\n")
-    print("| size | " + " | ".join(mode.name for mode in MODES) + " | tcp veth / same-host |")
-    print("|---" * (len(MODES) + 2) + "|")
+    print("| size | " + " | ".join(NAMES) + " | tcp veth / same-host |")
+    print("|---" * (len(NAMES) + 2) + "|")
     for n in sizes:
-        cells = [results[mode.name]["sizes"][n] for mode in MODES]
-        ratio = cells[-1]["p50_us"] / cells[0]["p50_us"]
+        cells = [results[name]["sizes"][n] for name in NAMES]
+        ratio = results["tcp veth"]["sizes"][n]["p50_us"] / cells[0]["p50_us"]
         print(f"| {_size(n)} | " + " | ".join(f"{c['p50_us']:.0f} µs, {c['GBps']:.2f} GB/s" for c in cells)
               + f" | {ratio:.1f}x the latency |")
     print()
     for mode in MODES:
         r, ucx = results[mode.name], " ".join(f"{k}={v}" for k, v in mode.ucx.items())
-        print(f"{mode.name}: consumer in host {mode.consumer_host}, {ucx}; pulls per path {r['paths']}; {r['veth_bytes'] / 2**20:.1f} MiB received on host "
-              f"{mode.consumer_host}'s veth")
+        print(f"{mode.name}: consumer in host {mode.consumer_host}, {ucx}; pulls per path {r['paths']}; "
+              f"{r['veth_bytes'] / 2**20:.1f} MiB received on host {mode.consumer_host}'s veth")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results
