@@ -63,6 +63,11 @@ class EmbeddingConsumer:
         self.paths: collections.Counter[str] = collections.Counter()  # pulls per data path
         self.bytes_pulled = 0
         self.items_pulled = 0
+        # Destinations of READs given up before they finished (timed out: e.g. a partition). UCX may still write
+        # into them: over TCP the connection outlives a partition and the data lands once it heals, after the
+        # handle was released and the peer removed. Freed, the next allocations there were corrupted (seen:
+        # "malloc(): largebin double linked list corrupted", tests/e2e/test_netns_transfer.py); so they are kept.
+        self.abandoned: list[torch.Tensor] = []
 
     def warm(self, handle) -> None:
         """Connect to a producer before any pull from it (``handle``: its pool's, ``EmbeddingPool.pool_handle``):
@@ -214,7 +219,7 @@ class EmbeddingConsumer:
     def _read(self, handle, peer: str) -> torch.Tensor:
         region = torch.empty(HEADER + handle.nbytes + TRAILER, dtype=torch.uint8, device=self.device)
         reg = self.agent.register_memory(region)
-        xfer = None
+        xfer, state = None, None
         try:
             remote = self.agent.deserialize_descs(handle.descriptors)
             local = self.agent.get_xfer_descs(region)
@@ -239,6 +244,8 @@ class EmbeddingConsumer:
             raise Unavailable(f"embedding transfer from {peer} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             if xfer is not None:
+                if state not in ("DONE", "ERR"):
+                    self.abandoned.append(region)
                 self.agent.release_xfer_handle(xfer)
             self.agent.deregister_memory(reg)
         tags = region[:8].view(torch.int64)[0], region[HEADER + handle.nbytes:].view(torch.int64)[0]
