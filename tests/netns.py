@@ -23,6 +23,9 @@ What the methods mean for a test:
 - ``partition(host)`` / ``heal(host)``: the host's port on the switch down / up: packets to and from the host are
   dropped silently, both ways, as on a pulled cable (connects and sends time out; nothing is refused at once); the
   host keeps its address and routes, and talks to itself;
+- ``executor(host)``: threads of this process that live in the host's namespace (``setns``), so that a test talks
+  to the servers as a client on that host would (HTTP with urllib; not gRPC, whose core opens sockets on threads of
+  its own);
 - ``kill_host(host)``: SIGKILL, at once, every process in the host's namespace (whoever started it, children
   included): a host that dies. The namespace stays, so the host can be started again;
 - ``close()`` (the context's exit, also when the body raised): every process of every host stopped (SIGTERM, then
@@ -31,6 +34,7 @@ What the methods mean for a test:
 """
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import itertools
 import json
@@ -40,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 PREFIX = "epdt"          # every namespace of this harness starts with it (leftovers are recognisable)
@@ -49,6 +54,19 @@ NETNS_DIR = "/run/netns"  # where ``ip netns`` keeps its namespaces (bind mounts
 _HOST_NAME = re.compile(r"[a-z][a-z0-9_-]{0,12}$")  # "v-" + 13 characters: the switch port's name, <= 15
 _OURS = re.compile(rf"{PREFIX}(\d+)n\d+[-.]")
 _counter = itertools.count()
+CLONE_NEWNET = 0x40000000
+
+
+def enter_namespace(namespace: str) -> None:
+    """Move the calling thread (only it) into the network namespace ``namespace`` (``ip netns``'s name)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, namespace), os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsError(f"setns into {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 class NetnsError(RuntimeError):
@@ -277,6 +295,11 @@ class Network:
         """``launch(argv, **kwargs)``: ``popen`` in ``host`` with ``env`` and ``defaults`` (what
         ``backend.diagnostics.pool_process`` takes to start its child somewhere)."""
         return lambda argv, **kwargs: self.popen(host, argv, env=env, **{**defaults, **kwargs})
+
+    def executor(self, host: str, workers: int = 1) -> ThreadPoolExecutor:
+        """A thread pool whose threads live in ``host``'s namespace (the caller shuts it down)."""
+        return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"netns-{host}",
+                                  initializer=enter_namespace, initargs=(self.namespace(host),))
 
     def pids(self, host: str) -> set[int]:
         """Every process running in ``host`` now."""

@@ -6,7 +6,7 @@ Kubernetes headless Service, one address per ready pod) counts each, and is reso
 so pods that come and go are routed to and around.
 
 ``ReplicaSet.pick`` gives the healthy replica with the fewest outstanding calls of this orchestrator (ties: the
-lowest KV-cache usage a health check read, then the one that served fewest); a ``prefer``red replica (demand-aware
+lowest KV-cache usage a health check read, in tenths, then the one that served fewest); a ``prefer``red replica (demand-aware
 encoding: the consumer that holds the request's items) is taken unless it has ``PREFER_SLACK`` more outstanding
 calls than the least loaded. ``failed`` routes around a replica at once (a call to it failed at the connection
 level); the health check (``check``, every ``period`` seconds, run by the stage client) takes it back once it
@@ -27,7 +27,11 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
 log = logging.getLogger(__name__)
+PROBE_SECONDS = 1.5  # a health probe not answered within this counts as failed
 PREFER_SLACK = 2  # outstanding calls a preferred replica may have beyond the least loaded one and still be taken
+# KV-cache usage breaks ties in steps of 1/KV_STEPS: an idle engine's gauge is its last step's, a few percent
+# that mean nothing, and would otherwise send every request of a light load to the other replica
+KV_STEPS = 10
 LOST_AFTER = 2  # health checks failed in a row after which a replica counts as lost (its open streams end)
 # a health probe: address -> (answers, KV-cache usage 0..1 or None where unknown); raises or times out: down
 Probe = Callable[[str], Awaitable[tuple[bool, float | None]]]
@@ -44,12 +48,6 @@ class Replica:
     failures: int = 0  # health checks failed in a row
     # set while the replica is lost (a connection-level failure, or LOST_AFTER failed checks): calls still open to it end
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def split_endpoints(endpoint: str) -> list[str]:
-    """The entries of an endpoint list (``a:1,b:2``), in order, without blanks or repeats."""
-    entries = [entry.strip() for entry in endpoint.split(",")]
-    return list(dict.fromkeys(entry for entry in entries if entry))
 
 
 def _host_port(entry: str) -> tuple[str, str]:
@@ -82,8 +80,9 @@ async def expand(entry: str) -> list[str]:
 class ReplicaSet:
     """The replicas of one stage (``stage``: its name in messages), from its endpoint ``entries``."""
 
-    def __init__(self, stage: str, entries: Iterable[str]):
-        self.stage, self.entries = stage, list(entries)
+    def __init__(self, stage: str, entries: Iterable[str], on_lost: Callable[[str], None] | None = None):
+        """``on_lost(address)``: called when a replica becomes lost (the stage client drops its channel there)."""
+        self.stage, self.entries, self.on_lost = stage, list(entries), on_lost
         if not self.entries:
             raise ValueError(f"stage {stage}: no replica addresses")
         self._replicas = {entry: Replica(entry) for entry in self.entries}  # until the first refresh resolves names
@@ -112,7 +111,7 @@ class ReplicaSet:
         healthy = [r for r in pool if r.healthy]
         if not healthy:  # every one down: the one that failed longest ago (its call says what is wrong)
             return min(pool, key=lambda r: r.failed_at)
-        best = min(healthy, key=lambda r: (r.outstanding, r.kv_usage, r.served))
+        best = min(healthy, key=lambda r: (r.outstanding, int(r.kv_usage * KV_STEPS), r.served))
         chosen = self._replicas.get(prefer) if prefer else None
         if chosen is not None and chosen.healthy and chosen.address not in excluded \
                 and chosen.outstanding <= best.outstanding + PREFER_SLACK:
@@ -136,8 +135,10 @@ class ReplicaSet:
         if replica is None:
             return
         replica.failed_at = time.monotonic()
-        if lost:
+        if lost and not replica.lost.is_set():
             replica.lost.set()
+            if self.on_lost is not None:
+                self.on_lost(address)
         if replica.healthy:
             replica.healthy = False
             log.warning("stage %s replica %s is down (%s); routing around it until it answers a health check",
@@ -175,4 +176,4 @@ class ReplicaSet:
         await asyncio.gather(*(one(r) for r in self.replicas))
 
 
-__all__ = ["Replica", "ReplicaSet", "split_endpoints", "expand", "PREFER_SLACK", "LOST_AFTER"]
+__all__ = ["Replica", "ReplicaSet", "expand", "PREFER_SLACK", "LOST_AFTER"]

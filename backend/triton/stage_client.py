@@ -43,6 +43,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 import numpy as np
@@ -52,14 +53,14 @@ from backend.protocol import generate as interface
 from backend.protocol.errors import Unavailable
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
                                        LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER)
-from backend.deploy.server_address import LOCAL, resolve
+from backend.deploy.server_address import LOCAL, endpoint_list, resolve
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
-from backend.triton.replicas import Replica, ReplicaSet, split_endpoints
+from backend.triton.replicas import PROBE_SECONDS, Replica, ReplicaSet
 
 # What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
 # prefill's with the kv_transfer_params decode needs.
@@ -69,8 +70,11 @@ log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
 PART_STAGGER_SECONDS = 0.002  # between the BLS requests of a video's parts (see above)
 STAGE_CALL_SECONDS = 120.0  # deadline of one encode over gRPC (a remote encoder)
-HEALTH_SECONDS = 2.0  # between health checks of remote or replicated stages
-PROBE_SECONDS = 1.5  # a probe not answered within this counts as failed
+# gRPC channels to the stages: reconnect within a second or two of a server coming (back) up, not after gRPC's
+# exponential back-off of up to two minutes; messages as large as tritonclient's own default allows
+CHANNEL_ARGS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
 # the consumer replica a demand-aware lookup chose for this request (its task's context): stage -> address
 _PINNED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("epd_pinned_replica", default=None)
 
@@ -146,14 +150,14 @@ def stage_urls(targets: dict[Stage, tuple[str, str]], stages) -> dict[Stage, lis
     """The gRPC addresses of each of ``stages`` (one per replica) from its model name and endpoint (``targets``: the
     orchestrator's ``<role>_model`` / ``<role>_endpoint`` parameters, ``RoutingSettings.targets``); raises
     ``backend.deploy.server_address.EndpointError`` naming the stage."""
-    return {stage: [resolve(targets[stage][0], entry) for entry in split_endpoints(targets[stage][1]) or [LOCAL]]
+    return {stage: [resolve(targets[stage][0], entry) for entry in endpoint_list(targets[stage][1]) or [LOCAL]]
             for stage in stages}
 
 
 def encoder_urls(model: str, endpoint: str) -> list[str] | None:
     """The gRPC addresses of the encoder replicas (``encoder_endpoint``), or None: ``local``, BLS in this server."""
-    entries = split_endpoints(endpoint or LOCAL)
-    return None if entries in ([], [LOCAL]) else [resolve(model, entry) for entry in entries]
+    entries = endpoint_list(endpoint)
+    return [resolve(model, entry) for entry in entries] or None
 
 
 class BlsEncoders:
@@ -191,10 +195,11 @@ class TritonStages(BlsEncoders):
                  health_seconds: float = 0.0):
         super().__init__(encoder_model)
         self.models = {Stage.PD: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self.replicas = {stage: ReplicaSet(self.models[stage], addresses) for stage, addresses in urls.items()}
-        self.encoders = ReplicaSet(encoder_model, encoders) if encoders else None
+        self.replicas = {stage: ReplicaSet(self.models[stage], addresses, self._forget) for stage, addresses in urls.items()}
+        self.encoders = ReplicaSet(encoder_model, encoders, self._forget) if encoders else None
         self.health_seconds = health_seconds
         self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
+        self._loads: dict[str, asyncio.Task] = {}  # address -> its KV-cache usage read in flight (_read_load)
 
     @property
     def urls(self) -> dict[Stage, str]:
@@ -209,8 +214,15 @@ class TritonStages(BlsEncoders):
         import tritonclient.grpc.aio as aio
 
         if address not in self._clients:
-            self._clients[address] = aio.InferenceServerClient(address)
+            self._clients[address] = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS)
         return self._clients[address]
+
+    def _forget(self, address: str) -> None:
+        """A replica was lost: its channel goes (the calls still on it end), the next call opens a fresh one (a channel
+        to a host that was cut off would wait out TCP's retransmission back-off once the host is back)."""
+        client = self._clients.pop(address, None)
+        if client is not None:
+            asyncio.get_running_loop().create_task(client.close())
 
     async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
         """After load: wait until every stage answers ready at one address at least; log that once (INFO), or,
@@ -259,24 +271,48 @@ class TritonStages(BlsEncoders):
             await probe.close()
 
     def _prober(self, model: str, engine: bool):
-        """The health probe of ``model``'s replicas (``backend.triton.replicas.Probe``): engines answer the load
-        probe (their stub is alive, and their KV-cache usage), encoders their model readiness."""
-        import tritonclient.grpc as grpcclient
+        """The health probe of ``model``'s replicas (``backend.triton.replicas.Probe``): model readiness, a unary call
+        with a gRPC deadline (clean to give up on). Engines' KV-cache usage is read beside it (``_read_load``)."""
+        import tritonclient.grpc.aio as aio
 
         async def probe(address: str) -> tuple[bool, float | None]:
-            client = self._client(address)
-            if not engine:
-                return bool(await client.is_model_ready(model)), None
+            replica = self._sets_by_model()[model].get(address)
+            # a lost replica is probed on a channel of its own each time (a failed channel backs off for minutes)
+            fresh = replica is None or replica.lost.is_set()
+            client = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS) if fresh else self._client(address)
+            try:
+                ready = bool(await client.is_model_ready(model, client_timeout=PROBE_SECONDS))
+            finally:
+                if fresh:
+                    await client.close()
+            if ready and engine and not fresh:
+                self._read_load(replica, model)
+            return ready, None
+        return probe
+
+    def _read_load(self, replica: Replica, model: str) -> None:
+        """Read the replica's KV-cache usage (the load probe, ``LOAD_PARAMETER``) in a task of its own, one at a time
+        per replica: a slow answer delays no health check."""
+        import tritonclient.grpc as grpcclient
+
+        if self._loads.get(replica.address) is not None and not self._loads[replica.address].done():
+            return
+
+        async def read() -> None:
             request = {"model_name": model, "inputs": [], "parameters": {**_TAGGED, LOAD_PARAMETER: True},
                        "outputs": [grpcclient.InferRequestedOutput("text_output")]}
-            async with single_request_stream(client, request) as stream:
-                async for result, error in stream:
-                    if error is not None:
-                        return False, None
-                    usage = json.loads(result.as_numpy("text_output").reshape(-1)[0]).get("kv_cache_usage")
-                    return True, float(usage) if isinstance(usage, (int, float)) else None
-            return False, None
-        return probe
+            with contextlib.suppress(Exception):
+                async with single_request_stream(self._client(replica.address), request) as stream:
+                    async for result, error in stream:
+                        if error is None:
+                            usage = json.loads(result.as_numpy("text_output").reshape(-1)[0]).get("kv_cache_usage")
+                            if isinstance(usage, (int, float)):
+                                replica.kv_usage = float(usage)
+                        break
+        self._loads[replica.address] = asyncio.get_running_loop().create_task(read())
+
+    def _sets_by_model(self) -> dict[str, ReplicaSet]:
+        return {replicas.stage: replicas for replicas, _ in self._sets()}
 
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
         """BLS in this server, or (remote encoders) one gRPC call to the least-loaded healthy encoder replica."""
@@ -342,6 +378,8 @@ class TritonStages(BlsEncoders):
                                 raise from_triton_error(error, model)
                             chunk = _chunk(result)
                             finished = chunk.finish_reason is not None or _is_final(result)
+                            if chunk.finish_reason is not None and self.health_seconds:  # which replica served it
+                                chunk = replace(chunk, timings={**(chunk.timings or {}), f"{stage.value}_replica": url})
                             if chunk.text_output or chunk.finish_reason is not None:
                                 yield chunk
                             if finished:
@@ -396,6 +434,8 @@ class TritonStages(BlsEncoders):
             log.warning("cancelling %s request %s in band: %s", model, request_id, exc)
 
     async def aclose(self) -> None:
+        for task in self._loads.values():
+            task.cancel()
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.close()

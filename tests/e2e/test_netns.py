@@ -185,3 +185,23 @@ def test_a_killed_run_leaves_orphans_that_are_found_and_removed():
     assert set(spaces) <= set(remove_orphans())
     assert not set(spaces) & set(namespaces())
     assert not any(alive(pid) for pid in left_running)
+
+
+def test_an_executor_s_threads_talk_from_inside_their_host_and_the_caller_stays_outside(make_network):
+    import socket
+
+    net = make_network(HOSTS)
+    serve(net, "a", HOSTS["a"])
+
+    def ping():
+        with socket.create_connection((HOSTS["a"], PORT), timeout=2) as c:
+            c.sendall(b":x")
+            return c.recv(64).decode()
+
+    with net.executor("b", workers=2) as pool:
+        assert [f.result(timeout=10) for f in [pool.submit(ping), pool.submit(ping)]] == ["pong:x", "pong:x"]
+    try:  # this thread is still in the caller's namespace: the hosts are not there (whatever answers, not them)
+        outside = ping()
+    except OSError as exc:
+        outside = type(exc).__name__
+    assert outside != "pong:x"

@@ -3,12 +3,7 @@ import asyncio
 
 import pytest
 
-from backend.triton.replicas import LOST_AFTER, PREFER_SLACK, ReplicaSet, expand, split_endpoints
-
-
-def test_endpoint_lists_split_in_order_without_blanks_or_repeats():
-    assert split_endpoints(" 10.0.0.2:8001, 10.0.0.3:8001,,10.0.0.2:8001 ") == ["10.0.0.2:8001", "10.0.0.3:8001"]
-    assert split_endpoints("") == []
+from backend.triton.replicas import LOST_AFTER, PREFER_SLACK, ReplicaSet, expand
 
 
 def test_the_least_loaded_replica_is_picked_and_ties_go_to_the_one_that_served_fewest():
@@ -32,6 +27,11 @@ def test_lower_kv_cache_usage_breaks_a_tie_of_outstanding_calls():
     replicas.answered("a:1", True, kv_usage=0.9)
     replicas.answered("b:1", True, kv_usage=0.1)
     assert replicas.pick().address == "b:1"
+    replicas.answered("a:1", True, kv_usage=0.03)  # an idle engine's last step: no preference, round robin
+    replicas.answered("b:1", True, kv_usage=0.0)
+    with replicas.using(replicas.get("b:1")):
+        pass
+    assert replicas.pick().address == "a:1"
 
 
 def test_a_failed_replica_is_routed_around_until_a_health_check_finds_it():

@@ -1,0 +1,143 @@
+"""A topology's hosts as network namespaces, each running its own tritonserver (``backend.deploy.hosts``'s plans on a
+``tests.netns.Network``): what the multi-host e2e tests and the replica benchmark start.
+
+``HostsDeployment(topology, network, workdir)`` writes every host's repository, starts every host's server in its
+namespace with the host's launch environment (``UCX_TLS=tcp`` added: hosts on one machine would otherwise move NIXL
+READs by cross-memory attach, not over their veths; ``tests.netns``), waits until each is ready, and stops each
+(SIGTERM, then what ``clients.local_server.TritonServer.stop`` checks) on exit. The test process talks to them from a
+client host of the network (``CLIENT``) through threads in its namespace (``Network.executor``): HTTP generate
+requests, readiness and metrics, as a client on another machine would. No pytest in here.
+"""
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from backend.deploy.hosts import HostPlan, host_plan
+from backend.deploy.topology import Topology
+from backend.protocol.settings import RoutingSettings
+from backend.triton.replicas import PROBE_SECONDS
+from clients.local_server import Ports, TritonServer, server_env
+from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
+from tests.netns import Network
+
+CLIENT = "client"
+CLIENT_ADDRESS = "10.77.0.200"
+SETTLE_SECONDS = 2 * RoutingSettings.health_check_seconds + PROBE_SECONDS
+
+
+class HostServer(TritonServer):
+    """One host's tritonserver, started in its namespace and probed from the client host's threads."""
+
+    def __init__(self, network: Network, plan: HostPlan, log_path: Path, client: ThreadPoolExecutor):
+        host = plan.host
+        env = server_env({**os.environ, **plan.env, "UCX_TLS": "tcp"})
+        super().__init__(plan.repository, Ports(host.http_port, host.grpc_port, host.metrics_port), log_path,
+                         env=env, argv=network.command(plan.name, list(plan.argv)))
+        self.plan, self.client = plan, client
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.plan.host.address}:{self.plan.host.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return self.plan.host.grpc
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.plan.host.address}:{self.plan.host.metrics_port}/metrics"
+
+    def is_ready(self) -> bool:
+        return self.client.submit(TritonServer.is_ready, self).result()
+
+    def _metrics_up(self) -> bool:
+        return self.client.submit(TritonServer._metrics_up, self).result()
+
+
+class HostsDeployment:
+    """``topology``'s hosts served on ``network`` (which has a host per topology host, and ``CLIENT``)."""
+
+    def __init__(self, topology: Topology, network: Network, workdir: Path, start_timeout: float = 400.0):
+        self.topology, self.network, self.workdir = topology, network, Path(workdir)
+        self.plans = host_plan(topology, self.workdir / "hosts")
+        self.client = network.executor(CLIENT, workers=32)
+        self.servers: dict[str, HostServer] = {}
+        self.start_timeout = start_timeout
+
+    @staticmethod
+    def addresses(topology: Topology) -> dict[str, str]:
+        """The network's hosts for ``topology``: its hosts' addresses and the client's."""
+        return {**{name: spec.address for name, spec in topology.hosts.items()}, CLIENT: CLIENT_ADDRESS}
+
+    def __enter__(self) -> "HostsDeployment":
+        try:
+            for plan in self.plans.values():
+                plan.write()
+            with ThreadPoolExecutor(max_workers=len(self.plans)) as starting:  # every host loads at once
+                for future in [starting.submit(self.start, name) for name in self.plans]:
+                    future.result()
+            # an orchestrator whose health checks began while another host was still loading routes around that
+            # host until its next check finds it (backend.triton.replicas): give them that check
+            time.sleep(SETTLE_SECONDS)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, name: str) -> HostServer:
+        """Start host ``name``'s server (again, after ``kill``), and wait until it is ready."""
+        server = HostServer(self.network, self.plans[name], self.workdir / f"{name}.log", self.client)
+        self.servers[name] = server
+        server.start(self.start_timeout)
+        return server
+
+    def kill(self, name: str) -> None:
+        """The host dies: every process in it killed at once (``Network.kill_host``)."""
+        self.network.kill_host(name)
+        self.servers[name].stop()  # reaps, records what the kill left in /dev/shm and removes it
+
+    def close(self) -> None:
+        try:
+            for server in self.servers.values():
+                server.stop()
+        finally:
+            self.client.shutdown(wait=True)
+
+    def url(self, stage: str = "epd") -> str:
+        """The HTTP address of the (first) host serving ``stage``."""
+        name = next(name for name, plan in self.plans.items() if stage in plan.host.stages)
+        return self.servers[name].http_url
+
+    def ask(self, model: str, inputs: GenerateInputs, url: str | None = None) -> GenerateResult | GenerateError:
+        """One HTTP generate request from the client host; the error the server answered is returned, not raised."""
+        return self.client.submit(_ask, url or self.url(), model, inputs).result()
+
+    def submit(self, model: str, inputs: GenerateInputs, url: str | None = None):
+        """``ask`` without waiting: its future."""
+        return self.client.submit(_ask, url or self.url(), model, inputs)
+
+    def metric(self, name: str, metric: str, **labels) -> float:
+        """``metric`` on host ``name``'s metrics endpoint, summed over the series carrying ``labels``."""
+        text = self.client.submit(_get, self.servers[name].metrics_url).result()
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(metric + "{") and all(w in line for w in want))
+
+
+def _ask(url: str, model: str, inputs: GenerateInputs):
+    try:
+        return generate(url, model, inputs, protocol="http", timeout=180)
+    except GenerateError as exc:
+        return exc
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
