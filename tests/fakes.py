@@ -153,8 +153,9 @@ class FakeStages:
                     raise self.generate_error
                 last = i == len(self.pieces) - 1
                 done = last
+                entries = [{"token": piece, "stage": getattr(stage, "value", stage)}] if asked else None
                 yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None,
-                                    logprobs=[{"token": piece, "stage": getattr(stage, "value", stage)}] if asked else None)
+                                    logprobs=entries)
         finally:
             if not done:
                 self.aborted += 1  # a real stage aborts its engine request here

@@ -130,8 +130,9 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
     logprobs = _chat_logprobs(body)
-    return GenerateCall(model, {"messages": messages, "sampling": _sampling(body, logprobs, frozenset({"top_logprobs"}))},
-                        stream, usage, chat=True, logprobs=logprobs, parameters=_media_io(body))
+    sampling = _sampling(body, logprobs, frozenset({"top_logprobs"}))
+    return GenerateCall(model, {"messages": messages, "sampling": sampling}, stream, usage, chat=True, logprobs=logprobs,
+                        parameters=_media_io(body))
 
 
 def _media_io(body: dict[str, Any]) -> dict[str, Any]:

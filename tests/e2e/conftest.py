@@ -195,7 +195,8 @@ def assert_same_logprobs(got: list[dict], want: list[dict], tol: float = 1e-4) -
     for g, w in zip(got, want):
         assert abs(g["logprob"] - w["logprob"]) <= tol, (g, w)
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]], (g, w)
-        assert all(abs(a["logprob"] - b["logprob"]) <= tol for a, b in zip(g["top_logprobs"], w["top_logprobs"])), (g, w)
+        tops = zip(g["top_logprobs"], w["top_logprobs"])
+        assert all(abs(a["logprob"] - b["logprob"]) <= tol for a, b in tops), (g, w)
 
 
 def asker(greedy: dict):

@@ -109,8 +109,8 @@ def test_completions_take_logprobs_as_a_number_and_no_top_logprobs():
         assert (info.value.status, info.value.param) == (400, param)
 
 
-ENTRY = {"token_id": 5, "token": "He", "logprob": -0.25, "rank": 1,
-         "top_logprobs": [{"token_id": 5, "token": "He", "logprob": -0.25}, {"token_id": 9, "token": "A", "logprob": -2.0}]}
+ENTRY = {"token_id": 5, "token": "He", "logprob": -0.25, "rank": 1, "top_logprobs": [
+    {"token_id": 5, "token": "He", "logprob": -0.25}, {"token_id": 9, "token": "A", "logprob": -2.0}]}
 
 
 def test_chunks_and_answers_carry_their_tokens_logprobs_in_openais_shapes():
