@@ -143,3 +143,37 @@ def test_e_p_d_relays_decode_s_entries_and_not_prefill_s_token():
     assert decode.sampling_parameters == raw.sampling_parameters
     entries = [e for chunk, _ in sink.chunks for e in chunk.logprobs]
     assert entries == [{"token": t, "stage": "decode"} for t in "abc"]
+
+
+def _events(body: dict, pieces: list) -> list[dict]:
+    """The endpoint's SSE documents for a stream of generate responses (``frontend.openai.app.Piece``)."""
+    from frontend.openai import app, translate
+
+    call = (translate.chat_call if "messages" in body else translate.completion_call)(body, {"llm"})
+
+    async def collect():
+        async def rest():
+            for piece in pieces:
+                yield piece
+        responses = rest()
+        head = await responses.__anext__()
+        return [line async for line in app._events(call, responses, head)]
+
+    lines = asyncio.run(collect())
+    assert lines[-1] == "data: [DONE]\n\n"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_the_endpoint_streams_each_chunk_with_its_tokens_logprobs():
+    from frontend.openai.app import Piece
+
+    he, llo = _entries([0], 1), _entries([1, 4], 1)  # "a", then " b" and " dog"
+    pieces = [Piece("a", None, None, he), Piece(" b dog", None, None, llo), Piece("", "length", (3, 3), []),
+              Piece("", None, None, None)]  # Triton's empty final response
+    chat = _events({"model": "llm", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "logprobs": True, "top_logprobs": 1}, pieces)
+    assert [c["choices"][0]["logprobs"] for c in chat] == [shapes.chat(he), shapes.chat(llo), shapes.chat([])]
+    assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    text = _events({"model": "llm", "prompt": "hi", "stream": True, "logprobs": 1}, pieces)
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in text] == [[0], [1, 3], []]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in text] == [["a"], [" b", " dog"], []]
