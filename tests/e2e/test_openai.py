@@ -105,6 +105,13 @@ def _content(logprobs) -> list[dict]:
     return [entry.model_dump() for entry in logprobs.content]
 
 
+def _spelt(text: str | None) -> str:
+    """What a text's tokens spell as vLLM decodes each token: the random checkpoint samples byte tokens that form no
+    character, which the text shows as U+FFFD and vLLM's per-token decoding as "" (a character's bytes: "" until the
+    token that completes it, which carries the character)."""
+    return (text or "").replace("\ufffd", "")
+
+
 @pytest.fixture(scope="module")
 def image_logprobs(sdk):
     """model -> (the whole answer, the streamed chunks) of the image request with ``top_logprobs`` 3, greedy."""
@@ -118,7 +125,7 @@ def test_logprobs_streamed_are_the_whole_answer_s_and_spell_its_text(image_logpr
     whole, chunks = image_logprobs[model]
     content = _content(whole.choices[0].logprobs)
     assert len(content) == whole.usage.completion_tokens == GREEDY["max_tokens"]
-    assert "".join(e["token"] for e in content) == whole.choices[0].message.content
+    assert "".join(e["token"] for e in content) == _spelt(whole.choices[0].message.content)
     for entry in content:  # greedy: the sampled token is the most likely; the top 3 by rank
         tops = entry["top_logprobs"]
         assert len(tops) == 3 and (tops[0]["token"], tops[0]["logprob"]) == (entry["token"], entry["logprob"])
@@ -127,7 +134,7 @@ def test_logprobs_streamed_are_the_whole_answer_s_and_spell_its_text(image_logpr
     streamed = [c.choices[0] for c in chunks if c.choices]
     assert all(c.logprobs is not None for c in streamed)  # asked: every chunk carries its tokens' (maybe none)
     for choice in streamed:  # each chunk's tokens are those of its text
-        assert "".join(e.token for e in choice.logprobs.content) == (choice.delta.content or "")
+        assert "".join(e.token for e in choice.logprobs.content) == _spelt(choice.delta.content)
     assert_same_logprobs([e for c in streamed for e in _content(c.logprobs)], content, tol=0)
 
 
@@ -159,10 +166,12 @@ def test_completions_logprobs_in_the_legacy_form(sdk):
     whole = sdk.completions.create(model="epd", prompt="Once upon a time", logprobs=2, **GREEDY)
     chunks = list(sdk.completions.create(model="epd", prompt="Once upon a time", logprobs=2, stream=True, **GREEDY))
     got = whole.choices[0].logprobs
-    assert "".join(got.tokens) == whole.choices[0].text and len(got.tokens) == whole.usage.completion_tokens
+    assert "".join(got.tokens) == _spelt(whole.choices[0].text) and len(got.tokens) == whole.usage.completion_tokens
     assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
-    assert all(len(top) == 2 and top[token] == value  # greedy: the sampled token is the top 2's first
-               for token, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs))
+    for token, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
+        assert token in top and len(top) <= 2, (token, value, top)  # greedy: the sampled token is the top 2's first
+        if len(top) == 2:  # else both decode alike ("" for bytes): one key, as in vLLM's server
+            assert top[token] == value == max(top.values()), (token, value, top)
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == got.tokens
     assert [o for s in streamed for o in s.text_offset] == got.text_offset
