@@ -8,8 +8,9 @@ per token that response carries, in order::
      "top_logprobs": [{"token_id": 1234, "token": " cat", "logprob": -0.12}, ...]}   # the k most likely, by rank
 
 ``token`` is the token as vLLM decodes it on its own (``Logprob.decoded_token``; the tokenizer's ``decode`` where vLLM
-gave none), so the tokens of a response join to its text except where one token is part of a character or a stop
-string cut the text. ``rank`` is the sampled token's rank in the vocabulary (1: the most likely). Log probabilities
+gave none), so the tokens of a response join to its text, except that the bytes of a character are "" until the token
+that completes it, bytes that form no character stay "" where the text shows U+FFFD, and a stop string may cut the
+text. ``rank`` is the sampled token's rank in the vocabulary (1: the most likely). Log probabilities
 are vLLM's (its ``logprobs_mode``, raw by default), floored at -9999.0 as OpenAI and vLLM's server do, so the JSON
 carries no infinity.
 
