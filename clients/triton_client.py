@@ -31,6 +31,7 @@ class GenerateResult:
     cancelled: bool = False
     timings: dict | None = None  # stage breakdown from an orchestrator (epd): encode_ms, transfer_ms, ...
     kv_transfer_params: dict | None = None  # from a prefill stage
+    logprobs: list | None = None  # every generated token's entry (sampling ``logprobs``), the responses' joined
 
 
 class GenerateError(RuntimeError):
@@ -88,6 +89,9 @@ def _absorb(result: GenerateResult, value: Callable[[str], Any], started: float,
         result.chunks.append(text)
         if on_text:
             on_text(text)
+    logprobs = fields.pop("logprobs")
+    if logprobs is not None:
+        result.logprobs = (result.logprobs or []) + logprobs
     for key, item in fields.items():
         if item is not None:
             setattr(result, key, item)

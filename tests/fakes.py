@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
 from backend.engine.host import GenerationDelta
@@ -21,7 +22,8 @@ def render_chat(conversation) -> str:
 
 
 class FakeEngine:
-    """Yields the given text pieces one per step; records aborts. ``fail_with`` raises after ``fail_after`` steps
+    """Yields the given text pieces one per step (a request asking for ``logprobs``: one entry per step, its piece
+    and step); records aborts. ``fail_with`` raises after ``fail_after`` steps
     (in the first ``failures`` requests; None: in every one)."""
 
     def __init__(self, pieces=("Hel", "lo", "!"), finish_reason="stop", num_input_tokens=7,
@@ -50,7 +52,8 @@ class FakeEngine:
             self.steps_run += 1
             last = i == len(self.pieces) - 1
             yield GenerationDelta(piece, self.num_input_tokens, i + 1, self.finish_reason if last else None,
-                                  self.kv_transfer_params if last else None)
+                                  self.kv_transfer_params if last else None,
+                                  logprobs=[{"token": piece, "step": i}] if "logprobs" in request.sampling else None)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -136,9 +139,12 @@ class FakeStages:
         self.generated.append(inputs)
         self.stages_called.append(stage)
         failing = self.generate_error is not None and len(self.generated) <= self.generate_failures
+        # asked for logprobs: each chunk carries one entry per piece, naming the stage that made it
+        asked = "logprobs" in json.loads(inputs.sampling_parameters or "{}")
         if stage is Stage.PREFILL:
             yield ResponseChunk("", "length", kv_transfer_params={"remote_block_ids": [[1]], "do_remote_prefill": True},
-                                timings={"transfer_ms": 1.0})
+                                timings={"transfer_ms": 1.0},
+                                logprobs=[{"token": "p", "stage": "prefill"}] if asked else None)
             return
         done = False
         try:
@@ -147,7 +153,9 @@ class FakeStages:
                     raise self.generate_error
                 last = i == len(self.pieces) - 1
                 done = last
-                yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None)
+                entries = [{"token": piece, "stage": getattr(stage, "value", stage)}] if asked else None
+                yield ResponseChunk(piece, "stop" if last else None, 5 if last else None, len(self.pieces) if last else None,
+                                    logprobs=entries)
         finally:
             if not done:
                 self.aborted += 1  # a real stage aborts its engine request here

@@ -4,7 +4,9 @@ Run as a subprocess by the e2e tests (so the test process never hosts an engine)
     python -m tests.vllm_reference CASES.json OUT.json
 A case is ``{"prompt": str, "images": [base64]}`` (``LLM.generate`` with ``multi_modal_data``) or
 ``{"messages": [...], "images": [base64]}`` (``LLM.chat``; ``{"type": "image"}`` parts take the case's
-images in order, sent to vLLM as data URLs), plus ``"sampling"`` (SamplingParams keyword arguments).
+images in order, sent to vLLM as data URLs), plus ``"sampling"`` (SamplingParams keyword arguments). With
+``logprobs`` in them, the output's ``logprobs`` are its tokens' entries as the generate interface returns them
+(``backend.engine.logprobs``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 from backend.engine.host import load_engine_args, prepare_process, private_ipc_dir
+from backend.engine.logprobs import token_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +64,10 @@ def _generate(llm, cases_path: str, SamplingParams, Image) -> list[dict]:
         completion = out.outputs[0]
         results.append({"text": completion.text, "token_ids": list(completion.token_ids),
                         "num_input_tokens": len(out.prompt_token_ids), "finish_reason": completion.finish_reason})
+        if params.logprobs is not None:
+            decode = llm.get_tokenizer().decode
+            results[-1]["logprobs"] = token_entries(completion.token_ids, completion.logprobs, params.logprobs,
+                                                    lambda token_id: decode([token_id]))
     return results
 
 

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Coroutine
 from backend.protocol.modality import modalities, modality
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.versions import Guard
+from backend.engine.logprobs import token_entries
 from backend.engine.loop import LoopThread
 from backend.request.generate import GenerateRequest
 from backend.request.media import modality_of
@@ -154,6 +155,7 @@ class GenerationDelta:
     finish_reason: str | None
     kv_transfer_params: dict | None = None  # from a KV producer's final output (prefill)
     cached_tokens: int | None = None  # on the final delta: prompt tokens vLLM's prefix cache covered
+    logprobs: list | None = None  # the new tokens' entries (backend.engine.logprobs), when the request asked
 
     @property
     def finished(self) -> bool:
@@ -288,7 +290,7 @@ class EngineHost:
             # the items' content keys as vLLM's item ids: its prefix cache then covers an item sent again whatever
             # embeddings it comes with (a re-encode may differ in the last bits), and vLLM hashes no tensor
             prompt["multi_modal_uuids"] = {modality(name).data_key: list(keys) for name, keys in request.media_uuids.items()}
-        produced = 0
+        produced, top = 0, request.sampling.get("logprobs")
         try:
             async for out in self._engine.generate(prompt, params, request_id):
                 completion = out.outputs[0]
@@ -299,11 +301,16 @@ class EngineHost:
                 yield GenerationDelta(completion.text, len(out.prompt_token_ids or ()), produced,
                                       completion.finish_reason if out.finished else None,
                                       getattr(out, "kv_transfer_params", None) if out.finished else None,
-                                      getattr(out, "num_cached_tokens", None) if out.finished else None)
+                                      getattr(out, "num_cached_tokens", None) if out.finished else None,
+                                      None if top is None else token_entries(completion.token_ids, completion.logprobs,
+                                                                             top, self._decode))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise _domain_error(exc, request) from exc
+
+    def _decode(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -26,6 +26,7 @@ class ResponseChunk:
     num_output_tokens: int | None = None
     timings: dict | None = None  # stage breakdown on an orchestrator's final response
     kv_transfer_params: dict | None = None  # a prefill stage's handle to its KV, for decode
+    logprobs: list | None = None  # this response's tokens' entries (backend.engine.logprobs), when asked for
 
 
 class ResponseSink(Protocol):
@@ -101,39 +102,47 @@ class Chunker:
     """Engine deltas -> the responses a client gets (``stream_generation``'s rules, also used by an in-process
     generator stage): streaming sends the first text at once, then at most one response per ``interval``
     seconds (and the final one); non-streaming sends one final response, the prompt in front unless
-    ``exclude_input_in_output``."""
+    ``exclude_input_in_output``. A request that asked for ``logprobs`` gets on each response the entries of the
+    tokens whose text it carries (steps merged into one response: their tokens' entries together; a step whose
+    tokens added no text yet: with the next response's), the generated tokens only (not the prompt in front)."""
 
     def __init__(self, engine: GenerationEngine, request: GenerateRequest, interval: float = 0.0):
         self.engine, self.request, self.interval = engine, request, interval
         self.pieces: list[str] = []
+        self.logprobs: list[dict] | None = [] if request.sampling.get("logprobs") is not None else None
         self.last_sent = float("-inf")
 
     def add(self, delta: GenerationDelta) -> ResponseChunk | None:
         """The response to send after ``delta``, or None (nothing to send yet)."""
         request, pieces = self.request, self.pieces
         pieces.append(delta.text)
+        if self.logprobs is not None:
+            self.logprobs.extend(delta.logprobs or ())
         if request.stream:
             now = time.monotonic()
             if delta.finished or (any(pieces) and now - self.last_sent >= self.interval):
                 self.last_sent = now
-                chunk = _chunk(request, delta, "".join(pieces))
+                chunk = self._chunk(delta, "".join(pieces))
                 pieces.clear()
                 return chunk
         elif delta.finished:
             prefix = "" if request.exclude_input_in_output else self.engine.prompt_text(request)
-            return _chunk(request, delta, prefix + "".join(pieces))
+            return self._chunk(delta, prefix + "".join(pieces))
         return None
 
-
-def _chunk(request: GenerateRequest, delta: GenerationDelta, text: str) -> ResponseChunk:
-    if not delta.finished:
-        return ResponseChunk(text)
-    return ResponseChunk(
-        text, finish_reason=delta.finish_reason,
-        num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
-        num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
-        timings=_with_cached(request.timings, delta.cached_tokens), kv_transfer_params=delta.kv_transfer_params,
-    )
+    def _chunk(self, delta: GenerationDelta, text: str) -> ResponseChunk:
+        logprobs, request = self.logprobs, self.request
+        if logprobs is not None:
+            self.logprobs = []
+        if not delta.finished:
+            return ResponseChunk(text, logprobs=logprobs)
+        return ResponseChunk(
+            text, finish_reason=delta.finish_reason,
+            num_input_tokens=delta.num_input_tokens if request.return_num_input_tokens else None,
+            num_output_tokens=delta.num_output_tokens if request.return_num_output_tokens else None,
+            timings=_with_cached(request.timings, delta.cached_tokens), kv_transfer_params=delta.kv_transfer_params,
+            logprobs=logprobs,
+        )
 
 
 def _with_cached(timings: dict | None, cached_tokens: int | None) -> dict | None:

@@ -92,7 +92,7 @@ class Form(enum.Enum):
     BYTES = "bytes"   # byte strings, one per item
     BOOL = "bool"     # one bool
     UINT = "uint"     # one unsigned int
-    JSON = "json"     # one JSON document (a dict on the Python side)
+    JSON = "json"     # one JSON document (a dict or list on the Python side)
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,9 @@ _OUTPUTS = (Tensor("text_output", STRING, -1, "text_output", Form.TEXT, optional
             Tensor("finish_reason", STRING, -1, "finish_reason", Form.TEXT),
             Tensor("num_input_tokens", UINT32, -1, "num_input_tokens", Form.UINT),
             Tensor("num_output_tokens", UINT32, -1, "num_output_tokens", Form.UINT),
+            # the generated tokens' log probabilities (sampling parameter ``logprobs``), those of this response's
+            # tokens only: a JSON list (backend.engine.logprobs), on every response of a request that asked for them
+            Tensor("logprobs", STRING, -1, "logprobs", Form.JSON),
             Tensor("timings", STRING, -1, "timings", Form.JSON, _ALL - {LLM}),  # an orchestrator's stage breakdown
             Tensor("kv_transfer_params", STRING, -1, "kv_transfer_params", Form.JSON, _PD_STAGES))
 

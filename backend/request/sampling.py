@@ -56,6 +56,16 @@ def _int_list(key: str, value: Any) -> list[int]:
     return value
 
 
+def _logprobs(key: str, value: Any) -> int:
+    """vLLM's ``logprobs``: how many of the most likely tokens to return at each step beside the sampled one (0: the
+    sampled token alone), -1 for the whole vocabulary. The upper bound is the engine's ``max_logprobs`` (vLLM's
+    engine argument, 20 by default), which the engine checks: INVALID_ARG naming this key too."""
+    count = _num(int)(key, value)
+    if count < -1:
+        raise InvalidInput(f"{FIELD}.{key}", f"must be >= 0 (how many most likely tokens) or -1 (all), got {value!r}")
+    return count
+
+
 _SPEC: dict[str, Callable[[str, Any], Any]] = {
     "temperature": _num(float, 0.0),
     "top_p": _num(float, 0.0, 1.0, lo_open=True),
@@ -73,6 +83,7 @@ _SPEC: dict[str, Callable[[str, Any], Any]] = {
     "include_stop_str_in_output": _bool,
     "stop": _str_list,
     "stop_token_ids": _int_list,
+    "logprobs": _logprobs,
 }
 SUPPORTED_KEYS = tuple(sorted(_SPEC))
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -19,9 +19,20 @@ from backend.protocol.generate import ERROR_CODES_PARAMETER
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
 from clients.triton_client import GenerateInputs
 from frontend.openai import translate
+from frontend.openai.logprobs import text_length
 from frontend.openai.translate import ApiError, GenerateCall
 
 DISCONNECT_POLL_SECONDS = 0.25
+
+
+class Piece(NamedTuple):
+    """One generate response: its text, finish reason, (prompt, completion) token counts (the final response's) and
+    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none)."""
+
+    text: str
+    reason: str | None
+    counts: tuple[int, int] | None
+    logprobs: list[dict] | None
 
 
 class Backend:
@@ -50,9 +61,9 @@ class Backend:
         except Exception:  # noqa: BLE001 - the server is down or not answering: nothing is ready
             return {m: False for m in self.models}
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[tuple[str, str | None, tuple[int, int] | None]]:
-        """(text delta, finish reason, (prompt, completion) tokens) per response, up to the final one; ApiError for
-        the request's error. Leaving early (the caller stops iterating) cancels the request in band."""
+    async def generate(self, call: GenerateCall) -> AsyncIterator[Piece]:
+        """One ``Piece`` per response, up to the final one; ApiError for the request's error. Leaving early (the caller
+        stops iterating) cancels the request in band."""
         inputs = GenerateInputs(stream=True, **call.inputs).as_values()
         request = {"model_name": call.model, "inputs": grpc_inputs(inputs), "request_id": call.request_id,
                    "parameters": {ERROR_CODES_PARAMETER: True, **call.parameters}, "enable_empty_final_response": True}
@@ -64,11 +75,10 @@ class Backend:
                         finished = True
                         raise translate.api_error(_message(error), call.model)
                     final = result.get_response().parameters["triton_final_response"].bool_param
-                    text = _str(result.as_numpy("text_output")) or ""
-                    reason = _str(result.as_numpy("finish_reason"))
-                    counts = _counts(result)
+                    logprobs = _str(result.as_numpy("logprobs"))
                     finished = final
-                    yield text, reason, counts
+                    yield Piece(_str(result.as_numpy("text_output")) or "", _str(result.as_numpy("finish_reason")),
+                                _counts(result), None if logprobs is None else json.loads(logprobs))
                     if final:
                         return
                 finished = True
@@ -105,11 +115,12 @@ def _error_response(err: ApiError) -> JSONResponse:
 async def _whole(backend: Backend, call: GenerateCall, request: Request) -> dict[str, Any]:
     """A request without ``stream``: read to the end, cancelled if the client disconnects meanwhile."""
     async def read():
-        text, reason, counts = [], None, (0, 0)
-        async for delta, finish, tokens in backend.generate(call):
-            text.append(delta)
-            reason, counts = finish or reason, tokens or counts
-        return translate.completion(call, "".join(text), reason, counts)
+        text, reason, counts, logprobs = [], None, (0, 0), []
+        async for piece in backend.generate(call):
+            text.append(piece.text)
+            logprobs.extend(piece.logprobs or ())
+            reason, counts = piece.reason or reason, piece.counts or counts
+        return translate.completion(call, "".join(text), reason, counts, logprobs)
 
     task = asyncio.ensure_future(read())
     while not task.done():
@@ -127,12 +138,14 @@ async def _events(call: GenerateCall, responses, head) -> AsyncIterator[str]:
     response, read before the HTTP status was sent (so an error of the request itself is an HTTP error). An error
     after that is sent as an error object (as vLLM does), then [DONE]. A client that leaves stops this generator,
     which closes ``responses`` and so cancels the request."""
-    first, counts = True, None
+    first, counts, offset = True, None, 0
     try:
-        async for delta, reason, tokens in _chain(head, responses):
-            counts = tokens or counts
-            if delta or reason or first:
-                yield _sse(translate.chunk(call, delta, reason, first=first))
+        async for piece in _chain(head, responses):
+            counts = piece.counts or counts
+            if piece.text or piece.reason or piece.logprobs or first:
+                yield _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
+                                           offset=offset))
+                offset += text_length(piece.logprobs or [])
                 first = False
         if call.include_usage:
             yield _sse(translate.chunk(call, None, counts=counts or (0, 0)))

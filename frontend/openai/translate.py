@@ -10,6 +10,7 @@ from typing import Any
 
 from backend.protocol import errors
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
+from frontend.openai import logprobs as logprob_shapes
 
 # OpenAI sampling fields -> the generate interface's sampling_parameters keys (vLLM's names); vLLM's extras too
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
@@ -18,7 +19,7 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-           "user", "logprobs", "top_logprobs", "echo", "media_io_kwargs"}  # handled below, or without effect (user)
+           "user", "logprobs", "echo", "media_io_kwargs"}  # handled below, or without effect (user)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -38,13 +39,15 @@ class ApiError(Exception):
 @dataclass
 class GenerateCall:
     """One generate request: the model, the interface's inputs (``clients.triton_client.GenerateInputs`` fields) and
-    how to answer (``stream``, ``include_usage``; ``chat``: chat.completion objects, else text_completion)."""
+    how to answer (``stream``, ``include_usage``; ``chat``: chat.completion objects, else text_completion;
+    ``logprobs``: the top tokens asked for per token, None: no log probabilities)."""
 
     model: str
     inputs: dict[str, Any]
     stream: bool
     include_usage: bool
     chat: bool
+    logprobs: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)  # Triton request parameters (media_io_kwargs)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -58,18 +61,43 @@ def _invalid(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], logprobs: int | None, also: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The sampling parameters of ``body``; ``logprobs``: vLLM's ``logprobs`` (None: none); ``also``: the endpoint's
+    own fields beside the shared ones (checked by the caller)."""
     if body.get("n", 1) != 1:
         raise _invalid("n", f"only n=1 is served, got {body['n']!r}")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _invalid("logprobs", "log probabilities are not returned by this server's generate interface")
-    unknown = sorted(set(body) - set(SAMPLING) - IGNORED)
+    unknown = sorted(set(body) - set(SAMPLING) - IGNORED - also)
     if unknown:
         raise _invalid(unknown[0], "unsupported field")
     sampling = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     sampling["max_tokens"] = DEFAULT_MAX_TOKENS if limit is None else limit
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     return sampling
+
+
+def _top_count(param: str, value: Any) -> int:
+    """A number of top tokens as vLLM's server takes it: an integer >= 0, or -1 (the whole vocabulary; the engine's
+    ``max_logprobs``, 20 by default, bounds it, and the engine answers a larger one as an error naming
+    ``sampling_parameters.logprobs``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(param, f"must be an integer, got {value!r}")
+    if value < -1:
+        raise _invalid(param, f"must be >= 0 or -1 (all), got {value}")
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (true: the sampled tokens' log probabilities) and ``top_logprobs`` (how many most likely
+    tokens beside them; null: 0), checked as vLLM's server checks them: ``top_logprobs`` needs ``logprobs``."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _invalid("logprobs", f"must be true or false, got {wanted!r}")
+    top = 0 if top is None else _top_count("top_logprobs", top)
+    if top and not wanted:
+        raise _invalid("top_logprobs", "when using top_logprobs, logprobs must be set to true")
+    return top if wanted else None
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -101,7 +129,9 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
-    return GenerateCall(model, {"messages": messages, "sampling": _sampling(body)}, stream, usage, chat=True,
+    logprobs = _chat_logprobs(body)
+    sampling = _sampling(body, logprobs, frozenset({"top_logprobs"}))
+    return GenerateCall(model, {"messages": messages, "sampling": sampling}, stream, usage, chat=True, logprobs=logprobs,
                         parameters=_media_io(body))
 
 
@@ -129,7 +159,9 @@ def completion_call(body: Any, served: set[str]) -> GenerateCall:
     if body.get("echo"):
         raise _invalid("echo", "not supported")
     stream, usage = _stream_flags(body)
-    return GenerateCall(model, {"prompt": prompt, "sampling": _sampling(body)}, stream, usage, chat=False)
+    logprobs = None if body.get("logprobs") is None else _top_count("logprobs", body["logprobs"])
+    return GenerateCall(model, {"prompt": prompt, "sampling": _sampling(body, logprobs)}, stream, usage, chat=False,
+                        logprobs=logprobs)
 
 
 def api_error(message: str, stage: str) -> ApiError:
@@ -158,29 +190,44 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool, first: bool = False) -> dict:
+def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> dict | None:
+    """A choice's ``logprobs``: None unless the request asked (``frontend.openai.logprobs``)."""
+    if call.logprobs is None:
+        return None
+    if call.chat:
+        return logprob_shapes.chat(entries or [])
+    return logprob_shapes.completion(entries or [], offset)
+
+
+def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool, first: bool = False,
+            logprobs: dict | None = None) -> dict:
     if not call.chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason(reason)}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     if delta:
         content = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason(reason)}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason(reason)}
 
 
 def chunk(call: GenerateCall, text: str | None, reason: str | None = None, first: bool = False,
-          counts: tuple[int, int] | None = None) -> dict:
-    """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead."""
+          counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+    """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead.
+    ``logprobs``: the entries of the chunk's tokens (the interface's), ``offset``: where in the completion's text the
+    first of them starts (completions' ``text_offset``)."""
     doc = {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
            "created": call.created, "model": call.model}
     if counts is not None:
         return {**doc, "choices": [], "usage": usage(*counts)}
-    return {**doc, "choices": [_choice(call, text, reason, delta=True, first=first)],
+    return {**doc, "choices": [_choice(call, text, reason, delta=True, first=first,
+                                       logprobs=_logprobs(call, logprobs, offset))],
             **({"usage": None} if call.include_usage else {})}
 
 
-def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[int, int]) -> dict:
-    """The whole answer of a request without ``stream``."""
+def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[int, int],
+               logprobs: list[dict] | None = None) -> dict:
+    """The whole answer of a request without ``stream``; ``logprobs``: every generated token's entry."""
     return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
             "created": call.created, "model": call.model,
-            "choices": [_choice(call, text, reason, delta=False)], "usage": usage(*counts)}
+            "choices": [_choice(call, text, reason, delta=False, logprobs=_logprobs(call, logprobs, 0))],
+            "usage": usage(*counts)}

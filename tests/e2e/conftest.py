@@ -187,6 +187,18 @@ def assert_same_answer(got, want) -> None:
         want.num_input_tokens, want.num_output_tokens, want.finish_reason)
 
 
+def assert_same_logprobs(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
+    """The same tokens with the same top tokens, every log probability within ``tol`` (entries as the generate
+    interface returns them, or OpenAI's chat ``logprobs.content`` as dicts: both have ``token``, ``logprob`` and
+    ``top_logprobs`` of ``token`` and ``logprob``)."""
+    assert [e["token"] for e in got] == [e["token"] for e in want]
+    for g, w in zip(got, want):
+        assert abs(g["logprob"] - w["logprob"]) <= tol, (g, w)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]], (g, w)
+        tops = zip(g["top_logprobs"], w["top_logprobs"])
+        assert all(abs(a["logprob"] - b["logprob"]) <= tol for a, b in tops), (g, w)
+
+
 def asker(greedy: dict):
     """``ask(server, model, protocol="grpc", **GenerateInputs fields)``: one request, sampled with ``greedy`` unless the
     inputs say otherwise, over gRPC or HTTP."""

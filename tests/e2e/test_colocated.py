@@ -18,7 +18,7 @@ from backend.deploy.topology import StageSpec, load
 from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
-from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind, metric
+from tests.e2e.conftest import _shm_of_this_process, assert_same_logprobs, held_shm, left_behind, metric
 from tests.e2e.test_epd import CASES, ask, img
 
 pytestmark = pytest.mark.e2e
@@ -74,6 +74,18 @@ def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, n
     assert got.text == want.text
     assert (got.num_input_tokens, got.num_output_tokens, got.finish_reason) == (
         want.num_input_tokens, want.num_output_tokens, want.finish_reason)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_logprobs_are_the_baseline_s(colocated_server, model):
+    """The sampling parameter ``logprobs``: llm's entries, streaming (each response its tokens') and not; E/P/D's from
+    decode (a model of its own), not from prefill's one token in epd_disagg."""
+    sampling = {"temperature": 0.0, "max_tokens": 8, "logprobs": 3}
+    want = ask(colocated_server, "llm", **CASES["chat_one_image"], sampling=sampling)
+    assert len(want.logprobs) == want.num_output_tokens == 8
+    for stream in (True, False):
+        got = ask(colocated_server, model, **CASES["chat_one_image"], sampling=sampling, stream=stream)
+        assert_same_logprobs(got.logprobs, want.logprobs)
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 
 from clients.local_server import ROOT
-from clients.triton_client import GenerateInputs, generate
-from tests.e2e.conftest import metric, openai_endpoint
+from clients.triton_client import GenerateError, GenerateInputs, generate
+from tests.e2e.conftest import assert_same_logprobs, metric, openai_endpoint
 from tests.images import image_bytes
 from tests.videos import make_video
 
@@ -96,6 +96,103 @@ def test_completions_text(server, sdk):
     want = generate(server.grpc_url, "llm", GenerateInputs(prompt="Once upon a time", sampling=GREEDY))
     got = sdk.completions.create(model="llm", prompt="Once upon a time", **GREEDY)
     assert (got.choices[0].text, got.usage.completion_tokens) == (want.text, want.num_output_tokens)
+
+
+TOP3 = {**GREEDY, "logprobs": True, "top_logprobs": 3}
+
+
+def _content(logprobs) -> list[dict]:
+    return [entry.model_dump() for entry in logprobs.content]
+
+
+def _spelt(text: str | None) -> str:
+    """What a text's tokens spell as vLLM decodes each token: the random checkpoint samples byte tokens that form no
+    character, which the text shows as U+FFFD and vLLM's per-token decoding as "" (a character's bytes: "" until the
+    token that completes it, which carries the character)."""
+    return (text or "").replace("\ufffd", "")
+
+
+@pytest.fixture(scope="module")
+def image_logprobs(sdk):
+    """model -> (the whole answer, the streamed chunks) of the image request with ``top_logprobs`` 3, greedy."""
+    return {model: (sdk.chat.completions.create(model=model, messages=CASES["image"], **TOP3),
+                    list(sdk.chat.completions.create(model=model, messages=CASES["image"], stream=True, **TOP3)))
+            for model in ("llm", "epd", "epd_disagg")}
+
+
+@pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
+def test_logprobs_streamed_are_the_whole_answer_s_and_spell_its_text(image_logprobs, model):
+    whole, chunks = image_logprobs[model]
+    content = _content(whole.choices[0].logprobs)
+    assert len(content) == whole.usage.completion_tokens == GREEDY["max_tokens"]
+    assert "".join(e["token"] for e in content) == _spelt(whole.choices[0].message.content)
+    for entry in content:  # greedy: the sampled token is the most likely; the top 3 by rank
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and (tops[0]["token"], tops[0]["logprob"]) == (entry["token"], entry["logprob"])
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] < 0
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert all(c.logprobs is not None for c in streamed)  # asked: every chunk carries its tokens' (maybe none)
+    for choice in streamed:  # each chunk's tokens are those of its text
+        assert "".join(e.token for e in choice.logprobs.content) == _spelt(choice.delta.content)
+    assert_same_logprobs([e for c in streamed for e in _content(c.logprobs)], content, tol=0)
+
+
+@pytest.mark.parametrize("model", ["epd", "epd_disagg"])
+def test_logprobs_of_every_deployment_are_the_baseline_s(server, image_logprobs, model):
+    """E+PD and E/P/D (decode's engine samples the tokens; prefill's one token is not among them) against llm; and
+    Triton's generate endpoint (the sampling parameter ``logprobs``) gives the same entries over gRPC and HTTP."""
+    want = _content(image_logprobs["llm"][0].choices[0].logprobs)
+    assert_same_logprobs(_content(image_logprobs[model][0].choices[0].logprobs), want)
+    for protocol in ("grpc", "http"):
+        url = server.grpc_url if protocol == "grpc" else server.http_url
+        native = generate(url, model, GenerateInputs(messages=CASES["image"], sampling={**GREEDY, "logprobs": 3}),
+                          protocol=protocol)
+        assert len(native.logprobs) == native.num_output_tokens == len(want)
+        assert all(e["rank"] == 1 and e["token_id"] == e["top_logprobs"][0]["token_id"] for e in native.logprobs)
+        assert_same_logprobs(native.logprobs, want)
+
+
+def test_logprobs_are_vllms_own(image_logprobs, reference):
+    """The baseline's against vLLM's ``LLM.chat`` on the same checkpoint and engine arguments (tests.vllm_reference)."""
+    url = CASES["image"][0]["content"][0]["image_url"]["url"]
+    messages = [{"role": "user", "content": [{"type": "image"}, CASES["image"][0]["content"][1]]}]
+    [out] = reference.run([{"messages": messages, "images": [base64.b64decode(url.split(",", 1)[1])],
+                            "sampling": {**GREEDY, "logprobs": 3}}])
+    assert_same_logprobs(_content(image_logprobs["llm"][0].choices[0].logprobs), out["logprobs"])
+
+
+def test_completions_logprobs_in_the_legacy_form(sdk):
+    whole = sdk.completions.create(model="epd", prompt="Once upon a time", logprobs=2, **GREEDY)
+    chunks = list(sdk.completions.create(model="epd", prompt="Once upon a time", logprobs=2, stream=True, **GREEDY))
+    got = whole.choices[0].logprobs
+    assert "".join(got.tokens) == _spelt(whole.choices[0].text) and len(got.tokens) == whole.usage.completion_tokens
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
+    for token, value, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
+        assert token in top and len(top) <= 2, (token, value, top)  # greedy: the sampled token is the top 2's first
+        if len(top) == 2:  # else both decode alike ("" for bytes): one key, as in vLLM's server
+            assert top[token] == value == max(top.values()), (token, value, top)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == got.tokens
+    assert [o for s in streamed for o in s.text_offset] == got.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == got.token_logprobs
+
+
+def test_logprobs_out_of_range_name_the_field(server, sdk):
+    """Over the engines' ``max_logprobs`` (vLLM's default, 20): the engine's INVALID_ARG naming the key, E/P/D's
+    from prefill, before any KV is held; ``top_logprobs`` without ``logprobs``: 400 as vLLM's server answers it."""
+    for model in ("llm", "epd_disagg"):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=model, messages=CASES["image"], logprobs=True, top_logprobs=21,
+                                        **GREEDY)
+        assert info.value.body["param"] == "sampling_parameters.logprobs", info.value.body
+        assert "greater than max allowed: 20" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="llm", messages=CASES["text"], top_logprobs=2, **GREEDY)
+    assert info.value.body["param"] == "top_logprobs"
+    with pytest.raises(GenerateError) as failed:
+        generate(server.grpc_url, "epd", GenerateInputs(messages=CASES["text"], sampling={"logprobs": -2}))
+    assert failed.value.message.startswith("sampling_parameters.logprobs: must be >= 0"), failed.value.message
 
 
 def test_errors_are_openai_error_objects(sdk):

@@ -49,7 +49,9 @@ def test_each_kind_takes_its_media_form():
     assert names(generate.input_tensors("pd"))[4] == "audio_layouts" and "audio" not in names(generate.input_tensors("pd"))
     assert names(generate.input_tensors("prefill"))[-5:] == ["original_media", "image", "video", "audio",
                                                              "kv_transfer_params"]
-    assert generate.output_names("llm") == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    assert generate.output_names("llm") == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                                            "logprobs"]
+    assert "logprobs" in generate.output_names("epd") and "logprobs" in generate.output_names("decode")
     assert generate.output_names("prefill")[-2:] == ["timings", "kv_transfer_params"]
 
 
@@ -61,6 +63,8 @@ def test_values_and_fields_round_trip():
     sent = {"text_output": b"x", "num_output_tokens": 3, "timings": json.dumps({"encode_ms": 1.0})}
     assert ResponseChunk(**generate.output_fields(sent.get)) == ResponseChunk("x", None, None, 3, {"encode_ms": 1.0})
     assert generate.output_fields({}.get)["text_output"] == ""
+    entries = [{"token_id": 1, "token": " a", "logprob": -0.5, "rank": 1, "top_logprobs": []}]
+    assert generate.output_fields({"text_output": b" a", "logprobs": json.dumps(entries)}.get)["logprobs"] == entries
 
 
 def test_a_registered_modality_adds_its_tensors(fake_modality):

@@ -32,7 +32,11 @@ def test_media_io_kwargs_go_on_as_the_request_parameter():
     ({"messages": MESSAGES}, 400, "model"),
     ({"model": "llm", "messages": []}, 400, "messages"),
     ({"model": "llm", "messages": MESSAGES, "n": 3}, 400, "n"),
-    ({"model": "llm", "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),
+    ({"model": "llm", "messages": MESSAGES, "logprobs": "yes"}, 400, "logprobs"),
     ({"model": "llm", "messages": MESSAGES, "tools": []}, 400, "tools"),
     ({"model": "llm", "messages": MESSAGES, "stream": "yes"}, 400, "stream"),
     ({"model": "llm", "messages": MESSAGES, "media_io_kwargs": "fps=1"}, 400, "media_io_kwargs"),
@@ -84,3 +88,42 @@ def test_the_overhead_benchmark_summary_compares_the_two_paths():
     text = summary(rows)
     assert "| openai | 2 | 11.0 | 99.0 / 198.0 | 1.0 | 0 |" in text
     assert "requests/s 0.909 (mean of rounds), latency p50 +1.25 ms (median of rounds)" in text
+
+
+@pytest.mark.parametrize("fields, asked", [
+    ({"logprobs": True, "top_logprobs": 3}, 3), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": None}, 0),
+    ({"logprobs": True, "top_logprobs": -1}, -1), ({"logprobs": False, "top_logprobs": 0}, None), ({}, None),
+])
+def test_chat_logprobs_become_vllms_sampling_logprobs(fields, asked):
+    call = translate.chat_call({"model": "llm", "messages": MESSAGES, **fields}, SERVED)
+    assert call.logprobs == asked and call.inputs["sampling"].get("logprobs") == asked
+
+
+def test_completions_take_logprobs_as_a_number_and_no_top_logprobs():
+    call = translate.completion_call({"model": "llm", "prompt": "hi", "logprobs": 2}, SERVED)
+    assert call.logprobs == 2 and call.inputs["sampling"]["logprobs"] == 2
+    for bad, param in (({"logprobs": True}, "logprobs"), ({"logprobs": -3}, "logprobs"),
+                       ({"logprobs": 2, "top_logprobs": 2}, "top_logprobs")):
+        with pytest.raises(ApiError) as info:
+            translate.completion_call({"model": "llm", "prompt": "hi", **bad}, SERVED)
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+ENTRY = {"token_id": 5, "token": "He", "logprob": -0.25, "rank": 1, "top_logprobs": [
+    {"token_id": 5, "token": "He", "logprob": -0.25}, {"token_id": 9, "token": "A", "logprob": -2.0}]}
+
+
+def test_chunks_and_answers_carry_their_tokens_logprobs_in_openais_shapes():
+    chat = translate.chat_call({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, SERVED)
+    doc = translate.chunk(chat, "He", first=True, logprobs=[ENTRY])["choices"][0]["logprobs"]
+    assert doc == {"content": [{"token": "He", "logprob": -0.25, "bytes": [72, 101], "top_logprobs": [
+        {"token": "He", "logprob": -0.25, "bytes": [72, 101]}, {"token": "A", "logprob": -2.0, "bytes": [65]}]}],
+        "refusal": None}
+    assert translate.chunk(chat, "", "stop")["choices"][0]["logprobs"] == {"content": [], "refusal": None}
+    assert translate.completion(chat, "HeHe", "stop", (1, 2), [ENTRY, ENTRY])["choices"][0]["logprobs"]["content"] == (
+        doc["content"] * 2)
+    text = translate.completion_call({"model": "llm", "prompt": "hi", "logprobs": 2, "stream": True}, SERVED)
+    assert translate.chunk(text, "He", logprobs=[ENTRY], offset=4)["choices"][0]["logprobs"] == {
+        "tokens": ["He"], "token_logprobs": [-0.25], "top_logprobs": [{"He": -0.25, "A": -2.0}], "text_offset": [4]}
+    plain = translate.chat_call({"model": "llm", "messages": MESSAGES}, SERVED)
+    assert translate.chunk(plain, "He", logprobs=[ENTRY])["choices"][0]["logprobs"] is None

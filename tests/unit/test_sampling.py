@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from backend.protocol.errors import ErrorCode, InvalidInput
@@ -9,6 +11,13 @@ def test_valid_parameters_are_typed():
                                     ' "ignore_eos": "true", "stop": "x", "stop_token_ids": [2]}')
     assert out == {"temperature": 0.5, "max_tokens": 16, "top_p": 0.9, "seed": 3, "ignore_eos": True,
                    "stop": ["x"], "stop_token_ids": [2]}
+
+
+@pytest.mark.parametrize("value, count", [(0, 0), (3, 3), ("5", 5), (-1, -1), (20, 20), (100, 100)])
+def test_logprobs_are_a_count_of_top_tokens_or_minus_one(value, count):
+    """vLLM's range: >= 0 or -1 (the whole vocabulary); the engine's max_logprobs bounds it above (it answers more
+    with INVALID_ARG naming the key: tests/e2e/test_openai.py)."""
+    assert parse_sampling_parameters(json.dumps({"logprobs": value})) == {"logprobs": count}
 
 
 @pytest.mark.parametrize("text", [None, "", "   "])
@@ -30,6 +39,9 @@ def test_absent_parameters_mean_engine_defaults(text):
     ('{"stop": [1]}', "sampling_parameters.stop", "string"),
     ('{"max_tokens": 4, "min_tokens": 5}', "sampling_parameters.min_tokens", "max_tokens"),
     ('{"best_of": 2}', "sampling_parameters.best_of", "unknown parameter"),
+    ('{"logprobs": -2}', "sampling_parameters.logprobs", "-1 (all)"),
+    ('{"logprobs": 1.5}', "sampling_parameters.logprobs", "integer"),
+    ('{"logprobs": true}', "sampling_parameters.logprobs", "number"),
     ('{"max_tokens": 16', "sampling_parameters", "not valid JSON"),
     ('[1, 2]', "sampling_parameters", "JSON object"),
 ])
