@@ -99,9 +99,17 @@ class HostsDeployment:
         return server
 
     def kill(self, name: str) -> None:
-        """The host dies: every process in it killed at once (``Network.kill_host``)."""
+        """The host dies: every process in it killed at once (``Network.kill_host``), and its memory with it: the
+        /dev/shm entries its processes held (these hosts share one machine's /dev/shm; a real host's goes down with
+        it), which processes killed hard cannot remove (vLLM's semaphores, the stubs' regions)."""
+        from tests.e2e.conftest import _mapped_by, _shm_inodes, left_behind
+
+        entries = _shm_inodes()
+        held = {entry for pid in self.network.pids(name) for entry in _mapped_by(pid, entries)}
         self.network.kill_host(name)
-        self.servers[name].stop()  # reaps, records what the kill left in /dev/shm and removes it
+        self.servers[name].stop()  # reaps, records the stubs' regions the kill left and removes them
+        for entry in left_behind(held, settle=0.5):
+            Path("/dev/shm", entry).unlink(missing_ok=True)
 
     def close(self) -> None:
         try:
