@@ -28,11 +28,11 @@ each generate call and each encode goes to the healthy replica with the fewest o
 flight (generators: then the lowest KV-cache usage); demand-aware lookups ask every healthy consumer replica and
 pin the request to the one holding most of its items, unless that one is overloaded. The encoder too may live on
 other servers (``encoder_endpoint``: a list of addresses): then each item is one gRPC ``infer`` to a replica, with a
-deadline (``STAGE_CALL_SECONDS``), instead of BLS. Where any stage is remote or replicated, every replica is probed
-every ``health_seconds`` (engines: the load probe ``LOAD_PARAMETER``, which also reads their KV-cache usage;
-encoders: model readiness): a replica that fails a call at the connection level or a probe is routed around at
-once and taken back once it answers again; the streams still open to one that is lost (``replicas.LOST_AFTER``)
-(a dead or cut-off host) end with UNAVAILABLE naming the stage, so nothing waits for a host that is gone.
+deadline (``STAGE_CALL_SECONDS``), instead of BLS. Where any stage is remote or replicated, its replicas are
+health-checked (``backend.triton.stage_health``): one that fails a call at the connection level or a check is
+routed around at once and taken back once it answers again; the streams still open to one that is lost end with
+UNAVAILABLE naming the stage and the replica, so nothing waits for a host that is gone. The final response of each
+stage names the replica that served it (``timings``: ``pd_replica``, ``prefill_replica``, ``decode_replica``).
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import time
 import uuid
 from dataclasses import replace
 from typing import AsyncIterator
@@ -50,9 +49,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
-from backend.protocol.errors import Unavailable
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
-                                       LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER)
+                                       PART_PARAMETER, SESSION_PARAMETER)
 from backend.deploy.server_address import LOCAL, endpoint_list, resolve
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
@@ -60,7 +58,8 @@ from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
-from backend.triton.replicas import PROBE_SECONDS, Replica, ReplicaSet
+from backend.triton.replicas import Replica, ReplicaSet
+from backend.triton.stage_health import Lost, StageHealth, Unreachable, unless
 
 # What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
 # prefill's with the kv_transfer_params decode needs.
@@ -70,11 +69,6 @@ log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
 PART_STAGGER_SECONDS = 0.002  # between the BLS requests of a video's parts (see above)
 STAGE_CALL_SECONDS = 120.0  # deadline of one encode over gRPC (a remote encoder)
-# gRPC channels to the stages: reconnect within a second or two of a server coming (back) up, not after gRPC's
-# exponential back-off of up to two minutes; messages as large as tritonclient's own default allows
-CHANNEL_ARGS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
-                ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                ("grpc.max_reconnect_backoff_ms", 2000)]
 # the consumer replica a demand-aware lookup chose for this request (its task's context): stage -> address
 _PINNED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("epd_pinned_replica", default=None)
 
@@ -100,10 +94,10 @@ async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asynci
     iterator = stream.__aiter__()
     while True:
         try:
-            item = await (iterator.__anext__() if lost is None else _unless(iterator.__anext__(), lost))
+            item = await (iterator.__anext__() if lost is None else unless(iterator.__anext__(), lost))
         except StopAsyncIteration:
             return
-        except _Lost:
+        except Lost:
             raise Unreachable(f"stage {model} at {url} was lost (it stopped answering health checks)") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
@@ -111,34 +105,6 @@ async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asynci
             raise Unreachable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
                               f"{exc.code().name} {exc.details()}") from None
         yield item
-
-
-class Unreachable(Unavailable):
-    """A call to a stage failed itself (no server there, connection lost, replica lost), not the stage's work."""
-
-
-class _Lost(Exception):
-    """The replica a call waits on was lost."""
-
-
-async def _unless(awaitable, lost: asyncio.Event):
-    """``awaitable``'s result, or ``_Lost`` (``awaitable`` cancelled) if ``lost`` is or gets set first."""
-    call = asyncio.ensure_future(awaitable)
-    if lost.is_set():
-        call.cancel()
-        raise _Lost
-    waiter = asyncio.ensure_future(lost.wait())
-    try:
-        await asyncio.wait((call, waiter), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this task cancelled: the call goes too
-        call.cancel()
-        raise
-    finally:
-        waiter.cancel()
-    if not call.done():
-        call.cancel()
-        raise _Lost
-    return call.result()
 
 
 def _is_final(result) -> bool:
@@ -184,7 +150,7 @@ class BlsEncoders:
         return pb_utils.get_output_tensor_by_name(response, ENCODER_LAYOUT.name).as_numpy().reshape(-1)[0].decode()
 
 
-class TritonStages(BlsEncoders):
+class TritonStages(StageHealth, BlsEncoders):
     """``urls``: the gRPC addresses of each generator stage role this orchestrator asks, one per replica
     (``backend.deploy.server_address``); ``encoders``: the encoder replicas' addresses, None: BLS in this server.
     ``health_seconds``: between health checks of every replica (0: none; a deployment in one server needs none).
@@ -206,114 +172,6 @@ class TritonStages(BlsEncoders):
         """Each stage's addresses as one string (for messages)."""
         return {stage: ",".join(r.address for r in replicas.replicas) for stage, replicas in self.replicas.items()}
 
-    def _sets(self) -> list[tuple[ReplicaSet, bool]]:
-        """Every replica set with whether it is an engine stage's (answers load probes)."""
-        return [*((s, True) for s in self.replicas.values()), *([(self.encoders, False)] if self.encoders else [])]
-
-    def _client(self, address: str):
-        import tritonclient.grpc.aio as aio
-
-        if address not in self._clients:
-            self._clients[address] = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS)
-        return self._clients[address]
-
-    def _forget(self, address: str) -> None:
-        """A replica was lost: its channel goes (the calls still on it end), the next call opens a fresh one (a channel
-        to a host that was cut off would wait out TCP's retransmission back-off once the host is back)."""
-        client = self._clients.pop(address, None)
-        if client is not None:
-            asyncio.get_running_loop().create_task(client.close())
-
-    async def watch(self, warn_after: float = 60.0, interval: float = 0.5) -> dict[str, str]:
-        """After load: wait until every stage answers ready at one address at least; log that once (INFO), or,
-        while one does not after ``warn_after`` seconds, a WARNING naming the stage, the addresses and the last
-        answer (then keep waiting: a stage may load late). Then, with ``health_seconds``, check every replica
-        that often until cancelled (at unload). Returns stage model -> addresses."""
-        waiting = {replicas.stage: replicas for replicas, _ in self._sets()}
-        started, warned, last = time.monotonic(), False, {}
-        while waiting:
-            for model, replicas in list(waiting.items()):
-                for replica in replicas.replicas:
-                    last[model] = await self._ready(model, replica.address)
-                    if last[model] is True:
-                        del waiting[model]
-                        break
-            if waiting and not warned and time.monotonic() - started > warn_after:
-                warned = True
-                for model, replicas in waiting.items():
-                    pb_utils.Logger.log_warn(
-                        f"stage {model} not reachable over gRPC at {','.join(replicas.entries)} after {warn_after:.0f} s "
-                        f"({last.get(model)}); still waiting (a GPU engine can take minutes to load): until it "
-                        f"answers, requests that need it fail UNAVAILABLE; if it never does, check its endpoint in "
-                        f"the topology")
-            if waiting:
-                await asyncio.sleep(interval if not warned else 5.0)
-        reached = {replicas.stage: ",".join(replicas.entries) for replicas, _ in self._sets()}
-        pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
-        while self.health_seconds:
-            await asyncio.gather(*(replicas.check(self._prober(replicas.stage, engine), PROBE_SECONDS)
-                                   for replicas, engine in self._sets()))
-            await asyncio.sleep(self.health_seconds)
-        return reached
-
-    async def _ready(self, model: str, address: str):
-        """True if ``model`` answers ready at ``address``, else what it answered. A channel of its own per probe:
-        one that failed to connect (the server's endpoints open only after every model loaded) backs off before it
-        tries again, and would fail requests meanwhile."""
-        import tritonclient.grpc.aio as aio
-
-        probe = aio.InferenceServerClient(address)
-        try:
-            return True if await probe.is_model_ready(model) else "not ready"
-        except Exception as exc:  # noqa: BLE001 - the answer is what we log
-            return str(exc)
-        finally:
-            await probe.close()
-
-    def _prober(self, model: str, engine: bool):
-        """The health probe of ``model``'s replicas (``backend.triton.replicas.Probe``): model readiness, a unary call
-        with a gRPC deadline (clean to give up on). Engines' KV-cache usage is read beside it (``_read_load``)."""
-        import tritonclient.grpc.aio as aio
-
-        async def probe(address: str) -> tuple[bool, float | None]:
-            replica = self._sets_by_model()[model].get(address)
-            # a lost replica is probed on a channel of its own each time (a failed channel backs off for minutes)
-            fresh = replica is None or replica.lost.is_set()
-            client = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS) if fresh else self._client(address)
-            try:
-                ready = bool(await client.is_model_ready(model, client_timeout=PROBE_SECONDS))
-            finally:
-                if fresh:
-                    await client.close()
-            if ready and engine and not fresh:
-                self._read_load(replica, model)
-            return ready, None
-        return probe
-
-    def _read_load(self, replica: Replica, model: str) -> None:
-        """Read the replica's KV-cache usage (the load probe, ``LOAD_PARAMETER``) in a task of its own, one at a time
-        per replica: a slow answer delays no health check."""
-        import tritonclient.grpc as grpcclient
-
-        if self._loads.get(replica.address) is not None and not self._loads[replica.address].done():
-            return
-
-        async def read() -> None:
-            request = {"model_name": model, "inputs": [], "parameters": {**_TAGGED, LOAD_PARAMETER: True},
-                       "outputs": [grpcclient.InferRequestedOutput("text_output")]}
-            with contextlib.suppress(Exception):
-                async with single_request_stream(self._client(replica.address), request) as stream:
-                    async for result, error in stream:
-                        if error is None:
-                            usage = json.loads(result.as_numpy("text_output").reshape(-1)[0]).get("kv_cache_usage")
-                            if isinstance(usage, (int, float)):
-                                replica.kv_usage = float(usage)
-                        break
-        self._loads[replica.address] = asyncio.get_running_loop().create_task(read())
-
-    def _sets_by_model(self) -> dict[str, ReplicaSet]:
-        return {replicas.stage: replicas for replicas, _ in self._sets()}
-
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
         """BLS in this server, or (remote encoders) one gRPC call to the least-loaded healthy encoder replica."""
         if self.encoders is None:
@@ -332,10 +190,10 @@ class TritonStages(BlsEncoders):
         replica = self.encoders.pick()
         with self.encoders.using(replica):
             try:
-                result = await _unless(self._client(replica.address).infer(
+                result = await unless(self._client(replica.address).infer(
                     self.encoder_model, inputs, outputs=[grpcclient.InferRequestedOutput(ENCODER_LAYOUT.name)],
                     parameters=parameters, client_timeout=STAGE_CALL_SECONDS), replica.lost)
-            except _Lost:
+            except Lost:
                 raise Unreachable(f"stage {self.encoder_model} at {replica.address} was lost "
                                   f"(it stopped answering health checks)") from None
             except InferenceServerException as exc:

@@ -5,7 +5,6 @@ client on a host of its own. Same tokens as ``llm``; routing across two pd repli
 from __future__ import annotations
 
 import time
-from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
