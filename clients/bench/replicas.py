@@ -6,8 +6,9 @@ own tritonserver, the orchestrator ``epd`` on host ``front``, the encoder on ``e
 generate requests from a client host of its own, ``--concurrency`` in flight at a time (closed loop), after
 ``--warmup`` requests that are not counted. Printed per deployment: requests/s, TTFT and total latency p50/p90,
 errors, how the requests split over the pd replicas (the ``pd_replica`` each answer names, backend.triton.replicas),
-and the CPU seconds each host's processes used over the measured requests (this machine's cores are shared by every
-host: the figure that says whether a second replica had cores of its own). Every answer must equal the first
+the CPU seconds each host's processes and the client used over the measured requests, and the cores busy on the
+whole machine (its cores are shared by every host: the figures that say whether a second replica had cores of its
+own). Every answer must equal the first
 deployment's answer to the same request (text and token count); a mismatch counts as an error. Exit status 1 on any
 error. Needs root (network namespaces); nothing is bound outside them.
 
@@ -119,21 +120,32 @@ def split(samples: list[Sample], replicas: dict[str, str]) -> dict[str, int]:
 
 
 def host_cpu(network, hosts: list[str]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the processes living in each host's namespace."""
-    return {host: sum(stat[2] for pid in network.pids(host) if (stat := _stat(pid))) for host in hosts}
+    """CPU seconds (user + system) so far of the processes living in each host's namespace, of this process (the
+    client: its threads live in the client host), and of the whole machine (``machine``: every core's non-idle time,
+    whatever runs there, from /proc/stat)."""
+    cpu = {host: sum(stat[2] for pid in network.pids(host) if (stat := _stat(pid))) for host in hosts}
+    times = os.times()
+    cpu["client"] = times.user + times.system
+    with open("/proc/stat") as fh:
+        jiffies = [int(v) for v in fh.readline().split()[1:]]
+    cpu["machine"] = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+    return cpu
 
 
 def table(rows: list[dict]) -> str:
-    """The side-by-side markdown table of the deployments' rows (``summarise``'s, plus ``pd_split`` and ``cpu_s``)."""
+    """The side-by-side markdown table of the deployments' rows (``summarise``'s, plus ``pd_split`` and ``cpu_s``, whose
+    ``machine`` entry is the whole machine's and no host's)."""
     lines = ["| pd replicas | req/s | TTFT p50 / p90 ms | total p50 / p90 ms | errors | requests per pd replica "
-             "| CPU s per host (cores busy) |", "|---|---|---|---|---|---|---|"]
+             "| CPU s per host | cores busy: hosts + client / machine |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split_cells = ", ".join(f"{name} {n}" for name, n in r["pd_split"].items())
-        cpu = ", ".join(f"{host} {s:.2f}" for host, s in r["cpu_s"].items())
-        busy = sum(r["cpu_s"].values()) / r["wall_s"] if r["wall_s"] > 0 else float("nan")
+        ours = {host: s for host, s in r["cpu_s"].items() if host != "machine"}
+        cpu = ", ".join(f"{host} {s:.2f}" for host, s in ours.items())
+        wall = r["wall_s"] if r["wall_s"] > 0 else float("nan")
+        busy = f"{sum(ours.values()) / wall:.2f} / {r['cpu_s'].get('machine', float('nan')) / wall:.2f}"
         lines.append(f"| {r['deployment']} | {r['req_per_s']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} | "
                      f"{r['latency_p50_ms']:.0f} / {r['latency_p90_ms']:.0f} | {r['errors']} | {split_cells} | "
-                     f"{cpu} ({busy:.2f}) |")
+                     f"{cpu} | {busy} |")
     return "\n".join(lines)
 
 
@@ -154,7 +166,7 @@ def run_deployment(pd_replicas: int, args, requests, warmup, reference, workdir:
     samples, errors = check(outcomes, reference)
     row = summarise(str(pd_replicas), "concurrency", args.concurrency, samples, len(errors), wall)
     row["pd_split"] = split(samples, pd_hosts)
-    row["cpu_s"] = {host: after[host] - before[host] for host in topology.hosts}
+    row["cpu_s"] = {host: after[host] - before[host] for host in after}
     return row, outcomes, errors
 
 

@@ -88,9 +88,10 @@ def test_the_table_puts_the_deployments_side_by_side():
         samples = [Sample(0.1 * (i + 1), 1.0 * (i + 1), 64, {"pd_replica": a}) for i, a in enumerate(replicas)]
         row = summarise(str(n), "concurrency", 16, samples, n - 1, 2.0)
         row["pd_split"] = split(samples, {"10.77.0.4:8001": "pd-1", "10.77.0.5:8001": "pd-2"})
-        row["cpu_s"] = {"front": 0.5, "pd-1": 1.5}
+        row["cpu_s"] = {"front": 0.5, "pd-1": 1.5, "client": 1.0, "machine": 3.8}
         rows.append(row)
     lines = table(rows).splitlines()
     assert lines[0].startswith("| pd replicas | req/s | TTFT p50 / p90 ms | total p50 / p90 ms | errors |")
-    assert lines[2] == "| 1 | 2.00 | 250 / 370 | 2500 / 3700 | 0 | pd-1 4, pd-2 0 | front 0.50, pd-1 1.50 (1.00) |"
+    assert lines[2] == ("| 1 | 2.00 | 250 / 370 | 2500 / 3700 | 0 | pd-1 4, pd-2 0 | front 0.50, pd-1 1.50, client 1.00 "
+                        "| 1.50 / 1.90 |")
     assert lines[3].startswith("| 2 | 2.00 | 250 / 370 | 2500 / 3700 | 1 | pd-1 2, pd-2 2 |")
