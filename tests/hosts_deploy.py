@@ -16,8 +16,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import yaml
+
 from backend.deploy.hosts import HostPlan, host_plan
-from backend.deploy.topology import Topology
+from backend.deploy.topology import Topology, load
 from backend.protocol.settings import RoutingSettings
 from backend.triton.replicas import PROBE_SECONDS
 from clients.local_server import Ports, TritonServer, server_env
@@ -27,6 +29,24 @@ from tests.netns import Network
 CLIENT = "client"
 CLIENT_ADDRESS = "10.77.0.200"
 SETTLE_SECONDS = 2 * RoutingSettings.health_check_seconds + PROBE_SECONDS
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hosts_e_pd(workdir: Path, pd_replicas: int = 1, reuse: dict | None = None) -> Topology:
+    """topologies/hosts-e-pd.yaml with ``pd_replicas`` pd hosts: pd-2, pd-3, ... each a host of its own at
+    10.77.0.5, .6, ... (its file's own comment), and ``reuse`` as its reuse block, written to ``workdir`` (its
+    checkpoint made absolute) and loaded."""
+    if not 1 <= pd_replicas <= 8:
+        raise ValueError(f"pd_replicas: expected 1..8, got {pd_replicas}")
+    doc = yaml.safe_load((ROOT / "topologies/hosts-e-pd.yaml").read_text())
+    for n in range(2, pd_replicas + 1):
+        doc["hosts"][f"pd-{n}"] = {"address": f"10.77.0.{3 + n}", "interface": "eth0", "stages": ["pd"]}
+    if reuse is not None:
+        doc["reuse"] = reuse
+    doc["checkpoint"] = str((ROOT / "topologies" / doc["checkpoint"]).resolve())
+    path = Path(workdir) / f"hosts-e-pd-{pd_replicas}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load(path, machine="cpu")
 
 
 class HostServer(TritonServer):

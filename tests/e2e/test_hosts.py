@@ -5,20 +5,16 @@ client on a host of its own. Same tokens as ``llm``; routing across two pd repli
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
-from backend.deploy.topology import load
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult
 from tests.e2e.conftest import assert_same_answer
 from tests.e2e.netns_fixture import checked_network
-from tests.hosts_deploy import HostsDeployment
+from tests.hosts_deploy import HostsDeployment, hosts_e_pd
 from tests.images import image_bytes
 from backend.protocol.modality import IMAGE
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 CHAT = "<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
@@ -34,22 +30,11 @@ def request(i: int, sampling: dict = GREEDY) -> GenerateInputs:
                           images=[image_bytes(w, h, seed=300 + i)], sampling=sampling)
 
 
-def topology_with_two_pd(tmp_path: Path):
-    """topologies/hosts-e-pd.yaml with a second pd replica on a host of its own (its file's own comment), the
-    consumers keeping what they pulled and demand-aware encoding on (docs/tier.md)."""
-    doc = yaml.safe_load((ROOT / "topologies/hosts-e-pd.yaml").read_text())
-    doc["hosts"]["pd-2"] = {"address": "10.77.0.5", "interface": "eth0", "stages": ["pd"]}
-    doc["reuse"] = {"held_bytes": 64 << 20, "demand_aware": True}  # consumers keep what they pulled; E asked first
-    doc["checkpoint"] = str((ROOT / "topologies" / doc["checkpoint"]).resolve())
-    path = tmp_path / "hosts-e-pd-2.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return load(path, machine="cpu")
-
-
 @pytest.fixture(scope="module")
 def e_pd(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hosts-e-pd")
-    topology = topology_with_two_pd(workdir)
+    # the consumers keep what they pulled and the orchestrator asks them first (demand-aware: docs/tier.md)
+    topology = hosts_e_pd(workdir, pd_replicas=2, reuse={"held_bytes": 64 << 20, "demand_aware": True})
     with checked_network(HostsDeployment.addresses(topology)) as net, HostsDeployment(topology, net, workdir) as deployed:
         yield deployed
     for server in deployed.servers.values():
