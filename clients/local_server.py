@@ -187,6 +187,8 @@ class TritonServer:
             return False
 
     def _start(self, timeout: float) -> "TritonServer":
+        if self.log_path:  # e.g. a benchmark's .cache/ on a fresh checkout
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
         try:
