@@ -32,19 +32,21 @@ SETTLE_SECONDS = 2 * RoutingSettings.health_check_seconds + PROBE_SECONDS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def hosts_e_pd(workdir: Path, pd_replicas: int = 1, reuse: dict | None = None) -> Topology:
+def hosts_e_pd(workdir: Path, pd_replicas: int = 1, reuse: dict | None = None, encoders: int = 1) -> Topology:
     """topologies/hosts-e-pd.yaml with ``pd_replicas`` pd hosts: pd-2, pd-3, ... each a host of its own at
-    10.77.0.5, .6, ... (its file's own comment), and ``reuse`` as its reuse block, written to ``workdir`` (its
-    checkpoint made absolute) and loaded."""
+    10.77.0.5, .6, ... (its file's own comment), ``encoders`` encoder hosts (encode-2, ... at 10.77.0.12, ...), and
+    ``reuse`` as its reuse block, written to ``workdir`` (its checkpoint made absolute) and loaded."""
     if not 1 <= pd_replicas <= 8:
         raise ValueError(f"pd_replicas: expected 1..8, got {pd_replicas}")
     doc = yaml.safe_load((ROOT / "topologies/hosts-e-pd.yaml").read_text())
     for n in range(2, pd_replicas + 1):
         doc["hosts"][f"pd-{n}"] = {"address": f"10.77.0.{3 + n}", "interface": "eth0", "stages": ["pd"]}
+    for n in range(2, encoders + 1):
+        doc["hosts"][f"encode-{n}"] = {"address": f"10.77.0.{10 + n}", "interface": "eth0", "stages": ["encoder"]}
     if reuse is not None:
         doc["reuse"] = reuse
     doc["checkpoint"] = str((ROOT / "topologies" / doc["checkpoint"]).resolve())
-    path = Path(workdir) / f"hosts-e-pd-{pd_replicas}.yaml"
+    path = Path(workdir) / f"hosts-e-pd-{pd_replicas}-{encoders}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return load(path, machine="cpu")
 

@@ -34,7 +34,7 @@ def request(i: int, sampling: dict = GREEDY) -> GenerateInputs:
 def e_pd(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hosts-e-pd")
     # the consumers keep what they pulled and the orchestrator asks them first (demand-aware: docs/tier.md)
-    topology = hosts_e_pd(workdir, pd_replicas=2, reuse={"held_bytes": 64 << 20, "demand_aware": True})
+    topology = hosts_e_pd(workdir, pd_replicas=2, reuse={"held_bytes": 64 << 20, "demand_aware": True}, encoders=2)
     with checked_network(HostsDeployment.addresses(topology)) as net, HostsDeployment(topology, net, workdir) as deployed:
         yield deployed
     for server in deployed.servers.values():
@@ -130,3 +130,30 @@ def test_a_pd_host_lost_mid_load_fails_only_its_streams_and_is_routed_around_and
     while PD_2 not in _wave(e_pd, reference):  # used again within a few health checks
         assert time.monotonic() < deadline, f"pd-2 not used again 30 s after it came back ({fault})"
         time.sleep(1.0)
+
+
+def test_an_encoder_host_killed_mid_load_fails_no_request_and_its_items_are_encoded_again(e_pd, reference):
+    """encode-2 dies while 12 requests of new images are being encoded and pulled: no token was produced for any of
+    them, so every one is answered as ``llm`` answers (items it held encoded again on encode-1, the request asked
+    again); new items then all go to encode-1; restarted, encode-2 encodes again."""
+    want = [reference(100 + i) for i in range(12)]
+    futures = [e_pd.submit("epd", request(100 + i)) for i in range(12)]  # images no consumer holds yet
+    time.sleep(0.3)
+    e_pd.kill("encode-2")
+    for future, expected in zip(futures, want):
+        got = future.result()
+        assert isinstance(got, GenerateResult), got
+        assert_same_answer(got, expected)
+    time.sleep(1.5)  # counters are flushed in batches: the re-encodes of the requests above counted first
+    before = e_pd.metric("encode-1", "epd_encoder_items_total")
+    for i in range(4):
+        assert isinstance(e_pd.ask("epd", request(300 + i)), GenerateResult)
+    time.sleep(1.5)  # counters are flushed in batches
+    assert e_pd.metric("encode-1", "epd_encoder_items_total") - before == 4  # routed around encode-2
+    e_pd.start("encode-2")
+    deadline, k = time.monotonic() + 30, 0
+    while e_pd.metric("encode-2", "epd_encoder_items_total") == 0:
+        assert time.monotonic() < deadline, "encode-2 not used again 30 s after it came back"
+        assert isinstance(e_pd.ask("epd", request(400 + k)), GenerateResult)
+        k += 1
+        time.sleep(0.5)
