@@ -109,7 +109,7 @@ class StageHealth:
         reached = {replicas.stage: ",".join(replicas.entries) for replicas, _ in self._sets()}
         pb_utils.Logger.log_info("stages reachable over gRPC: " + ", ".join(f"{m} at {u}" for m, u in reached.items()))
         while self.health_seconds:
-            await asyncio.gather(*(replicas.check(self._prober(replicas.stage, engine), PROBE_SECONDS)
+            await asyncio.gather(*(replicas.check(self._prober(replicas, engine), PROBE_SECONDS)
                                    for replicas, engine in self._sets()))
             await asyncio.sleep(self.health_seconds)
         return reached
@@ -128,13 +128,15 @@ class StageHealth:
         finally:
             await probe.close()
 
-    def _prober(self, model: str, engine: bool):
-        """The health probe of ``model``'s replicas (``backend.triton.replicas.Probe``): model readiness, a unary call
+    def _prober(self, replicas: ReplicaSet, engine: bool):
+        """The health probe of ``replicas`` (``backend.triton.replicas.Probe``): model readiness, a unary call
         with a gRPC deadline (clean to give up on). Engines' KV-cache usage is read beside it (``_read_load``)."""
         import tritonclient.grpc.aio as aio
 
+        model = replicas.stage
+
         async def probe(address: str) -> tuple[bool, float | None]:
-            replica = self._sets_by_model()[model].get(address)
+            replica = replicas.get(address)
             # a lost replica is probed on a channel of its own each time (a failed channel backs off for minutes)
             fresh = replica is None or replica.lost.is_set()
             client = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS) if fresh else self._client(address)
@@ -168,6 +170,3 @@ class StageHealth:
                                 replica.kv_usage = float(usage)
                         break
         self._loads[replica.address] = asyncio.get_running_loop().create_task(read())
-
-    def _sets_by_model(self) -> dict[str, ReplicaSet]:
-        return {replicas.stage: replicas for replicas, _ in self._sets()}
