@@ -227,17 +227,21 @@ class EmbeddingTier:
         claim_key = CLAIM_PREFIX + key
         for _ in range(2):
             self._call("claim", self.store.put_bytes, claim_key, f"{token} {time.time()}".encode())
-            held = self._read_claim(claim_key)
-            if not held:
-                return True  # the tier is down (or the claim vanished at once): encode
-            owner, _, since = held.decode(errors="replace").partition(" ")
-            if owner == token:
+            held = self._read_claim(claim_key, key)
+            if not self.available():
+                return True  # the tier is down: encode
+            owner, _, since = (held or b"").decode(errors="replace").partition(" ")
+            if not held or owner == token:
                 if self._call("is_exist", self.store.exists, key, default=False):
                     # the entry appeared since this caller's lookup (its encoder published it, then released the
-                    # claim): no encode; ``wait`` reads it at once
-                    self._call("claim", self.store.remove, claim_key)
+                    # claim, maybe while our put of the claim found the rival's still there): no encode; ``wait``
+                    # reads it at once
+                    if held:
+                        self._call("claim", self.store.remove, claim_key)
                     self.stats.claims_lost += 1
                     return False
+                if not held:
+                    continue  # the rival's claim went without an entry (its encode failed): claim again
                 self.stats.claims_won += 1
                 return True
             if time.time() - float(since or 0) < self.claim_seconds:
@@ -246,14 +250,16 @@ class EmbeddingTier:
             self._call("claim", self.store.remove, claim_key)  # its owner died: take it over
         return True
 
-    def _read_claim(self, claim_key: str) -> bytes | None:
+    def _read_claim(self, claim_key: str, key: str) -> bytes | None:
         """The claim's value once it reads back. Another instance's put of the same claim may still be in flight:
         Mooncake then keeps the key for that put (ours changes nothing) and answers a read with nothing until it
         completes, so an empty read is read again (``CLAIM_READS`` times, ``poll_seconds`` apart) while the tier is
-        up; taken at once for "tier down", both instances encoded (2 of 16 cold requests, docs/benchmarks.md)."""
+        up; taken at once for "tier down", both instances encoded (2 of 16 cold requests, docs/benchmarks.md). An
+        empty read is also the rival's claim released after its entry was published: reading stops once ``key``
+        exists."""
         held = self._call("claim", self.store.get_bytes, claim_key)
         for _ in range(self.CLAIM_READS):
-            if held or not self.available():
+            if held or not self.available() or self._call("is_exist", self.store.exists, key, default=False):
                 break
             time.sleep(self.poll_seconds)
             held = self._call("claim", self.store.get_bytes, claim_key)

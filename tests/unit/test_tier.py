@@ -160,6 +160,46 @@ def test_a_claim_won_after_the_entry_appeared_is_given_back_and_the_entry_read()
     assert late.wait(["k"], EXPECT)["k"].embeddings.equal(_item().embeddings) and late.stats.waits_served == 1
 
 
+def test_a_claim_whose_rival_published_and_released_meanwhile_is_lost_and_the_entry_read():
+    """CI's race (2 encodes of 16 cold requests): our put of the claim found the rival's still there (kept nothing);
+    before our read the rival published its entry and released its claim, so the read is empty. Not a tier down:
+    no encode, the entry is read."""
+    store = MemoryStore()
+    rival_tier = EmbeddingTier(store)
+    real_put = store.put_bytes
+
+    def put_bytes(key, blob):
+        if key.startswith(CLAIM_PREFIX):  # the rival's claim is there: ours keeps nothing; then the rival finishes
+            rival_tier.put("k", _item(), EXPECT, release_claim=True)
+            rival_tier.flush()
+            return None
+        return real_put(key, blob)
+
+    store.put_bytes = put_bytes
+    tier = EmbeddingTier(store, claim_seconds=5.0, poll_seconds=0.05)
+    started = time.monotonic()
+    assert tier.claim("k") is False and tier.stats.claims_lost == 1 and tier.stats.claims_won == 0
+    assert time.monotonic() - started < 0.05  # stopped reading at once: the entry is there
+    assert tier.wait(["k"], EXPECT)["k"].embeddings.equal(_item().embeddings)
+
+
+def test_a_claim_whose_rival_went_without_an_entry_is_claimed_again():
+    """The rival's claim vanished and no entry came (its encode failed, its claim was removed): claim again, win."""
+    store = MemoryStore()
+    puts = []
+    real_put = store.put_bytes
+
+    def put_bytes(key, blob):
+        puts.append(key)
+        if len(puts) == 1:
+            return None  # the rival's claim was there, then went
+        return real_put(key, blob)
+
+    store.put_bytes = put_bytes
+    tier = EmbeddingTier(store, claim_seconds=5.0, poll_seconds=0.001)
+    assert tier.claim("k") is True and len(puts) == 2 and tier.stats.claims_won == 1
+
+
 # -- EncoderService with a tier: the real tiny encoder ------------------------------------------------------------
 
 class Counting(CountingEncoder):
