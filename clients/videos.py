@@ -1,6 +1,6 @@
 """Synthetic test and benchmark videos: small clips written with OpenCV's ``mp4v`` encoder (deterministic for the same
 arguments): a coloured background per ``seed`` and a disc moving across it, so frames differ in time and videos between
-seeds."""
+seeds; and H.264 clips (``make_h264_video``, PyAV's libx264), the codec NVDEC decodes."""
 from __future__ import annotations
 
 import os
@@ -34,4 +34,34 @@ def make_video(width: int = 128, height: int = 96, frames: int = 20, fps: float 
         os.unlink(path)
 
 
-__all__ = ["make_video"]
+def make_h264_video(width: int = 448, height: int = 448, frames: int = 30, fps: int = 30, seed: int = 0,
+                    tags: str = "", noise: bool = True) -> bytes:
+    """An H.264 MP4 (PyAV's libx264, crf 18, yuv420p) of ``frames`` frames: random pixels (``noise``: every level of
+    every plane, what a converter can get wrong) or smooth moving gradients (phase by ``seed``); ``tags``: x264 VUI colour parameters
+    (``"colormatrix=bt709:colorprim=bt709:transfer=bt709"``; "" untagged)."""
+    import io
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    shift = rng.integers(0, 256, 3)  # the gradients' phase: another seed, another video
+    y, x = np.mgrid[0:height, 0:width]
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "18", **({"x264-params": tags} if tags else {})}
+        for index in range(frames):
+            if noise:
+                frame = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            else:
+                frame = np.stack([(x + 4 * index + shift[0]) % 256, (y + 2 * index + shift[1]) % 256,
+                                  ((x + y) // 2 + 8 * index + shift[2]) % 256], -1).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, "rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+__all__ = ["make_h264_video", "make_video"]

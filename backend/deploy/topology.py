@@ -53,7 +53,7 @@ import yaml
 from backend.deploy.server_address import LOCAL, EndpointError, check_endpoint
 from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, HeldSettings, KvEngineSettings,
                                        MediaSettings, PdSettings, PrefillSettings, ProxySettings, RoutingSettings,
-                                       defaults)
+                                       VideoDecoder, defaults)
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
             "video_split", "tier", "reuse", "hosts"}
-STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint"}
+STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
@@ -145,6 +145,7 @@ class StageSpec:
     gpus: tuple[int, ...] = ()
     orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
     endpoint: str = "local"  # ENDPOINT_STAGES: where the orchestrators reach it (backend.deploy.server_address)
+    video_decoder: str = "cpu"  # encoder: where its videos are decoded (EncoderSettings.video_decoder; nvdec: gpu only)
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,18 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
         check_endpoint(stage, endpoint if isinstance(endpoint, str) else repr(endpoint))
     except EndpointError as exc:
         raise TopologyError(f"{where.rsplit(': ', 1)[0]}: {exc}") from None
-    return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint)
+    return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint, _video_decoder(doc, where, stage, device))
+
+
+def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:
+    decoder = doc.get("video_decoder", VideoDecoder.CPU.value)
+    if "video_decoder" in doc and stage != Stage.ENCODER.value:
+        raise TopologyError(f"{where}.video_decoder: only the encoder decodes videos")
+    if decoder not in tuple(VideoDecoder):
+        raise TopologyError(f"{where}.video_decoder: expected one of {', '.join(VideoDecoder)}, got {decoder!r}")
+    if decoder == VideoDecoder.NVDEC and device != "gpu":
+        raise TopologyError(f"{where}.video_decoder: nvdec decodes on the encoder's GPU: it needs device: gpu")
+    return str(decoder)
 
 
 def main(argv: list[str] | None = None) -> int:

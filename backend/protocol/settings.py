@@ -73,12 +73,20 @@ class PrefillSettings(HeldSettings, KvEngineSettings):
     """``prefill``: a KV producer fed metadata-only media (or media, for P/D)."""
 
 
+class VideoDecoder(enum.StrEnum):
+    """Where an encoder decodes videos (``backend.request.video``): the CPU, or NVDEC on its GPU (``KIND_GPU``)."""
+
+    CPU = "cpu"
+    NVDEC = "nvdec"
+
+
 @dataclass(frozen=True)
 class EncoderSettings(MediaSettings):
     model: str = ""  # the checkpoint, relative to the model repository
     encoder_impl: str = "packed"  # or "transformers"
     encoder_dtype: str = ""  # "": the checkpoint's
     encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
+    video_decoder: VideoDecoder = VideoDecoder.CPU  # nvdec: frames equal the CPU's bit for bit (backend.request.nvdec)
     pool_bytes: int = 64 << 20  # the NIXL-registered embedding pool
     lease_seconds: float = 30  # how long an unread embedding lease is kept
     alloc_timeout_seconds: float = 1.0  # how long an encode waits for pool space before OVERLOADED

@@ -37,6 +37,7 @@ class MediaLimits:
     max_audio_seconds: float = 600.0
     video_processor: str = ""
     audio_sampling_rate: int = 0
+    nvdec_device: int = -1  # >= 0: videos decoded by NVDEC on that GPU (an encoder's ``video_decoder: nvdec``)
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
     url_timeout: float = 5.0

@@ -6,6 +6,10 @@ one vLLM's OpenAI server picks for the checkpoint's video processor (``video_loa
 Qwen2-VL, fps-based sampling), with the loader's defaults (``num_frames=32``, as vLLM's ``VideoMediaIO``). The
 ``llm`` engine and the encoder both decode with ``decode_video``, so they see the same frames.
 
+An encoder with ``video_decoder: nvdec`` (``MediaLimits.nvdec_device``, a GPU index) decodes on that GPU instead,
+with the same sampling and frames bit for bit (``backend.request.nvdec``); a stream that path does not take is
+decoded here on the CPU.
+
 Limits, checked on the container's header before any frame is decoded: bytes (``max_item_bytes``), frame size
 (``max_image_pixels``, per frame), frames in the container (``max_video_frames``) and seconds
 (``max_video_seconds``). A container that cannot be opened, holds no frames, or yields none is InvalidInput
@@ -16,6 +20,8 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import inspect
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from backend.protocol.errors import InvalidInput
 from backend.protocol.modality import VIDEO
 from backend.request.media import MediaHandler, MediaLimits, check_encoded, decode_counter, read_url, register_handler
 
+VIDEO_DECODES: Counter = Counter()  # videos decoded in this process, by decoder: "nvdec" (the GPU) or "cpu"
 NUM_FRAMES = 32  # vLLM's VideoMediaIO default (the qwen2_vl loader samples by fps and ignores it)
 # Leading bytes of containers (ISO BMFF's "ftyp" box at offset 4, Matroska/WebM, AVI, MPEG-PS, FLV, Ogg):
 # anything else is tried as base64 of one.
@@ -74,16 +81,36 @@ def _container(data: bytes, field: str) -> bytes:
         raise InvalidInput(field, "not a video container (MP4/WebM/MKV/AVI/...), nor base64 of one") from None
 
 
-def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
-    """The container's own claims against the limits, before a frame is decoded."""
+def _opencv_mixin():
+    """vLLM's OpenCV helpers: ``vllm.multimodal.video_decoders.opencv`` from 0.32 (checked on 0.32), in
+    ``vllm.multimodal.video`` before (checked on 0.26)."""
+    try:
+        from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
+    except ImportError:
+        from vllm.multimodal.video import OpenCVVideoBackendMixin
+    return OpenCVVideoBackendMixin
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the container says: frame size, and (where asked) vLLM's source metadata, which sampling is computed on."""
+
+    width: int
+    height: int
+    source: Any = None
+
+
+def _check_header(data: bytes, field: str, limits: MediaLimits, source: bool = False) -> Header:
+    """The container's own claims against the limits, before a frame is decoded; ``source``: with the metadata
+    vLLM's OpenCV path samples from."""
     import io
 
     import cv2
-    from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
 
+    mixin = _opencv_mixin()
     stream = io.BytesIO(data)  # the capture reads it until released: it must outlive the capture
     try:
-        cap = cv2.VideoCapture(stream, OpenCVVideoBackendMixin.get_cv2_video_api(), [])
+        cap = cv2.VideoCapture(stream, mixin.get_cv2_video_api(), [])
     except (cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
     if not cap.isOpened():
@@ -92,6 +119,7 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
     try:
         width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS))
+        metadata = mixin.get_video_metadata(cap) if source and frames > 0 and fps > 0 else None
     finally:
         cap.release()
     if width * height > limits.max_image_pixels:
@@ -105,6 +133,7 @@ def _check_header(data: bytes, field: str, limits: MediaLimits) -> None:
     if frames / fps > limits.max_video_seconds:
         raise InvalidInput(field, f"video is {frames / fps:.1f} s long, over the {limits.max_video_seconds:g}-second "
                                   "limit")
+    return Header(width, height, metadata)
 
 
 def decode_video(data: bytes, field: str, limits: MediaLimits, num_frames: int = NUM_FRAMES,
@@ -116,14 +145,46 @@ def decode_video(data: bytes, field: str, limits: MediaLimits, num_frames: int =
 
     decode_counter.count += 1
     data = _container(check_encoded(data, field, limits, VIDEO), field)
-    _check_header(data, field, limits)
+    header = _check_header(data, field, limits, source=limits.nvdec_device >= 0)
+    loader = video_loader(limits)
+    if limits.nvdec_device >= 0:
+        decoded = _decode_on_gpu(loader, data, header, limits.nvdec_device, num_frames, options)
+        if decoded is not None:
+            VIDEO_DECODES["nvdec"] += 1
+            return decoded
+    VIDEO_DECODES["cpu"] += 1
     try:
-        frames, metadata = video_loader(limits).load_bytes(data, num_frames=num_frames, **options)
+        frames, metadata = loader.load_bytes(data, num_frames=num_frames, **options)
     except (ValueError, RuntimeError, cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
     if frames is None or len(frames) == 0:
         raise InvalidInput(field, "video has no decodable frames")
     return DecodedVideo(frames, metadata)
+
+
+def _decode_on_gpu(loader, data: bytes, header: Header, device: int, num_frames: int, options: dict):
+    """The video decoded by NVDEC on GPU ``device``, sampled as ``loader.load_bytes`` samples (its own index
+    computation and defaults on the source metadata OpenCV reports); None where that path does not take the stream
+    (decoded on the CPU then, its reason logged once)."""
+    from vllm.multimodal.video import VideoTargetMetadata
+
+    from backend.request import nvdec
+
+    defaults = inspect.signature(loader.load_bytes).parameters
+    target = VideoTargetMetadata(num_frames, options.get("fps", defaults["fps"].default),
+                                 defaults["max_duration"].default)
+    try:
+        if header.source is None:
+            raise nvdec.Unsupported("no source metadata")
+        matrix = nvdec.stream_matrix(data)
+        source = loader._prepare_source(header.source)
+        indices = loader.compute_frames_index_to_sample(source=source, target=target)
+        frames = nvdec.decoder(device).frames(data, indices, matrix, header.height, header.width)
+    except nvdec.Unsupported as exc:
+        nvdec.fell_back(str(exc))
+        return None
+    metadata = loader.create_hf_metadata(source=source, valid_frame_indices=indices, video_backend="nvdec")
+    return DecodedVideo(frames.cpu().numpy(), metadata)
 
 
 def read_video_url(url: str, field: str, limits: MediaLimits) -> bytes:
@@ -133,4 +194,4 @@ def read_video_url(url: str, field: str, limits: MediaLimits) -> bytes:
 
 register_handler(VIDEO, MediaHandler(decode_video, read_video_url, DecodedVideo))
 
-__all__ = ["DecodedVideo", "decode_video", "read_video_url", "video_loader", "video_processor_for"]
+__all__ = ["VIDEO_DECODES", "DecodedVideo", "decode_video", "read_video_url", "video_loader", "video_processor_for"]

@@ -5,7 +5,8 @@ off: the consumer also gets the original media and decodes/preprocesses it, as a
 ``epd_colocated`` (E+PD with the orchestrator colocated with the pd engine: ``stages.pd.orchestrator:
 colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D),
 ``epd_disagg_naive`` and ``epd_disagg_colocated`` (E/P/D with the orchestrator colocated with the prefill engine:
-``stages.prefill.orchestrator: colocated``, rendered so likewise), ``p_d`` (P/D: E/P/D's prefill and decode without
+``stages.prefill.orchestrator: colocated``, rendered so likewise), ``epd_nvdec`` (E+PD whose encoder decodes videos
+on its GPU: ``stages.encoder.video_decoder: nvdec``; a GPU topology), ``p_d`` (P/D: E/P/D's prefill and decode without
 the encoders, request parameter ``epd_encode=false``; each engine processes the media, as vLLM's own P/D). Load (``clients.bench.load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
@@ -42,6 +43,7 @@ import asyncio
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from clients.bench import report as bench_report
@@ -60,14 +62,18 @@ DEPLOYMENTS = {
     "epd_disagg_naive": ("E/P/D naive (metadata-only off)", "E/P/D", "epd_disagg", NAIVE),
     "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
     "p_d": ("P/D (no encoder)", "E/P/D", "epd_disagg", P_D),
+    "epd_nvdec": ("E+PD, videos decoded by NVDEC", "E+PD", "epd", None),
 }
 # served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
 COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
+NVDEC = {"epd_nvdec"}  # served by a rendering whose encoder decodes videos on its GPU (stages.encoder.video_decoder)
 
 
-def server_group(key: str) -> tuple[str, str]:
-    """Deployments of one group share a server: (topology mode, where E+PD's orchestrator runs)."""
-    return DEPLOYMENTS[key][1], "colocated" if key in COLOCATED else "proxy"
+def server_group(key: str) -> tuple[str, str, str]:
+    """Deployments of one group share a server: (topology mode, where E+PD's orchestrator runs, the encoder's
+    video decoder)."""
+    return (DEPLOYMENTS[key][1], "colocated" if key in COLOCATED else "proxy",
+            "nvdec" if key in NVDEC else "cpu")
 
 
 class Bench:
@@ -96,7 +102,7 @@ class Bench:
         a = self.args
         if modality == "video":
             made = synthetic_video_requests(count, a.videos, tuple(int(v) for v in a.video_size.split("x")),
-                                            a.video_frames, a.video_fps, a.max_tokens, first)
+                                            a.video_frames, a.video_fps, a.max_tokens, first, a.video_codec)
         elif modality == "audio":
             made = synthetic_audio_requests(count, a.audios, a.audio_seconds, a.audio_rate, a.max_tokens, first)
         elif self.media is not None:
@@ -207,17 +213,21 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
 
     a = bench.args
     base = load(a.topology, checkpoint=a.checkpoint)
-    for mode, where in dict.fromkeys(server_group(k) for k in keys):
-        group = [k for k in keys if server_group(k) == (mode, where)]
+    for mode, where, decoder in dict.fromkeys(server_group(k) for k in keys):
+        group = [k for k in keys if server_group(k) == (mode, where, decoder)]
         changes = {} if a.stream_interval_ms is None else {"stream_interval_ms": a.stream_interval_ms}
         topology = base.only(mode, {"enforce_eager": False} if a.compile else None, **changes)
         if mode != "baseline":
             topology = topology.with_orchestrator(where, mode)
+        if decoder != "cpu":
+            topology = replace(topology, stages={**topology.stages, "encoder": replace(
+                topology.stages["encoder"], video_decoder=decoder)})
         with tempfile.TemporaryDirectory(prefix="bench-") as repo:
             served = render(topology, Path(repo))
             target = "llm" if "llm" in served else "epd"
             (ROOT / ".cache").mkdir(exist_ok=True)
-            log = ROOT / ".cache" / f"bench-e2e-{mode.replace('/', '').replace('+', '')}{'-' + where if mode != 'baseline' else ''}.log"
+            log = ROOT / ".cache" / (f"bench-e2e-{mode.replace('/', '').replace('+', '')}"
+                                     f"{'-' + where if mode != 'baseline' else ''}{'-' + decoder if decoder != 'cpu' else ''}.log")
             with TritonServer(Path(repo), log_path=log) as server:
                 print(f"{mode}: server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr)
                 asyncio.run(bench.run_server(server.grpc_url, [(k, target) for k in group], server.metrics_url, server.proc.pid))
@@ -274,6 +284,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--video-size", default="128x96", help="synthetic videos: WxH")
     parser.add_argument("--video-frames", type=int, default=20, help="synthetic videos: frames in the container")
     parser.add_argument("--video-fps", type=float, default=10.0, help="synthetic videos: frame rate")
+    parser.add_argument("--video-codec", choices=("mp4v", "h264"), default="mp4v",
+                        help="synthetic videos: OpenCV's mp4v, or H.264 (PyAV's libx264: what NVDEC decodes)")
     parser.add_argument("--audio-topology", type=Path, default=Path("topologies/cpu-audio.yaml"),
                         help="with audio among other --modalities: the audio rows' topology (an audio checkpoint's)")
     parser.add_argument("--audios", type=int, default=1, help="audio files per request of the audio workload")
@@ -314,6 +326,9 @@ def parse_args(argv: list[str] | None = None):
     if args.shared and COLOCATED & set(args.models.split(",")):
         parser.error("--shared: the committed repository serves E+PD and E/P/D with the proxy orchestrator; "
                      "benchmark the colocated deployments on servers of their own (leave --shared out) or with --url")
+    if args.shared and NVDEC & set(args.models.split(",")):
+        parser.error("--shared: one server has one encoder; benchmark epd_nvdec on a server of its own (leave --shared "
+                     "out)")
     return args
 
 

@@ -48,12 +48,18 @@ def synthetic_requests(count: int, images: int, sizes: list[tuple[int, int]], ma
 
 
 def synthetic_video_requests(count: int, videos: int, size: tuple[int, int], frames: int, fps: float, max_tokens: int,
-                             first: int = 0) -> list[GenerateInputs]:
-    """``videos`` clips of ``frames`` frames at ``fps`` per request, as ``{"type": "video"}`` chat parts."""
-    from clients.videos import make_video
+                             first: int = 0, codec: str = "mp4v") -> list[GenerateInputs]:
+    """``videos`` clips of ``frames`` frames at ``fps`` per request, as ``{"type": "video"}`` chat parts; ``codec``:
+    ``mp4v`` (OpenCV's writer) or ``h264`` (PyAV's libx264, moving gradients: what NVDEC decodes)."""
+    from clients.videos import make_h264_video, make_video
 
-    return _chat_requests(count, videos, lambda seed: make_video(*size, frames=frames, fps=fps, seed=seed), "video",
-                          "what happens?", max_tokens, first)
+    if codec == "h264":
+        def make(seed):
+            return make_h264_video(*size, frames=frames, fps=round(fps), seed=seed, noise=False)
+    else:
+        def make(seed):
+            return make_video(*size, frames=frames, fps=fps, seed=seed)
+    return _chat_requests(count, videos, make, "video", "what happens?", max_tokens, first)
 
 
 def synthetic_audio_requests(count: int, audios: int, seconds: float, rate: int, max_tokens: int,

@@ -7,6 +7,7 @@ import yaml
 from backend.deploy.topology import TopologyError, load
 from backend.deploy.render import render_files
 from backend.engine.host import load_engine_args
+from backend.protocol.settings import ConfigError, EncoderSettings, VideoDecoder, parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "topologies" / "default.yaml"
@@ -114,9 +115,12 @@ def test_each_deployment_places_its_own_orchestrator():
         load(DEFAULT, "cpu").with_orchestrator("colocated", "baseline")
 
 
+def param(config: str, key: str) -> str:
+    """The value of parameter ``key`` in a rendered config.pbtxt."""
+    return next(line for line in config.splitlines() if f'key: "{key}"' in line).split('string_value: "')[1].split('"')[0]
+
+
 def test_stage_endpoints_render_into_the_orchestrators(tmp_path):
-    def param(config, key):
-        return next(line for line in config.splitlines() if f'key: "{key}"' in line).split('string_value: "')[1].split('"')[0]
     files = render_files(load(DEFAULT, "cpu"), Path("/r"))  # local: this server's gRPC endpoint, whatever its port
     assert param(files["epd/config.pbtxt"], "generator_endpoint") == "local"
     assert param(files["epd_disagg/config.pbtxt"], "prefill_endpoint") == param(files["epd_disagg/config.pbtxt"], "decode_endpoint") == "local"
@@ -137,6 +141,18 @@ def test_gpu_topology_renders_gpu_instances_on_a_gpu_machine_only():
     assert "kind: KIND_GPU gpus: [ 1 ]" in files["prefill/config.pbtxt"]
     with pytest.raises(TopologyError, match="gpu asked for, but this machine kind is cpu"):
         load(path, "cpu")
+
+
+def test_an_nvdec_encoder_renders_its_video_decoder_and_a_cpu_one_nothing(tmp_path):
+    doc = {"checkpoint": "m", "serve": ["E+PD"],
+           "stages": {"encoder": {"device": "gpu", "video_decoder": "nvdec"}, "pd": {"device": "gpu"}, "epd": {}}}
+    config = render_files(load(_write(tmp_path, doc), "gpu"), Path("/r"))["encoder/config.pbtxt"]
+    assert param(config, "video_decoder") == "nvdec"
+    assert "video_decoder" not in render_files(load(DEFAULT, "cpu"), Path("/r"))["encoder/config.pbtxt"]
+    settings = parse_settings(EncoderSettings, "encoder", {"parameters": {"video_decoder": {"string_value": "nvdec"}}})
+    assert settings.video_decoder is VideoDecoder.NVDEC
+    with pytest.raises(ConfigError, match="video_decoder.*expected one of cpu, nvdec"):
+        parse_settings(EncoderSettings, "encoder", {"parameters": {"video_decoder": {"string_value": "gpu"}}})
 
 
 def _write(tmp_path, doc) -> Path:
@@ -183,6 +199,11 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"stages": {"encoder": {}, "pd": {"endpoint": "h"}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got 'h'"),
     ({"stages": {"encoder": {}, "pd": {"endpoint": 9001}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got '9001'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated", "endpoint": "h:1"}}}, "stages.pd.endpoint: this stage runs inside"),
+    ({"stages": {"encoder": {"video_decoder": "nvdec"}, "pd": {}, "epd": {}}},
+     "stages.encoder.video_decoder: nvdec decodes on the encoder's GPU: it needs device: gpu"),
+    ({"stages": {"encoder": {"video_decoder": "gpu"}, "pd": {}, "epd": {}}},
+     "stages.encoder.video_decoder: expected one of cpu, nvdec, got 'gpu'"),
+    ({"stages": {"encoder": {}, "pd": {"video_decoder": "cpu"}, "epd": {}}}, "stages.pd.video_decoder: only the encoder"),
     ({"tier": 5}, "tier: expected a mapping with bytes"),
     ({"tier": {"budget": 5}}, "tier: unknown key(s) budget"),
     ({"tier": {"bytes": 0}}, "tier.bytes: expected a positive number"),

@@ -27,7 +27,9 @@ from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT,
 from backend.protocol.layout import content_key
 from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
-from backend.protocol.settings import EncoderSettings
+from backend.protocol.settings import EncoderSettings, VideoDecoder
+from backend.request import nvdec
+from backend.request.video import VIDEO_DECODES
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import checkpoint_media
 from backend.transfer.announce import announce, directory, withdraw
@@ -37,6 +39,22 @@ from backend.triton.io import request_parameters, to_triton_error, wants_error_c
 from backend.triton.metrics import EncoderMetrics
 
 METRICS_SECONDS = 1.0
+
+
+def nvdec_device(settings: EncoderSettings, device: str) -> int:
+    """The GPU videos are decoded on (``video_decoder: nvdec``: this instance's; its decoder made now, so a missing
+    PyNvVideoCodec fails the load, not a request), -1 for the CPU."""
+    if settings.video_decoder != VideoDecoder.NVDEC:
+        return -1
+    if not device.startswith("cuda"):
+        raise pb_utils.TritonModelException("encoder: video_decoder nvdec decodes on the instance's GPU: it needs "
+                                            "KIND_GPU instances")
+    index = torch.device(device).index or 0
+    try:
+        nvdec.decoder(index)
+    except ImportError as exc:
+        raise pb_utils.TritonModelException(f"encoder: video_decoder nvdec needs PyNvVideoCodec ({exc})") from None
+    return index
 
 
 class TritonPythonModel:
@@ -53,7 +71,8 @@ class TritonPythonModel:
         self.pool = EmbeddingPool(settings.pool_bytes, lease_seconds=settings.lease_seconds,
                                   alloc_timeout=settings.alloc_timeout_seconds,
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
-        limits = MediaLimits(**media_limits(settings), **checkpoint_media(model_dir.resolve()))
+        limits = MediaLimits(**media_limits(settings), **checkpoint_media(model_dir.resolve()),
+                             nvdec_device=nvdec_device(settings, device))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
         # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
@@ -111,7 +130,8 @@ class TritonPythonModel:
         while not self._stop.wait(METRICS_SECONDS):
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
-                                     self.service.cache_hits, self.tier, self.service.tier_hits)
+                                     self.service.cache_hits, self.tier, self.service.tier_hits,
+                                     dict(VIDEO_DECODES))
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 

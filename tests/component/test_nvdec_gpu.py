@@ -1,0 +1,134 @@
+"""NVDEC in the encoder's video decode (``backend.request.nvdec``, ``video_decoder: nvdec``) on a real GPU: the frames
+``decode_video`` gives equal the CPU path's bit for bit, on H.264 clips untagged and tagged, at 448 px and 720p, from
+several threads at once (more than the decoders kept), and what each path costs.
+
+Skipped without CUDA and PyNvVideoCodec (CI); run on the lent GPU machine (docs/gpu.md)."""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.component,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(importlib.util.find_spec("PyNvVideoCodec") is None, reason="needs PyNvVideoCodec")]
+
+BT709 = "colormatrix=bt709:colorprim=bt709:transfer=bt709"
+BT601 = "colormatrix=smpte170m:colorprim=smpte170m:transfer=smpte170m"
+CLIPS = {"448x448 untagged, noise": (448, 448, "", True), "1280x720 untagged, noise": (1280, 720, "", True),
+         "1280x720 BT.709, noise": (1280, 720, BT709, True), "1280x720 BT.601, gradients": (1280, 720, BT601, False),
+         "640x360 untagged, gradients": (640, 360, "", False)}
+
+
+def _limits():
+    from backend.request.media import MediaLimits
+
+    return MediaLimits(video_processor="Qwen2VLVideoProcessor", max_item_bytes=256 << 20)
+
+
+def _clip(width, height, tags, noise, seed=0):
+    from clients.videos import make_h264_video
+
+    return make_h264_video(width, height, frames=30, fps=30, seed=seed, tags=tags, noise=noise)
+
+
+def _median_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1000, 2)
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_nvdec_frames_are_the_cpu_path_s_bit_for_bit(name):
+    from backend.request import video
+
+    data = _clip(*CLIPS[name])
+    limits = _limits()
+    for options in ({}, {"fps": 10}, {"fps": 30}):
+        want = video.decode_video(data, "video[0]", limits, **options)
+        before = video.VIDEO_DECODES["nvdec"]
+        got = video.decode_video(data, "video[0]", replace(limits, nvdec_device=0), **options)
+        assert video.VIDEO_DECODES["nvdec"] == before + 1, "fell back to the CPU"
+        assert got.frames.shape == want.frames.shape, options
+        diff = np.abs(got.frames.astype(int) - want.frames.astype(int))
+        assert diff.max() == 0, (name, options, int(diff.max()), float(diff.mean()))
+        assert got.metadata["frames_indices"] == want.metadata["frames_indices"]
+    cpu = _median_ms(lambda: video.decode_video(data, "video[0]", limits, fps=30))
+    gpu = _median_ms(lambda: video.decode_video(data, "video[0]", replace(limits, nvdec_device=0), fps=30))
+    print(f"{name}: {len(data)} bytes, 30 frames: decode_video CPU {cpu} ms, NVDEC {gpu} ms ({cpu / gpu:.2f}x)")
+
+
+def test_concurrent_videos_share_the_kept_decoders_and_stay_exact():
+    from backend.request import nvdec, video
+
+    limits = _limits()
+    clips = [_clip(640, 360, "", False, seed) for seed in range(8)] + [_clip(448, 448, "", True, 9)]
+    want = [video.decode_video(c, "video[0]", limits, fps=30).frames for c in clips]
+    on_gpu = replace(limits, nvdec_device=0)
+    with ThreadPoolExecutor(6) as pool:  # more threads than decoders kept (nvdec.SLOTS)
+        got = list(pool.map(lambda c: video.decode_video(c, "video[0]", on_gpu, fps=30).frames, clips * 2))
+    for index, frames in enumerate(got):
+        assert np.array_equal(frames, want[index % len(clips)]), index
+    assert nvdec.decoder(0)._made <= nvdec.SLOTS
+
+
+def test_a_stream_the_exact_path_refuses_is_decoded_on_the_cpu():
+    from backend.request import video
+    from clients.videos import make_video
+
+    data = make_video(128, 96, frames=12, fps=6)  # OpenCV's mp4v: FFmpeg reports it as yuv420p, NVDEC may refuse it
+    limits = _limits()
+    got = video.decode_video(data, "video[0]", replace(limits, nvdec_device=0))
+    assert np.array_equal(got.frames, video.decode_video(data, "video[0]", limits).frames)
+
+
+def test_videos_decoded_by_nvdec_in_the_served_encoder_give_llm_s_tokens(tmp_path):
+    """``llm`` and ``epd`` of topologies/checkpoint-gpu.yaml through the real tritonserver, the encoder with
+    ``video_decoder: nvdec``, in fp32: the same greedy tokens on H.264 videos; every video decoded by NVDEC
+    (``epd_video_decodes_total{decoder}``), none downstream of the encoder."""
+    import os
+    from pathlib import Path
+
+    from backend.deploy.render import render
+    from backend.deploy.topology import load
+    from clients.local_server import TritonServer, triton_home
+    from clients.triton_client import GenerateInputs, generate_grpc
+    from tests.e2e.conftest import metric
+
+    try:
+        triton_home()
+    except FileNotFoundError:
+        pytest.skip("needs tritonserver in .venv (scripts/gpu_triton_env.sh)")
+    root = Path(__file__).resolve().parents[2]
+    model = Path(os.environ.get("EPD_GPU_SERVE_MODEL") or root / "models" / "tiny-qwen2-vl")
+    topology = load(root / "topologies" / "checkpoint-gpu.yaml", checkpoint=model).only(
+        ("baseline", "E+PD"), engine_args={"dtype": "float32", "enforce_eager": True, "max_model_len": 8192,
+                                           "kv_cache_memory_bytes": 4 << 30})
+    topology = replace(topology, stages={**topology.stages, "encoder": replace(topology.stages["encoder"],
+                                                                               video_decoder="nvdec")})
+    render(topology, tmp_path / "repo")
+    clips = [_clip(448, 448, "", False, 1), _clip(1280, 720, BT709, False, 2), _clip(640, 360, BT601, False, 3)]
+    content = [{"type": "video"}, {"type": "text", "text": "what happens?"}]
+    with TritonServer(tmp_path / "repo", log_path=tmp_path / "server.log") as server:
+        for index, data in enumerate(clips):
+            inputs = GenerateInputs(messages=[{"role": "user", "content": content}], videos=[data],
+                                    sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True})
+            llm = generate_grpc(server.grpc_url, "llm", inputs)
+            got = generate_grpc(server.grpc_url, "epd", inputs)
+            print(f"video {index}: llm TTFT {llm.ttft:.3f} s, epd TTFT {got.ttft:.3f} s, stages {got.timings}")
+            assert (got.text, got.num_output_tokens) == (llm.text, 16), index
+        time.sleep(2)  # the encoder's metrics are refreshed once a second
+        decodes = {d: metric(server, "epd_video_decodes_total", model="encoder", decoder=d) for d in ("nvdec", "cpu")}
+        print("encoder video decodes:", decodes)
+        assert decodes == {"nvdec": len(clips), "cpu": 0}
+        assert metric(server, "epd_media_decodes_total", model="pd") == 0
