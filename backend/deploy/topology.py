@@ -35,6 +35,9 @@ there; ``backend.deploy.server_address``); ``host:port`` is another server's gRP
 are replicas. A ``hosts:`` block places the stages on hosts, each with a server and a model repository of its own,
 and computes those endpoints (``backend.deploy.hosts``; ``render --host NAME``, ``hosts``).
 
+``stages.encoder.video_decoder``: ``cpu`` (the default: vLLM's loader over OpenCV's FFmpeg) or ``nvdec`` (a GPU
+encoder decodes videos with NVDEC, frames equal to the CPU's bit for bit: ``backend.request.nvdec``).
+
 Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
 for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
 ``topologies/default.yaml`` (a test checks they agree).

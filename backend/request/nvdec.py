@@ -3,7 +3,7 @@
 FFmpeg, ``backend.request.video``), so a GPU-decoded video gives ``llm``'s tokens and its embeddings may be shared
 with CPU encoders (the content key does not name the decoder).
 
-H.264/HEVC/VP9/AV1 decoding is exact by the standards: NVDEC's NV12 planes are FFmpeg's yuv420p planes. The RGB
+H.264/HEVC/VP9/AV1 decoding is exact by the standards (integer transforms; not MPEG-4 Part 2's IDCT): NVDEC's NV12 planes are FFmpeg's yuv420p planes. The RGB
 conversion is where decoders part: PyNvVideoCodec's own converts an untagged HD stream with BT.709 where FFmpeg takes
 BT.601 (up to 40 levels apart), and rounds otherwise (docs/results/gpu.md). So frames come out of NVDEC as NV12 and
 are converted here, on the GPU, with the arithmetic of FFmpeg's x86 converter (libswscale's SIMD yuv2rgb: every
@@ -11,7 +11,7 @@ term in 16-bit fixed point, ``(x * 8 * round(k * 8192)) >> 16``, truncated, summ
 OpenCV's frames on every clip measured (``tests/unit/test_nvdec.py`` on CPU tensors against PyAV's planes, and on
 the H200 against OpenCV there).
 
-What takes the exact path: 8-bit 4:2:0 (``yuv420p``) in limited range with even sides, matrix BT.601 (untagged, as
+What takes the exact path: H.264, HEVC, VP9 or AV1 (``EXACT_CODECS``) in 8-bit 4:2:0 (``yuv420p``) in limited range with even sides, matrix BT.601 (untagged, as
 FFmpeg assumes, SMPTE 170M, BT.470BG) or BT.709, read from the stream's parameters with PyAV (no frame decoded).
 Anything else (10-bit, 4:2:2, full range, BT.2020, ...), a codec NVDEC refuses, or a decode that returns another
 number of frames than asked is decoded on the CPU as without this option (counted: ``video.VIDEO_DECODES``).
@@ -30,8 +30,12 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+# codecs whose decoding the standard makes bit-exact (integer transforms); MPEG-1/2/4 Part 2 and VC-1 allow an IDCT
+# within a tolerance: NVDEC's frames of an mp4v clip differ from FFmpeg's (measured on the H200)
+EXACT_CODECS = ("h264", "hevc", "vp9", "av1")
 SLOTS = 2  # decoders kept per process (vLLM's PyNvVideoCodec backend keeps 2 too)
 # FFmpeg's AVColorSpace values -> (Kr, Kb): unspecified is BT.601 to FFmpeg (libswscale's default table)
 MATRICES = {1: (0.2126, 0.0722), 2: (0.299, 0.114), 5: (0.299, 0.114), 6: (0.299, 0.114)}
@@ -104,8 +108,10 @@ def stream_matrix(data: bytes) -> tuple[float, float]:
         if not container.streams.video:
             raise Unsupported("no video stream")
         context = container.streams.video[0].codec_context
-        pixels, space, full = context.pix_fmt, int(context.colorspace), int(context.color_range) == 2
+        codec, pixels, space, full = context.name, context.pix_fmt, int(context.colorspace), int(context.color_range) == 2
         width, height = context.width, context.height
+    if codec not in EXACT_CODECS:
+        raise Unsupported(f"codec {codec} (its decoders may differ within the standard's IDCT tolerance)")
     if pixels != "yuv420p":
         raise Unsupported(f"pixel format {pixels}")
     if full:
@@ -148,6 +154,29 @@ class NvdecDecoder:
         self._free: queue.LifoQueue = queue.LifoQueue()
         self._made, self._slots, self._lock = 0, slots, threading.Lock()
 
+    def warm_up(self) -> None:
+        """Make every kept decoder now, on a 2-frame clip: a process's first NVDEC session costs ~2.7 s (measured
+        on the H200: the first video of each encoder instance), which no request should pay."""
+        import av  # noqa: PLC0415
+
+        out = io.BytesIO()
+        with av.open(out, "w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=30)
+            stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+            for _ in range(2):
+                frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 128, np.uint8), "rgb24")
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        slots = [self._borrow() for _ in range(self._slots)]
+        try:
+            for slot in slots:
+                self._decode(slot, out.getvalue(), [0, 1], MATRICES[2], 64, 64)
+        finally:
+            for slot in slots:
+                self._free.put(slot)
+
     def _borrow(self) -> _Slot:
         with self._lock:
             if self._free.empty() and self._made < self._slots:
@@ -158,9 +187,16 @@ class NvdecDecoder:
     def frames(self, data: bytes, indices: list[int], matrix: tuple[float, float], height: int,
                width: int) -> torch.Tensor:
         """The frames ``indices`` of the video, on this decoder's GPU (``Unsupported`` where NVDEC cannot)."""
+        slot = self._borrow()
+        try:
+            return self._decode(slot, data, indices, matrix, height, width)
+        finally:
+            self._free.put(slot)
+
+    def _decode(self, slot: _Slot, data: bytes, indices: list[int], matrix: tuple[float, float], height: int,
+                width: int) -> torch.Tensor:
         import PyNvVideoCodec as nvc  # noqa: PLC0415
 
-        slot = self._borrow()
         handle, path = tempfile.mkstemp(suffix=".video")
         try:
             with os.fdopen(handle, "wb") as file:
@@ -179,7 +215,6 @@ class NvdecDecoder:
             return rgb
         finally:
             os.unlink(path)
-            self._free.put(slot)
 
 
 _DECODERS: dict[int, NvdecDecoder] = {}
@@ -187,10 +222,12 @@ _DECODERS_LOCK = threading.Lock()
 
 
 def decoder(device: int) -> NvdecDecoder:
-    """The process's decoder of GPU ``device`` (made at the first call: ``ImportError`` without PyNvVideoCodec)."""
+    """The process's decoder of GPU ``device`` (made and warmed up at the first call: ``ImportError`` without
+    PyNvVideoCodec)."""
     with _DECODERS_LOCK:
         if device not in _DECODERS:
             _DECODERS[device] = NvdecDecoder(device)
+            _DECODERS[device].warm_up()
         return _DECODERS[device]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from backend.request import nvdec, video
 from backend.request.media import MediaLimits
-from clients.videos import make_h264_video
+from clients.videos import make_h264_video, make_video
 
 BT709 = "colormatrix=bt709:colorprim=bt709:transfer=bt709"
 BT601 = "colormatrix=smpte170m:colorprim=smpte170m:transfer=smpte170m"
@@ -85,6 +85,7 @@ def _encoded(pix_fmt: str, **options) -> bytes:
 
 
 @pytest.mark.parametrize("data,reason", [
+    (lambda: make_video(64, 48, frames=2), "codec mpeg4"),
     (lambda: _encoded("yuv444p"), "pixel format yuv444p"),
     (lambda: _encoded("yuvj420p"), "pixel format yuvj420p"),
     (lambda: _encoded("yuv420p", **{"x264-params": "fullrange=on"}), "pixel format yuvj420p"),  # FFmpeg's name
