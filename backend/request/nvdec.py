@@ -227,7 +227,10 @@ def decoder(device: int) -> NvdecDecoder:
     with _DECODERS_LOCK:
         if device not in _DECODERS:
             _DECODERS[device] = NvdecDecoder(device)
-            _DECODERS[device].warm_up()
+            try:
+                _DECODERS[device].warm_up()
+            except Exception as exc:  # noqa: BLE001 - not warmed: the first videos pay the set-up, none fails for it
+                LOG.warning("NVDEC decoders not warmed up at load (%s: %s)", type(exc).__name__, exc)
         return _DECODERS[device]
 
 
