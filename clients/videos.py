@@ -64,4 +64,23 @@ def make_h264_video(width: int = 448, height: int = 448, frames: int = 30, fps: 
     return out.getvalue()
 
 
-__all__ = ["make_h264_video", "make_video"]
+def opencv_frames(data: bytes) -> np.ndarray:
+    """Every frame of an encoded video as OpenCV's FFmpeg decodes it (RGB ``[T, H, W, 3]``), as vLLM's ``opencv``
+    loader reads frames: the CPU path's frames."""
+    import io
+
+    import cv2
+
+    stream = io.BytesIO(data)  # read by the capture until released: it must outlive it
+    capture = cv2.VideoCapture(stream, cv2.CAP_FFMPEG, [])
+    frames = []
+    while True:
+        ok, frame = capture.read()
+        if not ok:
+            break
+        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    capture.release()
+    return np.stack(frames)
+
+
+__all__ = ["make_h264_video", "make_video", "opencv_frames"]

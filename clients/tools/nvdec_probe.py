@@ -61,17 +61,9 @@ def make(out: Path) -> None:
 
 def _cpu_frames(path: Path) -> np.ndarray:
     """Every frame as OpenCV's FFmpeg decodes it (RGB), as vLLM's ``opencv`` backend reads frames."""
-    import cv2  # noqa: PLC0415
+    from clients.videos import opencv_frames  # noqa: PLC0415
 
-    capture = cv2.VideoCapture(str(path))
-    frames = []
-    while True:
-        ok, frame = capture.read()
-        if not ok:
-            break
-        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-    capture.release()
-    return np.stack(frames)
+    return opencv_frames(path.read_bytes())
 
 
 def _gpu_frames(path: Path, decoder=None):
@@ -89,7 +81,7 @@ def _gpu_frames(path: Path, decoder=None):
     return torch.stack([torch.from_dlpack(frame) for frame in frames])
 
 
-def _timed(decode, repeats: int = 5) -> float:
+def median_seconds(decode, repeats: int = 5) -> float:
     """The median seconds of ``decode()`` after one warm-up call."""
     decode()
     seconds = []
@@ -128,10 +120,10 @@ def run(clips: Path) -> None:
             _gpu_frames(path, cached)
             torch.cuda.synchronize()
 
-        row["nvdec_ms"] = round(_timed(decode_on_gpu) * 1000, 2)
-        row["nvdec_cached_ms"] = round(_timed(decode_cached) * 1000, 2)
+        row["nvdec_ms"] = round(median_seconds(decode_on_gpu) * 1000, 2)
+        row["nvdec_cached_ms"] = round(median_seconds(decode_cached) * 1000, 2)
         try:
-            row["cpu_ms"] = round(_timed(lambda: _cpu_frames(path)) * 1000, 2)
+            row["cpu_ms"] = round(median_seconds(lambda: _cpu_frames(path)) * 1000, 2)
             row["speedup"] = round(row["cpu_ms"] / row["nvdec_ms"], 2)
             row["speedup_cached"] = round(row["cpu_ms"] / row["nvdec_cached_ms"], 2)
         except ImportError as exc:

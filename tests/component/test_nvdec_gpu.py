@@ -6,7 +6,6 @@ Skipped without CUDA and PyNvVideoCodec (CI); run on the lent GPU machine (docs/
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -38,14 +37,10 @@ def _clip(width, height, tags, noise, seed=0):
     return make_h264_video(width, height, frames=30, fps=30, seed=seed, tags=tags, noise=noise)
 
 
-def _median_ms(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(statistics.median(times) * 1000, 2)
+def _median_ms(fn) -> float:
+    from clients.tools.nvdec_probe import median_seconds
+
+    return round(median_seconds(fn) * 1000, 2)
 
 
 @pytest.mark.parametrize("name", list(CLIPS))

@@ -14,27 +14,11 @@ import torch
 
 from backend.request import nvdec, video
 from backend.request.media import MediaLimits
-from clients.videos import make_h264_video, make_video
+from clients.videos import make_h264_video, make_video, opencv_frames
 
 BT709 = "colormatrix=bt709:colorprim=bt709:transfer=bt709"
 BT601 = "colormatrix=smpte170m:colorprim=smpte170m:transfer=smpte170m"
 LIMITS = MediaLimits(video_processor="Qwen2VLVideoProcessor")
-
-
-def cpu_frames(data: bytes) -> np.ndarray:
-    """Every frame as the CPU path decodes it (OpenCV's FFmpeg, RGB)."""
-    import cv2
-
-    stream = io.BytesIO(data)  # read by the capture until released: it must outlive it
-    capture = cv2.VideoCapture(stream, video._opencv_mixin().get_cv2_video_api(), [])
-    frames = []
-    while True:
-        ok, frame = capture.read()
-        if not ok:
-            break
-        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-    capture.release()
-    return np.stack(frames)
 
 
 def planes(data: bytes) -> torch.Tensor:
@@ -56,7 +40,7 @@ def planes(data: bytes) -> torch.Tensor:
                                                      (1280, 720, BT709, False)])
 def test_nv12_converted_here_is_the_cpu_path_s_frames_bit_for_bit(width, height, tags, noise):
     data = make_h264_video(width, height, frames=6, tags=tags, noise=noise)
-    want = cpu_frames(data)
+    want = opencv_frames(data)
     got = nvdec.rgb_from_nv12(planes(data), height, width, nvdec.stream_matrix(data)).numpy()
     assert got.shape == want.shape
     diff = np.abs(got.astype(int) - want.astype(int))
@@ -66,7 +50,7 @@ def test_nv12_converted_here_is_the_cpu_path_s_frames_bit_for_bit(width, height,
 def test_the_other_matrix_would_be_levels_off_so_the_stream_s_tag_matters():
     data = make_h264_video(1280, 720, frames=2, tags=BT709)
     wrong = nvdec.rgb_from_nv12(planes(data), 720, 1280, nvdec.MATRICES[2]).numpy()
-    assert np.abs(wrong.astype(int) - cpu_frames(data).astype(int)).max() > 20
+    assert np.abs(wrong.astype(int) - opencv_frames(data).astype(int)).max() > 20
 
 
 def _encoded(pix_fmt: str, **options) -> bytes:
