@@ -183,6 +183,9 @@ def _decode_on_gpu(loader, data: bytes, header: Header, device: int, num_frames:
     except nvdec.Unsupported as exc:
         nvdec.fell_back(str(exc))
         return None
+    except Exception as exc:  # noqa: BLE001 - a stream PyAV or the sampling cannot take: the CPU path names the error
+        nvdec.fell_back(f"{type(exc).__name__} before decoding")
+        return None
     metadata = loader.create_hf_metadata(source=source, valid_frame_indices=indices, video_backend="nvdec")
     return DecodedVideo(frames.cpu().numpy(), metadata)
 

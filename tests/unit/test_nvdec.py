@@ -119,3 +119,15 @@ def test_a_stream_nvdec_cannot_take_is_decoded_on_the_cpu_and_counted(monkeypatc
     assert video.VIDEO_DECODES["nvdec"] == before.get("nvdec", 0)
     assert np.array_equal(got.frames, video.decode_video(data, "video[0]", LIMITS).frames)
     assert got.metadata["video_backend"] != "nvdec"
+
+
+def test_a_container_pyav_cannot_read_on_the_nvdec_path_gets_the_cpu_path_s_clear_error(monkeypatch):
+    """Bad input on an nvdec encoder is InvalidInput naming the item, as on the CPU: never an internal error."""
+    from backend.protocol.errors import InvalidInput
+
+    monkeypatch.setattr(nvdec, "stream_matrix", lambda data: (_ for _ in ()).throw(av.error.InvalidDataError(1, "x")))
+    data = make_h264_video(64, 48, frames=4, fps=4, noise=False)
+    got = video.decode_video(data, "video[0]", replace(LIMITS, nvdec_device=0))  # falls back: decoded on the CPU
+    assert np.array_equal(got.frames, video.decode_video(data, "video[0]", LIMITS).frames)
+    with pytest.raises(InvalidInput, match=r"video\[0\]"):
+        video.decode_video(data[:200], "video[0]", replace(LIMITS, nvdec_device=0))
