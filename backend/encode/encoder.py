@@ -150,19 +150,15 @@ class VisionEncoder:
         if videos:
             if self.video_processor is None:
                 raise ValueError("this checkpoint has no video processor")
-            frames, cuts = zip(*(self._frames(items[i]) for i in videos))
-            decoded = [getattr(items[i], "video", items[i]) for i in videos]
-            # as vLLM's processing of the family passes them (families.video_kwargs)
-            batch = self.video_processor(videos=list(frames), return_tensors="pt",
-                                         **families.video_kwargs(self.model_type, decoded))
-            video_pixels, video_grid = _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
-            pixels.append(video_pixels)
-            grids.append(video_grid)
-            order += [(i, VIDEO.name) for i in videos]
+            for group in _by_frames_device(videos, items):  # each video preprocessed where its frames are
+                video_pixels, video_grid = self._preprocess_videos([items[i] for i in group])
+                pixels.append(video_pixels)
+                grids.append(video_grid)
+                order += [(i, VIDEO.name) for i in group]
             parts = {i: part_range(items[i].part, self.temporal_patches(items[i].video))
                      for i in videos if isinstance(items[i], VideoPart)}
         grid = torch.cat(grids)
-        embeds = self.forward(torch.cat(pixels).to(self.device, self.dtype), grid)
+        embeds = self.forward(torch.cat([p.to(self.device, self.dtype) for p in pixels]), grid)
         sizes = (grid.prod(-1) // (self.merge_size ** 2)).tolist()
         out: list[EncodedItem | None] = [None] * len(items)
         for (index, name), e, g in zip(order, embeds.split(sizes), grid.tolist()):
@@ -170,6 +166,16 @@ class VisionEncoder:
             timing = self._timing(items[index], parts.get(index)) if name == VIDEO.name else ()
             out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part, timing)
         return out
+
+    def _preprocess_videos(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One video processor call for ``items`` (videos and video parts whose frames are on one device: the
+        processor runs there), as vLLM's processing of the family calls it (``families.video_kwargs``); their
+        pixel rows and grids, cut to the parts'."""
+        frames, cuts = zip(*(self._frames(item) for item in items))
+        decoded = [getattr(item, "video", item) for item in items]
+        batch = self.video_processor(videos=list(frames), return_tensors="pt",
+                                     **families.video_kwargs(self.model_type, decoded))
+        return _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -225,6 +231,17 @@ def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype 
     if is_audio_only(AutoConfig.from_pretrained(model_dir)):
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)
     return VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
+
+
+def _by_frames_device(videos: list[int], items: list) -> list[list[int]]:
+    """The indices ``videos`` of ``items`` grouped by where their frames are (host arrays first, then each CUDA
+    device's tensors), in order within a group: NVDEC's frames are preprocessed on the GPU, a CPU decoder's on the
+    host, whatever else is in the batch (so a video's pixels never depend on its batch)."""
+    groups: dict[str, list[int]] = {}
+    for i in videos:
+        frames = getattr(items[i], "video", items[i]).frames
+        groups.setdefault(str(frames.device) if isinstance(frames, torch.Tensor) else "", []).append(i)
+    return [groups[key] for key in sorted(groups)]
 
 
 def _cut(pixels: torch.Tensor, grid: torch.Tensor, cuts) -> tuple[torch.Tensor, torch.Tensor]:

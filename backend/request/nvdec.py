@@ -212,6 +212,9 @@ class NvdecDecoder:
                 nv12 = torch.stack([torch.from_dlpack(frame) for frame in decoded])
                 rgb = rgb_from_nv12(nv12, height, width, matrix)
             slot.stream.synchronize()  # the decoder's surfaces are reused by its next video
+            # the frames are read next on the device's default stream (the video processor): their memory must not
+            # go back to this slot's stream before that work is done
+            rgb.record_stream(torch.cuda.default_stream(self.device))
             return rgb
         finally:
             os.unlink(path)

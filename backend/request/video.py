@@ -39,8 +39,9 @@ _MAGIC = (b"\x1a\x45\xdf\xa3", b"RIFF", b"\x00\x00\x01\xba", b"FLV", b"OggS")
 
 @dataclass(frozen=True)
 class DecodedVideo:
-    """A video as an engine given media takes it: sampled RGB frames [frames, height, width, 3] (uint8) and the
-    loader's metadata (fps, frames_indices, ...: what HF video processors call ``VideoMetadata``)."""
+    """A video as an engine given media takes it: sampled RGB frames [frames, height, width, 3] (uint8: a numpy
+    array, or a CUDA tensor where NVDEC decoded them) and the loader's metadata (fps, frames_indices, ...: what HF
+    video processors call ``VideoMetadata``)."""
 
     frames: Any
     metadata: dict[str, Any]
@@ -187,7 +188,7 @@ def _decode_on_gpu(loader, data: bytes, header: Header, device: int, num_frames:
         nvdec.fell_back(f"{type(exc).__name__} before decoding")
         return None
     metadata = loader.create_hf_metadata(source=source, valid_frame_indices=indices, video_backend="nvdec")
-    return DecodedVideo(frames.cpu().numpy(), metadata)
+    return DecodedVideo(frames, metadata)  # in VRAM: the encoder preprocesses them there
 
 
 def read_video_url(url: str, field: str, limits: MediaLimits) -> bytes:

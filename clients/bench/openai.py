@@ -5,6 +5,13 @@ the ratio and the difference in p50.
 
     .venv/bin/python -m clients.bench.openai --model epd --concurrency 16 --requests 200 --rounds 3
 
+What the endpoint adds to one request, to the millisecond (``--paired N``, after the rounds): N pairs of requests
+one at a time, each pair one request each way (which goes first alternates, fresh images each), on a kept gRPC stream
+and a kept HTTP connection; the median of the pairs' latency differences with its 95% confidence interval, and the
+endpoint's own count of its time outside waiting on tritonserver (``openai_added_seconds`` on its /metrics):
+
+    .venv/bin/python -m clients.bench.openai --model epd --rounds 0 --paired 300
+
 One server (the committed repository) and one endpoint are started here (or ``--url`` / ``--openai-url`` given);
 the requests are chat requests with ``--images`` synthetic PNGs each as ``data:`` URLs, the same bytes both ways.
 """
@@ -21,7 +28,7 @@ import sys
 import time
 import urllib.request
 
-from clients.bench.load import Results, run_concurrency
+from clients.bench.load import Results, _read_response, _request, run_concurrency
 from clients.bench.report import Sample, percentile
 from clients.triton_client import GenerateInputs
 
@@ -123,6 +130,105 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class _GrpcSession:
+    """One kept gRPC stream to the server, one request at a time (as ``clients.bench.load``'s closed-loop client)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc.aio as grpcclient
+
+        self.client, self.outbox = grpcclient.InferenceServerClient(url), asyncio.Queue()
+
+        async def requests():
+            while (item := await self.outbox.get()) is not None:
+                yield item
+
+        self.stream = self.client.stream_infer(requests())
+
+    async def one(self, model: str, inputs: GenerateInputs) -> tuple[Sample | None, str | None]:
+        started = time.perf_counter()
+        await self.outbox.put(_request(model, inputs))
+        return await _read_response(self.stream, started)
+
+    async def close(self) -> None:
+        from backend.triton.grpc_stream import read_to_end
+
+        await self.outbox.put(None)
+        await read_to_end(self.stream)
+        await self.client.close()
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float]:
+    """The median of ``values`` and its distribution-free 95% confidence interval (order statistics: the ranks
+    n/2 -+ 0.98 sqrt(n), the binomial's normal approximation)."""
+    ordered, n = sorted(values), len(values)
+    k = max(0, int(n / 2 - 0.98 * n ** 0.5))
+    return statistics.median(ordered), ordered[k], ordered[min(n - 1, n - 1 - k)]
+
+
+async def measure_paired(grpc_url: str, openai_url: str, args, seed: int, warm: int = 10) -> dict:
+    """``args.paired`` pairs (after ``warm`` pairs not counted): per pair, the endpoint's latency and TTFT less
+    gRPC's, in ms."""
+    import aiohttp
+
+    size = tuple(int(v) for v in args.image_size.split("x"))
+    grpc, diffs, ttfts, lat = _GrpcSession(grpc_url), [], [], {"grpc": [], "openai": []}
+    sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for i in range(warm + args.paired):
+                pair = {}
+                for path in (("grpc", "openai") if i % 2 == 0 else ("openai", "grpc")):
+                    messages, seed = _messages(seed, args.images, size), seed + 1
+                    if path == "grpc":
+                        sample, error = await grpc.one(args.model, GenerateInputs(messages=messages, sampling=sampling))
+                    else:
+                        sample, error = await _openai_one(session, openai_url, args.model, messages, args.max_tokens)
+                    if error is not None:
+                        raise RuntimeError(f"{path}: {error}")
+                    pair[path] = sample
+                if i >= warm:
+                    diffs.append((pair["openai"].latency - pair["grpc"].latency) * 1000)
+                    ttfts.append((pair["openai"].ttft - pair["grpc"].ttft) * 1000)
+                    for path, sample in pair.items():
+                        lat[path].append(sample.latency * 1000)
+    finally:
+        await grpc.close()
+    return {"pairs": args.paired, "grpc_p50_ms": statistics.median(lat["grpc"]),
+            "openai_p50_ms": statistics.median(lat["openai"]), "latency_diff_ms": median_interval(diffs),
+            "ttft_diff_ms": median_interval(ttfts)}
+
+
+def added_histogram(openai_url: str, model: str) -> dict[float, float]:
+    """The endpoint's ``openai_added_seconds`` buckets for ``model``: upper bound (s) -> requests at or below."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(openai_url + "/metrics", timeout=10).read().decode()
+    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
+            if family.name == "openai_added_seconds" for s in family.samples
+            if s.name.endswith("_bucket") and s.labels.get("model") == model}
+
+
+def added_summary(before: dict[float, float], after: dict[float, float]) -> str:
+    """What the endpoint counted between two ``added_histogram`` reads: its p50's bucket, the share at <= 1 ms."""
+    counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = counts.get(float("inf"), 0.0)
+    if not total:
+        return "the endpoint counted no request"
+    bounds = sorted(counts)
+    upper = next(le for le in bounds if counts[le] >= total / 2)
+    lower = max([le for le in bounds if le < upper], default=0.0)
+    return (f"the endpoint's own time per request (openai_added_seconds, {int(total)} requests): p50 in "
+            f"({lower * 1000:g}, {upper * 1000:g}] ms; {counts[0.001] / total:.1%} of requests <= 1 ms")
+
+
+def paired_summary(row: dict) -> str:
+    d, t = row["latency_diff_ms"], row["ttft_diff_ms"]
+    return (f"| pairs | gRPC latency p50 ms | endpoint latency p50 ms | endpoint - gRPC, latency (median of pairs, "
+            f"95% CI) ms | endpoint - gRPC, TTFT ms |\n|---|---|---|---|---|\n| {row['pairs']} | "
+            f"{row['grpc_p50_ms']:.2f} | {row['openai_p50_ms']:.2f} | {d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}] | "
+            f"{t[0]:+.2f} [{t[1]:+.2f}, {t[2]:+.2f}] |")
+
+
 def _wait_healthy(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -144,6 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--images", type=int, default=1)
     parser.add_argument("--image-size", default="96x96")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--paired", type=int, default=0, help="pairs of one-at-a-time requests, after the rounds")
     parser.add_argument("--url", help="a running server's gRPC host:port (default: start one)")
     parser.add_argument("--openai-url", help="a running endpoint's http://host:port (default: start one)")
     args = parser.parse_args(argv)
@@ -160,14 +267,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         openai_url = args.openai_url or f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(openai_url)
-            rows = asyncio.run(measure(grpc_url, openai_url, args))
+            rows = asyncio.run(measure(grpc_url, openai_url, args)) if args.rounds else []
+            if args.paired:
+                before = added_histogram(openai_url, args.model)
+                paired = asyncio.run(measure_paired(grpc_url, openai_url, args, seed=10 ** 6))
+                added = added_summary(before, added_histogram(openai_url, args.model))
         finally:
             if endpoint is not None:
                 endpoint.terminate()
                 endpoint.wait(timeout=30)
     print(f"\n{args.requests} requests per row, concurrency {args.concurrency}, model {args.model}, {args.images} "
           f"{args.image_size} PNG(s) per request as data: URLs, {args.max_tokens} greedy tokens (ignore_eos)\n")
-    print(summary(rows))
+    if rows:
+        print(summary(rows))
+    if args.paired:
+        print(f"\none request at a time, {args.paired} pairs:\n" + paired_summary(paired) + "\n" + added)
+        rows.append({"path": "paired", **paired, "added": added})
     return rows
 
 

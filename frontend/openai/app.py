@@ -20,19 +20,22 @@ from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_reque
 from clients.triton_client import GenerateInputs
 from frontend.openai import translate
 from frontend.openai.logprobs import text_length
+from frontend.openai.metrics import Clock, Metrics
 from frontend.openai.translate import ApiError, GenerateCall
 
 DISCONNECT_POLL_SECONDS = 0.25
 
 
 class Piece(NamedTuple):
-    """One generate response: its text, finish reason, (prompt, completion) token counts (the final response's) and
-    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none)."""
+    """One generate response: its text, finish reason, (prompt, completion) token counts (the final response's),
+    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none), and whether it
+    is the request's last."""
 
     text: str
     reason: str | None
     counts: tuple[int, int] | None
     logprobs: list[dict] | None
+    final: bool = False
 
 
 class Backend:
@@ -61,16 +64,18 @@ class Backend:
         except Exception:  # noqa: BLE001 - the server is down or not answering: nothing is ready
             return {m: False for m in self.models}
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Piece]:
+    async def generate(self, call: GenerateCall, clock: Clock | None = None) -> AsyncIterator[Piece]:
         """One ``Piece`` per response, up to the final one; ApiError for the request's error. Leaving early (the caller
-        stops iterating) cancels the request in band."""
+        stops iterating before the final piece) cancels the request in band; closing it after the final piece reads
+        the gRPC stream to its end (so a caller can answer its client first). ``clock``: waits on responses count
+        there."""
         inputs = GenerateInputs(stream=True, **call.inputs).as_values()
         request = {"model_name": call.model, "inputs": grpc_inputs(inputs), "request_id": call.request_id,
                    "parameters": {ERROR_CODES_PARAMETER: True, **call.parameters}, "enable_empty_final_response": True}
         finished = False
         async with single_request_stream(self.client, request) as stream:
             try:
-                async for result, error in stream:
+                async for result, error in _timed(stream, clock):
                     if error is not None:
                         finished = True
                         raise translate.api_error(_message(error), call.model)
@@ -78,7 +83,7 @@ class Backend:
                     logprobs = _str(result.as_numpy("logprobs"))
                     finished = final
                     yield Piece(_str(result.as_numpy("text_output")) or "", _str(result.as_numpy("finish_reason")),
-                                _counts(result), None if logprobs is None else json.loads(logprobs))
+                                _counts(result), None if logprobs is None else json.loads(logprobs), final)
                     if final:
                         return
                 finished = True
@@ -87,6 +92,20 @@ class Backend:
                 if not finished:
                     with contextlib.suppress(Exception):
                         await cancel_in_band(self.client, call.model, call.request_id)
+
+
+async def _timed(stream, clock: Clock | None):
+    """``stream``'s items, the time waited for each added to ``clock``."""
+    while True:
+        waiting = time.perf_counter()
+        try:
+            item = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        finally:
+            if clock is not None:
+                clock.waited += time.perf_counter() - waiting
+        yield item
 
 
 def _message(error) -> str:
@@ -112,11 +131,11 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def _whole(backend: Backend, call: GenerateCall, request: Request) -> dict[str, Any]:
+async def _whole(backend: Backend, call: GenerateCall, request: Request, clock: Clock) -> dict[str, Any]:
     """A request without ``stream``: read to the end, cancelled if the client disconnects meanwhile."""
     async def read():
         text, reason, counts, logprobs = [], None, (0, 0), []
-        async for piece in backend.generate(call):
+        async for piece in backend.generate(call, clock):
             text.append(piece.text)
             logprobs.extend(piece.logprobs or ())
             reason, counts = piece.reason or reason, piece.counts or counts
@@ -133,27 +152,34 @@ async def _whole(backend: Backend, call: GenerateCall, request: Request) -> dict
     return task.result()
 
 
-async def _events(call: GenerateCall, responses, head) -> AsyncIterator[str]:
+async def _events(call: GenerateCall, responses, head: Piece, answered) -> AsyncIterator[str]:
     """Server-Sent Events as OpenAI sends them: ``data: {...}`` lines, ``data: [DONE]`` last; ``head``: the first
     response, read before the HTTP status was sent (so an error of the request itself is an HTTP error). An error
-    after that is sent as an error object (as vLLM does), then [DONE]. A client that leaves stops this generator,
-    which closes ``responses`` and so cancels the request."""
+    after that is sent as an error object (as vLLM does), then [DONE]. ``answered()`` once [DONE] is sent. The gRPC
+    stream is read to its end after [DONE] (the client need not wait for it). A client that leaves stops this
+    generator, which closes ``responses`` before their final piece and so cancels the request."""
     first, counts, offset = True, None, 0
+    pieces = _chain(head, responses)
     try:
-        async for piece in _chain(head, responses):
-            counts = piece.counts or counts
-            if piece.text or piece.reason or piece.logprobs or first:
-                yield _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
-                                           offset=offset))
-                offset += text_length(piece.logprobs or [])
-                first = False
-        if call.include_usage:
-            yield _sse(translate.chunk(call, None, counts=counts or (0, 0)))
-    except ApiError as err:
-        yield _sse(err.body())
+        try:
+            async for piece in pieces:
+                counts = piece.counts or counts
+                if piece.text or piece.reason or piece.logprobs or first:
+                    yield _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
+                                               offset=offset))
+                    offset += text_length(piece.logprobs or [])
+                    first = False
+                if piece.final:
+                    break
+            if call.include_usage:
+                yield _sse(translate.chunk(call, None, counts=counts or (0, 0)))
+        except ApiError as err:
+            yield _sse(err.body())
+        yield "data: [DONE]\n\n"
+        answered()
     finally:
+        await pieces.aclose()
         await responses.aclose()
-    yield "data: [DONE]\n\n"
 
 
 async def _chain(head, rest):
@@ -168,13 +194,12 @@ def _sse(doc: dict) -> str:
 
 def create_app(grpc_url: str, models: list[str]) -> FastAPI:
     """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models``."""
-    from frontend.openai.metrics import Metrics
-
     app, backend, metrics = FastAPI(title="triton-epd OpenAI endpoint"), Backend(grpc_url, models), Metrics()
     app.state.backend = backend
 
     async def answer(request: Request, make_call) -> Any:
-        started, model = time.perf_counter(), "-"
+        clock, model = Clock(), "-"
+        started = clock.started
         try:
             try:
                 body = await request.json()
@@ -183,7 +208,7 @@ def create_app(grpc_url: str, models: list[str]) -> FastAPI:
             call = make_call(body, set(backend.models))
             model = call.model
             if call.stream:
-                responses = backend.generate(call)
+                responses = backend.generate(call, clock)
                 try:
                     head = await responses.__anext__()
                 except StopAsyncIteration:
@@ -192,10 +217,13 @@ def create_app(grpc_url: str, models: list[str]) -> FastAPI:
                     await responses.aclose()
                     raise
                 metrics.done(model, 200, started)
-                return StreamingResponse(_events(call, responses, head), media_type="text/event-stream")
-            doc = await _whole(backend, call, request)
+                return StreamingResponse(_events(call, responses, head, lambda: metrics.added(model, clock)),
+                                         media_type="text/event-stream")
+            doc = await _whole(backend, call, request, clock)
             metrics.done(model, 200, started)
-            return JSONResponse(doc)
+            response = JSONResponse(doc)
+            metrics.added(model, clock)
+            return response
         except ApiError as err:
             metrics.done(model, err.status, started)
             return _error_response(err)

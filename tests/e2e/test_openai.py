@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import time
@@ -237,6 +238,27 @@ def test_health_models_and_metrics(endpoint, sdk):
     assert health == {"ready": {m: True for m in ("llm", "encoder", "pd", "epd", "prefill", "decode", "epd_disagg")}}
     text = urllib.request.urlopen(endpoint + "/metrics", timeout=5).read().decode()
     assert 'openai_requests_total{model="llm",status="200"}' in text
+
+
+def test_the_endpoint_counts_its_own_time_per_answered_request(endpoint, sdk):
+    """``openai_added_seconds``: one observation per answered request, streaming and not, each shorter than the
+    request's whole time (it leaves out the waits on tritonserver)."""
+    def counted() -> tuple[float, float]:
+        text = urllib.request.urlopen(endpoint + "/metrics", timeout=5).read().decode()
+        count, total = (float(re.search(rf'^openai_added_seconds_{k}\{{model="llm"\}} (\S+)$', text, re.M).group(1))
+                        if 'openai_added_seconds_count{model="llm"}' in text else 0.0 for k in ("count", "sum"))
+        return count, total
+
+    (before, before_sum), started = counted(), time.perf_counter()
+    sdk.chat.completions.create(model="llm", messages=CASES["image"], **GREEDY)
+    list(sdk.chat.completions.create(model="llm", messages=CASES["image"], stream=True, **GREEDY))
+    wall, deadline = time.perf_counter() - started, time.monotonic() + 10
+    while counted()[0] < before + 2:  # a stream's is counted once its [DONE] is sent: just after the client has it
+        assert time.monotonic() < deadline, f"{counted()[0] - before} of 2 requests counted"
+        time.sleep(0.05)
+    count, total = counted()
+    assert count == before + 2
+    assert 0 < total - before_sum < wall
 
 
 def test_the_readme_commands_answer_as_triton_does(server, endpoint, tmp_path):

@@ -90,6 +90,20 @@ def test_the_overhead_benchmark_summary_compares_the_two_paths():
     assert "requests/s 0.909 (mean of rounds), latency p50 +1.25 ms (median of rounds)" in text
 
 
+def test_the_paired_figures_median_interval_and_the_endpoint_s_own_count():
+    from clients.bench.openai import added_summary, median_interval
+
+    assert median_interval([5.0, 1.0, 3.0]) == (3.0, 1.0, 5.0)  # n = 3: the interval is the whole range
+    values = [float(v) for v in range(100)]
+    median, low, high = median_interval(values)
+    assert (median, low, high) == (49.5, 40.0, 59.0)  # ranks 50 -+ 9.8: 40 and 59
+    before = {0.0005: 1.0, 0.001: 2.0, 0.002: 2.0, float("inf"): 2.0}
+    after = {0.0005: 4.0, 0.001: 9.0, 0.002: 11.0, float("inf"): 12.0}  # 10 new: 3 <= 0.5 ms, 4 more <= 1 ms
+    assert added_summary(before, after) == ("the endpoint's own time per request (openai_added_seconds, 10 "
+                                            "requests): p50 in (0.5, 1] ms; 70.0% of requests <= 1 ms")
+    assert added_summary(after, after) == "the endpoint counted no request"
+
+
 @pytest.mark.parametrize("fields, asked", [
     ({"logprobs": True, "top_logprobs": 3}, 3), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": None}, 0),
     ({"logprobs": True, "top_logprobs": -1}, -1), ({"logprobs": False, "top_logprobs": 0}, None), ({}, None),

@@ -71,6 +71,22 @@ def test_preprocessing_a_part_s_frames_alone_gives_the_rows_of_the_whole_preproc
             assert torch.equal(alone["pixel_values_videos"], whole["pixel_values_videos"][first * h * w: stop * h * w])
 
 
+def test_frames_held_as_tensors_are_preprocessed_apart_and_give_the_array_s_embeddings(encoder, video):
+    """NVDEC's frames are a CUDA tensor, preprocessed where they are (``_by_frames_device``); here a CPU tensor
+    stands in for it (CI has no GPU; tests/component/test_nvdec_gpu.py does it on CUDA): in a batch with an array
+    video, a part of the tensor video and an image, each item's embeddings are what it gets alone."""
+    from PIL import Image
+
+    held = dataclasses.replace(video, frames=torch.from_numpy(video.frames.copy()))
+    image = Image.new("RGB", (56, 56), (10, 200, 30))
+    batch = [held, video, VideoPart(held, (1, 2)), image]
+    got = encoder.encode(batch)
+    alone = [encoder.encode([item])[0] for item in (video, video, VideoPart(video, (1, 2)), image)]
+    for index, (g, want) in enumerate(zip(got, alone)):
+        assert (g.modality, g.image_grid_thw, g.part) == (want.modality, want.image_grid_thw, want.part), index
+        assert torch.equal(g.embeddings, want.embeddings), index
+
+
 def test_a_processor_that_sizes_frames_by_their_count_is_cut_after_preprocessing(encoder, video):
     import copy
 
