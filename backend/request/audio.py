@@ -145,7 +145,7 @@ def decode_audio(data: bytes, field: str, limits: MediaLimits) -> DecodedAudio:
     from vllm.multimodal.audio import resample_audio_scipy
     from vllm.multimodal.media.audio import load_audio_soundfile
 
-    decode_counter.count += 1
+    decode_counter.add()
     data = _file(check_encoded(data, field, limits, AUDIO), field)
     _check_header(data, field, limits)
     try:

@@ -20,7 +20,7 @@ _FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 
 def decode_image(data: bytes, field: str, limits: MediaLimits) -> Image.Image:
     """Decode encoded image bytes (or their base64 text) into an RGB PIL image."""
-    decode_counter.count += 1
+    decode_counter.add()
     data = check_encoded(data, field, limits, IMAGE)
     if not data.startswith(_MAGIC):
         try:

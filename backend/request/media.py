@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -52,9 +54,20 @@ def media_limits(settings) -> dict[str, Any]:
 
 
 class _DecodeCounter:
-    """Media decodes performed in this process (models export it as ``epd_media_decodes_total``)."""
+    """Media decodes performed in this process (models export it as ``epd_media_decodes_total``); ``add`` may be
+    called from several threads (the encoder decodes a batch's items at once)."""
 
     count = 0
+    _lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def tally(self, counts: Counter, key: str) -> None:
+        """``counts[key] += 1`` under the same lock (e.g. ``video.VIDEO_DECODES["nvdec"]``)."""
+        with self._lock:
+            counts[key] += 1
 
 
 decode_counter = _DecodeCounter()

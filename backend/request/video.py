@@ -144,16 +144,16 @@ def decode_video(data: bytes, field: str, limits: MediaLimits, num_frames: int =
     ``VideoMediaIO`` passes them (``backend.protocol.media_options``)."""
     import cv2
 
-    decode_counter.count += 1
+    decode_counter.add()
     data = _container(check_encoded(data, field, limits, VIDEO), field)
     header = _check_header(data, field, limits, source=limits.nvdec_device >= 0)
     loader = video_loader(limits)
     if limits.nvdec_device >= 0:
         decoded = _decode_on_gpu(loader, data, header, limits.nvdec_device, num_frames, options)
         if decoded is not None:
-            VIDEO_DECODES["nvdec"] += 1
+            decode_counter.tally(VIDEO_DECODES, "nvdec")
             return decoded
-    VIDEO_DECODES["cpu"] += 1
+    decode_counter.tally(VIDEO_DECODES, "cpu")
     try:
         frames, metadata = loader.load_bytes(data, num_frames=num_frames, **options)
     except (ValueError, RuntimeError, cv2.error, SystemError) as exc:

@@ -113,3 +113,94 @@ async def cancel_in_band(client, model: str, request_id: str, parameters: dict |
         raise
     if failed is not None:
         raise failed
+
+
+class _KeptStream:
+    """One gRPC stream of a ``StreamPool``: its request side stays open, fed one request at a time."""
+
+    def __init__(self, client):
+        self.outbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await self.outbox.get()) is not None:
+                yield item
+
+        self.responses = _Stream(client.stream_infer(requests()))
+
+    def alive(self) -> bool:
+        return not self.responses.cancelled and not self.responses._inner._grpc_call.done()
+
+    async def close(self) -> None:
+        """Close the request side and read the stream to its end (``read_to_end``)."""
+        await self.outbox.put(None)
+        if not self.responses.cancelled:
+            await read_to_end(self.responses)
+
+
+class _Pooled:
+    """A request's responses on a kept stream, as ``single_request_stream`` yields them: (result, error) pairs up
+    to its final response or its error. ``clean`` once the final response came: the stream may take the next
+    request."""
+
+    def __init__(self, kept: _KeptStream):
+        self.kept, self.clean, self.cancelled, self.over = kept, False, False, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.over:  # after the final response, or an error (the request's last word here)
+            raise StopAsyncIteration
+        result, error = await self.kept.responses.__anext__()
+        if error is not None:
+            self.over = True  # clean stays False: the stream is closed, not reused
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            self.over = self.clean = True
+        return result, error
+
+    def done_writing(self) -> None:
+        self.clean = False
+        self.kept.outbox.put_nowait(None)
+
+    def cancel(self):
+        self.cancelled, self.clean = True, False
+        return self.kept.responses.cancel()
+
+
+class StreamPool:
+    """Kept gRPC streams of ``client`` (``tritonclient.grpc.aio``), each carrying one request at a time, as a
+    closed-loop client's stream does: a new stream per request costs the caller the call's set-up, its half-close
+    and its final status (the OpenAI endpoint's largest CPU cost per request, measured: docs/benchmarks.md). A
+    request's stream is kept for the next one only when the request ended with its final response; after an error,
+    a cancel or a caller that left early it is closed (``single_request_stream``'s ending). At most ``keep`` idle
+    streams are kept."""
+
+    def __init__(self, client, keep: int = 64):
+        self.client, self.keep, self._idle = client, keep, []
+
+    @contextlib.asynccontextmanager
+    async def stream(self, request: dict):
+        """``single_request_stream`` for ``request`` on a kept stream (or a new one)."""
+        kept = None
+        while self._idle and kept is None:
+            candidate = self._idle.pop()
+            if candidate.alive():
+                kept = candidate
+            else:
+                await candidate.close()
+        kept = kept or _KeptStream(self.client)
+        pooled = _Pooled(kept)
+        await kept.outbox.put(request)
+        try:
+            yield pooled
+        finally:
+            if pooled.clean and kept.alive() and len(self._idle) < self.keep:
+                self._idle.append(kept)
+            else:
+                await kept.close()
+
+    async def close(self) -> None:
+        """Close every idle stream (before the client's channel closes: see ``read_to_end``)."""
+        idle, self._idle = self._idle, []
+        for kept in idle:
+            await kept.close()

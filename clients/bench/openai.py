@@ -198,27 +198,41 @@ async def measure_paired(grpc_url: str, openai_url: str, args, seed: int, warm: 
             "ttft_diff_ms": median_interval(ttfts)}
 
 
-def added_histogram(openai_url: str, model: str) -> dict[float, float]:
-    """The endpoint's ``openai_added_seconds`` buckets for ``model``: upper bound (s) -> requests at or below."""
+ENDPOINT_FIGURES = {"openai_added_seconds": "on the request's path", "openai_own_seconds": "all of its own"}
+
+
+def added_histogram(openai_url: str, model: str) -> dict[str, dict[float, float]]:
+    """The endpoint's ``ENDPOINT_FIGURES`` histograms for ``model``: name -> upper bound (s) -> requests at or
+    below it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(openai_url + "/metrics", timeout=10).read().decode()
-    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
-            if family.name == "openai_added_seconds" for s in family.samples
-            if s.name.endswith("_bucket") and s.labels.get("model") == model}
+    return {family.name: {float(s.labels["le"]): s.value for s in family.samples
+                          if s.name.endswith("_bucket") and s.labels.get("model") == model}
+            for family in text_string_to_metric_families(text) if family.name in ENDPOINT_FIGURES}
 
 
-def added_summary(before: dict[float, float], after: dict[float, float]) -> str:
-    """What the endpoint counted between two ``added_histogram`` reads: its p50's bucket, the share at <= 1 ms."""
+def _bucket_summary(before: dict[float, float], after: dict[float, float]) -> tuple[float, str]:
     counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
     total = counts.get(float("inf"), 0.0)
     if not total:
-        return "the endpoint counted no request"
+        return 0.0, "no request counted"
     bounds = sorted(counts)
     upper = next(le for le in bounds if counts[le] >= total / 2)
     lower = max([le for le in bounds if le < upper], default=0.0)
-    return (f"the endpoint's own time per request (openai_added_seconds, {int(total)} requests): p50 in "
-            f"({lower * 1000:g}, {upper * 1000:g}] ms; {counts[0.001] / total:.1%} of requests <= 1 ms")
+    return total, (f"p50 in ({lower * 1000:g}, {upper * 1000:g}] ms, {counts[0.001] / total:.1%} of requests "
+                   f"<= 1 ms")
+
+
+def added_summary(before: dict, after: dict) -> str:
+    """What the endpoint counted between two ``added_histogram`` reads: each figure's p50 bucket and the share of
+    requests at or below 1 ms."""
+    parts, total = [], 0.0
+    for name, what in ENDPOINT_FIGURES.items():
+        count, text = _bucket_summary(before.get(name, {}), after.get(name, {}))
+        total = max(total, count)
+        parts.append(f"{what} ({name}): {text}")
+    return f"the endpoint's time per request ({int(total)} requests): " + "; ".join(parts)
 
 
 def paired_summary(row: dict) -> str:
@@ -252,12 +266,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--paired", type=int, default=0, help="pairs of one-at-a-time requests, after the rounds")
     parser.add_argument("--url", help="a running server's gRPC host:port (default: start one)")
+    parser.add_argument("--repository", help="the model repository to serve (default: the committed one)")
     parser.add_argument("--openai-url", help="a running endpoint's http://host:port (default: start one)")
     args = parser.parse_args(argv)
     from backend.deploy.ports import free_ports
-    from clients.local_server import ROOT, TritonServer
+    from clients.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
 
-    with TritonServer(log_path=ROOT / ".cache" / "bench-openai-server.log") if not args.url else _Given() as server:
+    with TritonServer(args.repository or DEFAULT_REPOSITORY, log_path=ROOT / ".cache" / "bench-openai-server.log",
+                      start_timeout=900) if not args.url else _Given() as server:
         grpc_url = args.url or server.grpc_url
         endpoint = None
         if not args.openai_url:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from typing import Any, AsyncIterator, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from backend.protocol.generate import ERROR_CODES_PARAMETER
-from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
+from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs
 from clients.triton_client import GenerateInputs
 from frontend.openai import translate
 from frontend.openai.logprobs import text_length
@@ -43,7 +42,7 @@ class Backend:
 
     def __init__(self, url: str, models: list[str]):
         self.url, self.models = url, list(models)
-        self._client = None
+        self._client, self._streams = None, None
 
     @property
     def client(self):
@@ -52,6 +51,20 @@ class Backend:
 
             self._client = grpcaio.InferenceServerClient(self.url)
         return self._client
+
+    @property
+    def streams(self) -> StreamPool:
+        """Kept gRPC streams, one request at a time each (``StreamPool``)."""
+        if self._streams is None:
+            self._streams = StreamPool(self.client)
+        return self._streams
+
+    async def close(self) -> None:
+        """Close the kept streams, then the channel."""
+        if self._streams is not None:
+            await self._streams.close()
+        if self._client is not None:
+            await self._client.close()
 
     async def ready(self) -> dict[str, bool]:
         """Every model of the server's repository (the served ones and the stages behind them: ``encoder``, ``pd``,
@@ -73,7 +86,7 @@ class Backend:
         request = {"model_name": call.model, "inputs": grpc_inputs(inputs), "request_id": call.request_id,
                    "parameters": {ERROR_CODES_PARAMETER: True, **call.parameters}, "enable_empty_final_response": True}
         finished = False
-        async with single_request_stream(self.client, request) as stream:
+        async with self.streams.stream(request) as stream:
             try:
                 async for result, error in _timed(stream, clock):
                     if error is not None:
@@ -95,16 +108,16 @@ class Backend:
 
 
 async def _timed(stream, clock: Clock | None):
-    """``stream``'s items, the time waited for each added to ``clock``."""
+    """``stream``'s items, each wait for one told to ``clock``."""
     while True:
-        waiting = time.perf_counter()
+        since = clock.waiting() if clock is not None else 0.0
         try:
             item = await stream.__anext__()
         except StopAsyncIteration:
             return
         finally:
             if clock is not None:
-                clock.waited += time.perf_counter() - waiting
+                clock.responded(since)
         yield item
 
 
@@ -194,7 +207,14 @@ def _sse(doc: dict) -> str:
 
 def create_app(grpc_url: str, models: list[str]) -> FastAPI:
     """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models``."""
-    app, backend, metrics = FastAPI(title="triton-epd OpenAI endpoint"), Backend(grpc_url, models), Metrics()
+    backend, metrics = Backend(grpc_url, models), Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await backend.close()  # the kept streams end with their OK status (see read_to_end)
+
+    app = FastAPI(title="triton-epd OpenAI endpoint", lifespan=lifespan)
     app.state.backend = backend
 
     async def answer(request: Request, make_call) -> Any:
@@ -217,12 +237,12 @@ def create_app(grpc_url: str, models: list[str]) -> FastAPI:
                     await responses.aclose()
                     raise
                 metrics.done(model, 200, started)
-                return StreamingResponse(_events(call, responses, head, lambda: metrics.added(model, clock)),
+                return StreamingResponse(_events(call, responses, head, lambda: metrics.answered(model, clock)),
                                          media_type="text/event-stream")
             doc = await _whole(backend, call, request, clock)
             metrics.done(model, 200, started)
             response = JSONResponse(doc)
-            metrics.added(model, clock)
+            metrics.answered(model, clock)
             return response
         except ApiError as err:
             metrics.done(model, err.status, started)

@@ -1,6 +1,7 @@
 """NVDEC in the encoder's video decode (``backend.request.nvdec``, ``video_decoder: nvdec``) on a real GPU: the frames
-``decode_video`` gives equal the CPU path's bit for bit, on H.264 clips untagged and tagged, at 448 px and 720p, from
-several threads at once (more than the decoders kept), and what each path costs.
+``decode_video`` gives (in VRAM) equal the CPU path's bit for bit, on H.264 clips untagged and tagged, at 448 px and
+720p, from several threads at once (more than the decoders kept), and what each path costs; the video processor run
+on them there against the host's; the served encoder.
 
 Skipped without CUDA and PyNvVideoCodec (CI); run on the lent GPU machine (docs/gpu.md)."""
 from __future__ import annotations
@@ -37,6 +38,10 @@ def _clip(width, height, tags, noise, seed=0):
     return make_h264_video(width, height, frames=30, fps=30, seed=seed, tags=tags, noise=noise)
 
 
+def _host(frames) -> np.ndarray:
+    return frames.cpu().numpy() if isinstance(frames, torch.Tensor) else frames
+
+
 def _median_ms(fn) -> float:
     from clients.tools.nvdec_probe import median_seconds
 
@@ -54,8 +59,8 @@ def test_nvdec_frames_are_the_cpu_path_s_bit_for_bit(name):
         before = video.VIDEO_DECODES["nvdec"]
         got = video.decode_video(data, "video[0]", replace(limits, nvdec_device=0), **options)
         assert video.VIDEO_DECODES["nvdec"] == before + 1, "fell back to the CPU"
-        assert got.frames.shape == want.frames.shape, options
-        diff = np.abs(got.frames.astype(int) - want.frames.astype(int))
+        assert got.frames.is_cuda and tuple(got.frames.shape) == want.frames.shape, options
+        diff = np.abs(_host(got.frames).astype(int) - want.frames.astype(int))
         assert diff.max() == 0, (name, options, int(diff.max()), float(diff.mean()))
         assert got.metadata["frames_indices"] == want.metadata["frames_indices"]
     cpu = _median_ms(lambda: video.decode_video(data, "video[0]", limits, fps=30))
@@ -71,10 +76,58 @@ def test_concurrent_videos_share_the_kept_decoders_and_stay_exact():
     want = [video.decode_video(c, "video[0]", limits, fps=30).frames for c in clips]
     on_gpu = replace(limits, nvdec_device=0)
     with ThreadPoolExecutor(6) as pool:  # more threads than decoders kept (nvdec.SLOTS)
-        got = list(pool.map(lambda c: video.decode_video(c, "video[0]", on_gpu, fps=30).frames, clips * 2))
+        got = list(pool.map(lambda c: _host(video.decode_video(c, "video[0]", on_gpu, fps=30).frames), clips * 2))
     for index, frames in enumerate(got):
         assert np.array_equal(frames, want[index % len(clips)]), index
     assert nvdec.decoder(0)._made <= nvdec.SLOTS
+
+
+LEVEL = 1 / 255 / 0.26130258  # one level of a uint8 frame after Qwen2-VL's normalization (its smallest std)
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_the_video_processor_on_the_gpu_gives_the_host_s_pixels(name):
+    """NVDEC's frames are preprocessed where they are (``VisionEncoder._preprocess_videos``): the HF video
+    processor's torchvision ops on CUDA against the host's on the same frames. A frame the processor does not resize
+    (448 px: a multiple of 28) gives the host's pixels to float rounding; a resized one goes through torchvision's
+    bicubic antialiased resize, whose CUDA kernel computes in float where the CPU one is fixed-point uint8: at most
+    one level apart, counted and printed; the embeddings of both (fp32 tower on the GPU) are printed too."""
+    from backend.encode.encoder import VisionEncoder
+    from backend.request import video
+
+    data = _clip(*CLIPS[name])
+    limits = _limits()
+    on_cpu = video.decode_video(data, "video[0]", limits)
+    on_gpu = video.decode_video(data, "video[0]", replace(limits, nvdec_device=0))
+    assert on_gpu.frames.is_cuda
+    encoder = _gpu_encoder(VisionEncoder)
+    host = encoder.video_processor(videos=[on_cpu.frames], return_tensors="pt")
+    gpu = encoder.video_processor(videos=[on_gpu.frames], return_tensors="pt")
+    assert gpu["pixel_values_videos"].is_cuda
+    assert torch.equal(gpu["video_grid_thw"], host["video_grid_thw"])
+    diff = (gpu["pixel_values_videos"].cpu() - host["pixel_values_videos"]).abs()
+    levels = diff / LEVEL
+    embeds = [encoder.encode([item])[0].embeddings.float().cpu() for item in (on_cpu, on_gpu)]
+    t, h, w = host["video_grid_thw"][0].tolist()
+    print(f"{name}: grid {t}x{h}x{w}: pixels max {levels.max():.3f} levels, {(levels > 0.5).float().mean():.4%} of "
+          f"values a level apart; embeddings max |diff| {(embeds[0] - embeds[1]).abs().max():.2e}")
+    patch = encoder.video_processor.patch_size
+    resized = (h * patch, w * patch) != on_cpu.frames.shape[1:3]
+    assert levels.max() <= (1.0 + 1e-3 if resized else 1e-3), (name, float(levels.max()))
+
+
+_ENCODERS: dict = {}
+
+
+def _gpu_encoder(cls):
+    import os
+    from pathlib import Path
+
+    if "enc" not in _ENCODERS:
+        root = Path(__file__).resolve().parents[2]
+        model = Path(os.environ.get("EPD_GPU_SERVE_MODEL") or root / "models" / "tiny-qwen2-vl")
+        _ENCODERS["enc"] = cls.load(model, device="cuda", dtype=torch.float32)
+    return _ENCODERS["enc"]
 
 
 def test_a_stream_the_exact_path_refuses_is_decoded_on_the_cpu():

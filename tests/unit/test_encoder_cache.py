@@ -143,3 +143,40 @@ def test_warm_up_reaches_the_compiled_tower_on_a_real_size_processor(encoder, mo
     seen.clear()
     encoder.warm_up()
     assert seen == []  # nothing to compile: check_width at load paid the first calls
+
+
+def test_a_batch_s_items_are_decoded_at_once_and_keep_their_order(encoder, monkeypatch):
+    """``EncoderService`` decodes a batch's distinct items on its decode threads (``DECODE_THREADS``), not one
+    after another; each request's layouts stay in its items' order, and a bad item fails only its request."""
+    import threading
+    import time as clock
+
+    import backend.encode.service as service_module
+
+    real, lock, running, most = service_module._decode, threading.Lock(), [0], [0]
+
+    def slow(job, limits, enc):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        clock.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return real(job, limits, enc)
+
+    monkeypatch.setattr(service_module, "_decode", slow)
+    service, counting, pool = _service(encoder, 0)
+    sizes = [(64, 48), (112, 112), (56, 84), (84, 56)]
+    images = [_png(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    jobs = [EncodeJob(0, images[0], ""), EncodeJob(1, images[1], ""), EncodeJob(0, images[2], ""),
+            EncodeJob(1, b"not an image", ""), EncodeJob(2, images[3], ""), EncodeJob(2, images[0], "")]
+    started = clock.perf_counter()
+    results = service.run(jobs, 3)
+    wall = clock.perf_counter() - started
+    assert most[0] >= 2, "the decodes ran one after another"
+    assert wall < 5 * 0.3  # five distinct items (the repeated one is decoded once), at least two at a time
+    assert isinstance(results[1], Exception) and "image" in str(results[1])
+    grids = [[LayoutMetadata.from_json(doc, "layout").media.grid_thw for doc in results[r]] for r in (0, 2)]
+    want = [[encoder.encode([Image.open(io.BytesIO(images[i])).convert("RGB")])[0].image_grid_thw for i in items]
+            for items in ((0, 2), (3, 0))]
+    assert grids == want

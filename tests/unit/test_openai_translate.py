@@ -99,9 +99,13 @@ def test_the_paired_figures_median_interval_and_the_endpoint_s_own_count():
     assert (median, low, high) == (49.5, 40.0, 59.0)  # ranks 50 -+ 9.8: 40 and 59
     before = {0.0005: 1.0, 0.001: 2.0, 0.002: 2.0, float("inf"): 2.0}
     after = {0.0005: 4.0, 0.001: 9.0, 0.002: 11.0, float("inf"): 12.0}  # 10 new: 3 <= 0.5 ms, 4 more <= 1 ms
-    assert added_summary(before, after) == ("the endpoint's own time per request (openai_added_seconds, 10 "
-                                            "requests): p50 in (0.5, 1] ms; 70.0% of requests <= 1 ms")
-    assert added_summary(after, after) == "the endpoint counted no request"
+    own = {0.0005: 0.0, 0.001: 0.0, 0.002: 1.0, float("inf"): 10.0}      # 10: 1 <= 2 ms, 9 above
+    text = added_summary({"openai_added_seconds": before}, {"openai_added_seconds": after, "openai_own_seconds": own})
+    assert text == ("the endpoint's time per request (10 requests): on the request's path (openai_added_seconds): "
+                    "p50 in (0.5, 1] ms, 70.0% of requests <= 1 ms; all of its own (openai_own_seconds): p50 in "
+                    "(2, inf] ms, 0.0% of requests <= 1 ms")
+    same = {"openai_added_seconds": after, "openai_own_seconds": own}
+    assert added_summary(same, same).count("no request counted") == 2
 
 
 @pytest.mark.parametrize("fields, asked", [
