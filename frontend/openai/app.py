@@ -168,27 +168,31 @@ async def _whole(backend: Backend, call: GenerateCall, request: Request, clock: 
 async def _events(call: GenerateCall, responses, head: Piece, answered) -> AsyncIterator[str]:
     """Server-Sent Events as OpenAI sends them: ``data: {...}`` lines, ``data: [DONE]`` last; ``head``: the first
     response, read before the HTTP status was sent (so an error of the request itself is an HTTP error). An error
-    after that is sent as an error object (as vLLM does), then [DONE]. ``answered()`` once [DONE] is sent. The gRPC
-    stream is read to its end after [DONE] (the client need not wait for it). A client that leaves stops this
+    after that is sent as an error object (as vLLM does), then [DONE]. What follows the final response (its chunk,
+    the usage chunk, [DONE]) goes out in one write; ``answered()`` once it is sent. A client that leaves stops this
     generator, which closes ``responses`` before their final piece and so cancels the request."""
-    first, counts, offset = True, None, 0
+    first, counts, offset, tail = True, None, 0, []
     pieces = _chain(head, responses)
     try:
         try:
             async for piece in pieces:
                 counts = piece.counts or counts
+                event = None
                 if piece.text or piece.reason or piece.logprobs or first:
-                    yield _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
-                                               offset=offset))
+                    event = _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
+                                                 offset=offset))
                     offset += text_length(piece.logprobs or [])
                     first = False
                 if piece.final:
+                    tail += [event] if event else []
                     break
+                if event:
+                    yield event
             if call.include_usage:
-                yield _sse(translate.chunk(call, None, counts=counts or (0, 0)))
+                tail.append(_sse(translate.chunk(call, None, counts=counts or (0, 0))))
         except ApiError as err:
-            yield _sse(err.body())
-        yield "data: [DONE]\n\n"
+            tail.append(_sse(err.body()))
+        yield "".join(tail) + "data: [DONE]\n\n"
         answered()
     finally:
         await pieces.aclose()
