@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo
 case "${1:-}" in
 tests)
     timeout 560 .venv/bin/python -m pytest -q -s tests/component/test_nvdec_gpu.py ${2:+-k "$2"} 2>&1 \
-        | grep -E "ms|video|decodes|passed|failed|Error|assert" | tail -40
+        | grep -E "ms|video|decodes|levels|passed|failed|Error|assert" | tail -40
     ;;
 bench)
     size=${2:-448x448}; fps=${3:-2}

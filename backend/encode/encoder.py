@@ -169,13 +169,23 @@ class VisionEncoder:
 
     def _preprocess_videos(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One video processor call for ``items`` (videos and video parts whose frames are on one device: the
-        processor runs there), as vLLM's processing of the family calls it (``families.video_kwargs``); their
-        pixel rows and grids, cut to the parts'."""
+        processor runs there, on the GPU only where it gives the host's pixels), as vLLM's processing of the family
+        calls it (``families.video_kwargs``); their pixel rows and grids, cut to the parts'."""
         frames, cuts = zip(*(self._frames(item) for item in items))
         decoded = [getattr(item, "video", item) for item in items]
-        batch = self.video_processor(videos=list(frames), return_tensors="pt",
-                                     **families.video_kwargs(self.model_type, decoded))
+        kwargs = families.video_kwargs(self.model_type, decoded)
+        batch = self.video_processor(videos=list(frames), return_tensors="pt", **kwargs)
+        if isinstance(frames[0], torch.Tensor) and frames[0].is_cuda and self._resized(frames, batch["video_grid_thw"]):
+            # torchvision's antialiased resize on CUDA computes in float where the host's is fixed-point uint8: up
+            # to 5.8 levels apart (measured on the H200, docs/gpu.md); only frames the processor keeps at their size
+            # are preprocessed on the GPU, the others as the CPU path does them
+            batch = self.video_processor(videos=[f.cpu().numpy() for f in frames], return_tensors="pt", **kwargs)
         return _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
+
+    def _resized(self, frames, grid: torch.Tensor) -> bool:
+        """Whether the video processor resized any of ``frames`` (its output grid against their sizes)."""
+        patch = self.video_processor.patch_size
+        return any((h * patch, w * patch) != tuple(f.shape[1:3]) for f, (_, h, w) in zip(frames, grid.tolist()))
 
     @property
     def modalities(self) -> tuple[str, ...]:
