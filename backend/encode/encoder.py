@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -78,6 +79,7 @@ class VisionEncoder:
         self.video_processor, self.model_type = video_processor, model_type
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
         self.forward = forward or _transformers_forward(tower)
+        self._kept_sizes: dict[tuple, bool] = {}  # frame size -> whether the video processor keeps it (keeps_size)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -119,7 +121,6 @@ class VisionEncoder:
         """One forward of a small image and, where the checkpoint has a video processor, a 2-frame video (what the
         first processor call and forward cost, 3-5x a later one, is paid here too): each modality's embeddings must
         be ``expected`` wide (what the language model takes), else ValueError; sets ``width``."""
-        import numpy as np
 
         items = [Image.new("RGB", (64, 64), (127, 127, 127))]
         if self.video_processor is not None:
@@ -174,18 +175,27 @@ class VisionEncoder:
         frames, cuts = zip(*(self._frames(item) for item in items))
         decoded = [getattr(item, "video", item) for item in items]
         kwargs = families.video_kwargs(self.model_type, decoded)
-        batch = self.video_processor(videos=list(frames), return_tensors="pt", **kwargs)
-        if isinstance(frames[0], torch.Tensor) and frames[0].is_cuda and self._resized(frames, batch["video_grid_thw"]):
+        if isinstance(frames[0], torch.Tensor) and frames[0].is_cuda and not all(
+                self.keeps_size(tuple(f.shape)) for f in frames):
             # torchvision's antialiased resize on CUDA computes in float where the host's is fixed-point uint8: up
             # to 5.8 levels apart (measured on the H200, docs/gpu.md); only frames the processor keeps at their size
             # are preprocessed on the GPU, the others as the CPU path does them
-            batch = self.video_processor(videos=[f.cpu().numpy() for f in frames], return_tensors="pt", **kwargs)
+            frames = [f.cpu().numpy() for f in frames]
+        batch = self.video_processor(videos=list(frames), return_tensors="pt", **kwargs)
         return _cut(batch["pixel_values_videos"], batch["video_grid_thw"], cuts)
 
-    def _resized(self, frames, grid: torch.Tensor) -> bool:
-        """Whether the video processor resized any of ``frames`` (its output grid against their sizes)."""
-        patch = self.video_processor.patch_size
-        return any((h * patch, w * patch) != tuple(f.shape[1:3]) for f, (_, h, w) in zip(frames, grid.tolist()))
+    def keeps_size(self, shape: tuple[int, ...]) -> bool:
+        """Whether the video processor keeps frames of ``shape`` ([T, H, W, 3]) at their size (no resize: then its
+        ops on the GPU give the host's pixels). A processor that sizes frames by their count (Qwen3-VL) is taken to
+        resize. Found once per size by the processor's own call on a black 2-frame clip."""
+        vp = self.video_processor
+        if families.resize_depends_on_frames(vp):
+            return False
+        if shape[1:3] not in self._kept_sizes:
+            probe = np.zeros((vp.temporal_patch_size, *shape[1:3], 3), np.uint8)
+            _, h, w = vp(videos=[probe], return_tensors="pt")["video_grid_thw"][0].tolist()
+            self._kept_sizes[shape[1:3]] = (h * vp.patch_size, w * vp.patch_size) == tuple(shape[1:3])
+        return self._kept_sizes[shape[1:3]]
 
     @property
     def modalities(self) -> tuple[str, ...]:

@@ -173,10 +173,12 @@ class StreamPool:
     and its final status (the OpenAI endpoint's largest CPU cost per request, measured: docs/benchmarks.md). A
     request's stream is kept for the next one only when the request ended with its final response; after an error,
     a cancel or a caller that left early it is closed (``single_request_stream``'s ending). At most ``keep`` idle
-    streams are kept."""
+    streams are kept, each for ``IDLE_SECONDS``: tritonserver's exit waits for the streams open to it."""
+
+    IDLE_SECONDS = 0.5  # an idle stream is closed after this: tritonserver's exit waits for open streams
 
     def __init__(self, client, keep: int = 64):
-        self.client, self.keep, self._idle = client, keep, []
+        self.client, self.keep, self._idle, self._closing = client, keep, [], set()
 
     @contextlib.asynccontextmanager
     async def stream(self, request: dict):
@@ -184,6 +186,7 @@ class StreamPool:
         kept = None
         while self._idle and kept is None:
             candidate = self._idle.pop()
+            candidate.expiry.cancel()
             if candidate.alive():
                 kept = candidate
             else:
@@ -195,12 +198,23 @@ class StreamPool:
             yield pooled
         finally:
             if pooled.clean and kept.alive() and len(self._idle) < self.keep:
+                kept.expiry = asyncio.get_running_loop().call_later(self.IDLE_SECONDS, self._expire, kept)
                 self._idle.append(kept)
             else:
                 await kept.close()
+
+    def _expire(self, kept: _KeptStream) -> None:
+        if kept in self._idle:
+            self._idle.remove(kept)
+            task = asyncio.ensure_future(kept.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         """Close every idle stream (before the client's channel closes: see ``read_to_end``)."""
         idle, self._idle = self._idle, []
         for kept in idle:
+            kept.expiry.cancel()
             await kept.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

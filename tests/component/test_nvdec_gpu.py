@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.component,
 
 BT709 = "colormatrix=bt709:colorprim=bt709:transfer=bt709"
 BT601 = "colormatrix=smpte170m:colorprim=smpte170m:transfer=smpte170m"
-CLIPS = {"448x448 untagged, noise": (448, 448, "", True), "1280x720 untagged, noise": (1280, 720, "", True),
+CLIPS = {"112x112 untagged, noise": (112, 112, "", True), "448x448 untagged, noise": (448, 448, "", True), "1280x720 untagged, noise": (1280, 720, "", True),
          "1280x720 BT.709, noise": (1280, 720, BT709, True), "1280x720 BT.601, gradients": (1280, 720, BT601, False),
          "640x360 untagged, gradients": (640, 360, "", False)}
 
@@ -105,7 +105,7 @@ def test_the_encoder_preprocesses_nvdec_frames_to_the_host_s_embeddings(name):
     gpu = encoder.video_processor(videos=[on_gpu.frames], return_tensors="pt")
     assert gpu["pixel_values_videos"].is_cuda and torch.equal(gpu["video_grid_thw"], host["video_grid_thw"])
     levels = (gpu["pixel_values_videos"].cpu() - host["pixel_values_videos"]).abs() / LEVEL
-    resized = encoder._resized([on_gpu.frames], host["video_grid_thw"])
+    resized = not encoder.keeps_size(tuple(on_gpu.frames.shape))
     embeds = [encoder.encode([item])[0].embeddings for item in (on_cpu, on_gpu)]
     t, h, w = host["video_grid_thw"][0].tolist()
     print(f"{name}: grid {t}x{h}x{w}, resized {resized}: the processor on CUDA max {levels.max():.3f} levels, "

@@ -81,7 +81,7 @@ def test_a_stream_is_kept_after_a_final_response_and_closed_otherwise():
     asyncio.run(scenario())
 
 
-def test_a_kept_stream_that_ended_meanwhile_is_not_used():
+def test_a_kept_stream_that_ended_meanwhile_is_not_used_and_an_idle_one_is_closed():
     async def scenario():
         client = FakeClient()
         pool = StreamPool(client)
@@ -89,6 +89,8 @@ def test_a_kept_stream_that_ended_meanwhile_is_not_used():
         client.streams[0].ended = True  # e.g. the server went away
         assert await _one(pool, "b") == [False, True]
         assert len(client.streams) == 2 and client.streams[1].served == ["b"]
+        await asyncio.sleep(pool.IDLE_SECONDS * 2)  # idle that long: closed (tritonserver's exit waits for it)
+        assert client.streams[1].ended and not pool._idle
         await pool.close()
 
     asyncio.run(scenario())

@@ -87,6 +87,17 @@ def test_frames_held_as_tensors_are_preprocessed_apart_and_give_the_array_s_embe
         assert torch.equal(g.embeddings, want.embeddings), index
 
 
+def test_keeps_size_says_which_frames_the_processor_does_not_resize(encoder, video):
+    """Where NVDEC's frames may be preprocessed on the GPU (``VisionEncoder.keeps_size``): the tiny checkpoint's
+    processor keeps 112x112 and 56x84 (multiples of 28 in its pixel budget), resizes 448x448 and 640x360; the
+    frames of a kept size come out of the processor with exactly their size."""
+    assert [encoder.keeps_size(s) for s in ((2, 112, 112, 3), (30, 56, 84, 3), (2, 448, 448, 3), (2, 360, 640, 3))] \
+        == [True, True, False, False]
+    frames = video.frames[:, :112, :112]
+    _, h, w = encoder.video_processor(videos=[frames], return_tensors="pt")["video_grid_thw"][0].tolist()
+    assert (h * 14, w * 14) == (112, 112)
+
+
 def test_a_processor_that_sizes_frames_by_their_count_is_cut_after_preprocessing(encoder, video):
     import copy
 
