@@ -157,11 +157,14 @@ def _events(body: dict, pieces: list) -> list[dict]:
                 yield piece
         responses = rest()
         head = await responses.__anext__()
-        return [line async for line in app._events(call, responses, head)]
+        answered = []
+        writes = [line async for line in app._events(call, responses, head, lambda: answered.append(1))]
+        assert answered == [1]  # counted once, after the last write
+        return writes
 
-    lines = asyncio.run(collect())
-    assert lines[-1] == "data: [DONE]\n\n"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    events = [e for write in asyncio.run(collect()) for e in write.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
 
 def test_the_endpoint_streams_each_chunk_with_its_tokens_logprobs():
@@ -169,7 +172,7 @@ def test_the_endpoint_streams_each_chunk_with_its_tokens_logprobs():
 
     he, llo = _entries([0], 1), _entries([1, 4], 1)  # "a", then " b" and " dog"
     pieces = [Piece("a", None, None, he), Piece(" b dog", None, None, llo), Piece("", "length", (3, 3), []),
-              Piece("", None, None, None)]  # Triton's empty final response
+              Piece("", None, None, None, final=True)]  # Triton's empty final response
     chat = _events({"model": "llm", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                     "logprobs": True, "top_logprobs": 1}, pieces)
     assert [c["choices"][0]["logprobs"] for c in chat] == [shapes.chat(he), shapes.chat(llo), shapes.chat([])]
