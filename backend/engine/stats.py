@@ -56,6 +56,9 @@ class StatsDelta:
     prefill: Samples = field(default_factory=Samples)
     decode: Samples = field(default_factory=Samples)
     kv_cache_usage: float | None = None  # fraction of KV cache blocks in use after the step (scheduler stats)
+    kv_transfers: int = 0  # KV reads the engine's connector completed (NIXL: the consumer, decode, reads)
+    kv_transfer_bytes: int = 0
+    kv_failed_transfers: int = 0
 
     SAMPLED = ("ttft", "inter_token", "queue", "prefill", "decode")
 
@@ -77,6 +80,16 @@ def stats_delta(iteration_stats) -> StatsDelta:
     return delta
 
 
+def kv_transfer_counts(connector_stats) -> tuple[int, int, int]:
+    """(transfers, bytes, failed transfers) of one step's ``SchedulerStats.kv_connector_stats``: the payload of
+    vLLM's NixlConnector stats (``NixlKVConnectorStats.data``: a list entry per transfer), None or another
+    connector's payload: zeros. Checked on vLLM 0.32 (CPU); 0.26's SchedulerStats has the same field."""
+    if not isinstance(connector_stats, dict):
+        return 0, 0, 0
+    sizes = connector_stats.get("bytes_transferred") or ()
+    return len(sizes), int(sum(sizes)), len(connector_stats.get("num_failed_transfers") or ())
+
+
 def stat_logger_factory(observer: StatsObserver) -> Callable:
     """A per-engine ``StatLoggerFactory`` for ``AsyncLLM(stat_loggers=[...])`` reporting to ``observer``.
 
@@ -95,6 +108,8 @@ def stat_logger_factory(observer: StatsObserver) -> Callable:
             delta = stats_delta(iteration_stats) if iteration_stats is not None else StatsDelta()
             if scheduler_stats is not None:
                 delta.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers = kv_transfer_counts(
+                    getattr(scheduler_stats, "kv_connector_stats", None))
             observer.engine_stats(delta)
 
         def log_engine_initialized(self):

@@ -275,7 +275,8 @@ class EngineMetrics:
     Triton custom metrics: a ``backend.engine.stats.StatsObserver`` (see there for what vLLM measures).
 
     A gauge, ``epd_vllm_kv_cache_usage`` (fraction of KV blocks held by requests), and counters, all labelled
-    ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``,
+    ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``, the KV
+    connector's transfers (``epd_vllm_kv_transfers_total``, ``_kv_transfer_bytes_total``, ``_kv_failed_transfers_total``),
     and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
     rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
     consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``; and a
@@ -303,6 +304,14 @@ class EngineMetrics:
                                   description="Tokens the engine generated"),
         ]
         self._prompt, self._generation = (family.Metric(labels=labels) for family in self._families)
+        kv = [pb_utils.MetricFamily(name="epd_vllm_kv_transfers_total", kind=counter,
+                                    description="KV cache transfers the engine's connector completed (NIXL reads: decode)"),
+              pb_utils.MetricFamily(name="epd_vllm_kv_transfer_bytes_total", kind=counter,
+                                    description="Bytes of the KV cache transfers the engine's connector completed"),
+              pb_utils.MetricFamily(name="epd_vllm_kv_failed_transfers_total", kind=counter,
+                                    description="KV cache transfers the engine's connector failed")]
+        self._families += kv
+        self._kv_transfers = tuple(family.Metric(labels=labels) for family in kv)
         usage = pb_utils.MetricFamily(name="epd_vllm_kv_cache_usage", kind=pb_utils.MetricFamily.GAUGE,
                                       description="Fraction of the engine's KV cache blocks held by requests, as of its last step")
         self._families.append(usage)
@@ -330,12 +339,14 @@ class EngineMetrics:
         else:
             self._batch.flush()
         self._timings, self._prompt, self._generation, self._kv_usage, self._queue = {}, None, None, None, None
+        self._kv_transfers = ()
         self._families = []
 
     def engine_stats(self, delta) -> None:
         if self._closed:
             return
-        amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens)]
+        amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens),
+                   *zip(self._kv_transfers, (delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers))]
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
             amounts += [(seconds, samples.seconds), (count, samples.count)]

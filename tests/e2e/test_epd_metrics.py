@@ -50,6 +50,9 @@ VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
                                         "decode_time") for part in ("seconds", "count"))
 
 
+KV_COUNTERS = ("epd_vllm_kv_transfers_total", "epd_vllm_kv_transfer_bytes_total", "epd_vllm_kv_failed_transfers_total")
+
+
 def _vllm_counters(server, model: str) -> dict[str, float]:
     """One scrape: read one by one, the last counter (what ``_moved`` waits on) could move after the first was read."""
     values = metrics(server, [f"epd_vllm_{name}" for name in VLLM_COUNTERS], model=model)
@@ -70,6 +73,7 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
     models = ("llm", "pd", "prefill", "decode")
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)  # earlier tests' figures are in (vLLM records them after the answer)
     before = {model: _vllm_counters(server, model) for model in models}
+    kv_before = {model: metrics(server, KV_COUNTERS, model=model) for model in models}
     long = CASES["longer_output"]  # 40 tokens, ignore_eos
     llm_a, llm_b = ask(server, "llm", **long), ask(server, "llm", **CASES["two_images"])
     via_pd = ask(server, "epd", **CASES["four_images"])
@@ -94,6 +98,13 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
     prefill = moved["prefill"]  # prefill runs each request for one token
     assert prefill["prompt_tokens_total"] == via_pd_decode.num_input_tokens
     assert prefill["generation_tokens_total"] == 1 and prefill["time_per_output_token_count_total"] == 0
+
+    # the KV connector's transfers: decode read the one E/P/D request's KV from prefill over NIXL; nobody else read any
+    kv = {model: {name: value - kv_before[model][name] for name, value in metrics(server, KV_COUNTERS, model=model).items()}
+          for model in models}
+    transfers, nbytes, failed = KV_COUNTERS
+    assert kv["decode"][transfers] >= 1 and kv["decode"][nbytes] > 0 and kv["decode"][failed] == 0, kv
+    assert all(kv[model][transfers] == kv[model][nbytes] == 0 for model in ("llm", "pd", "prefill")), kv
 
 
 HISTOGRAMS = ("epd_request_ttft_seconds", "epd_request_duration_seconds", "epd_encode_duration_seconds",

@@ -39,3 +39,7 @@ def test_e_p_d_across_three_hosts_gives_llm_s_tokens_with_embeddings_and_kv_over
         assert deployed.metric("prefill-1", "epd_transfer_items_total", model="prefill", path="shared_memory") == 0
         # decode generated every answer's tokens (from prefill's KV: it holds no embeddings to compute them from)
         assert deployed.metric("decode-1", "epd_requests_total", model="decode") >= 4
+        # and read that KV from the prefill host: the KV connector's transfers, counted by decode's engine
+        assert deployed.metric("decode-1", "epd_vllm_kv_transfers_total", model="decode") >= 4
+        assert deployed.metric("decode-1", "epd_vllm_kv_transfer_bytes_total", model="decode") > 0
+        assert deployed.metric("decode-1", "epd_vllm_kv_failed_transfers_total", model="decode") == 0

@@ -48,3 +48,30 @@ def test_the_logger_reports_each_step_to_the_observer():
     logger.record(stats.SchedulerStats(kv_cache_usage=0.25), None)  # a scheduler-only update: the KV usage
     logger.record(stats.SchedulerStats(kv_cache_usage=0.0), it)
     assert [(d.generation_tokens, d.kv_cache_usage) for d in seen] == [(1, None), (0, 0.25), (1, 0.0)]
+
+
+def test_nixl_s_transfer_stats_become_kv_transfer_counts():
+    """vLLM's own NixlKVConnectorStats, as the scheduler hands them to the logger (``to_dict()``): each completed
+    READ counts with its bytes, failures apart; another connector's payload or none counts nothing."""
+    from types import SimpleNamespace
+
+    from backend.engine.stats import kv_transfer_counts
+
+    nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats")
+    connector = nixl.NixlKVConnectorStats()
+    for size in (4096, 12288):
+        connector.record_transfer(SimpleNamespace(xferDuration=1500, postDuration=20, totalBytes=size, descCount=2))
+    connector.record_failed_transfer()
+    assert kv_transfer_counts(connector.to_dict()) == (2, 16384, 1)
+    assert kv_transfer_counts(None) == kv_transfer_counts({"other": 1}) == (0, 0, 0)
+
+    seen = []
+
+    class Observer:
+        def engine_stats(self, delta):
+            seen.append(delta)
+
+    logger = stat_logger_factory(Observer())(None, 0)
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.5, kv_connector_stats=connector.to_dict()), None)
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.5), None)
+    assert [(d.kv_transfers, d.kv_transfer_bytes, d.kv_failed_transfers) for d in seen] == [(2, 16384, 1), (0, 0, 0)]
