@@ -83,7 +83,8 @@ def stats_delta(iteration_stats) -> StatsDelta:
 def kv_transfer_counts(connector_stats) -> tuple[int, int, int]:
     """(transfers, bytes, failed transfers) of one step's ``SchedulerStats.kv_connector_stats``: the payload of
     vLLM's NixlConnector stats (``NixlKVConnectorStats.data``: a list entry per transfer), None or another
-    connector's payload: zeros. Checked on vLLM 0.32 (CPU); 0.26's SchedulerStats has the same field."""
+    connector's payload: zeros. Checked on vLLM 0.32 (CPU); on 0.26 (GPU) not checked: a SchedulerStats without the
+    field counts nothing (``getattr`` in the logger)."""
     if not isinstance(connector_stats, dict):
         return 0, 0, 0
     sizes = connector_stats.get("bytes_transferred") or ()
