@@ -167,6 +167,19 @@ def read_audio_url(url: str, field: str, limits: MediaLimits) -> bytes:
     return read_url(url, field, limits, AUDIO)
 
 
-register_handler(AUDIO, MediaHandler(decode_audio, read_audio_url, DecodedAudio))
+def sample_audio(seconds: float = 0.5, rate: int = 16000) -> bytes:
+    """Half a second of silence as a 16-bit mono WAV file (the handler's ``sample``)."""
+    import wave
 
-__all__ = ["DecodedAudio", "decode_audio", "read_audio_url", "sampling_rate_for"]
+    out = io.BytesIO()
+    with wave.open(out, "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(rate)
+        file.writeframes(bytes(2 * int(seconds * rate)))
+    return out.getvalue()
+
+
+register_handler(AUDIO, MediaHandler(decode_audio, read_audio_url, DecodedAudio, sample_audio))
+
+__all__ = ["DecodedAudio", "decode_audio", "read_audio_url", "sample_audio", "sampling_rate_for"]

@@ -52,6 +52,13 @@ def read_image_url(url: str, field: str, limits: MediaLimits) -> bytes:
     return read_url(url, field, limits, IMAGE)
 
 
-register_handler(IMAGE, MediaHandler(decode_image, read_image_url, Image.Image))
+def sample_image() -> bytes:
+    """A 32x32 grey PNG (the handler's ``sample``)."""
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), (127, 127, 127)).save(out, "PNG")
+    return out.getvalue()
 
-__all__ = ["decode_image", "load_image_url", "read_image_url"]
+
+register_handler(IMAGE, MediaHandler(decode_image, read_image_url, Image.Image, sample_image))
+
+__all__ = ["decode_image", "load_image_url", "read_image_url", "sample_image"]

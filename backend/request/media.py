@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import threading
 import urllib.error
 import urllib.parse
@@ -55,19 +56,34 @@ def media_limits(settings) -> dict[str, Any]:
 
 class _DecodeCounter:
     """Media decodes performed in this process (models export it as ``epd_media_decodes_total``); ``add`` may be
-    called from several threads (the encoder decodes a batch's items at once)."""
+    called from several threads (the encoder decodes a batch's items at once). Decodes in an ``uncounted()`` block
+    of the calling thread (a stage's warm-up at load) are not counted."""
 
     count = 0
     _lock = threading.Lock()
+    _local = threading.local()
 
     def add(self) -> None:
+        if getattr(self._local, "off", False):
+            return
         with self._lock:
             self.count += 1
 
     def tally(self, counts: Counter, key: str) -> None:
         """``counts[key] += 1`` under the same lock (e.g. ``video.VIDEO_DECODES["nvdec"]``)."""
+        if getattr(self._local, "off", False):
+            return
         with self._lock:
             counts[key] += 1
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Decodes made by this thread inside the block count nowhere."""
+        self._local.off = True
+        try:
+            yield
+        finally:
+            self._local.off = False
 
 
 decode_counter = _DecodeCounter()
@@ -77,11 +93,15 @@ decode_counter = _DecodeCounter()
 class MediaHandler:
     """A modality's item handling in the request stage: ``decode(data, field, limits, **options)`` makes what an
     engine given media takes (an RGB image; ``options``: the request's for the modality, ``MediaOptions.kwargs``); ``read_url(url, field, limits)`` the encoded bytes a URL names; ``decoded``: the
-    class of what ``decode`` makes (how an engine tells a decoded item's modality, ``modality_of``)."""
+    class of what ``decode`` makes (how an engine tells a decoded item's modality, ``modality_of``); ``sample()``:
+    the encoded bytes of a small valid item, which a stage decodes at load so that no request pays what the first
+    decode costs (vLLM's video and audio modules imported on first use: 2-3 s on 2 cores, 8.7 s for a GPU encoder's
+    first video on the H200)."""
 
     decode: Callable[[bytes, str, MediaLimits], Any]
     read_url: Callable[[str, str, MediaLimits], bytes]
     decoded: type = object
+    sample: Callable[[], bytes] | None = None
 
 
 _HANDLERS: dict[str, MediaHandler] = {}

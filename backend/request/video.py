@@ -196,6 +196,28 @@ def read_video_url(url: str, field: str, limits: MediaLimits) -> bytes:
     return read_url(url, field, limits, VIDEO)
 
 
-register_handler(VIDEO, MediaHandler(decode_video, read_video_url, DecodedVideo))
+def sample_video(size: int = 64, frames: int = 2) -> bytes:
+    """An H.264 MP4 of ``frames`` grey ``size`` x ``size`` frames at 30 fps, made by PyAV's libx264 (the handler's
+    ``sample``; NVDEC's warm-up decodes it too)."""
+    import io
 
-__all__ = ["VIDEO_DECODES", "DecodedVideo", "decode_video", "read_video_url", "video_loader", "video_processor_for"]
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), 128, np.uint8), "rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+register_handler(VIDEO, MediaHandler(decode_video, read_video_url, DecodedVideo, sample_video))
+
+__all__ = ["VIDEO_DECODES", "DecodedVideo", "decode_video", "read_video_url", "sample_video", "video_loader",
+           "video_processor_for"]

@@ -184,3 +184,71 @@ def test_videos_decoded_by_nvdec_in_the_served_encoder_give_llm_s_tokens(tmp_pat
         print("encoder video decodes:", decodes)
         assert decodes == {"nvdec": len(clips), "cpu": 0}
         assert metric(server, "epd_media_decodes_total", model="pd") == 0
+
+
+FIRST_VIDEO = r'''
+import cProfile, io, pstats, sys, time
+from backend.engine.host import prepare_process
+prepare_process()  # the stub's settings (one intra-op thread)
+import torch
+from backend.encode.encoder import load_encoder
+from backend.encode.service import EncodeJob, EncoderService
+from backend.request import nvdec
+from backend.request.generate import checkpoint_media
+from backend.request.media import MediaLimits
+from backend.transfer.producer import EmbeddingPool
+from clients.videos import make_h264_video
+
+model = sys.argv[1]
+clips = {size: [make_h264_video(*size, frames=30, fps=30, seed=seed, noise=False) for seed in range(3)]
+         for size in ((448, 448), (1280, 720), (640, 360))}
+# the encoder model's initialize: tower, VRAM pool, NVDEC decoders made and warmed up, the tower's and the service's warm-ups
+encoder = load_encoder(model, device="cuda:0", dtype=torch.float32)
+pool = EmbeddingPool(256 << 20, lease_seconds=30, device="cuda:0")
+limits = MediaLimits(max_item_bytes=256 << 20, **checkpoint_media(model), nvdec_device=0)
+nvdec.decoder(0)
+encoder.warm_up()
+service = EncoderService(encoder, pool, limits, cache_bytes=0)
+service.warm_up()  # as the encoder model's initialize: a small video decoded (NVDEC) and encoded
+for size, datas in clips.items():
+    seconds = []
+    for index, data in enumerate(datas):
+        profile = cProfile.Profile() if index == 0 else None
+        started = time.perf_counter()
+        if profile:
+            profile.enable()
+        (layouts,) = service.run([EncodeJob(0, data, f"{size}-{index}", modality="video")], 1)
+        torch.cuda.synchronize()
+        if profile:
+            profile.disable()
+        assert not isinstance(layouts, BaseException), layouts
+        seconds.append(time.perf_counter() - started)
+        if profile:
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(18)
+            print(f"--- the first {size[0]}x{size[1]} video, profiled:", out.getvalue()[-3500:])
+    print(f"SECONDS {size[0]}x{size[1]} " + " ".join(f"{s:.3f}" for s in seconds), flush=True)
+pool.close()
+'''
+
+
+def test_a_fresh_encoder_s_first_video_costs_what_a_later_one_does():
+    """The encoder instance's start (tower, VRAM pool, NVDEC decoders warmed up, the tower's and the service's
+    warm-ups), in a fresh process as in the served encoder; then three videos of each of three sizes, the first of
+    each profiled: the first video of a size may not cost much more than a later one (before the service's warm-up:
+    8.7 s against 0.04 s on the H200, vLLM's video modules imported by the first decode)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    model = Path(os.environ.get("EPD_GPU_SERVE_MODEL") or root / "models" / "tiny-qwen2-vl")
+    done = subprocess.run([sys.executable, "-c", FIRST_VIDEO, str(model)], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    print(done.stdout[-12000:], done.stderr[-3000:])
+    assert done.returncode == 0
+    for line in done.stdout.splitlines():
+        if line.startswith("SECONDS"):
+            _, size, first, *later = line.split()
+            assert float(first) <= 2 * max(map(float, later)) + 0.25, line

@@ -76,8 +76,10 @@ class TritonPythonModel:
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
         # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
-        # (check_width), not a request; warm_up compiles a compiled tower's blocks.
+        # (check_width), not a request; warm_up compiles a compiled tower's blocks; the service's warm-up decodes a
+        # small item of each modality (the first video's decode imported vLLM's loader: 8.7 s on the H200).
         self.encoder.warm_up()
+        self.service.warm_up()
         self.announcement = announce(self.pool.pool_handle(), directory())  # consumers here connect ahead
         # last: nothing may fork this process once it holds a Mooncake client (docs/tier.md)
         self.service.tier = self.tier = connect_tier(settings)
