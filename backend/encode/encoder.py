@@ -22,7 +22,6 @@ width with one tiny forward and checks it against what the checkpoint's language
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,15 +204,11 @@ class VisionEncoder:
     def warm_up(self) -> None:
         """A compiled packed tower compiles its blocks on the first batch of ``COMPILE_MIN_TOKENS`` patches or more
         (6-7 s on the H200, seen as TTFT outliers of the first requests that reached each of 4 encoder instances):
-        pay that here, on an image that large nobody asked for (``check_width`` at load paid the first small calls)."""
-        if not (getattr(self.forward, "compile", False) and self.device.type == "cuda"):
-            return
-        from backend.encode.packed_tower import COMPILE_MIN_TOKENS
-
-        per_side = math.isqrt(COMPILE_MIN_TOKENS - 1) + 1                    # patches: per_side ** 2 >= the minimum
-        per_side = -(-per_side // self.merge_size) * self.merge_size           # whole merge units
-        side = per_side * self.processor.patch_size
-        self.encode([Image.new("RGB", (side, side), (127, 127, 127))])
+        pay that here (``PackedTower.warm_up``: the tower fed that many patches directly, since a processor that
+        caps an item's pixels may never make one item that large: the tiny checkpoint's first batch of 8 videos
+        compiled at 5-9 s on the H200). ``check_width`` at load paid the first processor calls."""
+        if getattr(self.forward, "compile", False) and self.device.type == "cuda":
+            self.forward.warm_up()
 
     def _timing(self, item, cut: tuple[int, int] | None) -> tuple:
         """A video's (or video part's: ``cut``, its temporal patches) timing members for its layout."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,19 @@ class PackedTower(torch.nn.Module):
         if self.windowed:
             out = out[plan["unit_restore"]]
         return out
+
+    def warm_up(self) -> None:
+        """Forwards of ``COMPILE_MIN_TOKENS`` zero patches or more, so a compiled tower compiles its blocks now, not
+        in the first large batch a request brings: one square grid of whole merge units (one attention sequence, as
+        an image), then the same grid with two frames (two sequences, as a video): where the compiler specialises
+        the first graph on one sequence, the second makes the sequence count dynamic (seen on the CPU: a batch of 8
+        videos, 120 sequences, recompiled a graph warmed on one)."""
+        side = math.isqrt(COMPILE_MIN_TOKENS - 1) + 1
+        side = -(-side // self.merge) * self.merge
+        weight = self.tower.patch_embed.proj.weight
+        for frames in (1, 2):
+            self.forward(torch.zeros(frames * side * side, weight[0].numel(), device=weight.device, dtype=weight.dtype),
+                         [(frames, side, side)])
 
     def _block(self):
         if self._block_fn is None:

@@ -121,28 +121,34 @@ def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch)
     assert len(calls) == 1 and service.cache_hits == 1 and counting.calls == [1]
 
 
-def test_warm_up_reaches_the_compiled_tower_on_a_real_size_processor(encoder, monkeypatch):
-    """With a compiled tower on CUDA, ``warm_up`` sends one image big enough for the compiled blocks through the
-    encoder (else every instance compiles in its first large request: 6-7 s TTFT outliers on the H200); the
-    processor is Qwen2-VL-2B's (the tiny one caps images at 12,544 pixels)."""
-    from transformers import AutoImageProcessor
-
+def test_warm_up_reaches_the_compiled_tower_whatever_the_processor_caps(encoder, monkeypatch):
+    """With a compiled tower on CUDA, ``warm_up`` feeds the tower at least ``COMPILE_MIN_TOKENS`` patches, once as
+    one attention sequence (an image) and once as two (a video's frames), so its blocks compile at load (else each
+    instance compiles in its first large batch: 6-7 s TTFT outliers on the H200). The tiny checkpoint's processor
+    caps an image at 12,544 pixels (64 patches): a warm-up through the processor never got there, and the first
+    batch of 8 videos compiled at 5-9 s on the H200."""
+    import backend.encode.packed_tower as packed
     from backend.encode.packed_tower import COMPILE_MIN_TOKENS
 
-    seen = []
-    real = AutoImageProcessor.from_pretrained(Path(__file__).resolve().parents[1] / "data" / "checkpoints" /
-                                              "Qwen2-VL-2B-Instruct")
-    monkeypatch.setattr(encoder, "processor", real)
-    monkeypatch.setattr(encoder, "encode", lambda items: seen.extend(items))
+    calls = []
+
+    def recording(x, cos, sin, cu, max_len, lengths, *rest):
+        calls.append((x.shape[0], cu.numel() - 1))
+        return packed._block_eager(x, cos, sin, cu, max_len, lengths, *rest)
+
     monkeypatch.setattr(encoder, "device", torch.device("cuda"))
     monkeypatch.setattr(encoder.forward, "compile", True, raising=False)
+    monkeypatch.setattr(encoder.forward, "_block", lambda: recording)
     encoder.warm_up()
-    patches = [int(real(images=[item], return_tensors="pt")["image_grid_thw"].prod()) for item in seen]
-    assert len(patches) == 1 and patches[0] >= COMPILE_MIN_TOKENS
+    blocks = len(encoder.forward.tower.blocks)
+    assert len(calls) == 2 * blocks
+    (tokens, sequences), (tokens2, sequences2) = calls[0], calls[blocks]
+    assert tokens >= COMPILE_MIN_TOKENS and sequences == 1
+    assert tokens2 == 2 * tokens and sequences2 == 2
     monkeypatch.setattr(encoder.forward, "compile", False, raising=False)
-    seen.clear()
+    calls.clear()
     encoder.warm_up()
-    assert seen == []  # nothing to compile: check_width at load paid the first calls
+    assert calls == []  # nothing to compile: check_width at load paid the first calls
 
 
 def test_a_batch_s_items_are_decoded_at_once_and_keep_their_order(encoder, monkeypatch):
