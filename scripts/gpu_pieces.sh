@@ -4,8 +4,8 @@
 #   DEST/pieces/vllm.NN   one tar of wheels/ (vLLM 0.26.0's lean set + nixl/nixl-cu13 1.5.1, cp312 manylinux), split
 #   DEST/pieces/tri.NN    one tar of tri/ (tritonserver 2.51 files from this venv's nvidia-pytriton 0.7.0 wheel,
 #                         numpy 1.26.4, tritonclient 2.51.0, python-rapidjson, protobuf 4.25.8 cp312 wheels), split
-#   DEST/src/             this checkout's backend/ clients/ ensemble/ scripts/ tests/ topologies/ (run with
-#                         PYTHONPATH=$PWD/.cache/gpu/src there)
+#   DEST/extra/           the NVDEC path's two wheels (PyNvVideoCodec 2.2.4, PyAV 18.1.0), one call each
+# The code itself needs no staging: the working tree travels with every call (docs/gpu.md, "Set-up").
 # Usage: scripts/gpu_pieces.sh [DEST]   (DEST defaults to .cache/gpu). LEAN names the lean requirement list (one
 # pinned name a line: vLLM 0.26 pins torch 2.11, the GPU machine's own torch, so only vLLM's pure-Python and small
 # compiled dependencies travel; the optional CUDA kernel packages stay out); default: ../shared/gpu/vllm-0.26-lean.txt.
@@ -34,7 +34,6 @@ tar cJf "$DEST/tri/triton-gpu.tar.xz" -C "$SP" --exclude='libpython3-*' --exclud
 rm -f "$DEST"/pieces/*
 tar cf - -C "$DEST" wheels | split -b "$PIECE" -d - "$DEST/pieces/vllm."
 tar cf - -C "$DEST" tri | split -b "$PIECE" -d - "$DEST/pieces/tri."
-rm -rf "$DEST/src" && mkdir -p "$DEST/src"
-tar cf - --exclude=__pycache__ backend clients ensemble scripts tests topologies | tar xf - -C "$DEST/src"
-ls -l "$DEST/pieces"
-du -sh "$DEST/src"
+mkdir -p "$DEST/extra"
+download "$DEST/extra" pynvvideocodec==2.2.4 av==18.1.0
+ls -l "$DEST/pieces" "$DEST/extra"

@@ -9,8 +9,8 @@
 #                                     the project's vLLM plugin there; unpacks tri/ into /tmp/gpu/tri when its pieces
 #                                     came (then: TRI=/tmp/gpu/tri scripts/gpu_triton_env.sh)
 #   scripts/gpu_setup.sh check        imports vLLM, NIXL's connector and the plugin entry point
-# Afterwards: export PYTHONPATH=/tmp/site:SRC (SRC: the checkout this script is in, e.g. .cache/gpu/src as
-# scripts/gpu_pieces.sh stages it).
+# Afterwards: export PYTHONPATH=/tmp/site:SRC (SRC: the checkout this script is in, the working tree that travels
+# with every device call).
 set -euo pipefail
 STORE=${STORE:-/tmp/gpu}
 SITE=${SITE:-/tmp/site}
