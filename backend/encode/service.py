@@ -4,6 +4,7 @@ shared tier), encoded once per distinct item, and published into the pool's leas
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,8 @@ from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import PART_PARAMETER, part_range
 from backend.protocol.modality import IMAGE, VIDEO, modality
 from backend.request.media import decode_counter, handler
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,12 @@ class EncoderService:
             sample = handler(m).sample
             if sample is None:
                 continue
-            with decode_counter.uncounted():
-                item = _decode(EncodeJob(0, sample(), "", modality=name), self.limits, self.encoder)
-            self.encoder.encode([item])
+            try:
+                with decode_counter.uncounted():
+                    item = _decode(EncodeJob(0, sample(), "", modality=name), self.limits, self.encoder)
+                self.encoder.encode([item])
+            except Exception as exc:  # noqa: BLE001 - not warmed (e.g. no PyAV to make the clip): the first item pays
+                LOG.warning("encoder warm-up: no %s decoded at load (%s: %s)", name, type(exc).__name__, exc)
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
         from backend.protocol.layout import content_key

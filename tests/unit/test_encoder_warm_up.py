@@ -84,3 +84,33 @@ def test_without_the_warm_up_the_first_video_and_audio_import_vllm_modules():
     audio = _first_requests("tiny-qwen2-audio", False, "audio")
     assert any(name.startswith("vllm.multimodal") for name in video["imported"]["video"]), video["imported"]
     assert any(name.startswith("vllm") for name in audio["imported"]["audio"]), audio["imported"]
+
+
+def test_a_modality_that_cannot_be_warmed_is_logged_and_the_others_are_warmed(monkeypatch, caplog):
+    """A sample that cannot be made (no PyAV for the clip, say) must not fail the encoder's load: it is logged, and
+    the other modalities are still decoded and encoded."""
+    from dataclasses import replace
+
+    import backend.encode.service as service_module
+    from backend.encode.encoder import load_encoder
+    from backend.encode.service import EncoderService
+    from backend.protocol.modality import IMAGE, VIDEO
+    from backend.request.media import MediaLimits, handler
+
+    model_dir = ROOT / "models" / "tiny-qwen2-vl"
+    if not model_dir.exists():
+        pytest.skip("needs models/tiny-qwen2-vl (make setup)")
+    encoder = load_encoder(model_dir)
+    real = service_module.handler
+
+    def no_clip():
+        raise ImportError("No module named 'av'")
+
+    monkeypatch.setattr(service_module, "handler",
+                        lambda m: replace(real(m), sample=no_clip) if m is VIDEO else real(m))
+    encoded = []
+    monkeypatch.setattr(encoder, "encode", lambda items: encoded.extend(items))
+    with caplog.at_level("WARNING", logger="backend.encode.service"):
+        EncoderService(encoder, pool=None, limits=MediaLimits()).warm_up()
+    assert "no video decoded at load (ImportError" in caplog.text
+    assert [type(item) for item in encoded] == [handler(IMAGE).decoded]
