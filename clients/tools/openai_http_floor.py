@@ -1,0 +1,137 @@
+"""What the OpenAI endpoint and its HTTP stack cost to a request's first token when tritonserver costs nothing: the
+endpoint's application (``frontend.openai.app``) with its backend answering at once (16 pieces, no gRPC), beside a
+bare Starlette app that streams the same number of SSE chunks and parses nothing, both under uvicorn in processes of
+their own, driven one request at a time by the benchmark's own client (``clients.bench.openai``: aiohttp, the same
+chat bodies with a PNG as a ``data:`` URL), alternating which goes first.
+
+    .venv/bin/python -m clients.tools.openai_http_floor --requests 400
+
+The bare app's figures are the HTTP floor (client, uvicorn, Starlette); the endpoint's less the bare app's are what
+the endpoint's own code adds before the first token and before [DONE] (issue 19's "adds at most 1 ms p50"; what
+lies between the endpoint and tritonserver is not here: ``clients.bench.openai --paired`` measures the whole).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import socket
+import subprocess
+import sys
+import time
+
+MODEL = "epd"
+PIECES = 16
+
+
+def endpoint_app():
+    """The endpoint's application, its backend answering every request at once with ``PIECES`` pieces."""
+    from frontend.openai.app import Piece, create_app
+
+    app = create_app("127.0.0.1:1", [MODEL])
+
+    async def generate(call, clock=None):
+        if clock is not None:
+            clock.responded(clock.waiting())
+        for _ in range(PIECES - 1):
+            yield Piece("a", None, None, None)
+        yield Piece("b", "length", (10, PIECES), None, True)
+
+    app.state.backend.generate = generate
+    return app
+
+
+def bare_app():
+    """A Starlette app that reads the body and streams ``PIECES`` SSE chunks and [DONE]: no parsing, no translating."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):
+        await request.body()
+
+        async def events():
+            yield 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"a"}}]}\n\n'
+            for _ in range(PIECES - 2):
+                yield 'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+            yield ('data: {"choices":[{"index":0,"delta":{"content":"b"},"finish_reason":"length"}]}\n\n'
+                   f'data: {{"choices":[],"usage":{{"prompt_tokens":10,"completion_tokens":{PIECES}}}}}\n\n'
+                   'data: [DONE]\n\n')
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def measure(urls: dict[str, str], requests: int, warm: int = 20) -> dict[str, dict[str, float]]:
+    """``requests`` one-at-a-time requests to each of ``urls`` (name -> base URL), alternating which goes first; per
+    name the p50 time to the first token and to [DONE], in ms."""
+    import aiohttp
+
+    from clients.bench.openai import _messages, _openai_one
+
+    got = {name: ([], []) for name in urls}
+    names = list(urls)
+    async with aiohttp.ClientSession() as session:
+        for i in range(warm + requests):
+            for name in names if i % 2 == 0 else names[::-1]:
+                sample, error = await _openai_one(session, urls[name], MODEL, _messages(i, 1, (96, 96)), PIECES)
+                if error is not None:
+                    raise RuntimeError(f"{name}: {error}")
+                if i >= warm:
+                    got[name][0].append(sample.ttft * 1000)
+                    got[name][1].append(sample.latency * 1000)
+    return {name: {"ttft_p50_ms": statistics.median(t), "latency_p50_ms": statistics.median(lat)}
+            for name, (t, lat) in got.items()}
+
+
+def _wait(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the app on port {port} did not start")
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400, help="per app, after 20 not counted")
+    parser.add_argument("--serve", choices=("endpoint", "bare"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        import uvicorn
+
+        uvicorn.run(endpoint_app() if args.serve == "endpoint" else bare_app(), host="127.0.0.1", port=args.port,
+                    log_level="warning")
+        return {}
+    from backend.deploy.ports import free_ports
+
+    ports = dict(zip(("endpoint", "bare"), free_ports(2)))
+    procs = [subprocess.Popen([sys.executable, "-m", "clients.tools.openai_http_floor", "--serve", name, "--port",
+                               str(port)]) for name, port in ports.items()]
+    try:
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        for port in ports.values():
+            _wait(port)
+        result = asyncio.run(measure(urls, args.requests))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+    end, bare = result["endpoint"], result["bare"]
+    print(f"{args.requests} requests each, one at a time, {PIECES} pieces, a 96x96 PNG per request")
+    print("| app | first token p50 ms | [DONE] p50 ms |\n|---|---|---|")
+    for name, row in result.items():
+        print(f"| {name} | {row['ttft_p50_ms']:.3f} | {row['latency_p50_ms']:.3f} |")
+    print(f"the endpoint's own code: {end['ttft_p50_ms'] - bare['ttft_p50_ms']:+.3f} ms to the first token, "
+          f"{end['latency_p50_ms'] - bare['latency_p50_ms']:+.3f} ms to [DONE]")
+    return result
+
+
+if __name__ == "__main__":
+    main()
