@@ -3,7 +3,8 @@
 # client) and scripts/gpu_triton_env.sh: what the OpenAI endpoint costs against Triton's gRPC endpoint (issue 19) on a
 # host where the endpoint and the clients have cores of their own (16), E+PD of topologies/checkpoint-gpu.yaml on the
 # tiny checkpoint: rounds at concurrency 16, then one request at a time in pairs (clients.bench.openai).
-#   scripts/gpu_openai.sh [CHECKPOINT]   (default models/tiny-qwen2-vl)
+#   scripts/gpu_openai.sh [CHECKPOINT] [LOOP]   (default models/tiny-qwen2-vl; LOOP: the endpoint's event loop,
+#                                               auto (uvloop), uvloop or asyncio)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo
@@ -12,5 +13,5 @@ repo=$(mktemp -d /tmp/openai-repo.XXXX)
 .venv/bin/python -m backend.deploy.topology render topologies/checkpoint-gpu.yaml --machine gpu \
     --checkpoint "${1:-models/tiny-qwen2-vl}" --out "$repo" > /dev/null
 timeout 580 .venv/bin/python -m clients.bench.openai --repository "$repo" --model epd --concurrency 16 --requests 200 \
-    --rounds 3 --paired 300 2>&1 | tail -24
+    --rounds 3 --paired 300 --openai-loop "${2:-auto}" 2>&1 | tail -24
 rm -rf "$repo"

@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--url", help="a running server's gRPC host:port (default: start one)")
     parser.add_argument("--repository", help="the model repository to serve (default: the committed one)")
     parser.add_argument("--openai-url", help="a running endpoint's http://host:port (default: start one)")
+    parser.add_argument("--openai-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="the started endpoint's event loop (frontend.openai --loop)")
     args = parser.parse_args(argv)
     from backend.deploy.ports import free_ports
     from clients.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
@@ -279,7 +281,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not args.openai_url:
             (port,) = free_ports(1)
             endpoint = subprocess.Popen([sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url",
-                                         grpc_url], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                         grpc_url, "--loop", args.openai_loop], cwd=ROOT,
+                                        env={**os.environ, "PYTHONPATH": str(ROOT)})
         openai_url = args.openai_url or f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(openai_url)

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tritonserver's gRPC endpoint")
     parser.add_argument("--models", default=DEFAULT_MODELS, help="the generating models served (`model` values)")
     parser.add_argument("--with-parent", action="store_true", help="exit when the parent process exits")
+    parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="uvicorn's event loop (auto: uvloop where installed)")
     args = parser.parse_args(argv)
     if args.with_parent:
         _die_with_parent()
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     from frontend.openai.app import create_app
 
     uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m]), host=args.host, port=args.port,
-                log_level="warning")
+                loop=args.loop, log_level="warning")
 
 
 if __name__ == "__main__":
