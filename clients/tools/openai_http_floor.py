@@ -9,6 +9,12 @@ chat bodies with a PNG as a ``data:`` URL), alternating which goes first.
 The bare app's figures are the HTTP floor (client, uvicorn, Starlette); the endpoint's less the bare app's are what
 the endpoint's own code adds before the first token and before [DONE] (issue 19's "adds at most 1 ms p50"; what
 lies between the endpoint and tritonserver is not here: ``clients.bench.openai --paired`` measures the whole).
+
+The endpoint's gRPC side alone, against a running server (``--grpc-url``): its ``Backend`` (the same request, request
+parameters and kept streams as the endpoint sends) driven in this process, paired with the benchmark's plain gRPC
+client (one request each way per pair, alternating which goes first), the median differences with their intervals:
+
+    .venv/bin/python -m clients.tools.openai_http_floor --grpc-url 127.0.0.1:8001 --requests 150
 """
 from __future__ import annotations
 
@@ -85,6 +91,47 @@ async def measure(urls: dict[str, str], requests: int, warm: int = 20) -> dict[s
             for name, (t, lat) in got.items()}
 
 
+async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[float, float, float]]:
+    """``pairs`` pairs: the endpoint's ``Backend.generate`` in this process against ``clients.bench.openai``'s gRPC
+    session, the same chat request each way (fresh images); median (TTFT, latency) differences in ms, with the 95%
+    intervals (``median_interval``)."""
+    from clients.bench.openai import _GrpcSession, _messages, median_interval
+    from clients.triton_client import GenerateInputs
+    from frontend.openai import translate
+    from frontend.openai.app import Backend
+
+    direct, backend, seed = _GrpcSession(url), Backend(url, [MODEL]), 10 ** 6
+    sampling = {"temperature": 0.0, "max_tokens": PIECES, "ignore_eos": True}
+    ttft, latency = [], []
+    try:
+        for i in range(warm + pairs):
+            pair = {}
+            for path in ("grpc", "backend") if i % 2 == 0 else ("backend", "grpc"):
+                messages, seed = _messages(seed, 1, (96, 96)), seed + 1
+                started = time.perf_counter()
+                if path == "grpc":
+                    sample, error = await direct.one(MODEL, GenerateInputs(messages=messages, sampling=sampling))
+                    if error is not None:
+                        raise RuntimeError(error)
+                    pair[path] = (sample.ttft, sample.latency)
+                    continue
+                body = {"model": MODEL, "messages": messages, "max_tokens": PIECES, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                first = None
+                async for piece in backend.generate(translate.chat_call(body, {MODEL})):
+                    first = first or (time.perf_counter() - started if piece.text else None)
+                    if piece.final:
+                        break
+                pair[path] = (first, time.perf_counter() - started)
+            if i >= warm:
+                ttft.append((pair["backend"][0] - pair["grpc"][0]) * 1000)
+                latency.append((pair["backend"][1] - pair["grpc"][1]) * 1000)
+    finally:
+        await direct.close()
+        await backend.close()
+    return {"ttft_diff_ms": median_interval(ttft), "latency_diff_ms": median_interval(latency)}
+
+
 def _wait(port: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,6 +146,7 @@ def _wait(port: int, timeout: float = 60.0) -> None:
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="per app, after 20 not counted")
+    parser.add_argument("--grpc-url", help="a running tritonserver's gRPC host:port: measure the gRPC side instead")
     parser.add_argument("--serve", choices=("endpoint", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -108,6 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         uvicorn.run(endpoint_app() if args.serve == "endpoint" else bare_app(), host="127.0.0.1", port=args.port,
                     log_level="warning")
         return {}
+    if args.grpc_url:
+        diffs = asyncio.run(grpc_side(args.grpc_url, args.requests))
+        print(f"the endpoint's Backend in process - plain gRPC, {args.requests} pairs, model {MODEL}: " + ", ".join(
+            f"{name.removesuffix('_diff_ms')} {m:+.2f} ms [{lo:+.2f}, {hi:+.2f}]" for name, (m, lo, hi) in diffs.items()))
+        return diffs
     from backend.deploy.ports import free_ports
 
     ports = dict(zip(("endpoint", "bare"), free_ports(2)))

@@ -329,3 +329,16 @@ def test_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(tmp
             control.close()
         assert _health(base)[0] == 200
         assert sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY).choices[0].message.content
+
+
+def test_the_floor_tool_measures_the_endpoint_s_grpc_side_against_the_session_server(server):
+    """``clients.tools.openai_http_floor --grpc-url``: the endpoint's ``Backend`` in process, paired with the plain
+    gRPC client on ``epd``: both paths answer every request (a failed one raises), and the differences come with
+    their intervals (a short run: this checks the tool, not the figures)."""
+    import asyncio
+
+    from clients.tools.openai_http_floor import grpc_side
+
+    diffs = asyncio.run(grpc_side(server.grpc_url, pairs=4, warm=1))
+    for median, low, high in diffs.values():
+        assert low <= median <= high and abs(median) < 1000
