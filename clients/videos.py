@@ -39,29 +39,20 @@ def make_h264_video(width: int = 448, height: int = 448, frames: int = 30, fps: 
     """An H.264 MP4 (PyAV's libx264, crf 18, yuv420p) of ``frames`` frames: random pixels (``noise``: every level of
     every plane, what a converter can get wrong) or smooth moving gradients (phase by ``seed``); ``tags``: x264 VUI colour parameters
     (``"colormatrix=bt709:colorprim=bt709:transfer=bt709"``; "" untagged)."""
-    import io
-
-    import av
+    from backend.request.video import h264_mp4
 
     rng = np.random.default_rng(seed)
     shift = rng.integers(0, 256, 3)  # the gradients' phase: another seed, another video
     y, x = np.mgrid[0:height, 0:width]
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "18", **({"x264-params": tags} if tags else {})}
-        for index in range(frames):
-            if noise:
-                frame = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-            else:
-                frame = np.stack([(x + 4 * index + shift[0]) % 256, (y + 2 * index + shift[1]) % 256,
-                                  ((x + y) // 2 + 8 * index + shift[2]) % 256], -1).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, "rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
+
+    def frame(index: int) -> np.ndarray:
+        if noise:
+            return rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        return np.stack([(x + 4 * index + shift[0]) % 256, (y + 2 * index + shift[1]) % 256,
+                         ((x + y) // 2 + 8 * index + shift[2]) % 256], -1).astype(np.uint8)
+
+    return h264_mp4((frame(i) for i in range(frames)), width, height, fps,
+                    {"crf": "18", **({"x264-params": tags} if tags else {})})
 
 
 def opencv_frames(data: bytes) -> np.ndarray:

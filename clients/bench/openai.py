@@ -165,37 +165,57 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(ordered), ordered[k], ordered[min(n - 1, n - 1 - k)]
 
 
+async def paired(ask: dict, pairs: int, warm: int, seed: int, images: int, size: tuple[int, int]) -> dict[str, list]:
+    """``pairs`` pairs of one-at-a-time requests after ``warm`` not counted, one request per path of ``ask`` (name ->
+    ``async (messages) -> Sample``) in each pair, which goes first alternating, fresh images each; per path its
+    counted samples, pair by pair."""
+    got = {path: [] for path in ask}
+    order = list(ask)
+    for i in range(warm + pairs):
+        for path in order if i % 2 == 0 else order[::-1]:
+            messages, seed = _messages(seed, images, size), seed + 1
+            sample = await ask[path](messages)
+            if i >= warm:
+                got[path].append(sample)
+    return got
+
+
+def paired_diffs(got: dict[str, list], path: str, base: str) -> dict[str, tuple[float, float, float]]:
+    """``path``'s latency and TTFT less ``base``'s, pair by pair, in ms: their medians with 95% intervals."""
+    pairs = list(zip(got[path], got[base]))
+    return {"latency_diff_ms": median_interval([(a.latency - b.latency) * 1000 for a, b in pairs]),
+            "ttft_diff_ms": median_interval([(a.ttft - b.ttft) * 1000 for a, b in pairs])}
+
+
+def _checked(path: str, outcome: tuple) -> Sample:
+    sample, error = outcome
+    if error is not None:
+        raise RuntimeError(f"{path}: {error}")
+    return sample
+
+
 async def measure_paired(grpc_url: str, openai_url: str, args, seed: int, warm: int = 10) -> dict:
-    """``args.paired`` pairs (after ``warm`` pairs not counted): per pair, the endpoint's latency and TTFT less
-    gRPC's, in ms."""
+    """``args.paired`` pairs (``paired``) of a gRPC and an endpoint request: per pair, the endpoint's latency and TTFT
+    less gRPC's, in ms."""
     import aiohttp
 
     size = tuple(int(v) for v in args.image_size.split("x"))
-    grpc, diffs, ttfts, lat = _GrpcSession(grpc_url), [], [], {"grpc": [], "openai": []}
+    grpc = _GrpcSession(grpc_url)
     sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            for i in range(warm + args.paired):
-                pair = {}
-                for path in (("grpc", "openai") if i % 2 == 0 else ("openai", "grpc")):
-                    messages, seed = _messages(seed, args.images, size), seed + 1
-                    if path == "grpc":
-                        sample, error = await grpc.one(args.model, GenerateInputs(messages=messages, sampling=sampling))
-                    else:
-                        sample, error = await _openai_one(session, openai_url, args.model, messages, args.max_tokens)
-                    if error is not None:
-                        raise RuntimeError(f"{path}: {error}")
-                    pair[path] = sample
-                if i >= warm:
-                    diffs.append((pair["openai"].latency - pair["grpc"].latency) * 1000)
-                    ttfts.append((pair["openai"].ttft - pair["grpc"].ttft) * 1000)
-                    for path, sample in pair.items():
-                        lat[path].append(sample.latency * 1000)
+            async def by_grpc(messages):
+                return _checked("grpc", await grpc.one(args.model, GenerateInputs(messages=messages, sampling=sampling)))
+
+            async def by_openai(messages):
+                return _checked("openai", await _openai_one(session, openai_url, args.model, messages, args.max_tokens))
+
+            got = await paired({"grpc": by_grpc, "openai": by_openai}, args.paired, warm, seed, args.images, size)
     finally:
         await grpc.close()
-    return {"pairs": args.paired, "grpc_p50_ms": statistics.median(lat["grpc"]),
-            "openai_p50_ms": statistics.median(lat["openai"]), "latency_diff_ms": median_interval(diffs),
-            "ttft_diff_ms": median_interval(ttfts)}
+    return {"pairs": args.paired, "grpc_p50_ms": statistics.median(s.latency * 1000 for s in got["grpc"]),
+            "openai_p50_ms": statistics.median(s.latency * 1000 for s in got["openai"]),
+            **paired_diffs(got, "openai", "grpc")}
 
 
 ENDPOINT_FIGURES = {"openai_added_seconds": "on the request's path", "openai_own_seconds": "all of its own"}

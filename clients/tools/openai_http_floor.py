@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -92,44 +92,39 @@ async def measure(urls: dict[str, str], requests: int, warm: int = 20) -> dict[s
 
 
 async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[float, float, float]]:
-    """``pairs`` pairs: the endpoint's ``Backend.generate`` in this process against ``clients.bench.openai``'s gRPC
-    session, the same chat request each way (fresh images); median (TTFT, latency) differences in ms, with the 95%
-    intervals (``median_interval``)."""
-    from clients.bench.openai import _GrpcSession, _messages, median_interval
+    """``pairs`` pairs (``clients.bench.openai.paired``): the endpoint's ``Backend.generate`` in this process against
+    the benchmark's gRPC session, the same chat request each way; median (TTFT, latency) differences in ms, with
+    their 95% intervals."""
+    from clients.bench.openai import _GrpcSession, _checked, paired, paired_diffs
+    from clients.bench.report import Sample
     from clients.triton_client import GenerateInputs
     from frontend.openai import translate
     from frontend.openai.app import Backend
 
-    direct, backend, seed = _GrpcSession(url), Backend(url, [MODEL]), 10 ** 6
+    direct, backend = _GrpcSession(url), Backend(url, [MODEL])
     sampling = {"temperature": 0.0, "max_tokens": PIECES, "ignore_eos": True}
-    ttft, latency = [], []
+
+    async def by_grpc(messages):
+        return _checked("grpc", await direct.one(MODEL, GenerateInputs(messages=messages, sampling=sampling)))
+
+    async def by_backend(messages):
+        body = {"model": MODEL, "messages": messages, "max_tokens": PIECES, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        started, first, pieces = time.perf_counter(), None, 0
+        async for piece in backend.generate(translate.chat_call(body, {MODEL})):
+            first = first or (time.perf_counter() - started if piece.text else None)
+            pieces += 1
+            if piece.final:
+                break
+        latency = time.perf_counter() - started
+        return Sample(first or latency, latency, PIECES, {}, pieces)
+
     try:
-        for i in range(warm + pairs):
-            pair = {}
-            for path in ("grpc", "backend") if i % 2 == 0 else ("backend", "grpc"):
-                messages, seed = _messages(seed, 1, (96, 96)), seed + 1
-                started = time.perf_counter()
-                if path == "grpc":
-                    sample, error = await direct.one(MODEL, GenerateInputs(messages=messages, sampling=sampling))
-                    if error is not None:
-                        raise RuntimeError(error)
-                    pair[path] = (sample.ttft, sample.latency)
-                    continue
-                body = {"model": MODEL, "messages": messages, "max_tokens": PIECES, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                first = None
-                async for piece in backend.generate(translate.chat_call(body, {MODEL})):
-                    first = first or (time.perf_counter() - started if piece.text else None)
-                    if piece.final:
-                        break
-                pair[path] = (first, time.perf_counter() - started)
-            if i >= warm:
-                ttft.append((pair["backend"][0] - pair["grpc"][0]) * 1000)
-                latency.append((pair["backend"][1] - pair["grpc"][1]) * 1000)
+        got = await paired({"grpc": by_grpc, "backend": by_backend}, pairs, warm, 10 ** 6, 1, (96, 96))
     finally:
         await direct.close()
         await backend.close()
-    return {"ttft_diff_ms": median_interval(ttft), "latency_diff_ms": median_interval(latency)}
+    return paired_diffs(got, "backend", "grpc")
 
 
 def _wait(port: int, timeout: float = 60.0) -> None:
