@@ -13,11 +13,10 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import sys
 from pathlib import Path
 
-from backend.engine.host import load_engine_args, prepare_process, private_ipc_dir
+from backend.engine.host import load_engine_args, prepare_process, private_ipc_dir, release_ipc_dir
 from backend.engine.logprobs import token_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ def main(cases_path: str, out_path: str) -> None:
     try:
         results = _generate(LLM(**args), cases_path, SamplingParams, Image)
     finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        release_ipc_dir(ipc_dir)
     Path(out_path).write_text(json.dumps(results))
 
 

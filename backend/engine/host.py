@@ -212,19 +212,33 @@ def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
 
 
 _IPC_BASE: str | None = None
+_IPC_ENV_BEFORE: str | None = None  # VLLM_RPC_BASE_PATH as this process found it (None: unset)
 
 
 def private_ipc_dir() -> str:
     """A new directory for vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, inherited by the EngineCore), under
     the one configured, else the temp directory. vLLM names its sockets ``<base>/<uuid4>`` and leaves the
     files behind: measured, 12 sockets left in /tmp by one start and stop of the ``llm`` test server, ~1,000
-    after a day of tests. The host removes its directory at shutdown."""
-    global _IPC_BASE
+    after a day of tests. Give it back with ``release_ipc_dir``."""
+    global _IPC_BASE, _IPC_ENV_BEFORE
     if _IPC_BASE is None:  # later hosts of this process: the same base, not an earlier host's directory
-        _IPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+        _IPC_ENV_BEFORE = os.environ.get("VLLM_RPC_BASE_PATH")
+        _IPC_BASE = _IPC_ENV_BEFORE or tempfile.gettempdir()
     path = tempfile.mkdtemp(prefix="epd-vllm-ipc-", dir=_IPC_BASE)
     os.environ["VLLM_RPC_BASE_PATH"] = path
     return path
+
+
+def release_ipc_dir(path: str) -> None:
+    """Remove a ``private_ipc_dir`` and, where the environment still names it, put back what it said before:
+    a process started afterwards (seen: a test's tritonserver after an engine test in the same pytest process)
+    would otherwise inherit a removed directory as its base and fail every engine's start in mkdtemp."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.environ.get("VLLM_RPC_BASE_PATH") == path:
+        if _IPC_ENV_BEFORE is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH")
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = _IPC_ENV_BEFORE
 
 
 class EngineHost:
@@ -329,7 +343,7 @@ class EngineHost:
         del engine
         gc.collect()
         if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            release_ipc_dir(self._ipc_dir)
 
     def _stop_quietly(self, engine) -> None:
         """``engine.shutdown()``, using two AsyncLLM internals where ``QUIET_SHUTDOWN`` allows: the output handler

@@ -54,3 +54,37 @@ def test_a_teardown_that_hangs_after_finalize_is_cut_at_the_bound():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and time.monotonic() - started < 30, (done.returncode, done.stderr[-2000:])
     assert "Timeout (0:00:01)!" in done.stderr and "__del__" in done.stderr, done.stderr[-2000:]
+
+
+IPC = r'''
+import os, subprocess, sys
+from backend.engine.host import private_ipc_dir, release_ipc_dir
+
+before = os.environ.get("VLLM_RPC_BASE_PATH")
+first = private_ipc_dir()
+assert os.environ["VLLM_RPC_BASE_PATH"] == first and os.path.isdir(first)
+release_ipc_dir(first)
+assert not os.path.exists(first)
+assert os.environ.get("VLLM_RPC_BASE_PATH") == before, os.environ.get("VLLM_RPC_BASE_PATH")
+# a process started now (a tritonserver whose stubs host engines) makes its own directory
+child = "from backend.engine.host import private_ipc_dir, release_ipc_dir; release_ipc_dir(private_ipc_dir())"
+subprocess.run([sys.executable, "-c", child], check=True)
+second = private_ipc_dir()  # a later host of this process: under the same base again
+assert os.path.dirname(second) == os.path.dirname(first)
+release_ipc_dir(second)
+print("ok")
+'''
+
+
+def test_a_released_ipc_dir_is_not_left_in_the_environment(tmp_path):
+    """An engine host's private directory for vLLM's sockets is removed at its stop; the environment must not keep
+    naming it, or a process started later inherits a removed base: on the H200 an engine test followed by a served
+    test in one pytest process failed every engine's start (mkdtemp: No such file or directory)."""
+    for base in (None, str(tmp_path)):
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+        if base:
+            env["VLLM_RPC_BASE_PATH"] = base
+        out = subprocess.run([sys.executable, "-c", IPC], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
