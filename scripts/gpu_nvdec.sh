@@ -15,11 +15,13 @@ tests)
     ;;
 bench)
     size=${2:-448x448}; fps=${3:-2}
+    # the log is written as it goes, so a run cut short by the device's time still brings back how far it got
+    export PYTHONUNBUFFERED=1
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # the tiny checkpoint says 4096 positions, the topology 32768; requests stay below
     timeout 580 .venv/bin/python -m clients.bench.e2e --topology topologies/checkpoint-gpu.yaml --compile \
         --models epd,epd_nvdec --modalities video --video-codec h264 --video-size "$size" --video-frames 30 \
         --video-fps "$fps" --max-tokens 64 --concurrency 4,16 --requests 32 --warmup 8 --no-progress \
-        --out "${OUT:-/tmp}/nvdec-$size-$fps" 2>&1 | tail -40
+        --out "${OUT:-/tmp}/nvdec-$size-$fps" 2>&1 | tee "${OUT:-/tmp}/nvdec-$size-$fps.log" | tail -40
     ;;
 *) echo "usage: $0 tests | bench WxH FPS" >&2; exit 2 ;;
 esac
