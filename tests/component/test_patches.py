@@ -102,6 +102,41 @@ def test_gloo_groups_of_a_real_engine_core_share_one_device(engines):
     assert engines["vllm"][0]["gloo_loops"] > 1
 
 
+STOP = r'''
+import json, os, time
+from pathlib import Path
+import psutil
+from backend.engine.host import EngineHost, _engine_process, load_engine_args
+from backend.request.generate import GenerateRequest
+
+def stop_one(quick):
+    os.environ["EPD_ENGINE_QUICK_EXIT"] = quick  # the EngineCore spawned next reads it when it loads the plugin
+    host = EngineHost.start(load_engine_args(Path("model_repository/pd/model.json")))
+    async def run():
+        request = GenerateRequest("Describe a cat.", None, (), {"temperature": 0.0, "max_tokens": 2})
+        return [delta async for delta in host.generate(request, "one")][-1]
+    host.submit(run()).result(timeout=300)
+    [core] = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
+    started = time.monotonic()
+    host.shutdown()
+    return {"stop": time.monotonic() - started, "left": psutil.pid_exists(core.pid)}
+
+print(json.dumps({"own": stop_one("0"), "quick": stop_one("1")}))
+'''
+
+
+def test_a_stopped_real_engine_core_exits_without_the_interpreter_s_teardown():
+    """The quick exit: an EngineCore asked to stop exits once its shutdown is done, without tearing its
+    interpreter's heap down (measured on 2 cores: the host's stop 3.6-4.2 s -> 1.6 s, a server's stop 10.0 ->
+    7.4 s); the engine served first, and nothing of it is left."""
+    pytest.importorskip("vllm")
+    stops, log = _run(STOP, {})
+    own, quick = stops["own"], stops["quick"]
+    assert not own["left"] and not quick["left"]
+    assert quick["stop"] < own["stop"] * 0.75, (quick, own)
+    assert "epd patch" not in log, log[-2000:]  # not skipped on the version installed here
+
+
 AGENT = r'''
 import json, sys, time
 from backend.transfer import agent

@@ -73,6 +73,24 @@ def test_idle_wait_outside_its_range_leaves_vllm_alone(installed, caplog):
     assert line.endswith(IDLE_WAIT.cost) and "steps every 1 ms" in line
 
 
+def test_quick_exit_leaves_vllm_alone_outside_its_range_and_in_the_calling_process(installed, caplog, monkeypatch):
+    core = pytest.importorskip("vllm.v1.engine.core")
+    import multiprocessing
+
+    from backend.engine.patches import QUICK_EXIT, patch_quick_exit
+
+    real = core.EngineCoreProc.shutdown
+    patch_quick_exit()  # this process is no spawned EngineCore (an in-process LLM's engine would be here): never
+    assert core.EngineCoreProc.shutdown is real and not lines(caplog)
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # as in a spawned EngineCore
+    installed(vllm="0.33.0")
+    patch_quick_exit()
+    assert core.EngineCoreProc.shutdown is real
+    [line] = lines(caplog)
+    assert line.startswith("epd patch 'engine quick exit' skipped: vllm 0.33.0 is outside 0.32 <= version < 0.33")
+    assert line.endswith(QUICK_EXIT.cost)
+
+
 def test_gloo_device_outside_its_range_leaves_torch_alone(installed, caplog, monkeypatch):
     c10d = pytest.importorskip("torch.distributed.distributed_c10d")
     from backend.engine.patches import share_gloo_device
