@@ -109,6 +109,8 @@ def _exit_now() -> None:
     atexit._run_exitfuncs()
     util._exit_function()
     logging.shutdown()
+    print(f"epd quick exit: EngineCore pid {os.getpid()} stopped, leaving without the interpreter's teardown",
+          file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

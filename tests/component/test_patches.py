@@ -103,37 +103,32 @@ def test_gloo_groups_of_a_real_engine_core_share_one_device(engines):
 
 
 STOP = r'''
-import json, os, time
+import json, time
 from pathlib import Path
 import psutil
 from backend.engine.host import EngineHost, _engine_process, load_engine_args
 from backend.request.generate import GenerateRequest
 
-def stop_one(quick):
-    os.environ["EPD_ENGINE_QUICK_EXIT"] = quick  # the EngineCore spawned next reads it when it loads the plugin
-    host = EngineHost.start(load_engine_args(Path("model_repository/pd/model.json")))
-    async def run():
-        request = GenerateRequest("Describe a cat.", None, (), {"temperature": 0.0, "max_tokens": 2})
-        return [delta async for delta in host.generate(request, "one")][-1]
-    host.submit(run()).result(timeout=300)
-    [core] = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
-    started = time.monotonic()
-    host.shutdown()
-    return {"stop": time.monotonic() - started, "left": psutil.pid_exists(core.pid)}
-
-print(json.dumps({"own": stop_one("0"), "quick": stop_one("1")}))
+host = EngineHost.start(load_engine_args(Path("model_repository/pd/model.json")))
+async def run():
+    request = GenerateRequest("Describe a cat.", None, (), {"temperature": 0.0, "max_tokens": 2})
+    return [delta async for delta in host.generate(request, "one")][-1]
+host.submit(run()).result(timeout=300)
+[core] = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
+host.shutdown()
+print(json.dumps({"core": core.pid, "left": psutil.pid_exists(core.pid)}))
 '''
 
 
 def test_a_stopped_real_engine_core_exits_without_the_interpreter_s_teardown():
-    """The quick exit: an EngineCore asked to stop exits once its shutdown is done, without tearing its
-    interpreter's heap down (measured on 2 cores: the host's stop 3.6-4.2 s -> 1.6 s, a server's stop 10.0 ->
-    7.4 s); the engine served first, and nothing of it is left."""
+    """The quick exit (on for every stub: ``PROCESS_ENV_DEFAULTS``): a real EngineCore that served, asked to stop,
+    leaves once vLLM's shutdown has run, saying so, and nothing of it is left. What it saves was measured with
+    both values of ``EPD_ENGINE_QUICK_EXIT`` (2 cores: the host's stop 3.6-4.2 s -> 1.6 s, a default-topology
+    server's 10.0 -> 7.4 s and 8.7 -> 6.7 s, ``tests/e2e/test_shutdown.py -s``)."""
     pytest.importorskip("vllm")
-    stops, log = _run(STOP, {})
-    own, quick = stops["own"], stops["quick"]
-    assert not own["left"] and not quick["left"]
-    assert quick["stop"] < own["stop"] * 0.75, (quick, own)
+    stopped, log = _run(STOP, {})
+    assert not stopped["left"], stopped
+    assert f"epd quick exit: EngineCore pid {stopped['core']} stopped" in log, log[-3000:]
     assert "epd patch" not in log, log[-2000:]  # not skipped on the version installed here
 
 
