@@ -46,10 +46,12 @@ def _gemm_growth_mib(env_override: dict[str, str]) -> float:
 def test_gemm_primitives_for_new_shapes_are_not_kept():
     """300 new token counts through one GEMM: oneDNN's default cache kept ~0.6 MiB for each (measured
     +170 MiB); with the engine's process defaults the memory stays put."""
-    assert _gemm_growth_mib({}) < 40
-    # oneDNN's default, the control: +170 MiB typically, +83 MiB in one fresh-clone run (2026-12-01) on a loaded
-    # machine; twice the bound above either way
-    assert _gemm_growth_mib({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}) > 80
+    kept = _gemm_growth_mib({})
+    assert kept < 40
+    # oneDNN's default, the control: +170 MiB typically, +83 and +77 MiB in fresh-clone runs on a loaded machine
+    # (2026-12-01, 2026-12-03: the latter failed a fixed bound of 80); it must show growth the bound above catches
+    control = _gemm_growth_mib({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"})
+    assert control > 40 and control > 2 * kept, (control, kept)
 
 
 def test_engines_fed_embeddings_keep_no_multimodal_item_cache():
