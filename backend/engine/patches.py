@@ -4,11 +4,11 @@ the list, with why and what each saves: docs/architecture.md, "Patches of vLLM, 
 
 vLLM calls ``register`` in each of its processes that loads plugins (an EngineCore forked from one inherits what
 was patched there). Each patch is switched on by a variable, so other vLLM users are untouched:
-``EPD_ENGINE_QUICK_EXIT=1`` (set for every stub by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped
-EngineCore skips the interpreter's teardown (``patch_quick_exit``); ``EPD_GLOO_SHARED_DEVICE=1`` (set for every stub by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): gloo groups
-share one transport device (``share_gloo_device``); ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode``
-models set it): the EngineCore's idle wait (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and
-``decode``): the poll delay of the NIXL agents vLLM's NixlConnector creates
+``EPD_ENGINE_QUICK_EXIT=1`` and ``EPD_GLOO_SHARED_DEVICE=1`` (both set for every stub by
+``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
+(``patch_quick_exit``); gloo groups share one transport device (``share_gloo_device``);
+``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
+(``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL agents vLLM's NixlConnector creates
 (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG`` naming a directory: each EngineCore
 writes memory reports there (``backend.diagnostics.memdebug``).
 """
@@ -28,8 +28,8 @@ IDLE_WAIT = Guard("engine idle wait", "vllm", "0.26", "0.33",
 GLOO_DEVICE = Guard("shared gloo device", "torch", "2.11", "2.14",
                     "each gloo process group keeps a transport device of its own whose loop thread wakes every "
                     "10 ms: ~1,300 wake-ups a second, ~1.2% of a core per idle engine")
-# Checked on vLLM 0.32 (CPU): EngineCoreProc.shutdown, has_work and EngineShutdownState; 0.26 not looked at (the
-# guard skips the patch, logged, where they differ).
+# Checked on vLLM 0.32 (CPU): EngineCoreProc.shutdown (run in run_engine_core's finally) and EngineShutdownState;
+# 0.26 not looked at (outside the range: skipped, logged).
 QUICK_EXIT = Guard("engine quick exit", "vllm", "0.32", "0.33",
                    "a stopped EngineCore spends ~2-3 s more tearing down its interpreter (2 cores), which every "
                    "model unload and server stop waits for")
@@ -70,13 +70,12 @@ def patch_idle_wait(seconds: float) -> None:
 
 def patch_quick_exit() -> None:
     """An EngineCore process that was asked to stop (its shutdown state SHUTTING_DOWN: a SIGTERM or a shutdown
-    request, not a failure) exits once its ``EngineCore.shutdown`` is done (connector, workers, distributed groups
-    torn down): atexit handlers
-    and multiprocessing's exit function run, the streams are flushed, then ``os._exit(0)``, without the
-    interpreter's own teardown of the heap (torch, vLLM, the model). Measured on 2 cores, the tiny model's
-    engine: ``EngineHost.shutdown`` 3.6-4.2 s -> 1.6 s; a NIXL producer's EngineCore, which vLLM killed at its
-    5 s grace, now exits 0 (tests/component/test_patches.py). An engine in the calling process (an in-process
-    ``LLM``) is never touched; an engine that fails exits as vLLM makes it.
+    request, not a failure) exits once its ``shutdown`` is done (connector, workers, distributed groups torn
+    down): atexit handlers and multiprocessing's exit function run, the streams are flushed, then ``os._exit(0)``,
+    without the interpreter's own teardown of the heap (torch, vLLM, the model). Measured on 2 cores, the tiny
+    model's engine: ``EngineHost.shutdown`` 3.6-4.2 s -> 1.6 s. An engine whose busy loop never ends (a NIXL
+    producer holding KV nobody reads) does not get here and is still killed by vLLM at its 5 s grace. An engine in
+    the calling process (an in-process ``LLM``) is never touched; an engine that fails exits as vLLM makes it.
     Idempotent."""
     import multiprocessing
 
@@ -85,7 +84,7 @@ def patch_quick_exit() -> None:
     if multiprocessing.parent_process() is None:  # not a spawned EngineCore
         return
     if not (QUICK_EXIT.allows(core, "EngineShutdownState")
-            and QUICK_EXIT.allows(core.EngineCoreProc, "shutdown", "run_engine_core")):
+            and QUICK_EXIT.allows(core.EngineCoreProc, "shutdown")):
         return
     real = core.EngineCoreProc.shutdown
     if getattr(real, "epd_quick_exit", False):
