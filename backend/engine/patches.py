@@ -9,8 +9,8 @@ was patched there). Each patch is switched on by a variable, so other vLLM users
 (``patch_quick_exit``); gloo groups share one transport device (``share_gloo_device``);
 ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
-agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG`` naming a directory: each EngineCore
-writes memory reports there (``backend.diagnostics.memdebug``).
+agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG``
+naming a directory: each EngineCore writes memory reports there (``backend.diagnostics.memdebug``).
 """
 from __future__ import annotations
 
