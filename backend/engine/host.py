@@ -214,6 +214,7 @@ def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
     return exc
 
 
+_IPC_PREFIX = "epd-vllm-ipc-"
 _IPC_BASE: str | None = None
 _IPC_ENV_BEFORE: str | None = None  # VLLM_RPC_BASE_PATH as this process found it (None: unset)
 
@@ -227,9 +228,37 @@ def private_ipc_dir() -> str:
     if _IPC_BASE is None:  # later hosts of this process: the same base, not an earlier host's directory
         _IPC_ENV_BEFORE = os.environ.get("VLLM_RPC_BASE_PATH")
         _IPC_BASE = _IPC_ENV_BEFORE or tempfile.gettempdir()
-    path = tempfile.mkdtemp(prefix="epd-vllm-ipc-", dir=_IPC_BASE)
+    _remove_orphaned_ipc_dirs(_IPC_BASE)
+    path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{_process_stamp(os.getpid())}-", dir=_IPC_BASE)
     os.environ["VLLM_RPC_BASE_PATH"] = path
     return path
+
+
+def _process_stamp(pid: int) -> str | None:
+    """``<pid>-<start time in centiseconds>``: names one process, not a later one given the same pid."""
+    import psutil
+
+    try:
+        return f"{pid}-{round(psutil.Process(pid).create_time() * 100)}"
+    except psutil.Error:
+        return None
+
+
+def _remove_orphaned_ipc_dirs(base: str) -> None:
+    """Remove the private directories whose process is gone: a stub killed (a host lost, Triton's exit timeout, a
+    SIGKILL) never reaches ``release_ipc_dir``; measured, each fresh-clone CI run left one (test_hosts kills a
+    host's tritonserver). A directory's name carries its process's pid and start time
+    (``epd-vllm-ipc-<pid>-<start>-<random>``); one whose process still runs, or that is named otherwise, is left.
+    This assumes the processes sharing ``base`` share one pid namespace (a container has its own temp directory)."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_IPC_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid, _, rest = name[len(_IPC_PREFIX):].partition("-")
+        start = rest.partition("-")[0]
+        if pid.isdigit() and start.isdigit() and _process_stamp(int(pid)) != f"{pid}-{start}":
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def release_ipc_dir(path: str) -> None:

@@ -88,3 +88,25 @@ def test_a_released_ipc_dir_is_not_left_in_the_environment(tmp_path):
                              timeout=120)
         assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_the_ipc_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):
+    """A stub killed with its engine (a host lost, Triton's exit timeout) never releases its directory; the next
+    ``private_ipc_dir`` under the same base removes it, and leaves a live process's and a foreign name alone."""
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": str(tmp_path)}
+    hold = "from backend.engine.host import private_ipc_dir; import sys, time; print(private_ipc_dir(), flush=True); time.sleep(600)"
+    killed = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        orphan, kept = killed.stdout.readline().strip(), live.stdout.readline().strip()
+        killed.kill()
+        killed.wait(timeout=30)
+        (tmp_path / "epd-vllm-ipc-someone-elses").mkdir()
+        assert os.path.isdir(orphan) and os.path.isdir(kept)
+        subprocess.run([sys.executable, "-c", "from backend.engine.host import private_ipc_dir, release_ipc_dir;"
+                        "release_ipc_dir(private_ipc_dir())"], cwd=ROOT, env=env, check=True, timeout=120)
+        assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(kept), "epd-vllm-ipc-someone-elses"])
+    finally:
+        for proc in (killed, live):
+            proc.kill()
+            proc.wait(timeout=30)
