@@ -15,6 +15,11 @@ parameters and kept streams as the endpoint sends) driven in this process, paire
 client (one request each way per pair, alternating which goes first), the median differences with their intervals:
 
     .venv/bin/python -m clients.tools.openai_http_floor --grpc-url 127.0.0.1:8001 --requests 150
+
+Both applications alone (``--in-process``): each called through ASGI in this process, no uvicorn, no client, no
+socket, the same body; each one's CPU per request (the endpoint's code against a bare app's, on and off the path):
+
+    .venv/bin/python -m clients.tools.openai_http_floor --in-process --requests 2000
 """
 from __future__ import annotations
 
@@ -91,6 +96,52 @@ async def measure(urls: dict[str, str], requests: int, warm: int = 20) -> dict[s
             for name, (t, lat) in got.items()}
 
 
+async def in_process(requests: int, warm: int = 50) -> dict[str, dict[str, float]]:
+    """Each app called ``requests`` times through ASGI directly (no server, no client), alternating in blocks; per app
+    the mean time per request in ms, and the body of its answer (checked by the caller: every SSE document, [DONE]
+    last)."""
+    import json
+
+    from clients.bench.openai import _messages
+
+    body = json.dumps({"model": MODEL, "messages": _messages(1, 1, (96, 96)), "max_tokens": PIECES,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "root_path": ""}
+
+    async def call(app) -> bytes:
+        sent, out = False, []
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client never leaves: the app ends the exchange
+
+        async def send(message):
+            out.append(message.get("body", b""))
+
+        await app(dict(scope), receive, send)
+        return b"".join(out)
+
+    apps, spent = {"endpoint": endpoint_app(), "bare": bare_app()}, {"endpoint": 0.0, "bare": 0.0}
+    answers = {name: await call(app) for name, app in apps.items()}
+    block = max(1, min(100, requests // 10))
+    for done in range(-warm, requests, block):
+        for name, app in apps.items():
+            started = time.perf_counter()
+            for _ in range(block):
+                await call(app)
+            if done >= 0:
+                spent[name] += time.perf_counter() - started
+    counted = len(range(0, requests, block)) * block
+    return {name: {"ms_per_request": spent[name] / counted * 1000, "answer": answers[name].decode()} for name in apps}
+
+
 async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[float, float, float]]:
     """``pairs`` pairs (``clients.bench.openai.paired``): the endpoint's ``Backend.generate`` in this process against
     the benchmark's gRPC session, the same chat request each way; median (TTFT, latency) differences in ms, with
@@ -142,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="per app, after 20 not counted")
     parser.add_argument("--grpc-url", help="a running tritonserver's gRPC host:port: measure the gRPC side instead")
+    parser.add_argument("--in-process", action="store_true",
+                        help="call both apps through ASGI in this process (no server, no client): CPU per request")
     parser.add_argument("--serve", choices=("endpoint", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -156,6 +209,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         print(f"the endpoint's Backend in process - plain gRPC, {args.requests} pairs, model {MODEL}: " + ", ".join(
             f"{name.removesuffix('_diff_ms')} {m:+.2f} ms [{lo:+.2f}, {hi:+.2f}]" for name, (m, lo, hi) in diffs.items()))
         return diffs
+    if args.in_process:
+        result = asyncio.run(in_process(args.requests))
+        print(f"{args.requests} requests each through ASGI in this process, {PIECES} pieces, a 96x96 PNG per request")
+        for name, row in result.items():
+            print(f"{name}: {row['ms_per_request']:.3f} ms a request")
+        print(f"the endpoint's own code: {result['endpoint']['ms_per_request'] - result['bare']['ms_per_request']:+.3f}"
+              " ms of CPU a request (on the path and off it)")
+        return result
     from backend.deploy.ports import free_ports
 
     ports = dict(zip(("endpoint", "bare"), free_ports(2)))
