@@ -94,7 +94,8 @@ def test_the_ipc_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):
     """A stub killed with its engine (a host lost, Triton's exit timeout) never releases its directory; the next
     ``private_ipc_dir`` under the same base removes it, and leaves a live process's and a foreign name alone."""
     env = {**os.environ, "VLLM_RPC_BASE_PATH": str(tmp_path)}
-    hold = "from backend.engine.host import private_ipc_dir; import sys, time; print(private_ipc_dir(), flush=True); time.sleep(600)"
+    hold = ("from backend.engine.host import private_ipc_dir; import time\n"
+            "print(private_ipc_dir(), flush=True); time.sleep(600)")
     killed = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     live = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
