@@ -235,13 +235,15 @@ def private_ipc_dir() -> str:
 
 
 def _process_stamp(pid: int) -> str | None:
-    """``<pid>-<start time in centiseconds>``: names one process, not a later one given the same pid."""
-    import psutil
-
+    """``<pid>-<start time>``: names one process, not a later one given the same pid. The start time is the
+    kernel's, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd field), which no change of the wall clock moves
+    (psutil's ``create_time`` adds a boot time read from the wall clock). None: no such process (or no /proc)."""
     try:
-        return f"{pid}-{round(psutil.Process(pid).create_time() * 100)}"
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
         return None
+    return f"{pid}-{int(fields[19])}"  # field 22 overall; the split starts at field 3 (the state)
 
 
 def _remove_orphaned_ipc_dirs(base: str) -> None:
