@@ -130,7 +130,7 @@ async def in_process(requests: int, warm: int = 50) -> dict[str, dict[str, float
 
     apps, spent = {"endpoint": endpoint_app(), "bare": bare_app()}, {"endpoint": 0.0, "bare": 0.0}
     answers = {name: await call(app) for name, app in apps.items()}
-    block = max(1, min(100, requests // 10))
+    block, counted = max(1, min(100, requests // 10)), 0
     for done in range(-warm, requests, block):
         for name, app in apps.items():
             started = time.perf_counter()
@@ -138,7 +138,7 @@ async def in_process(requests: int, warm: int = 50) -> dict[str, dict[str, float
                 await call(app)
             if done >= 0:
                 spent[name] += time.perf_counter() - started
-    counted = len(range(0, requests, block)) * block
+        counted += block if done >= 0 else 0
     return {name: {"ms_per_request": spent[name] / counted * 1000, "answer": answers[name].decode()} for name in apps}
 
 
