@@ -41,9 +41,15 @@ def _messages(seed: int, images: int, size: tuple[int, int]) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": f"Request {seed}: what is in it?"}]}]
 
 
-async def _openai_one(session, url: str, model: str, messages, max_tokens: int) -> tuple[Sample | None, str | None]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+def chat_body(model: str, messages, max_tokens: int) -> dict:
+    """The benchmark's chat request: greedy, ``max_tokens`` tokens whatever the text (``ignore_eos``), streamed with
+    the usage chunk."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _openai_one(session, url: str, model: str, messages, max_tokens: int) -> tuple[Sample | None, str | None]:
+    body = chat_body(model, messages, max_tokens)
     started, ttft, tokens, responses = time.perf_counter(), None, 0, 0
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:

@@ -102,11 +102,9 @@ async def in_process(requests: int, warm: int = 50) -> dict[str, dict[str, float
     last)."""
     import json
 
-    from clients.bench.openai import _messages
+    from clients.bench.openai import _messages, chat_body
 
-    body = json.dumps({"model": MODEL, "messages": _messages(1, 1, (96, 96)), "max_tokens": PIECES,
-                       "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(chat_body(MODEL, _messages(1, 1, (96, 96)), PIECES)).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
@@ -146,7 +144,7 @@ async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[flo
     """``pairs`` pairs (``clients.bench.openai.paired``): the endpoint's ``Backend.generate`` in this process against
     the benchmark's gRPC session, the same chat request each way; median (TTFT, latency) differences in ms, with
     their 95% intervals."""
-    from clients.bench.openai import _GrpcSession, _checked, paired, paired_diffs
+    from clients.bench.openai import _GrpcSession, _checked, chat_body, paired, paired_diffs
     from clients.bench.report import Sample
     from clients.triton_client import GenerateInputs
     from frontend.openai import translate
@@ -159,8 +157,7 @@ async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[flo
         return _checked("grpc", await direct.one(MODEL, GenerateInputs(messages=messages, sampling=sampling)))
 
     async def by_backend(messages):
-        body = {"model": MODEL, "messages": messages, "max_tokens": PIECES, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = chat_body(MODEL, messages, PIECES)
         started, first, pieces = time.perf_counter(), None, 0
         async for piece in backend.generate(translate.chat_call(body, {MODEL})):
             first = first or (time.perf_counter() - started if piece.text else None)
