@@ -114,6 +114,35 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill_leaving_trackers_last(pgid: int, members: list[int]) -> None:
+    """SIGKILL ``members`` of process group ``pgid`` but multiprocessing's resource trackers, give the trackers 3 s
+    to exit on their own, then SIGKILL what is left of the group. A tracker unlinks what the processes it served
+    registered (an EngineCore's ``/dev/shm/sem.mp-*``) once they are all gone; killed with them, it leaves that
+    behind (CI, 2026-12-03: a pd stub's EngineCore and its tracker outlived the server and one semaphore stayed)."""
+    trackers = [pid for pid in members if _is_resource_tracker(pid)]
+    for pid in set(members) - set(trackers):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 3
+    while trackers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        trackers = [pid for pid in trackers if pid in group_members(pgid)]
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    time.sleep(0.2)
+
+
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 
 
@@ -277,11 +306,7 @@ class TritonServer:
                 except ProcessLookupError:
                     pass
             time.sleep(1.0)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            time.sleep(0.2)
+            _kill_leaving_trackers_last(self.proc.pid, left)
         # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.

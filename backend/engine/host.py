@@ -61,6 +61,9 @@ PROCESS_ENV_DEFAULTS = {
     # A stopped EngineCore exits once its clean shutdown is done, without the interpreter's teardown of its heap:
     # every unload and server stop waited 2-3 s more per engine for it (backend.engine.patches.patch_quick_exit).
     "EPD_ENGINE_QUICK_EXIT": "1",
+    # An EngineCore exits when its stub is gone, however the stub ended: vLLM only ever stops it from the stub, so a
+    # stub killed, or ended by tritonserver's exit timeout, left it running (backend.engine.patches.follow_parent).
+    "EPD_ENGINE_FOLLOW_PARENT": "1",
 }
 
 # Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU: AsyncLLM.shutdown and its output_handler task are the same code);
@@ -146,6 +149,19 @@ def bound_the_exit(seconds: float = EXIT_WATCHDOG_SECONDS) -> None:
     left), so tritonserver waited out its 30 s exit timeout and exited with the stub still running. Normal teardown
     takes well under a second, so the bound never cuts one short."""
     faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+FINALIZE_STACKS_SECONDS = 20.0
+
+
+def report_a_slow_finalize(seconds: float = FINALIZE_STACKS_SECONDS) -> None:
+    """Called first in a vLLM model's ``finalize``: if the stub has not reached ``bound_the_exit`` ``seconds`` from
+    now, faulthandler prints every thread's stack into the server's log (from a C thread of its own that needs no
+    GIL), and the stub carries on. ``finalize`` stops the engine (vLLM's 5 s grace, then at most 5 s more:
+    ``stop_engine_processes``); tritonserver gives up on an unload after its 30 s exit timeout and the stub ends with
+    it, saying nothing of where it was. Measured (CI, 2026-12-03, tests/e2e/test_hosts.py): a pd stub did not
+    finish its unload in those 30 s, its EngineCore never asked to stop; this says where the next one is."""
+    faulthandler.dump_traceback_later(seconds, exit=False)
 
 
 @dataclass(frozen=True)

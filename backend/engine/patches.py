@@ -4,9 +4,10 @@ the list, with why and what each saves: docs/architecture.md, "Patches of vLLM, 
 
 vLLM calls ``register`` in each of its processes that loads plugins (an EngineCore forked from one inherits what
 was patched there). Each patch is switched on by a variable, so other vLLM users are untouched:
-``EPD_ENGINE_QUICK_EXIT=1`` and ``EPD_GLOO_SHARED_DEVICE=1`` (both set for every stub by
-``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
-(``patch_quick_exit``); gloo groups share one transport device (``share_gloo_device``);
+``EPD_ENGINE_QUICK_EXIT=1``, ``EPD_ENGINE_FOLLOW_PARENT=1`` and ``EPD_GLOO_SHARED_DEVICE=1`` (all set for every stub
+by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
+(``patch_quick_exit``); an EngineCore whose parent is gone exits (``follow_parent``, no patch: a thread of its
+own); gloo groups share one transport device (``share_gloo_device``);
 ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
 agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG``
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
+import time
 
 from backend.protocol.versions import Guard
 
@@ -102,7 +105,6 @@ def patch_quick_exit() -> None:
 def _exit_now() -> None:
     import atexit
     import logging
-    import sys
     from multiprocessing import util
 
     atexit._run_exitfuncs()
@@ -116,6 +118,44 @@ def _exit_now() -> None:
         except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
             pass
     os._exit(0)
+
+
+_FOLLOWING: list[int] = []  # the parent a thread of this process follows (follow_parent), once it runs
+
+
+def follow_parent() -> None:
+    """A spawned EngineCore exits (``os._exit(1)``) as soon as the process that started it, a Triton stub, is gone.
+
+    vLLM stops its EngineCore from the parent (``AsyncLLM.shutdown``) and nothing in the EngineCore notices the
+    parent's death: a stub that dies before that (killed, or ended by tritonserver at its exit timeout while its
+    ``finalize`` hung) left an idle EngineCore running for good, with its memory (GPU memory on a GPU) and its
+    multiprocessing resource tracker, which only unlinks the engine's ``/dev/shm/sem.mp-*`` once the engine is gone.
+    Seen in CI (2026-12-03, tests/e2e/test_hosts.py): a pd stub hung at unload, tritonserver exited after 30 s, the
+    stub ended, its EngineCore and tracker were still there 20 s later and were killed, the semaphore left behind.
+
+    A daemon thread waits on multiprocessing's sentinel of the parent (its end of the pipe the EngineCore was
+    started through: readable at the parent's exit, however it ended), so it costs no wake-ups; if the sentinel
+    closes while the parent still lives, it watches ``os.getppid()`` instead, once a second. Not an EngineCore
+    (no multiprocessing parent: a stub, an in-process ``LLM``): nothing. Idempotent."""
+    import multiprocessing
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None or _FOLLOWING:
+        return
+    _FOLLOWING.append(parent.pid)
+    threading.Thread(target=_exit_with, args=(parent.pid, parent.sentinel), name="epd-follow-parent",
+                     daemon=True).start()
+
+
+def _exit_with(pid: int, sentinel: int) -> None:
+    from multiprocessing.connection import wait
+
+    wait([sentinel])
+    while os.getppid() == pid:  # the parent let go of the pipe but lives on
+        time.sleep(1.0)
+    print(f"epd: EngineCore pid {os.getpid()}: its parent, pid {pid}, is gone; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def share_gloo_device() -> None:
@@ -152,6 +192,8 @@ def share_gloo_device() -> None:
 def register() -> None:
     if os.environ.get("EPD_ENGINE_QUICK_EXIT") == "1":
         patch_quick_exit()
+    if os.environ.get("EPD_ENGINE_FOLLOW_PARENT") == "1":
+        follow_parent()
     if os.environ.get("EPD_GLOO_SHARED_DEVICE") == "1":
         share_gloo_device()
     memdebug = os.environ.get("EPD_ENGINE_MEMDEBUG")

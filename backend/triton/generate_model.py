@@ -19,7 +19,8 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine.host import EngineHost, kv_transfer_config, load_engine_args, metadata_only_engine_args
+from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
+                                 metadata_only_engine_args, report_a_slow_finalize)
 from backend.protocol.errors import InvalidInput
 from backend.protocol.modality import modalities
 from backend.protocol.settings import EngineSettings, KvEngineSettings
@@ -125,6 +126,7 @@ class GenerateModel:
         return None
 
     def finalize(self) -> None:
+        report_a_slow_finalize()
         self.host.shutdown()
         self.cancels.close()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the
@@ -133,6 +135,8 @@ class GenerateModel:
         self.engine_metrics.close()
         self.metrics.close()
         del self.metrics, self.engine_metrics, self.metric_batch
+        # what a subclass's finalize does after this, and the stub's teardown, are bounded too
+        bound_the_exit()
 
 
 class MetadataOnlyModel(GenerateModel):

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -130,6 +131,60 @@ def test_a_stopped_real_engine_core_exits_without_the_interpreter_s_teardown():
     assert not stopped["left"], stopped
     assert f"epd quick exit: EngineCore pid {stopped['core']} stopped" in log, log[-3000:]
     assert "epd patch" not in log, log[-2000:]  # not skipped on the version installed here
+
+
+ORPHANED = r'''
+import json, time
+from pathlib import Path
+import psutil
+from backend.engine.host import EngineHost, _engine_process, load_engine_args
+
+host = EngineHost.start(load_engine_args(Path("model_repository/pd/model.json")))
+[core] = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
+print(json.dumps({"core": core.pid, "ipc": host._ipc_dir}), flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_real_engine_core_whose_host_is_killed_exits(tmp_path):
+    """``follow_parent`` (on for every stub: ``PROCESS_ENV_DEFAULTS``): the process hosting a real engine killed hard
+    (a stub killed, or ended by tritonserver's exit timeout while its finalize hung), its EngineCore exits on its
+    own within seconds, saying so; vLLM alone leaves it running for good (tests/unit/test_engine_shutdown.py has
+    that control on plain processes)."""
+    import shutil
+    import signal
+
+    import psutil
+
+    from backend.engine.host import _alive
+
+    pytest.importorskip("vllm")
+    log = tmp_path / "host.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as err:
+        host = subprocess.Popen([sys.executable, "-c", ORPHANED], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    core = started = None
+    try:
+        lines = iter(host.stdout.readline, "")  # vLLM logs to stdout too
+        started = next((json.loads(line) for line in lines if line.startswith('{"core"')), None)
+        assert started, log.read_text()[-4000:]
+        core = psutil.Process(started["core"])
+        host.send_signal(signal.SIGKILL)
+        host.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = _alive(core)
+    finally:
+        host.kill()
+        host.wait(10)
+        if core is not None and _alive(core):
+            core.kill()
+        if started:
+            shutil.rmtree(started["ipc"], ignore_errors=True)  # the killed host's: its release never ran
+    assert not running, log.read_text()[-3000:]
+    assert f"its parent, pid {host.pid}, is gone" in log.read_text(), log.read_text()[-3000:]
 
 
 AGENT = r'''

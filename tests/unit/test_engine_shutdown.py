@@ -1,10 +1,14 @@
-"""``backend.engine.host.stop_engine_processes`` on real processes: an engine process killed while it holds a POSIX
-semaphore (as vLLM's EngineCore holds tqdm's) leaves nothing in /dev/shm once its host exits, because
-multiprocessing's resource tracker is left to unlink it."""
+"""How an engine's processes end, on real processes: an engine process killed while it holds a POSIX semaphore (as
+vLLM's EngineCore holds tqdm's) leaves nothing in /dev/shm once its host exits, because multiprocessing's resource
+tracker is left to unlink it (``backend.engine.host.stop_engine_processes``; the launcher's kill of survivors,
+``clients.local_server``, leaves the tracker last for the same reason); an engine process whose host is killed exits
+by itself (``backend.engine.patches.follow_parent``); the exit bound after ``finalize``; the private IPC directory."""
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from clients.local_server import ROOT
 
@@ -111,3 +115,118 @@ def test_the_ipc_dir_of_a_killed_process_is_removed_by_the_next_one(tmp_path):
         for proc in (killed, live):
             proc.kill()
             proc.wait(timeout=30)
+
+
+def semaphores() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
+
+
+ORPHAN = r'''
+import multiprocessing as mp, sys, time
+
+ENGINE = """
+import multiprocessing as mp, sys, threading, time
+if follow:
+    from backend.engine.patches import follow_parent
+    follow_parent()
+    follow_parent()
+    assert [t.name for t in threading.enumerate()].count("epd-follow-parent") == 1  # else no semaphore: the test fails
+lock = mp.get_context("spawn").Lock()  # a semaphore the resource tracker unlinks once this process is gone
+time.sleep(120)
+"""
+
+if __name__ == "__main__":
+    # as vLLM starts its EngineCore
+    child = mp.get_context("spawn").Process(target=exec, args=(ENGINE, {"follow": sys.argv[1] == "1"}))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(120)
+'''
+
+
+def _host_with_semaphore(follow: bool) -> tuple[subprocess.Popen, "psutil.Process", set[str]]:
+    """A host process (a session of its own) whose spawned child holds a semaphore, once the semaphore exists."""
+    import psutil
+
+    before = semaphores()
+    host = subprocess.Popen([sys.executable, "-c", ORPHAN, "1" if follow else "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = psutil.Process(int(host.stdout.readline()))
+    deadline = time.monotonic() + 60
+    while not (made := semaphores() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert made, "the child made no semaphore"
+    return host, child, made
+
+
+def _left(made: set[str], wait: float = 10.0) -> set[str]:
+    """What of ``made`` is still in /dev/shm after up to ``wait`` s (a tracker unlinks once its processes are gone)."""
+    deadline = time.monotonic() + wait
+    while (left := {name for name in made if os.path.exists(f"/dev/shm/{name}")}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _orphan(follow: bool):
+    """The host killed hard: the child's pid, whether it was still running 5 s later, the semaphores left once it is
+    gone (killed here if it ran on), and the host's stderr (the child's too)."""
+    from backend.engine.host import _alive
+
+    host, child, made = _host_with_semaphore(follow)
+    try:
+        host.kill()
+        host.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = _alive(child)
+    finally:
+        host.kill()
+        host.wait(10)
+    if running:
+        child.kill()
+    return child.pid, running, _left(made), host.stderr.read()
+
+
+def test_an_engine_process_exits_when_its_parent_is_killed_and_leaves_no_semaphore():
+    """``backend.engine.patches.follow_parent`` (on in every EngineCore: ``EPD_ENGINE_FOLLOW_PARENT``): the parent
+    killed hard, the spawned child exits on its own, says so, and multiprocessing's tracker then unlinks its
+    semaphore. Without it, the child outlives its parent (killed here after 5 s)."""
+    pid, running, left, log = _orphan(follow=True)
+    assert not running and not left, (running, left, log[-2000:])
+    assert f"epd: EngineCore pid {pid}: its parent" in log, log[-2000:]
+    _, running, left, _ = _orphan(follow=False)
+    assert running and not left  # the control: orphaned; nothing left once it is killed by hand
+
+
+@pytest.mark.parametrize("trackers_last", [True, False])
+def test_the_launcher_kills_survivors_before_their_resource_tracker(trackers_last):
+    """``clients.local_server``: processes that outlived tritonserver are killed, multiprocessing's tracker last, so it
+    unlinks what they registered; killing the whole group at once (the control) leaves the semaphore behind."""
+    import signal
+
+    from clients.local_server import _kill_leaving_trackers_last, group_members
+
+    host, child, made = _host_with_semaphore(follow=False)
+    members = group_members(host.pid)
+    assert len(members) == 3, members  # the host, its tracker, the child
+    if trackers_last:
+        _kill_leaving_trackers_last(host.pid, members)
+    else:
+        os.killpg(host.pid, signal.SIGKILL)
+    host.wait(10)
+    left = _left(made, wait=3.0)
+    for name in left:
+        os.unlink(f"/dev/shm/{name}")
+    assert not group_members(host.pid)
+    assert bool(left) != trackers_last, left
+
+
+def test_follow_parent_starts_nothing_outside_a_spawned_process():
+    """The stub itself (and an in-process ``LLM``) has no multiprocessing parent: no thread."""
+    import threading
+
+    from backend.engine import patches
+
+    patches.follow_parent()
+    assert not [t for t in threading.enumerate() if t.name == "epd-follow-parent"]
