@@ -297,6 +297,8 @@ def release_ipc_dir(path: str) -> None:
 
 
 class EngineHost:
+    CANCEL_SECONDS = 10.0  # how long shutdown waits for the loop to cancel vLLM's output handler
+
     def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None):
         self._loop, self._engine, self._tokenizer, self._ipc_dir = loop, engine, tokenizer, ipc_dir
 
@@ -391,8 +393,10 @@ class EngineHost:
             import psutil
 
             engines = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
-            self._stop_quietly(engine)
-            stop_engine_processes(engines)
+            try:
+                self._stop_quietly(engine)
+            finally:  # whatever the stop raised, the engine's processes go
+                stop_engine_processes(engines)
         self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
         del engine
@@ -409,7 +413,11 @@ class EngineHost:
         quiet = QUIET_SHUTDOWN.allows(engine, "output_handler", "shutdown")
         handler = engine.output_handler if quiet else None
         if handler is not None:
-            self.submit(_cancel_and_wait(handler)).result(timeout=10)
+            try:
+                self.submit(_cancel_and_wait(handler)).result(timeout=self.CANCEL_SECONDS)
+            except TimeoutError:  # the loop is stuck or busy: the engine is stopped all the same, not left running
+                print(f"epd: the engine loop did not cancel vLLM's output handler in {self.CANCEL_SECONDS:g} s; "
+                      "stopping the engine anyway", file=sys.stderr, flush=True)
         engine.shutdown()
         if quiet:
             engine.shutdown = lambda *args, **kwargs: None

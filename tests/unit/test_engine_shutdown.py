@@ -230,3 +230,35 @@ def test_follow_parent_starts_nothing_outside_a_spawned_process():
 
     patches.follow_parent()
     assert not [t for t in threading.enumerate() if t.name == "epd-follow-parent"]
+
+
+def test_a_stuck_engine_loop_does_not_keep_the_engine_from_being_stopped(monkeypatch, capsys):
+    """``EngineHost.shutdown`` cancels vLLM's output handler on the engine's loop first; a loop that does not get to
+    it in ``CANCEL_SECONDS`` (stuck in a call) is said in the log and the engine is stopped all the same. Before,
+    the timeout escaped ``shutdown`` and the engine was never stopped."""
+    import asyncio
+
+    from backend.engine.host import EngineHost
+    from backend.engine.loop import LoopThread
+
+    class Engine:  # what shutdown touches on an AsyncLLM
+        def __init__(self, handler):
+            self.output_handler, self.stopped = handler, 0
+
+        def shutdown(self):
+            self.stopped += 1
+
+    async def handler_task():
+        return asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+    loop = LoopThread("stuck-loop")
+    try:
+        engine = Engine(loop.submit(handler_task()).result(timeout=5))
+        loop.loop.call_soon_threadsafe(time.sleep, 2.0)  # the loop stuck for 2 s
+        monkeypatch.setattr(EngineHost, "CANCEL_SECONDS", 0.3)
+        host = EngineHost(loop, engine, None)
+        host.shutdown()
+        assert engine.stopped == 1
+        assert "did not cancel vLLM's output handler in 0.3 s" in capsys.readouterr().err
+    finally:
+        loop.stop()
