@@ -143,6 +143,54 @@ def _kill_leaving_trackers_last(pgid: int, members: list[int]) -> None:
     time.sleep(0.2)
 
 
+PYTHON_ENV_GLOB = "/tmp/python_env_*"  # tritonserver's Python backend: mkdtemp("/tmp/python_env_XXXXXX"), fixed
+BACKEND_INIT_S = 10.0  # a server makes its Python backend's directory this soon after it starts (measured: ~2 s)
+
+
+def python_envs() -> set[str]:
+    return {str(p) for p in Path("/").glob(PYTHON_ENV_GLOB.lstrip("/"))}
+
+
+def remove_python_envs(before: set[str], window: list[float | None]) -> list[str]:
+    """Remove the empty Python-backend directories a stopped server left. The backend makes one
+    (``/tmp/python_env_XXXXXX``, a fixed place) when it loads and removes it only at a clean exit, so every server
+    killed or ended by its exit timeout left one (3 per CI run). Which one was the server's is written nowhere: a
+    directory that appeared while it started (``window``: its start and readiness, wall clock; ``before``: what was
+    there before) is removed unless a running tritonserver started just before the directory was made, whose
+    directory it could be (started servers running side by side: the last of them to stop removes them). Returns the
+    removed paths."""
+    start, ready = window
+    if start is None:
+        return []
+    ready = ready or time.time()
+    candidates = python_envs() - before
+    if not candidates:
+        return []
+    running = _tritonserver_starts()
+    removed = []
+    for path in sorted(candidates):
+        try:
+            made = os.stat(path).st_ctime
+            if start - 1 <= made <= ready + 1 and not any(made - BACKEND_INIT_S <= t <= made + 1 for t in running):
+                os.rmdir(path)  # empty, or left alone (a model's extracted EXECUTION_ENV_PATH)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _tritonserver_starts() -> list[float]:
+    """The start times (wall clock) of the tritonserver processes running now."""
+    import psutil
+
+    starts = []
+    for proc in psutil.process_iter(["exe", "create_time", "status"]):
+        info = proc.info
+        if (info["exe"] or "").endswith("/tritonserver") and info["status"] != psutil.STATUS_ZOMBIE:
+            starts.append(info["create_time"] or 0.0)
+    return starts
+
+
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 
 
@@ -181,6 +229,9 @@ class TritonServer:
         self.stragglers: list[int] = []
         self.stop_seconds: float | None = None  # SIGTERM to exit
         self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
+        self.leftover_envs: list[str] = []  # the Python backend's /tmp/python_env_* it left (stop removed them)
+        self._envs_before: set[str] = set()
+        self._window: list[float | None] = [None, None]  # wall-clock start and ready of the last start
         self.regions: set[str] = set()  # the stubs' /dev/shm regions, seen when ready and at stop
         self.server_pid: int | None = None  # tritonserver's (proc's, unless argv is a launcher), once ready
         self.tier = None  # the embedding tier started for the repository (tier_service.TierRun), while it runs
@@ -220,6 +271,7 @@ class TritonServer:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
+        self._envs_before, self._window = python_envs(), [time.time(), None]
         try:
             argv = self.argv or command(self.repository, self.ports, self.extra_args)
             env = dict(os.environ if self.env is None else self.env) if self.argv else server_env(self.env)
@@ -237,6 +289,7 @@ class TritonServer:
                                    f"{'; removed the /dev/shm regions its stubs left' if self.leftover_shm else ''}")
             if self.is_ready() and self._metrics_up():
                 self.ready_seconds = time.monotonic() - started
+                self._window[1] = time.time()
                 self.server_pid = self._server_pid()
                 self.regions |= stub_regions(self.proc.pid)
                 return self
@@ -315,6 +368,7 @@ class TritonServer:
         server = self.server_pid or self.proc.pid
         boards = [p.name for pattern in (f"epd-cancel-{server}-*", f"epd-producers-{server}")
                   for p in Path("/dev/shm").glob(pattern)]
+        self.leftover_envs = remove_python_envs(self._envs_before, self._window)
         self.leftover_shm = sorted([name for name in regions if os.path.exists(f"/dev/shm/{name}")] + boards)
         for name in self.leftover_shm:
             if name in boards:

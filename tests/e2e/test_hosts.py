@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from clients.local_server import python_envs
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult
 from tests.e2e.conftest import assert_same_answer
 from tests.e2e.netns_fixture import checked_network
@@ -31,14 +32,17 @@ def request(i: int, sampling: dict = GREEDY) -> GenerateInputs:
 
 
 @pytest.fixture(scope="module")
-def e_pd(tmp_path_factory):
+def e_pd(tmp_path_factory, server):  # the reference's server first: the directories below are the hosts' alone
     workdir = tmp_path_factory.mktemp("hosts-e-pd")
+    envs = python_envs()
     # the consumers keep what they pulled and the orchestrator asks them first (demand-aware: docs/tier.md)
     topology = hosts_e_pd(workdir, pd_replicas=2, reuse={"held_bytes": 64 << 20, "demand_aware": True}, encoders=2)
     with checked_network(HostsDeployment.addresses(topology)) as net, HostsDeployment(topology, net, workdir) as deployed:
         yield deployed
-    for server in deployed.servers.values():
-        assert not server.stragglers, f"processes outlived {server.plan.name}'s tritonserver: {server.stragglers}"
+    for host in deployed.servers.values():
+        assert not host.stragglers, f"processes outlived {host.plan.name}'s tritonserver: {host.stragglers}"
+    # the killed hosts' servers could not remove their Python backend's directory: the launcher did
+    assert not python_envs() - envs, python_envs() - envs
 
 
 @pytest.fixture(scope="module")
