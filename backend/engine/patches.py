@@ -125,7 +125,8 @@ _FOLLOWING: list[int] = []  # the parent a thread of this process follows (follo
 
 
 def follow_parent() -> None:
-    """A spawned EngineCore exits (``os._exit(1)``) as soon as the process that started it, a Triton stub, is gone.
+    """A spawned EngineCore exits (``os._exit(1)``) as soon as the process that started it, a Triton stub, is gone
+    (as does a worker an EngineCore spawned, with more than one GPU: its parent is the EngineCore).
 
     vLLM stops its EngineCore from the parent (``AsyncLLM.shutdown``) and nothing in the EngineCore notices the
     parent's death: a stub that dies before that (killed, or ended by tritonserver at its exit timeout while its
@@ -155,7 +156,10 @@ def _exit_with(pid: int, sentinel: int) -> None:
     wait([sentinel])
     while os.getppid() == pid:  # the parent let go of the pipe but lives on
         time.sleep(1.0)
-    print(f"epd: EngineCore pid {os.getpid()}: its parent, pid {pid}, is gone; exiting", file=sys.stderr, flush=True)
+    import multiprocessing
+
+    name = multiprocessing.current_process().name  # vLLM's: EngineCore, or a worker's
+    print(f"epd: {name} pid {os.getpid()}: its parent, pid {pid}, is gone; exiting", file=sys.stderr, flush=True)
     os._exit(1)
 
 

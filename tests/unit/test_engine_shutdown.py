@@ -194,7 +194,7 @@ def test_an_engine_process_exits_when_its_parent_is_killed_and_leaves_no_semapho
     semaphore. Without it, the child outlives its parent (killed here after 5 s)."""
     pid, running, left, log = _orphan(follow=True)
     assert not running and not left, (running, left, log[-2000:])
-    assert f"epd: EngineCore pid {pid}: its parent" in log, log[-2000:]
+    assert f"pid {pid}: its parent" in log, log[-2000:]
     _, running, left, _ = _orphan(follow=False)
     assert running and not left  # the control: orphaned; nothing left once it is killed by hand
 
