@@ -299,8 +299,11 @@ def release_ipc_dir(path: str) -> None:
 class EngineHost:
     CANCEL_SECONDS = 10.0  # how long shutdown waits for the loop to cancel vLLM's output handler
 
-    def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None):
+    def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None, processes=()):
+        """``processes``: the engine's (``psutil.Process``, made by ``start``): ``shutdown`` makes sure they are gone,
+        and touches no other process of the host's."""
         self._loop, self._engine, self._tokenizer, self._ipc_dir = loop, engine, tokenizer, ipc_dir
+        self._processes = list(processes)
 
     @classmethod
     def start(cls, engine_args: dict[str, Any], stats_observer=None) -> "EngineHost":
@@ -326,14 +329,19 @@ class EngineHost:
         async def create():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
 
+        import psutil
+
+        others = {proc.pid for proc in psutil.Process().children(recursive=True)}
         try:
             engine = loop.submit(create()).result()
         except BaseException:
             loop.stop()
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
+        processes = [proc for proc in psutil.Process().children(recursive=True)
+                     if proc.pid not in others and _engine_process(proc)]
         tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
-        return cls(loop, engine, tokenizer, ipc_dir)
+        return cls(loop, engine, tokenizer, ipc_dir, processes)
 
     def submit(self, coro: Coroutine) -> Future:
         return self._loop.submit(coro)
@@ -390,13 +398,10 @@ class EngineHost:
         """Stop the engine (and its EngineCore child) and the loop thread; safe to call twice."""
         engine, self._engine = self._engine, None
         if engine is not None:
-            import psutil
-
-            engines = [proc for proc in psutil.Process().children(recursive=True) if _engine_process(proc)]
             try:
                 self._stop_quietly(engine)
             finally:  # whatever the stop raised, the engine's processes go
-                stop_engine_processes(engines)
+                stop_engine_processes(self._processes)
         self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
         del engine

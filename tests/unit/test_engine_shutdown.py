@@ -233,9 +233,10 @@ def test_follow_parent_starts_nothing_outside_a_spawned_process():
 
 
 def test_a_stuck_engine_loop_does_not_keep_the_engine_from_being_stopped(monkeypatch, capsys):
-    """``EngineHost.shutdown`` cancels vLLM's output handler on the engine's loop first (``_stop_quietly``); a loop
-    that does not get to it in ``CANCEL_SECONDS`` (stuck in a call) is said in the log and the engine is stopped all
-    the same. Before, the timeout escaped ``shutdown`` and the engine was never stopped."""
+    """``EngineHost.shutdown`` cancels vLLM's output handler on the engine's loop first; a loop that does not get to
+    it in ``CANCEL_SECONDS`` (stuck in a call) is said in the log and the engine is stopped all the same. Before, the
+    timeout escaped ``shutdown`` and the engine was never stopped. And ``shutdown`` stops the processes its engine
+    started, no other child of the host process."""
     import asyncio
 
     from backend.engine.host import EngineHost
@@ -256,9 +257,13 @@ def test_a_stuck_engine_loop_does_not_keep_the_engine_from_being_stopped(monkeyp
         engine = Engine(loop.submit(handler_task()).result(timeout=5))
         loop.loop.call_soon_threadsafe(time.sleep, 2.0)  # the loop stuck for 2 s
         monkeypatch.setattr(EngineHost, "CANCEL_SECONDS", 0.3)
-        # _stop_quietly, not shutdown: shutdown also kills this process's children after 5 s (a stub's are its
-        # engine's), which here are the test session's servers
-        EngineHost(loop, engine, None)._stop_quietly(engine)
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not the engine's
+        try:
+            EngineHost(loop, engine, None).shutdown()
+            assert bystander.poll() is None  # it killed every child of the process after 5 s (in CI: the servers)
+        finally:
+            bystander.kill()
+            bystander.wait(10)
         assert engine.stopped == 1
         assert "did not cancel vLLM's output handler in 0.3 s" in capsys.readouterr().err
     finally:
