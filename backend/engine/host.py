@@ -250,11 +250,6 @@ def private_ipc_dir() -> str:
     return path
 
 
-def is_private_ipc_dir(path: str) -> bool:
-    """``path`` is a directory ``private_ipc_dir`` made (and that is still there)."""
-    return os.path.basename(path).startswith(_IPC_PREFIX) and os.path.isdir(path)
-
-
 def _process_stamp(pid: int) -> str | None:
     """``<pid>-<start time>``: names one process, not a later one given the same pid. The start time is the
     kernel's, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd field), which no change of the wall clock moves

@@ -7,8 +7,7 @@ was patched there). Each patch is switched on by a variable, so other vLLM users
 ``EPD_ENGINE_QUICK_EXIT=1``, ``EPD_ENGINE_FOLLOW_PARENT=1`` and ``EPD_GLOO_SHARED_DEVICE=1`` (all set for every stub
 by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
 (``patch_quick_exit``); an EngineCore whose parent is gone exits (``follow_parent``, no patch: a thread of its
-own); gloo groups share one transport device (``share_gloo_device``). An EngineCore whose host gave vLLM a private
-directory (``backend.engine.host.private_ipc_dir``) keeps its temp files there (``keep_temp_files_private``);
+own); gloo groups share one transport device (``share_gloo_device``);
 ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
 agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG``
@@ -163,23 +162,6 @@ def _exit_with(pid: int, sentinel: int) -> None:
     os._exit(1)
 
 
-def keep_temp_files_private() -> None:
-    """A spawned EngineCore whose ``VLLM_RPC_BASE_PATH`` is its host's private directory (named by
-    ``backend.engine.host.private_ipc_dir``) makes its temp files there (``tempfile.tempdir``), so they go with the
-    directory: removed at the host's shutdown, or by the next host's sweep if the host was killed. Measured: the
-    gloo group's file store (``file:///tmp/vllm_dist_<uuid>``, vLLM's ``get_file_store_init_method``) stayed in /tmp
-    whenever the EngineCore was killed rather than stopped (a NIXL producer holding KV nobody reads, killed by vLLM
-    at its 5 s grace; a stub killed): ~3 files per CI run. Anything else: nothing."""
-    import multiprocessing
-    import tempfile
-
-    from backend.engine.host import is_private_ipc_dir
-
-    path = os.environ.get("VLLM_RPC_BASE_PATH", "")
-    if multiprocessing.parent_process() is not None and is_private_ipc_dir(path):
-        tempfile.tempdir = path
-
-
 def share_gloo_device() -> None:
     """Gloo process groups made without options (what ``torch.distributed`` does for ``backend="gloo"``) use
     one transport device per process instead of a device each. A gloo device runs a loop thread that wakes
@@ -216,7 +198,6 @@ def register() -> None:
         patch_quick_exit()
     if os.environ.get("EPD_ENGINE_FOLLOW_PARENT") == "1":
         follow_parent()
-    keep_temp_files_private()
     if os.environ.get("EPD_GLOO_SHARED_DEVICE") == "1":
         share_gloo_device()
     memdebug = os.environ.get("EPD_ENGINE_MEMDEBUG")
