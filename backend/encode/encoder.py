@@ -139,6 +139,7 @@ class VisionEncoder:
         treats images)."""
         if not items:
             return []
+        items = [self._sampled(item) for item in items]
         images = [i for i, item in enumerate(items) if isinstance(item, Image.Image)]
         videos = [i for i, item in enumerate(items) if not isinstance(item, Image.Image)]
         pixels, grids, order, parts = [], [], [], {}
@@ -166,6 +167,15 @@ class VisionEncoder:
             timing = self._timing(items[index], parts.get(index)) if name == VIDEO.name else ()
             out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part, timing)
         return out
+
+    def _sampled(self, item):
+        """A video (or video part) with the frames its processor samples from it (``families.sample_frames``), so
+        that one processor call for many videos treats each as vLLM's per-video call does; images as they are."""
+        if isinstance(item, Image.Image) or self.video_processor is None:
+            return item
+        if isinstance(item, VideoPart):
+            return VideoPart(families.sample_frames(self.model_type, self.video_processor, item.video), item.part)
+        return families.sample_frames(self.model_type, self.video_processor, item)
 
     def _preprocess_videos(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One video processor call for ``items`` (videos and video parts whose frames are on one device: the

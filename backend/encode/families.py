@@ -8,10 +8,14 @@ layout carries. Each rule here mirrors what vLLM 0.32's own processing of that f
   for the timing alone); ``second_per_grid_ts`` = temporal_patch_size / the sampled fps, as
   ``Qwen2_5_VLProcessor._process_videos`` computes it (``VideoMetadata.sampled_fps``: sampled frames / total
   frames x the source fps).
-- ``qwen3_vl``: frames with their ``VideoMetadata`` and ``do_sample_frames`` from the loader (vLLM's
-  ``Qwen3VLMultiModalProcessor._call_hf_processor``); ``timestamps``: per temporal patch the mean time of its frames
-  (``Qwen3VLProcessingInfo._calculate_timestamps``: frame index / source fps, the last frame repeated to fill a
-  patch). The tower (``Qwen3VLVisionModel``) returns the merged embeddings and one per DeepStack level; vLLM takes
+- ``qwen3_vl``: frames with their ``VideoMetadata``; where the loader kept every frame it leaves the sampling to the
+  processor (``do_sample_frames``), which vLLM decides per video (``Qwen3VLMultiModalProcessor._call_hf_processor``
+  calls the processor once a video). The encoder calls it once for many videos, so ``sample_frames`` samples such a
+  video first, with the processor's own ``sample_frames`` (the frames and indices vLLM's processor takes), and every
+  video then goes in with ``do_sample_frames`` off: one flag for the whole call would sample an already sampled
+  video with another's setting (an IndexError, or other frames than ``llm``'s). ``timestamps``: per temporal patch
+  the mean time of its frames (``Qwen3VLProcessingInfo._calculate_timestamps``: frame index / source fps, the last
+  frame repeated to fill a patch). The tower (``Qwen3VLVisionModel``) returns the merged embeddings and one per DeepStack level; vLLM takes
   them concatenated, ``out_hidden_size x (1 + len(deepstack_visual_indexes))`` wide.
 """
 from __future__ import annotations
@@ -52,12 +56,22 @@ def _metadata(video):
     return VideoMetadata(**{k: v for k, v in video.metadata.items() if k != "do_sample_frames"})
 
 
+def sample_frames(model_type: str, video_processor, video):
+    """``video`` (a ``DecodedVideo``) with the frames its family's processor samples from it where the loader left
+    the sampling to the processor (``do_sample_frames``: Qwen3-VL), and ``do_sample_frames`` off; else ``video``."""
+    if model_type != "qwen3_vl" or not video.metadata.get("do_sample_frames", False):
+        return video
+    indices = [int(i) for i in video_processor.sample_frames(_metadata(video))]
+    metadata = dict(video.metadata, frames_indices=indices, do_sample_frames=False)
+    return type(video)(video.frames[indices], metadata)
+
+
 def video_kwargs(model_type: str, videos: list) -> dict[str, Any]:
-    """What the video processor is called with besides the frames, for decoded ``videos`` (one call for all)."""
+    """What the video processor is called with besides the frames, for decoded ``videos`` (one call for all; each
+    video already sampled: ``sample_frames``)."""
     if model_type != "qwen3_vl":
         return {}
-    return {"video_metadata": [_metadata(v) for v in videos],
-            "do_sample_frames": any(v.metadata.get("do_sample_frames", False) for v in videos)}
+    return {"video_metadata": [_metadata(v) for v in videos], "do_sample_frames": False}
 
 
 def video_timing(model_type: str, video, temporal_patch_size: int) -> dict[str, Any]:
