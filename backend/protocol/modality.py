@@ -34,6 +34,7 @@ class Modality:
     limit_field: str        # the RequestLimits attribute of the per-request item limit
     embeds_per_item: bool = False  # vLLM takes the embeddings as a list, one tensor per item (not concatenated)
     data_part: str = ""     # a chat content part carrying an item's base64 data: {data_part: {"data": ..., "format": ..}}
+    data_formats: tuple[str, ...] = ()  # the "format" names such a part may give (lowercase; the decoder's containers)
 
 
     def parts(self) -> tuple[str, ...]:
@@ -93,4 +94,4 @@ AUDIO = register(Modality(
     media_field="audios", layout_field="audio_layouts", media_type="audio/", placeholder_token="<|AUDIO|>",
     placeholder="<|audio_bos|><|AUDIO|><|audio_eos|>", limit_key="audio", data_key="audio",
     embeds_key="audio_embeds", grid_key="audio_num_tokens", limit_field="max_audios", embeds_per_item=True,
-    data_part="input_audio"))
+    data_part="input_audio", data_formats=("wav", "mp3", "flac", "ogg", "aiff", "au", "caf", "w64", "rf64")))

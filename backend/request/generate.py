@@ -372,7 +372,7 @@ def _content_part(part: Any, where: str, pending: dict[str, list], items: list, 
             raise InvalidInput(f"{where}.{m.url_part}", "expected {\"url\": \"data:...\" | \"file://...\"}")
         items.append(resolver.from_url(url, f"{where}.{m.url_part}", m))
     elif form == "data":
-        items.append(resolver.from_tensor(*_part_data(part.get(m.data_part), f"{where}.{m.data_part}"), m))
+        items.append(resolver.from_tensor(*_part_data(part.get(m.data_part), f"{where}.{m.data_part}", m), m))
     else:
         if not pending[m.name]:
             raise InvalidInput(where, f"an {{\"type\": \"{m.item_part}\"}} part needs a media item ({m.media_tensor} "
@@ -382,13 +382,16 @@ def _content_part(part: Any, where: str, pending: dict[str, list], items: list, 
     return {"type": m.item_part}
 
 
-def _part_data(ref: Any, where: str) -> tuple[bytes, str]:
+def _part_data(ref: Any, where: str, m: Modality) -> tuple[bytes, str]:
     """The item bytes of a data part (``{"data": "<base64>", "format": "wav"}``, vLLM's ``input_audio``) and their
-    field (``<where>.data``); the format is the file's own business (its decoder reads its header), checked as text."""
+    field (``<where>.data``). ``format`` may be left out; given, it must name a container the modality's decoder reads
+    (``Modality.data_formats``, any case), else InvalidInput naming ``<where>.format``. The decoder reads the file's
+    own header, so a known name is not compared with the bytes."""
     if not isinstance(ref, dict) or not isinstance(ref.get("data"), str):
         raise InvalidInput(f"{where}.data", "expected {\"data\": \"<base64>\", \"format\": \"wav\" | ...}")
-    if not isinstance(ref.get("format", ""), str):
-        raise InvalidInput(f"{where}.format", "expected a string (wav, flac, ...)")
+    fmt = ref.get("format")
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in m.data_formats):
+        raise InvalidInput(f"{where}.format", f"unknown format {fmt!r}: expected one of {', '.join(m.data_formats)}")
     try:
         data = base64.b64decode(ref["data"], validate=True)
     except (binascii.Error, ValueError):

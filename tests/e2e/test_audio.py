@@ -162,6 +162,10 @@ def test_too_many_audios_and_bad_parts_are_refused(server):
         with pytest.raises(GenerateError) as info:
             ask(server, model, messages=user({"type": "input_audio", "input_audio": {"data": "not base64!"}}))
         assert info.value.message.startswith("messages[0].content[0].input_audio.data: not valid base64")
+        with pytest.raises(GenerateError) as info:  # a valid WAV under a format the decoder does not know
+            ask(server, model, "http", messages=user(input_audio(clip(1), fmt="xyz")))
+        assert info.value.status == "400" and info.value.message.startswith(
+            "messages[0].content[0].input_audio.format: unknown format 'xyz'"), info.value.message
 
 
 @pytest.mark.parametrize("case", ["input_audio", "audio_url"])

@@ -97,11 +97,21 @@ def test_chat_parts_of_audio_tensors_data_and_urls():
     assert all(isinstance(item, DecodedAudio) for item in decoded.images)
 
 
+def test_known_audio_formats_in_any_case_and_none_are_taken():
+    clip = base64.b64encode(make_audio(0.5, 8_000, seed=2)).decode()
+    for fmt in ("wav", "WAV", "mp3", "flac", None):
+        ref = {"data": clip} if fmt is None else {"data": clip, "format": fmt}
+        raw = RawGenerateInputs(messages=_chat({"type": "input_audio", "input_audio": ref}))
+        assert len(parse_generate_request(raw, EncodedMedia(LIMITS)).images) == 1
+
+
 @pytest.mark.parametrize("part, field, fragment", [
     ({"type": "input_audio", "input_audio": {"data": "!!"}}, "messages[0].content[0].input_audio.data", "base64"),
     ({"type": "input_audio", "input_audio": "Zg=="}, "messages[0].content[0].input_audio.data", "expected"),
     ({"type": "input_audio", "input_audio": {"data": "Zg==", "format": 3}}, "messages[0].content[0].input_audio.format",
-     "string"),
+     "unknown format 3"),
+    ({"type": "input_audio", "input_audio": {"data": "Zg==", "format": "xyz"}},
+     "messages[0].content[0].input_audio.format", "unknown format 'xyz': expected one of wav, mp3"),
     ({"type": "audio_url", "audio_url": {"url": "data:image/png;base64,Zg=="}}, "messages[0].content[0].audio_url",
      "unsupported media type"),
     ({"type": "audio"}, "messages[0].content[0]", "none is left"),
