@@ -61,6 +61,7 @@ class EncoderService:
         self.cache_hits = 0
         self.tier_hits = 0
         self.encode_seconds = 0.0
+        self.batch_retries = 0  # batches whose forward raised and were encoded one item at a time
 
     def warm_up(self) -> None:
         """A small item of each modality the encoder takes (its handler's ``sample``), decoded as a request's item is
@@ -182,19 +183,19 @@ class EncoderService:
             self._encode([g for g in theirs if ready[groups[g][0]][1] is None], groups, ready, results)
 
     def _encode(self, todo: list[tuple], groups: dict, ready: list[list], results: list) -> None:
-        """One tower forward for the groups ``todo``; their items cached and written to the tier."""
+        """One tower forward for the groups ``todo``; their items cached and written to the tier. A forward that
+        raises is tried again one group at a time (``batch_retries``), so an item the encoder cannot take fails its
+        own request, not the other requests Triton batched with it."""
         if not todo:
             return
         started = time.perf_counter()
         try:
             encoded = self.encoder.encode([ready[groups[g][0]][3] for g in todo])
         except Exception as exc:
-            for group in todo:
-                for i in groups[group]:
-                    results[ready[i][0].request_index] = exc
-            return
-        finally:
             self.encode_seconds += time.perf_counter() - started
+            self._encode_failed(exc, todo, groups, ready, results)
+            return
+        self.encode_seconds += time.perf_counter() - started
         self.items_encoded += len(encoded)
         for group, item in zip(todo, encoded):
             for i in groups[group]:
@@ -203,6 +204,19 @@ class EncoderService:
                 self.cache.put(group[0], item)
                 if self.tier is not None:
                     self.tier.put(group[0], item, self.expect(), release_claim=True)
+
+    def _encode_failed(self, exc: Exception, todo: list[tuple], groups: dict, ready: list[list], results: list) -> None:
+        """After the forward of ``todo`` raised ``exc``: several groups are encoded again one at a time; one group's
+        requests fail with ``exc``."""
+        if len(todo) > 1:
+            LOG.warning("encoder: a batch of %d items failed (%s: %s); encoding them one at a time", len(todo),
+                        type(exc).__name__, exc)
+            self.batch_retries += 1
+            for group in todo:
+                self._encode([group], groups, ready, results)
+            return
+        for i in groups[todo[0]]:
+            results[ready[i][0].request_index] = exc
 
     def _publish(self, ready: list[list], results: list) -> None:
         """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request

@@ -186,3 +186,29 @@ def test_a_batch_s_items_are_decoded_at_once_and_keep_their_order(encoder, monke
     want = [[encoder.encode([Image.open(io.BytesIO(images[i])).convert("RGB")])[0].image_grid_thw for i in items]
             for items in ((0, 2), (3, 0))]
     assert grids == want
+
+
+class PoisonedEncoder(CountingEncoder):
+    """Raises for any batch holding an image of ``size`` (an item its processor or tower cannot take)."""
+
+    def __init__(self, encoder, size):
+        super().__init__(encoder)
+        self.size = size
+
+    def encode(self, images):
+        self.calls.append(len(images))
+        if any(getattr(item, "size", None) == self.size for item in images):
+            raise IndexError("index 5 is out of bounds for axis 0 with size 4")
+        return self.encoder.encode(images)
+
+
+def test_an_item_that_fails_the_batch_fails_only_its_own_request(encoder):
+    poisoned = PoisonedEncoder(encoder, (30, 30))
+    service = EncoderService(poisoned, RecordingPool(), MediaLimits(), processing_options(MODEL))
+    jobs = [EncodeJob(0, _png(64, 48, 1), "a"), EncodeJob(1, _png(30, 30, 2), "b"), EncodeJob(2, _png(56, 56, 3), "c")]
+    results = service.run(jobs, 3)
+    assert isinstance(results[1], IndexError)
+    assert [len(r) for r in (results[0], results[2])] == [1, 1]
+    assert poisoned.calls == [3, 1, 1, 1] and service.batch_retries == 1 and service.items_encoded == 2
+    alone = encoder.encode([make_image(56, 56, 3)])[0]
+    assert LayoutMetadata.from_json(results[2][0], "layout").media.grid_thw == alone.image_grid_thw
