@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -172,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a killed run stops the stack it is on (finally blocks)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = Run(args)
     for name in args.rows:
         try:
