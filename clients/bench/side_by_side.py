@@ -123,6 +123,14 @@ class Run:
                 "engine_settings": stacks.engine_settings(self.topology, "baseline", "llm")}
 
 
+def distinct(rows: list[dict]) -> str:
+    """A line saying how many different answers the reference gave (equality with a model that ignored its image
+    would prove nothing)."""
+    ref = [r for r in rows if r["name"] == table.REFERENCE]
+    return "" if not ref else (f"{table.REFERENCE} gave {ref[0]['distinct_texts']} different answers to its "
+                               f"{ref[0]['completed']} requests")
+
+
 def report(run: Run) -> str:
     """Set the rows' token equality; the printed text (both tables); write results.json and tables.md to --out."""
     table.add_equality(run.rows, run.references)
@@ -131,7 +139,7 @@ def report(run: Run) -> str:
     text = (f"\n{a.requests} streaming chat requests per row at concurrency {a.concurrency}, one {a.image_size}x"
             f"{a.image_size} PNG and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
             f"row of a protocol; topology {a.topology}; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
-            + table.results_table(run.rows) + "\n\nours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
+            + table.results_table(run.rows) + "\n" + distinct(run.rows) + "\n\nours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
             + table.ratios_table(pairs) + "\n")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tables.md").write_text(text)

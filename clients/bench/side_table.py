@@ -30,14 +30,16 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def summarise(name: str, protocol: str, samples: list[Sample], errors: int, wall: float, requests: int) -> dict:
     """One row from a timed window's samples (``Sample.index`` set: the request's position in the request set);
-    ``wall``: the window's seconds. ``texts``: request index -> answer text, for ``same_text``."""
+    ``wall``: the window's seconds. ``texts``: request index -> answer text, for ``same_text``; ``distinct_texts``: how
+    many different answers (equality proves something only where different images gave different answers)."""
     ttft = [s.ttft * 1000 for s in samples]
     tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
     return {"name": name, "protocol": protocol, "requests": requests, "completed": len(samples), "errors": errors,
             "wall_s": round(wall, 3), "req_per_s": len(samples) / wall if wall > 0 else float("nan"),
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
             "tpot_p50_ms": percentile(tpot, 50), "tokens_p50": percentile([s.tokens for s in samples], 50),
-            "texts": {s.index: s.text for s in samples if s.index is not None}}
+            "texts": {s.index: s.text for s in samples if s.index is not None},
+            "distinct_texts": len({s.text for s in samples})}
 
 
 def same_text(texts: dict[int, str], reference: dict[int, str] | None) -> tuple[int, int] | None:

@@ -107,7 +107,7 @@ def test_rows_equality_and_ratios():
     mine = side_table.summarise("llm", "openai", [sample(i, 20 + 2 * i, 80, f"t{i}") for i in (0, 1, 3)], 1, 4.0, 4)
     grpc = side_table.summarise("llm", "grpc", [sample(i, 5, 20, f"g{i}") for i in range(4)], 0, 1.0, 4)
     assert theirs["req_per_s"] == 2.0 and theirs["ttft_p50_ms"] == pytest.approx(11.5)
-    assert theirs["tpot_p50_ms"] == pytest.approx(30 / 15)
+    assert theirs["tpot_p50_ms"] == pytest.approx(30 / 15) and theirs["distinct_texts"] == 4 and grpc["distinct_texts"] == 4
     theirs["cpu_total_ms"], mine["cpu_total_ms"], grpc["cpu_total_ms"] = 10.0, 15.0, 5.0
     rows = [theirs, mine, grpc]
     side_table.add_equality(rows, {"openai": theirs["texts"], "grpc": {i: f"g{i}" for i in range(3)} | {3: "other"}})
