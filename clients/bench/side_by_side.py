@@ -139,7 +139,7 @@ def report(run: Run) -> str:
     text = (f"\n{a.requests} streaming chat requests per row at concurrency {a.concurrency}, one {a.image_size}x"
             f"{a.image_size} PNG and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
             f"row of a protocol; topology {a.topology}; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
-            + table.results_table(run.rows) + "\n" + distinct(run.rows) + "\n\nours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
+            + table.results_table(run.rows) + "\n\n" + (distinct(run.rows) + "\n\n" if distinct(run.rows) else "") + "ours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
             + table.ratios_table(pairs) + "\n")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tables.md").write_text(text)
