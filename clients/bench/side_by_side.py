@@ -42,6 +42,8 @@ from clients.local_server import ROOT
 ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 NEEDS_PROXY = ("vllm-e-pd", "vllm-e-p-d", "vllm-e-p-d-delay")
 WARMUP_SEED = 10**6
+MODES = {"vllm-single": "baseline", "vllm-e-pd": "E+PD", "vllm-e-p-d": "E/P/D", "vllm-e-p-d-delay": "E/P/D",
+         **stacks.OURS}  # row -> the topology deployment whose engine settings it runs with
 
 
 class Run:
@@ -176,7 +178,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.proxy.resolve().is_relative_to(ROOT.resolve()):
             parser.error("--proxy is vLLM's file: keep it outside this repository")
     args.rows = [r for r in ROWS if r in rows]  # the reference first, one stack at a time in a fixed order
+    if missing := unservable(args.topology, args.rows):
+        parser.error(f"{args.topology} cannot serve {', '.join(missing)} alone; leave them out of --rows")
     return args
+
+
+def unservable(topology: Path, rows: list[str]) -> list[str]:
+    """The rows whose deployment ``topology`` has no stages for (``Topology.only`` refuses it)."""
+    from backend.deploy.topology import TopologyError, load
+
+    served = load(topology)
+    missing = []
+    for row in rows:
+        try:
+            served.only(MODES[row])
+        except TopologyError:
+            missing.append(row)
+    return missing
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

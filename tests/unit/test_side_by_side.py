@@ -179,3 +179,6 @@ def test_arguments(tmp_path):
         parse_args(["--proxy", str(inside)])  # vLLM's file stays outside the repository
     with pytest.raises(SystemExit):
         parse_args(["--rows", "nope"])
+    with pytest.raises(SystemExit):  # a topology without the stages of a row asked for
+        parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "vllm-single,epd"])
+    assert parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "epd"]).rows == ["epd"]
