@@ -122,7 +122,8 @@ class Run:
         return {"rows": a.rows, "requests": a.requests, "concurrency": a.concurrency, "warmup": a.warmup,
                 "image_size": a.image_size, "max_tokens": a.max_tokens, "topology": str(a.topology),
                 "proxy": str(a.proxy or ""), "poll_delay_us": self.poll_delay_us, "grpc": not a.no_grpc,
-                "engine_settings": stacks.engine_settings(self.topology, "baseline", "llm")}
+                "engine_args": {mode: self.topology.only(mode).engine_args
+                                for mode in dict.fromkeys(MODES[row] for row in a.rows)}}
 
 
 def distinct(rows: list[dict]) -> str:
