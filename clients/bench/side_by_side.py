@@ -1,0 +1,216 @@
+"""vLLM's own stacks beside this project's, one client, the same requests, one run, one table (issue 36, item 1).
+
+    .venv/bin/python -m clients.bench.side_by_side --proxy /work/.cache/vllm-examples/disagg_epd_proxy.py \\
+        --requests 96 --concurrency 16 --out .cache/side-by-side
+
+Rows, one stack at a time (never two on the machine at once), in this order: vLLM's ``vllm-single`` (its OpenAI API
+server, what ``vllm serve`` runs), ``vllm-e-pd`` (encoder + P/D server, ECExampleConnector, behind vLLM's example EPD
+proxy), ``vllm-e-p-d`` (encoder, prefill, decode, NixlConnector with UCX on loopback, behind the proxy) as shipped, and
+``vllm-e-p-d-delay`` (the same with NIXL's progress-thread poll delay set, ``--poll-delay-us``); then ours: ``llm``,
+``epd``, ``epd_disagg`` (tritonserver on ``--topology`` rendered for that deployment alone, plus ``frontend.openai``),
+each driven through the OpenAI endpoint and then, with other requests of the same kind, over Triton's gRPC. Stacks and
+engine settings: ``clients.bench.side_stacks``; the client and the requests: ``clients.bench.side_client``; the table,
+ratios, token equality and CPU accounting: ``clients.bench.side_table``.
+
+Each row: ``--warmup`` requests (seeds of their own), then the timed window of ``--requests`` requests at
+``--concurrency``: the OpenAI rows all get request set A (seeds 0..N-1), the gRPC rows set B (seeds N..2N-1, so neither
+the engines' prefix caches nor the encoder's embedding cache serve a request the same server already answered);
+``vllm-single`` answers set B too, untimed, as the gRPC rows' reference. Host CPU per request per process group: CPU
+time of each group's processes and their descendants from /proc before and after the window, over the requests
+(``client``: this process, shown apart). ``--proxy`` is vLLM's file, kept outside this repository; without it only
+``vllm-single`` and ours run. Writes ``results.json`` (settings, rows with every answer, ratios, the servers' command
+lines) and the tables into ``--out``; the servers' logs go to ``--out``/logs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from clients.bench import side_client as client
+from clients.bench import side_stacks as stacks
+from clients.bench import side_table as table
+from clients.local_server import ROOT
+
+ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
+NEEDS_PROXY = ("vllm-e-pd", "vllm-e-p-d", "vllm-e-p-d-delay")
+WARMUP_SEED = 10**6
+MODES = {"vllm-single": "baseline", "vllm-e-pd": "E+PD", "vllm-e-p-d": "E/P/D", "vllm-e-p-d-delay": "E/P/D",
+         **stacks.OURS}  # row -> the topology deployment whose engine settings it runs with
+
+
+class Run:
+    """One run's settings, request sets, references and rows."""
+
+    def __init__(self, args):
+        self.args = args
+        from backend.deploy.topology import load
+
+        self.topology = load(args.topology)
+        self.poll_delay_us = (args.poll_delay_us if args.poll_delay_us is not None
+                              else int(self.topology.transfer.get("nixl_poll_delay_us", 5000)))
+        n, size = args.requests, args.image_size
+        self.sets = {"openai": client.request_set(0, n, size), "grpc": client.request_set(n, n, size)}
+        self.warm = {"openai": client.request_set(WARMUP_SEED, args.warmup, size),
+                     "grpc": client.request_set(2 * WARMUP_SEED, args.warmup, size)}
+        self.references: dict[str, dict[int, str]] = {}
+        self.rows: list[dict] = []
+        self.commands: dict[str, list[list[str]]] = {}
+        self.log_dir = args.out / "logs"
+
+    def drive(self, name: str, protocol: str, url: str, model: str, groups: dict[str, list[int]]) -> dict:
+        """Warm ``url`` up, then the timed window of this protocol's request set; appends and returns the row."""
+        a = self.args
+        send = client.run_openai if protocol == "openai" else client.run_grpc
+        if a.warmup:
+            asyncio.run(send(url, model, self.warm[protocol], min(2, a.concurrency), a.max_tokens))
+        watched = {group: (pids, True) for group, pids in groups.items()}
+        watched["client"] = ([os.getpid()], False)
+        before = table.cpu_snapshot(watched)
+        samples, errors, wall = asyncio.run(send(url, model, self.sets[protocol], a.concurrency, a.max_tokens))
+        cpu = table.cpu_per_request(before, table.cpu_snapshot(watched), a.requests)
+        row = table.summarise(name, protocol, samples, len(errors), wall, a.requests)
+        row["client_cpu_ms"] = cpu.pop("client")
+        row["cpu_ms"], row["cpu_total_ms"] = cpu, round(sum(cpu.values()), 2)
+        row["error_examples"] = errors[:3]
+        self.rows.append(row)
+        print(f"{name} [{protocol}]: {row['req_per_s']:.2f} req/s, TTFT p50/p90 {row['ttft_p50_ms']:.0f}/"
+              f"{row['ttft_p90_ms']:.0f} ms, CPU {row['cpu_total_ms']:.1f} ms/req {cpu}, {len(errors)} errors"
+              + (f" ({errors[0][:200]})" if errors else ""), file=sys.stderr, flush=True)
+        return row
+
+    def vllm(self, kind: str) -> None:
+        """One of vLLM's stacks: start, drive through its OpenAI endpoint, stop (the EC directory removed after)."""
+        from backend.deploy.ports import free_ports
+
+        ec_dir = Path(tempfile.mkdtemp(prefix="side-by-side-ec-"))
+        try:
+            servers = stacks.vllm_stack(kind, self.topology, self.args.proxy, free_ports(6), ec_dir, self.poll_delay_us)
+            self.commands[kind] = [s.argv for s in servers]
+            started = time.monotonic()
+            with stacks.running(servers, self.log_dir / kind, self.args.start_timeout) as groups:
+                print(f"{kind}: up in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+                url = f"http://127.0.0.1:{servers[-1].port}"
+                row = self.drive(kind, "openai", url, stacks.SERVED_NAME, groups)
+                if kind == table.REFERENCE:
+                    self.references["openai"] = dict(row["texts"])
+                    if not self.args.no_grpc:  # the gRPC rows' answers to compare with, untimed
+                        samples, _, _ = asyncio.run(client.run_openai(url, stacks.SERVED_NAME, self.sets["grpc"],
+                                                                      self.args.concurrency, self.args.max_tokens))
+                        self.references["grpc"] = {s.index: s.text for s in samples}
+        finally:
+            shutil.rmtree(ec_dir, ignore_errors=True)
+
+    def ours(self, name: str) -> None:
+        """One of ours: tritonserver + the OpenAI endpoint; driven through the endpoint, then over gRPC."""
+        started = time.monotonic()
+        with stacks.ours_running(self.topology, name, self.log_dir) as (base_url, grpc_url, model, groups):
+            print(f"{name}: up in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+            self.drive(name, "openai", base_url, model, groups)
+            if not self.args.no_grpc:
+                self.drive(name, "grpc", grpc_url, model, {"tritonserver group": groups["tritonserver group"]})
+
+    def settings(self) -> dict:
+        a = self.args
+        return {"rows": a.rows, "requests": a.requests, "concurrency": a.concurrency, "warmup": a.warmup,
+                "image_size": a.image_size, "max_tokens": a.max_tokens, "topology": str(a.topology),
+                "proxy": str(a.proxy or ""), "poll_delay_us": self.poll_delay_us, "grpc": not a.no_grpc,
+                "engine_args": {mode: self.topology.only(mode).engine_args
+                                for mode in dict.fromkeys(MODES[row] for row in a.rows)}}
+
+
+def distinct(rows: list[dict]) -> str:
+    """A line saying how many different answers the reference gave (equality with a model that ignored its image
+    would prove nothing)."""
+    ref = [r for r in rows if r["name"] == table.REFERENCE]
+    return "" if not ref else (f"{table.REFERENCE} gave {ref[0]['distinct_texts']} different answers to its "
+                               f"{ref[0]['completed']} requests")
+
+
+def report(run: Run) -> str:
+    """Set the rows' token equality; the printed text (both tables); write results.json and tables.md to --out."""
+    table.add_equality(run.rows, run.references)
+    pairs = table.ratios(run.rows)
+    a = run.args
+    text = (f"\n{a.requests} streaming chat requests per row at concurrency {a.concurrency}, one {a.image_size}x"
+            f"{a.image_size} PNG and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
+            f"row of a protocol; topology {a.topology}; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
+            + table.results_table(run.rows) + "\n\n" + (distinct(run.rows) + "\n\n" if distinct(run.rows) else "") + "ours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
+            + table.ratios_table(pairs) + "\n")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "tables.md").write_text(text)
+    (a.out / "results.json").write_text(json.dumps({"settings": run.settings(), "rows": run.rows, "ratios": pairs,
+                                                    "commands": run.commands}, indent=1, default=str))
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxy", type=Path, help="vLLM's examples/disaggregated/disaggregated_encoder/"
+                                                   "disagg_epd_proxy.py, kept outside this repository")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+    parser.add_argument("--requests", type=int, default=96, help="requests per row's timed window")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=96, help="the requests' square PNGs, pixels a side")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--topology", type=Path, default=ROOT / "topologies" / "default.yaml",
+                        help="engine settings of both sides, and the topology ours are rendered from")
+    parser.add_argument("--poll-delay-us", type=int,
+                        help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
+    parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each vLLM server may take to start")
+    parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "side-by-side")
+    args = parser.parse_args(argv)
+    rows = args.rows.split(",")
+    if unknown := [r for r in rows if r not in ROWS]:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if any(r in NEEDS_PROXY for r in rows):
+        if args.proxy is None or not args.proxy.is_file():
+            parser.error(f"rows {', '.join(r for r in rows if r in NEEDS_PROXY)} need --proxy (vLLM's "
+                         "disagg_epd_proxy.py); leave them out of --rows otherwise")
+        if args.proxy.resolve().is_relative_to(ROOT.resolve()):
+            parser.error("--proxy is vLLM's file: keep it outside this repository")
+    args.rows = [r for r in ROWS if r in rows]  # the reference first, one stack at a time in a fixed order
+    if missing := unservable(args.topology, args.rows):
+        parser.error(f"{args.topology} cannot serve {', '.join(missing)} alone; leave them out of --rows")
+    return args
+
+
+def unservable(topology: Path, rows: list[str]) -> list[str]:
+    """The rows whose deployment ``topology`` has no stages for (``Topology.only`` refuses it)."""
+    from backend.deploy.topology import TopologyError, load
+
+    served = load(topology)
+    missing = []
+    for row in rows:
+        try:
+            served.only(MODES[row])
+        except TopologyError:
+            missing.append(row)
+    return missing
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # a killed run stops the stack it is on (finally blocks)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    run = Run(args)
+    for name in args.rows:
+        try:
+            run.vllm(name) if name in stacks.VLLM_STACKS else run.ours(name)
+        except (RuntimeError, TimeoutError, OSError) as exc:  # one stack that fails to start does not end the run
+            print(f"{name}: failed: {exc}", file=sys.stderr, flush=True)
+    print(report(run))
+    return run.rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The one client of ``clients.bench.side_by_side``: the same seeded requests to every stack, over the OpenAI protocol
+(streaming chat completions, aiohttp) or over Triton's gRPC (``clients.bench.load.run_concurrency``).
+
+A request set is ``count`` requests from seed ``first``: request ``i`` has one random-pixel PNG
+(``clients.images.image_bytes(size, size, seed=first + i)``) before the text ``Request <first + i>: what is in the
+picture?``, greedy sampling, ``max_tokens`` tokens with ``ignore_eos``. Both protocols send the same chat (an image part,
+then the text part), so a deployment's answers can be compared with vLLM's single engine's, request by request.
+
+Load: closed loop, ``concurrency`` clients, each sending its next request when its previous one finished; a request's
+TTFT is the time to its first non-empty text, its latency the time to its last byte (``clients.bench.report.Sample``).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass
+
+from clients.bench.report import Sample
+
+
+@dataclass(frozen=True)
+class Request:
+    seed: int
+    image: bytes  # PNG
+    text: str
+
+
+def request_set(first: int, count: int, size: int) -> list[Request]:
+    """``count`` requests from seed ``first`` (the module's contract); the same arguments give the same bytes."""
+    from clients.images import image_bytes
+
+    return [Request(seed, image_bytes(size, size, seed=seed), f"Request {seed}: what is in the picture?")
+            for seed in range(first, first + count)]
+
+
+def chat_body(model: str, request: Request, max_tokens: int) -> dict:
+    """The OpenAI streaming chat-completions body of ``request`` (usage in the last chunk)."""
+    url = "data:image/png;base64," + base64.b64encode(request.image).decode()
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": request.text}]}]}
+
+
+def grpc_inputs(request: Request, max_tokens: int):
+    """The same request as Triton generate inputs (``clients.triton_client.GenerateInputs``)."""
+    from clients.triton_client import GenerateInputs
+
+    content = [{"type": "image"}, {"type": "text", "text": request.text}]
+    return GenerateInputs(messages=[{"role": "user", "content": content}], images=[request.image],
+                          sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}, stream=True)
+
+
+def parse_sse_line(line: bytes) -> dict | str | None:
+    """One SSE line of a chat-completions stream: its JSON object, ``"[DONE]"``, or None (not a data line)."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    return "[DONE]" if payload == b"[DONE]" else json.loads(payload)
+
+
+async def _one_openai(session, url: str, body: dict) -> tuple[Sample | None, str | None]:
+    started = time.perf_counter()
+    ttft, chunks, tokens, responses = None, [], None, 0
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            return None, f"HTTP {resp.status}: {(await resp.text())[:300]}"
+        async for line in resp.content:
+            event = parse_sse_line(line)
+            if event is None:
+                continue
+            if event == "[DONE]":
+                break
+            if "error" in event:
+                return None, f"error in stream: {str(event['error'])[:300]}"
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    responses += 1
+                    chunks.append(piece)
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
+    latency = time.perf_counter() - started
+    return Sample(ttft if ttft is not None else latency, latency, tokens if tokens is not None else responses,
+                  responses=responses, text="".join(chunks)), None
+
+
+async def run_openai(base_url: str, model: str, requests: list[Request], concurrency: int,
+                     max_tokens: int) -> tuple[list[Sample], list[str], float]:
+    """(samples with ``index`` = position in ``requests``, errors, wall seconds) of ``requests`` sent to
+    ``base_url``/v1/chat/completions by ``concurrency`` closed-loop clients."""
+    import aiohttp
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in enumerate(requests):
+        queue.put_nowait(job)
+    samples, errors = [], []
+    url = f"{base_url}/v1/chat/completions"
+
+    async def client(session):
+        while not queue.empty():
+            index, request = queue.get_nowait()
+            try:
+                sample, error = await _one_openai(session, url, chat_body(model, request, max_tokens))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                sample, error = None, f"{type(exc).__name__}: {exc}"
+            if sample is not None:
+                sample.index = index
+                samples.append(sample)
+            if error is not None:
+                errors.append(error)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        return samples, errors, time.perf_counter() - started
+
+
+class _Quiet:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+async def run_grpc(grpc_url: str, model: str, requests: list[Request], concurrency: int,
+                   max_tokens: int) -> tuple[list[Sample], list[str], float]:
+    """As ``run_openai``, over Triton's gRPC streaming endpoint at ``grpc_url`` (``clients.bench.load``)."""
+    from clients.bench.load import run_concurrency
+
+    results, wall = await run_concurrency(grpc_url, model, concurrency,
+                                          [grpc_inputs(r, max_tokens) for r in requests], _Quiet())
+    return results.samples, results.errors, wall

@@ -1,0 +1,184 @@
+"""``clients.bench.side_by_side``'s pure parts: the same engine settings in vLLM's command lines as in ours, the
+stacks' shapes, rows, token equality, ratios, the tables, the CPU accounting, the requests and SSE parsing, and the
+arguments (no server, no proxy)."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from backend.deploy.render import render_files
+from backend.deploy.topology import load
+from clients.bench import side_client, side_stacks, side_table
+from clients.bench.report import Sample
+from clients.bench.side_by_side import parse_args
+from clients.local_server import ROOT
+
+TOPOLOGY = ROOT / "topologies" / "default.yaml"
+ENGINE_KEYS = ("max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "dtype", "enforce_eager")
+
+
+def flags(argv: list[str]) -> dict[str, str | bool]:
+    """--flag value / --flag -> dict (the values as given)."""
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[argv[i][2:]] = argv[i + 1]
+                i += 2
+                continue
+            out[argv[i][2:]] = True
+        i += 1
+    return out
+
+
+def ours_model_json(mode: str, stage: str) -> dict:
+    topology = load(TOPOLOGY).only(mode)
+    return json.loads(render_files(topology, Path("/tmp/repo"))[f"{stage}/model.json"])
+
+
+@pytest.mark.parametrize("kind", side_stacks.VLLM_STACKS)
+def test_every_vllm_engine_gets_our_engines_settings(kind):
+    topology = load(TOPOLOGY)
+    ours = ours_model_json("baseline", "llm")
+    engines = [s for s in side_stacks.vllm_stack(kind, topology, Path("/x/proxy.py"), list(range(7001, 7007)),
+                                                 Path("/tmp/ec"), 1000) if s.name != "proxy"]
+    assert engines
+    for server in engines:
+        given = flags(server.argv)
+        for key in ENGINE_KEYS:
+            flag = key.replace("_", "-")
+            if ours[key] is True:
+                assert given[flag] is True, (server.name, key)
+            else:
+                assert given[flag] == str(ours[key]), (server.name, key)
+        assert json.loads(given["limit-mm-per-prompt"]) == ours["limit_mm_per_prompt"]
+        assert given["model"] == str(topology.checkpoint.resolve()) and given["host"] == "127.0.0.1"
+
+
+def test_the_settings_follow_the_topology(tmp_path):
+    text = TOPOLOGY.read_text().replace("max_num_seqs: 32", "max_num_seqs: 7")
+    (tmp_path / "t.yaml").write_text(text.replace("../models", str(ROOT / "models")))
+    topology = load(tmp_path / "t.yaml")
+    (single,) = side_stacks.vllm_stack("vllm-single", topology, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/e"), 1)
+    assert flags(single.argv)["max-num-seqs"] == "7"
+
+
+def test_engine_flags():
+    assert side_stacks.engine_flags({"enforce_eager": True, "enable_prefix_caching": False, "max_num_seqs": 4,
+                                     "limit_mm_per_prompt": {"image": 2}}) == [
+        "--enforce-eager", "--no-enable-prefix-caching", "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}']
+
+
+def test_the_stacks_connectors_and_proxy():
+    topology = load(TOPOLOGY)
+    e_pd = side_stacks.vllm_stack("vllm-e-pd", topology, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/ec"), 1000)
+    assert [s.name for s in e_pd] == ["encoder", "pd", "proxy"]
+    assert json.loads(flags(e_pd[0].argv)["ec-transfer-config"])["ec_role"] == "ec_producer"
+    pd = flags(e_pd[1].argv)
+    assert json.loads(pd["ec-transfer-config"])["ec_connector_extra_config"] == {"shared_storage_path": "/ec"}
+    assert pd["enable-mm-embeds"] is True and "kv-transfer-config" not in pd
+    assert flags(e_pd[2].argv)["prefill-servers-urls"] == "disable"
+    shipped, delayed = (side_stacks.vllm_stack(k, topology, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/ec"), 1000)
+                        for k in ("vllm-e-p-d", "vllm-e-p-d-delay"))
+    assert [s.name for s in shipped] == ["encoder", "prefill", "decode", "proxy"]
+    assert [json.loads(flags(s.argv)["kv-transfer-config"])["kv_role"] for s in shipped[1:3]] == ["kv_producer",
+                                                                                                  "kv_consumer"]
+    assert shipped[1].env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != shipped[2].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert all(side_stacks.POLL_DELAY_ENV not in s.env for s in shipped)
+    assert [s.env.get(side_stacks.POLL_DELAY_ENV) for s in delayed] == [None, "1000", "1000", None]
+    assert flags(shipped[3].argv)["decode-servers-urls"] == "http://127.0.0.1:3"
+
+
+def test_vllm_processes_run_without_the_projects_switches(monkeypatch):
+    monkeypatch.setenv("EPD_ENGINE_QUICK_EXIT", "1")
+    env = side_stacks.process_env(side_stacks.Server("x", [], 1, {"VLLM_PLUGINS": "epd_patches"}))
+    assert "EPD_ENGINE_QUICK_EXIT" not in env and env["VLLM_PLUGINS"] == "epd_patches"
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert side_stacks.process_env(side_stacks.Server("x", [], 1))["VLLM_PLUGINS"] == ""
+
+
+def sample(index: int, ttft_ms: float, latency_ms: float, text: str, tokens: int = 16) -> Sample:
+    return Sample(ttft_ms / 1000, latency_ms / 1000, tokens, text=text, index=index)
+
+
+def test_rows_equality_and_ratios():
+    theirs = side_table.summarise("vllm-single", "openai", [sample(i, 10 + i, 40 + i, f"t{i}") for i in range(4)], 0, 2.0, 4)
+    mine = side_table.summarise("llm", "openai", [sample(i, 20 + 2 * i, 80, f"t{i}") for i in (0, 1, 3)], 1, 4.0, 4)
+    grpc = side_table.summarise("llm", "grpc", [sample(i, 5, 20, f"g{i}") for i in range(4)], 0, 1.0, 4)
+    assert theirs["req_per_s"] == 2.0 and theirs["ttft_p50_ms"] == pytest.approx(11.5)
+    assert theirs["tpot_p50_ms"] == pytest.approx(30 / 15) and theirs["distinct_texts"] == 4 and grpc["distinct_texts"] == 4
+    theirs["cpu_total_ms"], mine["cpu_total_ms"], grpc["cpu_total_ms"] = 10.0, 15.0, 5.0
+    rows = [theirs, mine, grpc]
+    side_table.add_equality(rows, {"openai": theirs["texts"], "grpc": {i: f"g{i}" for i in range(3)} | {3: "other"}})
+    assert theirs["same_text"] == (4, 4) and mine["same_text"] == (3, 4) and grpc["same_text"] == (3, 4)
+    pairs = side_table.ratios(rows)
+    assert [(p["ours"], p["protocol"], p["vllm"]) for p in pairs] == [("llm", "openai", "vllm-single"),
+                                                                       ("llm", "grpc", "vllm-single")]
+    assert pairs[0]["req_per_s"] == pytest.approx(0.75 / 2.0) and pairs[0]["cpu_total_ms"] == 1.5
+    assert pairs[1]["req_per_s"] == 2.0 and pairs[1]["cpu_total_ms"] == 0.5
+    text = side_table.results_table(rows)
+    assert "| llm | openai | 0.75 |" in text and "3/4" in text
+    assert "| llm | grpc | vllm-single | 2.00x |" in side_table.ratios_table(pairs)
+
+
+def test_ratio_edges_and_missing_reference():
+    assert side_table.ratio(1.0, 0.0) is None and side_table.ratio(None, 1.0) is None
+    assert side_table.ratio(float("nan"), 1.0) is None and side_table.ratio(3.0, 2.0) == 1.5
+    assert side_table.same_text({0: "a"}, None) is None
+    assert side_table.ratios([side_table.summarise("epd", "openai", [], 0, 1.0, 0)]) == []  # no vLLM row: no pair
+
+
+def test_cpu_accounting_sums_groups_with_their_descendants():
+    # pid -> (parent, start, CPU s): 10 a server with child 11 and grandchild 12; 20 another group; 30 unrelated
+    table0 = {10: (1, 100, 1.0), 11: (10, 101, 2.0), 12: (11, 102, 0.5), 20: (1, 200, 3.0), 30: (1, 300, 9.0)}
+    groups = {"server": ([10], True), "proxy": ([20], True), "client": ([11], False)}
+    before = side_table.cpu_snapshot(groups, table0)
+    assert set(before["server"]) == {(10, 100), (11, 101), (12, 102)} and set(before["client"]) == {(11, 101)}
+    # later: 12 exited, 13 started (a new child, counted from 0), 11 was replaced by another process with its pid
+    table1 = {10: (1, 100, 1.5), 11: (10, 150, 0.25), 13: (10, 160, 0.25), 20: (1, 200, 3.1), 30: (1, 300, 20.0)}
+    used = side_table.cpu_per_request(before, side_table.cpu_snapshot(groups, table1), requests=10)
+    assert used == {"server": pytest.approx((0.5 + 0.25 + 0.25) * 100), "proxy": pytest.approx(10.0),
+                    "client": pytest.approx(25.0)}
+
+
+def test_cpu_of_this_process_is_read_from_proc():
+    stat = side_table.read_stat(os.getpid())
+    assert stat is not None and stat[0] == os.getppid() and stat[2] > 0
+    assert os.getpid() in side_table.group_pids([os.getppid()], {p: s[0] for p, s in side_table.process_table().items()})
+
+
+def test_requests_are_seeded_and_alike_on_both_protocols():
+    first, again = side_client.request_set(5, 2, 32), side_client.request_set(5, 2, 32)
+    assert first == again and first[0].image != first[1].image and first[0].text == "Request 5: what is in the picture?"
+    body = side_client.chat_body("m", first[0], 16)
+    assert body["stream"] and body["max_tokens"] == 16 and body["temperature"] == 0.0 and body["ignore_eos"]
+    parts = body["messages"][0]["content"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,") and parts[1]["text"] == first[0].text
+    inputs = side_client.grpc_inputs(first[0], 16)
+    assert inputs.images == [first[0].image] and inputs.messages[0]["content"][1]["text"] == first[0].text
+    assert inputs.sampling == {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+
+
+def test_sse_lines():
+    assert side_client.parse_sse_line(b'data: {"choices": []}\n') == {"choices": []}
+    assert side_client.parse_sse_line(b"data: [DONE]\n") == "[DONE]"
+    assert side_client.parse_sse_line(b"\n") is None and side_client.parse_sse_line(b": ping\n") is None
+
+
+def test_arguments(tmp_path):
+    proxy = tmp_path / "disagg_epd_proxy.py"
+    proxy.write_text("")
+    args = parse_args(["--proxy", str(proxy), "--rows", "llm,vllm-single", "--requests", "4"])
+    assert args.rows == ["vllm-single", "llm"]  # the reference first
+    assert parse_args(["--rows", "vllm-single,epd"]).rows == ["vllm-single", "epd"]  # no proxy needed
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "vllm-e-pd"])  # needs the proxy
+    inside = ROOT / "clients" / "bench" / "side_by_side.py"
+    with pytest.raises(SystemExit):
+        parse_args(["--proxy", str(inside)])  # vLLM's file stays outside the repository
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "nope"])
+    with pytest.raises(SystemExit):  # a topology without the stages of a row asked for
+        parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "vllm-single,epd"])
+    assert parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "epd"]).rows == ["epd"]
