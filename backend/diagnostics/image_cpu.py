@@ -116,11 +116,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--formats", default="PNG,JPEG")
     parser.add_argument("--max-pixels", type=int, default=0, help="the processor's pixel cap (0: the checkpoint's)")
+    parser.add_argument("--blocking-sync", action="store_true",
+                        help="the process's waits for the GPU sleep instead of spin (backend.encode.cuda_wait)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     from backend.engine.host import prepare_process
 
     prepare_process()
+    blocking = False
+    if args.blocking_sync and args.device.startswith("cuda"):
+        from backend.encode.cuda_wait import block_on_waits
+        blocking = block_on_waits(int(args.device.partition(":")[2] or 0))
     import torch
 
     from backend.encode.encoder import load_encoder
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = [measure(encoder, args.device, mode, fmt, args.size, args.batch, args.repeats)
             for fmt in args.formats.split(",") for mode in modes]
     print(f"encoder host CPU per image, {args.size}x{args.size} random-pixel images, batches of {args.batch}, "
-          f"{args.dtype} tower on {args.device}")
+          f"{args.dtype} tower on {args.device}, waits for the GPU {'sleep' if blocking else 'spin'}")
     print("| mode | format | CPU ms / image | wall ms / batch |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row.mode} | {row.fmt} | {row.cpu_ms_per_image:.1f} | {row.wall_ms_per_batch:.1f} |")

@@ -13,8 +13,8 @@ normalise and patchify are the processor's own call (``do_resize=False``) on the
 (the same float32 element-wise ops as on the host).
 
 What this module does not do: decode. ``backend.request.image.decode_image_tensor`` gives the [3, H, W] uint8 tensor
-(JPEG through nvJPEG with ``nvjpeg``: within a stated bound of PIL's decode, not bit for bit; every other format, and
-every image with ``gpu``, decoded on the host as the CPU path decodes it).
+(JPEG through nvJPEG with ``nvjpeg``: PIL's pixels without chroma subsampling, within a measured bound with it; every
+other format, and every image with ``gpu``, decoded on the host as the CPU path decodes it).
 """
 from __future__ import annotations
 

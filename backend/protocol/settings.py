@@ -98,6 +98,9 @@ class EncoderSettings(MediaSettings):
     encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
     video_decoder: VideoDecoder = VideoDecoder.CPU  # nvdec: frames equal the CPU's bit for bit (backend.request.nvdec)
     image_preprocess: ImagePreprocess = ImagePreprocess.CPU  # gpu / nvjpeg: backend.encode.gpu_image
+    # a KIND_GPU instance's waits for its GPU sleep instead of spin (backend.encode.cuda_wait; rendered with a GPU
+    # image_preprocess, whose point is the host CPU the encoder spends)
+    cuda_blocking_sync: bool = False
     pool_bytes: int = 64 << 20  # the NIXL-registered embedding pool
     lease_seconds: float = 30  # how long an unread embedding lease is kept
     alloc_timeout_seconds: float = 1.0  # how long an encode waits for pool space before OVERLOADED

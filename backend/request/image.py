@@ -4,9 +4,11 @@ names), registered as the image modality's ``MediaHandler`` (``backend.request.m
 An encoder with ``image_preprocess: gpu`` or ``nvjpeg`` (``MediaLimits.image_device``) gets each image as a [3, H, W]
 uint8 tensor on its GPU, which ``backend.encode.gpu_image`` preprocesses there: decoded on the host as below (the same
 pixels) and copied over, or, with ``nvjpeg``, a baseline or progressive RGB/greyscale JPEG decoded by nvJPEG
-(torchvision's CUDA ``decode_jpeg``): a different IDCT and chroma upsampling than libjpeg-turbo's, so within a few
-levels of PIL's pixels, not equal (the bound is measured on the H200: docs/gpu.md). A JPEG nvJPEG refuses falls back
-to the host, its reason logged once; ``IMAGE_DECODES`` counts both.
+(torchvision's CUDA ``decode_jpeg``). Measured on the H200 against PIL (libjpeg-turbo; docs/gpu.md): the same pixels
+without chroma subsampling (4:4:4, greyscale); with it (4:2:0, 4:2:2: most JPEGs) another chroma upsampling, 2-3
+levels apart on smooth content and up to 142 (mean 14) where chroma changes from pixel to pixel, enough to change a
+greedy token now and then. A JPEG nvJPEG refuses falls back to the host, its reason logged once; ``IMAGE_DECODES``
+counts both.
 """
 from __future__ import annotations
 

@@ -25,10 +25,13 @@ pytestmark = [pytest.mark.component,
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")
-# nvJPEG against PIL (libjpeg-turbo) on the same JPEG, in 0-255 levels: measured on the H200 (docs/gpu.md) over
-# noise, gradients and photos-like content, quality 75-95, 4:4:4 / 4:2:2 / 4:2:0 and greyscale
-NVJPEG_MAX_LEVELS = 48
-NVJPEG_MEAN_LEVELS = 1.5
+# nvJPEG against PIL (libjpeg-turbo) on the same JPEG, in 0-255 levels, measured on the H200 (2026-12-04, docs/gpu.md):
+# equal where chroma is not subsampled (4:4:4, greyscale); where it is (4:2:2, 4:2:0), the chroma upsampling differs
+# (libjpeg-turbo's "fancy" triangular filter): 2-3 levels on smooth content, up to 142 (mean 14.4) where chroma
+# changes from pixel to pixel (random noise, 16-px colour blocks' edges)
+SMOOTH_SUBSAMPLED_LEVELS = 3
+SHARP_SUBSAMPLED_LEVELS = 160
+SHARP_SUBSAMPLED_MEAN = 16.0
 
 
 def _processor(name: str):
@@ -117,12 +120,12 @@ def _jpegs() -> list[tuple[str, bytes, Image.Image]]:
 
 
 def test_nvjpeg_pixels_are_within_the_stated_bound_of_pil_s():
-    """nvJPEG's decode against PIL's, and the processor's pixel values after it (tiny Qwen2-VL), per JPEG."""
+    """nvJPEG's decode against PIL's, and the processor's pixel values after it (tiny Qwen2-VL), per JPEG: equal
+    without chroma subsampling, within the measured bounds above with it."""
     from backend.encode import gpu_image
     from backend.request.image import nvjpeg_decode
 
     processor = _processor("tiny-qwen2-vl")
-    worst, means = 0, []
     for label, data, pil in _jpegs():
         got = nvjpeg_decode(data, torch.device("cuda:0"))
         host = torch.from_numpy(np.array(pil)).permute(2, 0, 1)
@@ -133,9 +136,13 @@ def test_nvjpeg_pixels_are_within_the_stated_bound_of_pil_s():
         print(f"nvjpeg {label}: max {diff.max().item()} levels, mean {diff.float().mean().item():.3f}, "
               f"p99.9 {diff.float().quantile(0.999).item() if diff.numel() < 16e6 else -1:.0f}; "
               f"pixel values max |diff| {values:.4f}")
-        worst = max(worst, diff.max().item())
-        means.append(diff.float().mean().item())
-    assert worst <= NVJPEG_MAX_LEVELS and max(means) <= NVJPEG_MEAN_LEVELS
+        worst, mean = diff.max().item(), diff.float().mean().item()
+        if " s0" in label or label.startswith("grey"):  # no chroma subsampling: nvJPEG's pixels are PIL's
+            assert worst == 0, label
+        elif "gradient" in label:
+            assert worst <= SMOOTH_SUBSAMPLED_LEVELS, label
+        else:
+            assert worst <= SHARP_SUBSAMPLED_LEVELS and mean <= SHARP_SUBSAMPLED_MEAN, label
 
 
 def test_encoder_embeddings_with_gpu_preprocessing_equal_the_host_s():

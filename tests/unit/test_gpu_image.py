@@ -155,6 +155,7 @@ def test_topology_takes_image_preprocess_on_a_gpu_encoder_only(tmp_path):
         render(replace(topology, stages={**topology.stages, "encoder": spec}), tmp_path / value)
         config = (tmp_path / value / "encoder" / "config.pbtxt").read_text()
         assert f'key: "image_preprocess"' in config and f'string_value: "{value}"' in config
+        assert 'key: "cuda_blocking_sync"' in config
     text = (ROOT / "topologies" / "checkpoint-gpu.yaml").read_text()
     for bad, message in ((text.replace("encoder: {", "encoder: {image_preprocess: tpu, ", 1), "expected one of"),
                          (text.replace("pd: {", "pd: {image_preprocess: gpu, ", 1), "only the encoder"),
@@ -164,6 +165,18 @@ def test_topology_takes_image_preprocess_on_a_gpu_encoder_only(tmp_path):
         path.write_text(bad)
         with pytest.raises(TopologyError, match=message):
             load(path, machine="gpu", checkpoint=ROOT / "models" / "tiny-qwen2-vl")
+
+
+def test_blocking_waits_are_refused_quietly_without_a_driver(monkeypatch):
+    import ctypes
+
+    from backend.encode import cuda_wait
+
+    def missing(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert cuda_wait.block_on_waits(0) is False
 
 
 def test_encoder_settings_parse_image_preprocess():

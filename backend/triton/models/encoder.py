@@ -84,6 +84,10 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"]) / settings.model
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
         dtype = settings.encoder_dtype  # "" = the checkpoint's; bfloat16 for speed on GPU
+        if settings.cuda_blocking_sync and device.startswith("cuda"):  # before this process's first CUDA tensor
+            from backend.encode.cuda_wait import block_on_waits
+            sleeping = block_on_waits(int(args["model_instance_device_id"]))
+            pb_utils.Logger.log_info(f"encoder: waits for the GPU {'sleep' if sleeping else 'spin (not changed)'}")
         # the checkpoint's vision tower, or an audio-only checkpoint's audio tower (backend.encode.audio)
         self.encoder = load_encoder(model_dir.resolve(), device=device, dtype=getattr(torch, dtype) if dtype else None,
                                     impl=settings.encoder_impl, compile=settings.encoder_compile)
