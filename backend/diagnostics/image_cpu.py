@@ -11,13 +11,16 @@ the rest linked): the tiny checkpoint's 12,544 would resize an 896 px image to 1
 12,845,056 keeps it at 896 (the host cost the issue measured); the tower's own cost is the model's, in every mode.
 
 Prints one row per (mode, format): CPU ms per image and wall ms per batch (median of the repeats, after two
-warm-up batches); ``--json PATH`` writes them. On a host without CUDA only ``cpu`` runs (``--device cpu``).
+warm-up batches), and the threads that spent it (``/proc/self/task``, by thread name, ms per image over the timed
+batches: which of the main thread, the decode threads, CUDA's, NIXL/UCX's); ``--json PATH`` writes them. On a host
+without CUDA only ``cpu`` runs (``--device cpu``).
 """
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,6 +35,28 @@ class Row:
     cpu_ms_per_image: float
     wall_ms_per_batch: float
     images: int
+    threads: dict  # thread name -> CPU ms per image over the timed batches (the largest few)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads by name (``/proc/self/task``, Linux; threads of one name summed; {} where
+    there is no /proc)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/self/task/{task}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
 
 
 def _images(size: int, count: int, fmt: str) -> list[bytes]:
@@ -83,16 +108,20 @@ def measure(encoder, device: str, mode: str, fmt: str, size: int, batch: int, re
     from backend.encode.service import EncodeJob
 
     service, pool = _service(encoder, device, mode)
-    cpu, wall = [], []
+    cpu, wall, threads = [], [], {}
     try:
         for index in range(repeats + 2):
             datas = _images(size, batch, fmt)  # made outside the timed part
             jobs = [EncodeJob(0, data, f"{mode}-{fmt}-{index}-{k}", modality="image") for k, data in enumerate(datas)]
+            before = thread_cpu()
             started, clock = time.process_time(), time.perf_counter()
             (layouts,) = service.run(jobs, 1)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             cpu_s, wall_s = time.process_time() - started, time.perf_counter() - clock
+            if index >= 2:
+                for name, seconds in thread_cpu().items():
+                    threads[name] = threads.get(name, 0.0) + max(0.0, seconds - before.get(name, 0.0))
             if isinstance(layouts, BaseException):
                 raise layouts
             for doc in layouts:
@@ -102,7 +131,9 @@ def measure(encoder, device: str, mode: str, fmt: str, size: int, batch: int, re
                 wall.append(wall_s * 1000)
     finally:
         pool.close()
-    return Row(mode, fmt, statistics.median(cpu), statistics.median(wall), batch)
+    top = sorted(threads.items(), key=lambda kv: -kv[1])[:4]
+    per_image = {name: round(seconds * 1000 / (batch * repeats), 1) for name, seconds in top if seconds > 0}
+    return Row(mode, fmt, statistics.median(cpu), statistics.median(wall), batch, per_image)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -142,9 +173,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
             for fmt in args.formats.split(",") for mode in modes]
     print(f"encoder host CPU per image, {args.size}x{args.size} random-pixel images, batches of {args.batch}, "
           f"{args.dtype} tower on {args.device}, waits for the GPU {'sleep' if blocking else 'spin'}")
-    print("| mode | format | CPU ms / image | wall ms / batch |\n|---|---|---|---|")
+    print("| mode | format | CPU ms / image | wall ms / batch | threads, CPU ms / image |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row.mode} | {row.fmt} | {row.cpu_ms_per_image:.1f} | {row.wall_ms_per_batch:.1f} |")
+        threads = ", ".join(f"{name} {ms}" for name, ms in row.threads.items())
+        print(f"| {row.mode} | {row.fmt} | {row.cpu_ms_per_image:.1f} | {row.wall_ms_per_batch:.1f} | {threads} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([row.__dict__ for row in rows], fh, indent=1)

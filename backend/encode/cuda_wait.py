@@ -1,10 +1,11 @@
 """How a process's CPU threads wait for its GPU: spinning (CUDA's default for a process with fewer busy threads than
 cores) or sleeping on an OS primitive (``CU_CTX_SCHED_BLOCKING_SYNC``).
 
-Why: a GPU encoder waits for its tower once per item it publishes (``EmbeddingPool.publish`` synchronizes before
-the bytes can be read). Spinning, that wait is host CPU for as long as the GPU works: on the H200, with Qwen2-VL-2B's
-tower, ~27 ms of "CPU" per 896 px image beside ~3 ms of real preprocessing work (docs/gpu.md). Sleeping costs a
-thread wake-up per wait (microseconds) instead.
+Why it was tried: a GPU encoder waits for its tower once per item it publishes (``EmbeddingPool.publish``
+synchronizes before the bytes can be read), and with Qwen2-VL-2B's tower its process spends ~27 ms of CPU per 896 px
+image beyond ~3 ms of preprocessing, about the batch's wall time. Measured on the H200 (2026-12-04, docs/gpu.md):
+sleeping waits changed nothing (30.4 -> 30.2 ms per image; served, the encoder's CPU per request 264-274 -> 272-296
+ms): that CPU is not the waits' spinning. Kept as an encoder setting (``cuda_blocking_sync``) no topology renders.
 
 ``block_on_waits(index)`` must run before the process creates its CUDA context on that device (before the first
 CUDA tensor); it uses the driver API through ctypes (``libcuda.so.1``), so it needs no CUDA toolkit.

@@ -98,8 +98,8 @@ class EncoderSettings(MediaSettings):
     encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
     video_decoder: VideoDecoder = VideoDecoder.CPU  # nvdec: frames equal the CPU's bit for bit (backend.request.nvdec)
     image_preprocess: ImagePreprocess = ImagePreprocess.CPU  # gpu / nvjpeg: backend.encode.gpu_image
-    # a KIND_GPU instance's waits for its GPU sleep instead of spin (backend.encode.cuda_wait; rendered with a GPU
-    # image_preprocess, whose point is the host CPU the encoder spends)
+    # a KIND_GPU instance's waits for its GPU sleep instead of spin (backend.encode.cuda_wait; measured on the H200
+    # 2026-12-04: no change in the encoder's CPU per image, so not rendered by any topology)
     cuda_blocking_sync: bool = False
     pool_bytes: int = 64 << 20  # the NIXL-registered embedding pool
     lease_seconds: float = 30  # how long an unread embedding lease is kept
