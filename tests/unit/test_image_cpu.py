@@ -22,7 +22,10 @@ def test_a_linked_copy_caps_pixels_where_asked(tmp_path):
     assert (where / "config.json").resolve() == (model / "config.json").resolve()
 
 
-def test_main_measures_the_cpu_mode_here(tmp_path):
+def test_main_measures_the_cpu_mode_here(tmp_path, monkeypatch):
+    import backend.engine.host
+
+    monkeypatch.setattr(backend.engine.host, "prepare_process", lambda: None)  # no process-wide settings in pytest
     out = tmp_path / "rows.json"
     rows = image_cpu.main([str(ROOT / "models" / "tiny-qwen2-vl"), "--device", "cpu", "--dtype", "float32",
                            "--size", "64", "--batch", "2", "--repeats", "1", "--formats", "JPEG", "--json", str(out)])
