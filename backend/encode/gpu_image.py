@@ -147,11 +147,12 @@ def preprocess(processor, images: list[torch.Tensor]) -> tuple[torch.Tensor, tor
 
 
 def supported(processor) -> bool:
-    """Whether ``preprocess`` gives this processor's output: a torchvision-backed processor with a family
+    """Whether ``preprocess`` gives this processor's output: a torchvision-backed processor that resizes, with a family
     ``smart_resize``, antialiased bicubic resample, and the Qwen-VL patch attributes."""
     module = sys.modules.get(type(processor).__module__)
     resample = getattr(processor, "resample", None)
     return (getattr(processor, "backend", None) == "torchvision" and hasattr(module, "smart_resize")
+            and getattr(processor, "do_resize", True)
             and int(resample if resample is not None else -1) == 3
             and all(hasattr(processor, a) for a in ("patch_size", "merge_size", "temporal_patch_size")))
 

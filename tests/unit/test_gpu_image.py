@@ -96,6 +96,7 @@ def test_a_processor_it_does_not_reproduce_is_refused():
     processor = _processor("tiny-qwen2-vl")
     other = type(processor)(**{**processor.to_dict(), "resample": 2})  # bilinear
     assert not gpu_image.supported(other)
+    assert not gpu_image.supported(type(processor)(**{**processor.to_dict(), "do_resize": False}))
     with pytest.raises(TypeError):
         gpu_image.resize(torch.zeros(3, 4, 4), 2, 2)
 
