@@ -160,7 +160,7 @@ class TritonPythonModel:
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
                                      self.service.cache_hits, self.tier, self.service.tier_hits,
-                                     dict(VIDEO_DECODES))
+                                     dict(VIDEO_DECODES), dict(image.IMAGE_DECODES))
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 
