@@ -118,6 +118,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # the shared embedding tier: only where the topology has one (the launcher starts it: tier_service.launch_for)
         tier = {f"tier_{k}": _fmt(v) for k, v in topology.tier.items()}
         decoder = {"video_decoder": spec.video_decoder} if spec.video_decoder != "cpu" else {}
+        if spec.image_preprocess != "cpu":
+            decoder["image_preprocess"] = spec.image_preprocess
         return header + body + _params({"model": checkpoint, **engine_dtype, **decoder, **transfer, **limits, **tier})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind.colocated:

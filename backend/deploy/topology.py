@@ -37,6 +37,9 @@ and computes those endpoints (``backend.deploy.hosts``; ``render --host NAME``, 
 
 ``stages.encoder.video_decoder``: ``cpu`` (the default: vLLM's loader over OpenCV's FFmpeg) or ``nvdec`` (a GPU
 encoder decodes videos with NVDEC, frames equal to the CPU's bit for bit: ``backend.request.nvdec``).
+``stages.encoder.image_preprocess``: ``cpu`` (the default: the image processor on the host), ``gpu`` (a GPU encoder
+resizes, normalises and patchifies images on its GPU, the host's pixels bit for bit: ``backend.encode.gpu_image``) or
+``nvjpeg`` (``gpu``, and JPEGs decoded by nvJPEG: within a measured bound of the host's pixels).
 
 Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
 for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
@@ -55,8 +58,8 @@ import yaml
 
 from backend.deploy.server_address import LOCAL, EndpointError, check_endpoint
 from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, HeldSettings, KvEngineSettings,
-                                       MediaSettings, PdSettings, PrefillSettings, ProxySettings, RoutingSettings,
-                                       VideoDecoder, defaults)
+                                       ImagePreprocess, MediaSettings, PdSettings, PrefillSettings, ProxySettings,
+                                       RoutingSettings, VideoDecoder, defaults)
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +70,7 @@ GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
             "video_split", "tier", "reuse", "hosts"}
-STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder"}
+STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
@@ -149,6 +152,7 @@ class StageSpec:
     orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
     endpoint: str = "local"  # ENDPOINT_STAGES: where the orchestrators reach it (backend.deploy.server_address)
     video_decoder: str = "cpu"  # encoder: where its videos are decoded (EncoderSettings.video_decoder; nvdec: gpu only)
+    image_preprocess: str = "cpu"  # encoder: where its images are preprocessed (EncoderSettings.image_preprocess)
 
 
 @dataclass(frozen=True)
@@ -398,7 +402,8 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
         check_endpoint(stage, endpoint if isinstance(endpoint, str) else repr(endpoint))
     except EndpointError as exc:
         raise TopologyError(f"{where.rsplit(': ', 1)[0]}: {exc}") from None
-    return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint, _video_decoder(doc, where, stage, device))
+    return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint, _video_decoder(doc, where, stage, device),
+                     _image_preprocess(doc, where, stage, device))
 
 
 def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:
@@ -410,6 +415,17 @@ def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:
     if decoder == VideoDecoder.NVDEC and device != "gpu":
         raise TopologyError(f"{where}.video_decoder: nvdec decodes on the encoder's GPU: it needs device: gpu")
     return str(decoder)
+
+
+def _image_preprocess(doc: dict, where: str, stage: str, device: str) -> str:
+    value = doc.get("image_preprocess", ImagePreprocess.CPU.value)
+    if "image_preprocess" in doc and stage != Stage.ENCODER.value:
+        raise TopologyError(f"{where}.image_preprocess: only the encoder preprocesses images")
+    if value not in tuple(ImagePreprocess):
+        raise TopologyError(f"{where}.image_preprocess: expected one of {', '.join(ImagePreprocess)}, got {value!r}")
+    if value != ImagePreprocess.CPU and device != "gpu":
+        raise TopologyError(f"{where}.image_preprocess: {value} preprocesses on the encoder's GPU: it needs device: gpu")
+    return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

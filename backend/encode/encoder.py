@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backend.encode import families
+from backend.encode import families, gpu_image
 from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
 from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
@@ -140,14 +140,14 @@ class VisionEncoder:
         if not items:
             return []
         items = [self._sampled(item) for item in items]
-        images = [i for i, item in enumerate(items) if isinstance(item, Image.Image)]
-        videos = [i for i, item in enumerate(items) if not isinstance(item, Image.Image)]
+        images = [i for i, item in enumerate(items) if is_image(item)]
+        videos = [i for i, item in enumerate(items) if not is_image(item)]
         pixels, grids, order, parts = [], [], [], {}
-        if images:
-            batch = self.processor(images=[items[i] for i in images], return_tensors="pt")
-            pixels.append(batch["pixel_values"])
-            grids.append(batch["image_grid_thw"])
-            order += [(i, IMAGE.name) for i in images]
+        for group in _by_pixels_device(images, items):  # PIL images on the host, uint8 tensors where they are
+            image_pixels, image_grid = self._preprocess_images([items[i] for i in group])
+            pixels.append(image_pixels)
+            grids.append(image_grid)
+            order += [(i, IMAGE.name) for i in group]
         if videos:
             if self.video_processor is None:
                 raise ValueError("this checkpoint has no video processor")
@@ -168,10 +168,19 @@ class VisionEncoder:
             out[index] = EncodedItem(e, tuple(int(x) for x in g), name, part, timing)
         return out
 
+    def _preprocess_images(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One image processor call for ``images``, all PIL images (on the host) or all [3, H, W] uint8 tensors on
+        one device (``backend.encode.gpu_image``: resized there with the host's fixed-point kernel, then the
+        processor's own ops there: the host's pixels and grids)."""
+        if isinstance(images[0], torch.Tensor):
+            return gpu_image.preprocess(self.processor, images)
+        batch = self.processor(images=images, return_tensors="pt")
+        return batch["pixel_values"], batch["image_grid_thw"]
+
     def _sampled(self, item):
         """A video (or video part) with the frames its processor samples from it (``families.sample_frames``), so
         that one processor call for many videos treats each as vLLM's per-video call does; images as they are."""
-        if isinstance(item, Image.Image) or self.video_processor is None:
+        if is_image(item) or self.video_processor is None:
             return item
         if isinstance(item, VideoPart):
             return VideoPart(families.sample_frames(self.model_type, self.video_processor, item.video), item.part)
@@ -256,6 +265,21 @@ def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype 
     if is_audio_only(AutoConfig.from_pretrained(model_dir)):
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)
     return VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
+
+
+def is_image(item) -> bool:
+    """Whether a decoded item is an image: a PIL image, or a [3, H, W] uint8 tensor (``image_preprocess: gpu``)."""
+    return isinstance(item, Image.Image) or (isinstance(item, torch.Tensor) and item.dim() == 3
+                                             and item.dtype == torch.uint8)
+
+
+def _by_pixels_device(images: list[int], items: list) -> list[list[int]]:
+    """The indices ``images`` of ``items`` grouped by where their pixels are (PIL images first, then the tensors of
+    each device), in order within a group."""
+    groups: dict[str, list[int]] = {}
+    for i in images:
+        groups.setdefault(str(items[i].device) if isinstance(items[i], torch.Tensor) else "", []).append(i)
+    return [groups[key] for key in sorted(groups)]
 
 
 def _by_frames_device(videos: list[int], items: list) -> list[list[int]]:

@@ -80,6 +80,16 @@ class VideoDecoder(enum.StrEnum):
     NVDEC = "nvdec"
 
 
+class ImagePreprocess(enum.StrEnum):
+    """Where an encoder preprocesses images (``backend.encode.gpu_image``): the host (PIL and the processor there), its
+    GPU (decoded on the host, resized, normalised and patchified on the GPU: the host's pixels bit for bit), or its GPU
+    with JPEGs decoded by nvJPEG too (within a measured bound of the host's pixels). GPU ones need ``KIND_GPU``."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    NVJPEG = "nvjpeg"
+
+
 @dataclass(frozen=True)
 class EncoderSettings(MediaSettings):
     model: str = ""  # the checkpoint, relative to the model repository
@@ -87,6 +97,10 @@ class EncoderSettings(MediaSettings):
     encoder_dtype: str = ""  # "": the checkpoint's
     encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
     video_decoder: VideoDecoder = VideoDecoder.CPU  # nvdec: frames equal the CPU's bit for bit (backend.request.nvdec)
+    image_preprocess: ImagePreprocess = ImagePreprocess.CPU  # gpu / nvjpeg: backend.encode.gpu_image
+    # a KIND_GPU instance's waits for its GPU sleep instead of spin (backend.encode.cuda_wait; measured on the H200
+    # 2026-12-04: no change in the encoder's CPU per image, so not rendered by any topology)
+    cuda_blocking_sync: bool = False
     pool_bytes: int = 64 << 20  # the NIXL-registered embedding pool
     lease_seconds: float = 30  # how long an unread embedding lease is kept
     alloc_timeout_seconds: float = 1.0  # how long an encode waits for pool space before OVERLOADED

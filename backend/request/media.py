@@ -41,6 +41,10 @@ class MediaLimits:
     video_processor: str = ""
     audio_sampling_rate: int = 0
     nvdec_device: int = -1  # >= 0: videos decoded by NVDEC on that GPU (an encoder's ``video_decoder: nvdec``)
+    # an encoder's ``image_preprocess`` (backend.request.image.decode_image): "" (the default) gives PIL images; a torch
+    # device ("cuda:0"; "cpu" in tests) [3, H, W] uint8 tensors there, decoded on the host, JPEGs by nvJPEG with nvjpeg
+    image_device: str = ""
+    nvjpeg: bool = False
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] = ()
     url_timeout: float = 5.0

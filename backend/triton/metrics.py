@@ -164,7 +164,8 @@ class EncoderMetrics:
     released), ``epd_pool_expired_total{model}`` (expired before anyone read them). With the shared embedding tier
     configured, ``TIER_FAMILIES`` too (``epd_tier_*``: hits, misses, bad entries by reason, claims, waits, ...).
     ``epd_video_decodes_total{decoder}``: videos decoded by NVDEC (``video_decoder: nvdec``) or on the CPU (the
-    default, and an nvdec encoder's fall-backs).
+    default, and an nvdec encoder's fall-backs). ``epd_image_decodes_total{decoder}``: images decoded for
+    preprocessing on the GPU (``image_preprocess: gpu`` / ``nvjpeg``) by nvJPEG or on the CPU (0 with the default).
     """
 
     _FAMILIES = {
@@ -178,8 +179,11 @@ class EncoderMetrics:
         "epd_pool_expired_total": ("COUNTER", "Leases that expired before anyone read them"),
         "epd_video_decodes_total": ("COUNTER", "Videos decoded, by decoder: nvdec (the GPU, video_decoder nvdec) or cpu",
                                     "decoder"),
+        "epd_image_decodes_total": ("COUNTER", "Images decoded for GPU preprocessing (image_preprocess gpu or nvjpeg), "
+                                               "by decoder: nvjpeg or cpu", "decoder"),
     }
     VIDEO_DECODERS = ("nvdec", "cpu")
+    IMAGE_DECODERS = ("nvjpeg", "cpu")
 
     def __init__(self, model_name: str, instance: str = "", tier: bool = False):
         """``tier``: the instance has the shared embedding tier configured (``TIER_FAMILIES`` exported too)."""
@@ -188,7 +192,8 @@ class EncoderMetrics:
                           for name, (kind, text, _) in _with_labels(families).items()}
         labels = metric_labels(model_name, instance)
         self._kinds, self._metrics = {}, {}
-        label_values = {**(tier_labels() if tier else {}), "epd_video_decodes_total": self.VIDEO_DECODERS}
+        label_values = {**(tier_labels() if tier else {}), "epd_video_decodes_total": self.VIDEO_DECODERS,
+                        "epd_image_decodes_total": self.IMAGE_DECODERS}
         for name, (kind, _, label) in _with_labels(families).items():
             for value in label_values.get(name, (None,)):
                 series = (name, value)
@@ -198,9 +203,10 @@ class EncoderMetrics:
         self._lock = threading.Lock()
 
     def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0, tier=None,
-                tier_hits: int = 0, video_decodes: dict | None = None) -> None:
+                tier_hits: int = 0, video_decodes: dict | None = None, image_decodes: dict | None = None) -> None:
         """``tier``: the instance's ``EmbeddingTier`` (None: not connected: ``epd_tier_connected`` 0);
-        ``video_decodes``: decoder -> videos (``backend.request.nvdec.STATS``)."""
+        ``video_decodes``: decoder -> videos (``backend.request.video.VIDEO_DECODES``); ``image_decodes``: decoder ->
+        images (``backend.request.image.IMAGE_DECODES``)."""
         values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
                   "epd_encoder_cache_hits_total": cache_hits,
                   "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
@@ -209,6 +215,8 @@ class EncoderMetrics:
         values = {(name, None): value for name, value in values.items()}
         values.update({("epd_video_decodes_total", decoder): (video_decodes or {}).get(decoder, 0)
                        for decoder in self.VIDEO_DECODERS})
+        values.update({("epd_image_decodes_total", decoder): (image_decodes or {}).get(decoder, 0)
+                       for decoder in self.IMAGE_DECODERS})
         if ("epd_tier_connected", None) in self._metrics:
             values.update(tier_values(tier, tier_hits))
         with self._lock:

@@ -6,7 +6,9 @@ off: the consumer also gets the original media and decodes/preprocesses it, as a
 colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_disagg`` (E/P/D),
 ``epd_disagg_naive`` and ``epd_disagg_colocated`` (E/P/D with the orchestrator colocated with the prefill engine:
 ``stages.prefill.orchestrator: colocated``, rendered so likewise), ``epd_nvdec`` (E+PD whose encoder decodes videos
-on its GPU: ``stages.encoder.video_decoder: nvdec``; a GPU topology), ``p_d`` (P/D: E/P/D's prefill and decode without
+on its GPU: ``stages.encoder.video_decoder: nvdec``; a GPU topology), ``epd_gpu_image`` / ``epd_nvjpeg`` (E+PD whose
+encoder preprocesses images on its GPU, JPEGs decoded by nvJPEG with the second: ``stages.encoder.image_preprocess``;
+``--image-format JPEG`` sends JPEGs), ``p_d`` (P/D: E/P/D's prefill and decode without
 the encoders, request parameter ``epd_encode=false``; each engine processes the media, as vLLM's own P/D). Load (``clients.bench.load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
@@ -63,17 +65,21 @@ DEPLOYMENTS = {
     "epd_disagg_colocated": ("E/P/D colocated", "E/P/D", "epd", None),
     "p_d": ("P/D (no encoder)", "E/P/D", "epd_disagg", P_D),
     "epd_nvdec": ("E+PD, videos decoded by NVDEC", "E+PD", "epd", None),
+    "epd_gpu_image": ("E+PD, images preprocessed on the GPU", "E+PD", "epd", None),
+    "epd_nvjpeg": ("E+PD, images preprocessed on the GPU, JPEGs by nvJPEG", "E+PD", "epd", None),
 }
 # served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
 COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
-NVDEC = {"epd_nvdec"}  # served by a rendering whose encoder decodes videos on its GPU (stages.encoder.video_decoder)
+# served by a rendering whose encoder works on its GPU: the encoder stage's keys that say so
+ENCODER_VARIANTS = {"epd_nvdec": {"video_decoder": "nvdec"}, "epd_gpu_image": {"image_preprocess": "gpu"},
+                    "epd_nvjpeg": {"image_preprocess": "nvjpeg"}}
 
 
 def server_group(key: str) -> tuple[str, str, str]:
     """Deployments of one group share a server: (topology mode, where E+PD's orchestrator runs, the encoder's
     video decoder)."""
     return (DEPLOYMENTS[key][1], "colocated" if key in COLOCATED else "proxy",
-            "nvdec" if key in NVDEC else "cpu")
+            key if key in ENCODER_VARIANTS else "cpu")
 
 
 class Bench:
@@ -108,7 +114,7 @@ class Bench:
         elif self.media is not None:
             made = folder_requests(self.media, count, a.images, a.max_tokens, first)
         else:
-            made = synthetic_requests(count, a.images, self.sizes, a.max_tokens, first)
+            made = synthetic_requests(count, a.images, self.sizes, a.max_tokens, first, a.image_format)
         for inputs in made:
             inputs.parameters = parameters
         return made
@@ -221,7 +227,7 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
             topology = topology.with_orchestrator(where, mode)
         if decoder != "cpu":
             topology = replace(topology, stages={**topology.stages, "encoder": replace(
-                topology.stages["encoder"], video_decoder=decoder)})
+                topology.stages["encoder"], **ENCODER_VARIANTS[decoder])})
         with tempfile.TemporaryDirectory(prefix="bench-") as repo:
             served = render(topology, Path(repo))
             target = "llm" if "llm" in served else "epd"
@@ -276,6 +282,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--requests", type=int, default=200, help="requests per deployment and load level")
     parser.add_argument("--images", type=int, default=1, help="images per request")
     parser.add_argument("--image-sizes", default="64x48,80x64,96x96,112x112", help="synthetic images: WxH,...")
+    parser.add_argument("--image-format", default="PNG", choices=("PNG", "JPEG"), help="synthetic images' encoding")
     parser.add_argument("--image-dir", type=Path, help="take the images from this folder instead (name order, round-robin)")
     parser.add_argument("--modalities", default="image",
                         help="workloads, rows of their own side by side: image (--images per request), video (--videos), "
@@ -326,7 +333,7 @@ def parse_args(argv: list[str] | None = None):
     if args.shared and COLOCATED & set(args.models.split(",")):
         parser.error("--shared: the committed repository serves E+PD and E/P/D with the proxy orchestrator; "
                      "benchmark the colocated deployments on servers of their own (leave --shared out) or with --url")
-    if args.shared and NVDEC & set(args.models.split(",")):
+    if args.shared and set(ENCODER_VARIANTS) & set(args.models.split(",")):
         parser.error("--shared: one server has one encoder; benchmark epd_nvdec on a server of its own (leave --shared "
                      "out)")
     return args

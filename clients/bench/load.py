@@ -37,12 +37,13 @@ def _sampling(max_tokens: int) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
 
 
-def synthetic_requests(count: int, images: int, sizes: list[tuple[int, int]], max_tokens: int, first: int = 0) -> list[GenerateInputs]:
+def synthetic_requests(count: int, images: int, sizes: list[tuple[int, int]], max_tokens: int, first: int = 0,
+                       fmt: str = "PNG") -> list[GenerateInputs]:
     from clients.images import image_bytes
 
     out = []
     for seed in range(first, first + count):
-        media = [image_bytes(*sizes[(seed + i) % len(sizes)], seed=seed * 7 + i) for i in range(images)]
+        media = [image_bytes(*sizes[(seed + i) % len(sizes)], seed=seed * 7 + i, fmt=fmt) for i in range(images)]
         out.append(GenerateInputs(prompt=_prompt(seed), images=media, sampling=_sampling(max_tokens), stream=True))
     return out
 

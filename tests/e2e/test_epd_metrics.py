@@ -39,6 +39,10 @@ def test_stage_metrics_move_by_the_right_amounts(server):
     assert _wait_for(released, lambda v: v >= settled[1] + 4) >= settled[1] + 4  # consumers read every lease
     assert _wait_for(leases, lambda v: v <= open_before) <= open_before
     assert metric(server, "epd_pool_capacity_bytes", model="encoder") > 0
+    # images preprocessed on the host (image_preprocess cpu, the default): no image decoded for the GPU path
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    assert 'epd_image_decodes_total{' in text and 'decoder="nvjpeg"' in text
+    assert metric(server, "epd_image_decodes_total", model="encoder") == 0
     # each instance has series of its own (metric_labels): two instances of one model never share a metric
     assert metric(server, "epd_transfer_bytes_total", model="pd", instance="pd_0_0") == want
     for model in ("pd", "epd"):

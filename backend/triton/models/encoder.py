@@ -27,8 +27,8 @@ from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT,
 from backend.protocol.layout import content_key
 from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
-from backend.protocol.settings import EncoderSettings, VideoDecoder
-from backend.request import nvdec
+from backend.protocol.settings import EncoderSettings, ImagePreprocess, VideoDecoder
+from backend.request import image, nvdec
 from backend.request.video import VIDEO_DECODES
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import checkpoint_media
@@ -57,6 +57,26 @@ def nvdec_device(settings: EncoderSettings, device: str) -> int:
     return index
 
 
+def image_device(settings: EncoderSettings, device: str, encoder) -> dict:
+    """``MediaLimits``' image fields: with ``image_preprocess`` gpu or nvjpeg, images come as uint8 tensors on this
+    instance's GPU (``backend.encode.gpu_image``; the load fails where the instance is not on a GPU or its processor
+    is not one that module reproduces); nvjpeg's decoder is set up now on a small JPEG, not by a request."""
+    if settings.image_preprocess == ImagePreprocess.CPU:
+        return {}
+    from backend.encode import gpu_image
+
+    if not device.startswith("cuda"):
+        raise pb_utils.TritonModelException(f"encoder: image_preprocess {settings.image_preprocess} preprocesses on the "
+                                            "instance's GPU: it needs KIND_GPU instances")
+    processor = getattr(encoder, "processor", None)
+    if processor is None or not gpu_image.supported(processor):
+        raise pb_utils.TritonModelException(f"encoder: image_preprocess {settings.image_preprocess} does not reproduce "
+                                            f"{type(processor).__name__}; use image_preprocess: cpu")
+    if settings.image_preprocess == ImagePreprocess.NVJPEG:
+        image.nvjpeg_decode(image.sample_jpeg(), torch.device(device))
+    return {"image_device": device, "nvjpeg": settings.image_preprocess == ImagePreprocess.NVJPEG}
+
+
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
@@ -64,15 +84,22 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"]) / settings.model
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
         dtype = settings.encoder_dtype  # "" = the checkpoint's; bfloat16 for speed on GPU
+        if settings.cuda_blocking_sync and device.startswith("cuda"):  # before this process's first CUDA tensor
+            from backend.encode.cuda_wait import block_on_waits
+            sleeping = block_on_waits(int(args["model_instance_device_id"]))
+            pb_utils.Logger.log_info(f"encoder: waits for the GPU {'sleep' if sleeping else 'spin (not changed)'}")
         # the checkpoint's vision tower, or an audio-only checkpoint's audio tower (backend.encode.audio)
         self.encoder = load_encoder(model_dir.resolve(), device=device, dtype=getattr(torch, dtype) if dtype else None,
                                     impl=settings.encoder_impl, compile=settings.encoder_compile)
         self.processing = processing_options(model_dir)
+        if settings.image_preprocess == ImagePreprocess.NVJPEG:  # its JPEGs' embeddings are not the CPU path's
+            self.processing += "+nvjpeg"
         self.pool = EmbeddingPool(settings.pool_bytes, lease_seconds=settings.lease_seconds,
                                   alloc_timeout=settings.alloc_timeout_seconds,
                                   device=device)  # on KIND_GPU the leases live in the instance's VRAM
         limits = MediaLimits(**media_limits(settings), **checkpoint_media(model_dir.resolve()),
-                             nvdec_device=nvdec_device(settings, device))
+                             nvdec_device=nvdec_device(settings, device),
+                             **image_device(settings, device, self.encoder))
         self.service = EncoderService(self.encoder, self.pool, limits, self.processing, cache_bytes=settings.cache_bytes)
         # The first processor call and tower forward cost 3-5x a later one (measured: 46 ms against 9 for the
         # first epd request's item): VisionEncoder.load paid that, on an image and a video nobody asked for
@@ -133,7 +160,7 @@ class TritonPythonModel:
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
                                      self.service.cache_hits, self.tier, self.service.tier_hits,
-                                     dict(VIDEO_DECODES))
+                                     dict(VIDEO_DECODES), dict(image.IMAGE_DECODES))
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 
