@@ -407,24 +407,23 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
 
 
 def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:
-    decoder = doc.get("video_decoder", VideoDecoder.CPU.value)
-    if "video_decoder" in doc and stage != Stage.ENCODER.value:
-        raise TopologyError(f"{where}.video_decoder: only the encoder decodes videos")
-    if decoder not in tuple(VideoDecoder):
-        raise TopologyError(f"{where}.video_decoder: expected one of {', '.join(VideoDecoder)}, got {decoder!r}")
-    if decoder == VideoDecoder.NVDEC and device != "gpu":
-        raise TopologyError(f"{where}.video_decoder: nvdec decodes on the encoder's GPU: it needs device: gpu")
-    return str(decoder)
+    return _encoder_gpu_choice(doc, where, stage, device, "video_decoder", VideoDecoder, "decodes videos")
 
 
 def _image_preprocess(doc: dict, where: str, stage: str, device: str) -> str:
-    value = doc.get("image_preprocess", ImagePreprocess.CPU.value)
-    if "image_preprocess" in doc and stage != Stage.ENCODER.value:
-        raise TopologyError(f"{where}.image_preprocess: only the encoder preprocesses images")
-    if value not in tuple(ImagePreprocess):
-        raise TopologyError(f"{where}.image_preprocess: expected one of {', '.join(ImagePreprocess)}, got {value!r}")
-    if value != ImagePreprocess.CPU and device != "gpu":
-        raise TopologyError(f"{where}.image_preprocess: {value} preprocesses on the encoder's GPU: it needs device: gpu")
+    return _encoder_gpu_choice(doc, where, stage, device, "image_preprocess", ImagePreprocess, "preprocesses images")
+
+
+def _encoder_gpu_choice(doc: dict, where: str, stage: str, device: str, key: str, choices, what: str) -> str:
+    """The encoder's ``key`` setting (one of the enum ``choices``; its ``CPU`` member the default): only the encoder
+    takes it, and any other value works on the encoder's GPU, so it needs ``device: gpu``."""
+    value = doc.get(key, choices.CPU.value)
+    if key in doc and stage != Stage.ENCODER.value:
+        raise TopologyError(f"{where}.{key}: only the encoder {what}")
+    if value not in tuple(choices):
+        raise TopologyError(f"{where}.{key}: expected one of {', '.join(choices)}, got {value!r}")
+    if value != choices.CPU and device != "gpu":
+        raise TopologyError(f"{where}.{key}: {value} works on the encoder's GPU: it needs device: gpu")
     return str(value)
 
 

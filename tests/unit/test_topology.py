@@ -200,7 +200,7 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"stages": {"encoder": {}, "pd": {"endpoint": 9001}, "epd": {}}}, "stages.pd.endpoint: expected 'local' or host:port, got '9001'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated", "endpoint": "h:1"}}}, "stages.pd.endpoint: this stage runs inside"),
     ({"stages": {"encoder": {"video_decoder": "nvdec"}, "pd": {}, "epd": {}}},
-     "stages.encoder.video_decoder: nvdec decodes on the encoder's GPU: it needs device: gpu"),
+     "stages.encoder.video_decoder: nvdec works on the encoder's GPU: it needs device: gpu"),
     ({"stages": {"encoder": {"video_decoder": "gpu"}, "pd": {}, "epd": {}}},
      "stages.encoder.video_decoder: expected one of cpu, nvdec, got 'gpu'"),
     ({"stages": {"encoder": {}, "pd": {"video_decoder": "cpu"}, "epd": {}}}, "stages.pd.video_decoder: only the encoder"),
