@@ -29,6 +29,7 @@ class Outcome:
     field: str = ""
     message: str = ""
     seconds: float = 0.0
+    token_ids: tuple[int, ...] | None = None  # gRPC: from the sampling parameter logprobs 0 (``requests``)
 
     @property
     def answer(self) -> tuple:
@@ -36,8 +37,9 @@ class Outcome:
 
     def brief(self) -> str:
         if self.code == "OK":
+            ids = "" if self.token_ids is None else f", ids {list(self.token_ids)}"
             return (f"{self.text!r} (in {self.num_input_tokens}, out {self.num_output_tokens}, "
-                    f"{self.finish_reason})")
+                    f"{self.finish_reason}{ids})")
         return f"[{self.code}] {self.message[:400]}"
 
 
@@ -53,8 +55,9 @@ def ask_grpc(url: str, model: str, built) -> Outcome:
         return Outcome("TIMEOUT", message=str(exc), seconds=time.monotonic() - started)
     except Exception as exc:  # noqa: BLE001 - the client's own failure is an outcome to report, not a crash
         return Outcome("CLIENT", message=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started)
+    ids = None if result.logprobs is None else tuple(entry["token_id"] for entry in result.logprobs)
     return Outcome("OK", result.text, result.num_input_tokens, result.num_output_tokens, result.finish_reason,
-                   seconds=time.monotonic() - started)
+                   seconds=time.monotonic() - started, token_ids=ids)
 
 
 _STATUS = {400: "INVALID_ARG", 404: "NOT_FOUND", 429: "UNAVAILABLE", 503: "UNAVAILABLE"}

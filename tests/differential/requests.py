@@ -156,7 +156,9 @@ def _prompt_tensors(case: Case) -> tuple[dict[str, list[bytes]], list[tuple[str,
 
 
 def grpc_request(case: Case) -> Built:
-    """``case`` over Triton's generate interface."""
+    """``case`` over Triton's generate interface, asking for the sampled tokens' ids too (``logprobs`` 0: their
+    entries), which the comparison takes beside the text (a random checkpoint's text is often bytes that form no
+    character, the same U+FFFD for different tokens)."""
     if case.kind == "chat":
         messages, tensors, spots = _messages(case, inline=False)
         for item in case.extra:
@@ -166,7 +168,8 @@ def grpc_request(case: Case) -> Built:
         tensors, spots = _prompt_tensors(case)
         text = {"prompt": case.prompt}
     inputs = GenerateInputs(**text, images=tensors["image"], videos=tensors["video"], audios=tensors["audio"],
-                            sampling=case.sampling, stream=case.stream, parameters={"epd_error_codes": True})
+                            sampling={**case.sampling, "logprobs": 0}, stream=case.stream,
+                            parameters={"epd_error_codes": True})
     return Built("grpc", inputs=inputs, expect=expected_field(case, tensors, spots))
 
 

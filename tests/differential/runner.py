@@ -96,8 +96,11 @@ def _verdict(built: Built, baseline: Outcome, got: Outcome, route: str) -> str |
     if baseline.code != "OK":
         same = got.code == baseline.code and got.field == baseline.field
         return None if same else f"the baseline's refusal: {baseline.brief()}"
-    want = baseline.answer if route == "grpc" else (*baseline.answer[:3], openai_finish(baseline.finish_reason))
-    return None if got.code == "OK" and got.answer == want else f"the baseline's answer: {baseline.brief()}"
+    if route == "grpc":
+        same = (got.answer, got.token_ids) == (baseline.answer, baseline.token_ids)
+    else:
+        same = got.answer == (*baseline.answer[:3], openai_finish(baseline.finish_reason))
+    return None if got.code == "OK" and same else f"the baseline's answer: {baseline.brief()}"
 
 
 def run_window(cases: list[Case], target: Target, routes: tuple[str, ...], concurrency: int,
