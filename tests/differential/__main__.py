@@ -53,10 +53,12 @@ def _one(name: str, args: argparse.Namespace, routes: tuple[str, ...]) -> Summar
         return run(cases, Target(args.grpc_url, args.openai_url), **options)
     from pathlib import Path
 
-    from tests.differential.servers import served
+    from tests.differential.servers import encoder_batching, served
 
-    with served(fam, routes, Path(args.log_dir) / name if args.log_dir else None) as (target, _server):
-        return run(cases, target, **options)
+    with served(fam, routes, Path(args.log_dir) / name if args.log_dir else None) as (target, server):
+        summary = run(cases, target, **options)
+        print(f"[differential] {encoder_batching(server)}", flush=True)
+        return summary
 
 
 def main(argv: list[str] | None = None) -> int:

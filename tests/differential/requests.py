@@ -26,6 +26,7 @@ class Built:
     path: str = ""
     body: dict = field(default_factory=dict)
     expect: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)  # a gRPC tensor item's field -> its field here (inlined)
 
 
 def item_bytes(item: Item) -> bytes:
@@ -53,10 +54,13 @@ def _field_of(item: Item, form: str, where: str, tensor_index: int) -> str:
     return f"{where}.{m.data_part}.data" if form == "data" else f"{where}.{m.url_part}"
 
 
-def _messages(case: Case, inline: bool) -> tuple[list[dict], dict[str, list[bytes]], list[tuple[str, str]]]:
+def _messages(case: Case, inline: bool, fields: dict[str, str] | None = None
+              ) -> tuple[list[dict], dict[str, list[bytes]], list[tuple[str, str]]]:
     """The chat messages, the tensors they take per modality, and (kind, field) of every spot a refusal may name, in
-    the order the server checks them. ``inline``: tensor items become data URLs (the OpenAI route)."""
+    the order the server checks them. ``inline``: tensor items become data URLs (the OpenAI route), and ``fields``
+    gets each one's gRPC field (``video[0]``) -> its field inlined (``messages[0].content[1].video_url``)."""
     tensors: dict[str, list[bytes]] = {m.name: [] for m in modalities()}
+    was_tensor = {m.name: 0 for m in modalities()}
     spots: list[tuple[str, str]] = []
     messages = []
     for i, turn in enumerate(case.turns):
@@ -77,6 +81,10 @@ def _messages(case: Case, inline: bool) -> tuple[list[dict], dict[str, list[byte
             else:
                 item = case.items[part["item"]]
                 form = "url" if inline and item.form == "item" else item.form
+                if inline and item.form == "item" and fields is not None:
+                    fields[f"{modality(item.modality).media_tensor}[{was_tensor[item.modality]}]"] = \
+                        f"{at}.{modality(item.modality).url_part}"
+                    was_tensor[item.modality] += 1
                 content.append(_part(item, form))
                 if form == "item":
                     tensors[item.modality].append(item_bytes(item))
@@ -178,9 +186,10 @@ def openai_request(case: Case) -> Built | None:
     body = {"stream": case.stream, **({"stream_options": {"include_usage": True}} if case.stream else {}),
             **case.sampling}
     if case.kind == "chat" and not case.extra:
-        messages, tensors, spots = _messages(case, inline=True)
+        fields: dict[str, str] = {}
+        messages, tensors, spots = _messages(case, inline=True, fields=fields)
         return Built("openai", path="/v1/chat/completions", body={**body, "messages": messages},
-                     expect=expected_field(case, tensors, spots, inline=True))
+                     expect=expected_field(case, tensors, spots, inline=True), fields=fields)
     if case.kind in ("prompt", "text") and not case.items:
         tensors, spots = _prompt_tensors(case)
         return Built("openai", path="/v1/completions", body={**body, "prompt": case.prompt},

@@ -94,7 +94,7 @@ def _verdict(built: Built, baseline: Outcome, got: Outcome, route: str) -> str |
             return None
         return f"[INVALID_ARG] naming {built.expect}"
     if baseline.code != "OK":
-        same = got.code == baseline.code and got.field == baseline.field
+        same = got.code == baseline.code and got.field == built.fields.get(baseline.field, baseline.field)
         return None if same else f"the baseline's refusal: {baseline.brief()}"
     if route == "grpc":
         same = (got.answer, got.token_ids) == (baseline.answer, baseline.token_ids)

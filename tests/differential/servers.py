@@ -36,3 +36,16 @@ def served(fam: Family, routes: tuple[str, ...], log_dir: Path | None = None):
             return
         with openai_endpoint(server.grpc_url) as base:
             yield Target(server.grpc_url, base), server
+
+
+def encoder_batching(server) -> str:
+    """How Triton batched the encoder's items so far: items, executions and items per execution (Triton's
+    ``nv_inference_count`` / ``nv_inference_exec_count``), and how many the encoders computed rather than took
+    from their caches (``epd_encoder_items_total``)."""
+    from tests.e2e.conftest import metric, metrics
+
+    counts = metrics(server, ("nv_inference_count", "nv_inference_exec_count"), model="encoder")
+    items, runs = counts["nv_inference_count"], counts["nv_inference_exec_count"]
+    encoded = metric(server, "epd_encoder_items_total", model="encoder")
+    return (f"encoder: {items:.0f} items in {runs:.0f} executions ({items / max(runs, 1):.2f} a batch), "
+            f"{encoded:.0f} encoded, the rest from its cache")
