@@ -88,7 +88,10 @@ def _built(case: Case, routes: tuple[str, ...]) -> dict[str, Built]:
 
 
 def _verdict(built: Built, baseline: Outcome, got: Outcome, route: str) -> str | None:
-    """What ``got`` should have been, or None when it is right."""
+    """What ``got`` should have been, or None when it is right. An answer that is neither a text nor a refusal of
+    the request (INTERNAL, UNAVAILABLE, a timeout) is never right, whatever the baseline said."""
+    if got.code not in ("OK", "INVALID_ARG"):
+        return "an answer or INVALID_ARG" if built.expect is None else f"[INVALID_ARG] naming {built.expect}"
     if built.expect is not None:
         if got.code == "INVALID_ARG" and got.field == built.expect:
             return None
@@ -126,11 +129,9 @@ def run_window(cases: list[Case], target: Target, routes: tuple[str, ...], concu
         baseline = answers[(case.index, *BASELINE)]
         summary.cases += 1
         summary.invalid += case.invalid is not None
-        summary.refused += case.invalid is None and baseline.code != "OK"
-        if case.invalid is not None:
+        summary.refused += case.invalid is None and baseline.code == "INVALID_ARG"
+        if case.invalid is not None or baseline.code not in ("OK", "INVALID_ARG"):
             _check(summary, case, built[case.index]["grpc"], baseline, baseline, *BASELINE)
-        elif baseline.code not in ("OK", "INVALID_ARG"):
-            summary.failures.append(Failure(case, *BASELINE, baseline, "an answer or INVALID_ARG"))
         for (index, model, route), got in sorted(answers.items(), key=lambda kv: kv[0][1:]):
             if index == case.index and (model, route) != BASELINE:
                 _check(summary, case, built[case.index][route], baseline, got, model, route)
@@ -149,6 +150,8 @@ def recheck(failure: Failure, target: Target) -> None:
     base = target.ask(BASELINE[0], built["grpc"])
     got = target.ask(failure.model, built[failure.route])
     verdict = _verdict(built[failure.route], base, got, failure.route)
+    if (failure.model, failure.route) == BASELINE:
+        verdict = _verdict(built["grpc"], base, base, "grpc")
     failure.alone = "right when sent alone (the batch mix matters)" if verdict is None else \
         f"wrong alone too: baseline {base.brief()}; {failure.model} {got.brief()}"
 
