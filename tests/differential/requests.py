@@ -14,6 +14,7 @@ from tests.differential.cases import Case, Item
 from tests.differential.families import FAMILIES
 
 BAD_BASE64 = "@@not*base64@@"
+FAMILY_PARTS = {m.item_part for m in modalities()}  # {"type": "image"}: a part that takes a tensor item
 
 
 @dataclass
@@ -94,9 +95,6 @@ def _messages(case: Case, inline: bool, fields: dict[str, str] | None = None
     return messages, tensors, spots
 
 
-FAMILY_PARTS = {m.item_part for m in modalities()}
-
-
 def _sampling_field(case: Case) -> str | None:
     """``sampling_parameters.<key>`` of the spoilt sampling parameter (``bad_sampling``)."""
     from tests.differential.invalid import BAD_SAMPLING
@@ -107,7 +105,7 @@ def _sampling_field(case: Case) -> str | None:
     return None
 
 
-def _limit_field(case: Case, tensors: dict[str, list[bytes]], inline: bool) -> str | None:
+def _limit_field(case: Case, tensors: dict[str, list[bytes]]) -> str | None:
     """The field of the one modality over its limit (``too_many``): its tensor when the tensors are over it (checked
     before anything else), else ``messages`` (the parts are counted once parsed)."""
     fam = FAMILIES[case.family]
@@ -130,27 +128,20 @@ def _prompt_field(case: Case) -> str | None:
     return None
 
 
-def expected_field(case: Case, tensors: dict[str, list[bytes]], spots: list[tuple[str, str]],
-                   inline: bool = False) -> str | None:
-    """The field the refusal of ``case`` names on a route (None: valid), in the server's order of checks: item
-    counts, sampling, the prompt or the messages in order, then items no part took."""
+def expected_field(case: Case, tensors: dict[str, list[bytes]], spots: list[tuple[str, str]]) -> str | None:
+    """The field the refusal of ``case`` names on a route (None: valid). A case has one fault (``invalid``): the
+    field follows from it, and, for the faults at a place in the request, from where it is there (``spots``)."""
     if not case.invalid:
         return None
-    order = [lambda: _limit_field(case, tensors, inline) if case.invalid == "too_many" and
-             any(len(t) > FAMILIES[case.family].limits.get(n, 99) for n, t in tensors.items()) else None,
-             lambda: _sampling_field(case)]
-    for check in order:
-        if (found := check()):
-            return found
-    if case.kind in ("prompt", "text") and case.invalid == "placeholder_mismatch":
+    if case.invalid == "too_many":
+        return _limit_field(case, tensors)
+    if case.invalid == "bad_sampling":
+        return _sampling_field(case)
+    if case.invalid == "placeholder_mismatch":
         return _prompt_field(case)
-    if case.kind == "prompt" and case.invalid == "broken_media":
-        return next(f for kind, f in spots if kind == "broken")
-    if spots:
-        return spots[0][1]
-    if case.extra:
+    if case.invalid == "unreferenced_item":
         return modality(case.extra[0].modality).media_tensor
-    return _limit_field(case, tensors, inline)
+    return spots[0][1]  # broken media, bad base64, an unknown part, an item part with no item, an unknown role
 
 
 def _prompt_tensors(case: Case) -> tuple[dict[str, list[bytes]], list[tuple[str, str]]]:
@@ -189,7 +180,7 @@ def openai_request(case: Case) -> Built | None:
         fields: dict[str, str] = {}
         messages, tensors, spots = _messages(case, inline=True, fields=fields)
         return Built("openai", path="/v1/chat/completions", body={**body, "messages": messages},
-                     expect=expected_field(case, tensors, spots, inline=True), fields=fields)
+                     expect=expected_field(case, tensors, spots), fields=fields)
     if case.kind in ("prompt", "text") and not case.items:
         tensors, spots = _prompt_tensors(case)
         return Built("openai", path="/v1/completions", body={**body, "prompt": case.prompt},
