@@ -126,15 +126,21 @@ def run_window(cases: list[Case], target: Target, routes: tuple[str, ...], concu
         list(pool.map(send, jobs))
     summary.requests += len(jobs)
     for case in cases:
-        baseline = answers[(case.index, *BASELINE)]
-        summary.cases += 1
-        summary.invalid += case.invalid is not None
-        summary.refused += case.invalid is None and baseline.code == "INVALID_ARG"
-        if case.invalid is not None or baseline.code not in ("OK", "INVALID_ARG"):
-            _check(summary, case, built[case.index]["grpc"], baseline, baseline, *BASELINE)
-        for (index, model, route), got in sorted(answers.items(), key=lambda kv: kv[0][1:]):
-            if index == case.index and (model, route) != BASELINE:
-                _check(summary, case, built[case.index][route], baseline, got, model, route)
+        mine = {key[1:]: got for key, got in answers.items() if key[0] == case.index}
+        _compare(case, built[case.index], mine, summary)
+
+
+def _compare(case: Case, built: dict[str, Built], answers: dict[tuple[str, str], Outcome], summary: Summary) -> None:
+    """``case``'s answers (by (model, route)) against its baseline's and its expectation, into ``summary``."""
+    baseline = answers[BASELINE]
+    summary.cases += 1
+    summary.invalid += case.invalid is not None
+    summary.refused += case.invalid is None and baseline.code == "INVALID_ARG"
+    if case.invalid is not None or baseline.code not in ("OK", "INVALID_ARG"):  # the baseline itself is checked
+        _check(summary, case, built["grpc"], baseline, baseline, *BASELINE)
+    for (model, route), got in sorted(answers.items()):
+        if (model, route) != BASELINE:
+            _check(summary, case, built[route], baseline, got, model, route)
 
 
 def _check(summary: Summary, case: Case, built: Built, baseline: Outcome, got: Outcome, model: str,
