@@ -182,3 +182,10 @@ def test_the_openai_endpoint_takes_audio_parts_with_the_same_tokens(server, base
             assert whole.usage.prompt_tokens == baseline[case].num_input_tokens, model
             chunks = sdk.chat.completions.create(model=model, messages=CASES[case]["messages"], stream=True, **GREEDY)
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == baseline[case].text, model
+
+
+def test_differential_cases_answer_as_llm(server):
+    """The differential harness's bounded run (``tests.differential.bounded``) on this server (Qwen2-Audio)."""
+    from tests.differential import bounded
+
+    bounded.check(server.grpc_url, "qwen2_audio")

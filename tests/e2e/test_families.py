@@ -179,3 +179,10 @@ def test_the_consumers_decode_no_media(family, baseline):
         assert metric(server, "epd_media_decodes_total", model=model) == 0, model
     items = sum(len(c.get("images", ())) + len(c.get("videos", ())) for c in CASES.values())
     assert metric(server, "epd_media_decodes_total", model="llm") >= items
+
+
+def test_differential_cases_answer_as_llm(family):
+    """The differential harness's bounded run (``tests.differential.bounded``) on this family's server."""
+    from tests.differential import bounded
+
+    bounded.check(family[1].grpc_url, family[0])
