@@ -156,6 +156,9 @@ def decode_video(data: bytes, field: str, limits: MediaLimits, num_frames: int =
     decode_counter.tally(VIDEO_DECODES, "cpu")
     try:
         frames, metadata = loader.load_bytes(data, num_frames=num_frames, **options)
+    except ZeroDivisionError:  # vLLM's qwen2_vl loader samples whole temporal patches: none from a 1-frame clip
+        raise InvalidInput(field, "video has too few frames: the checkpoint's video loader samples none from it "
+                                  "(Qwen2-VL and Qwen2.5-VL take 2 frames or more)") from None
     except (ValueError, RuntimeError, cv2.error, SystemError) as exc:
         raise InvalidInput(field, f"cannot decode video ({exc})") from None
     if frames is None or len(frames) == 0:

@@ -52,6 +52,7 @@ def test_base64_text_of_a_container_is_accepted():
     (b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 500, "cannot decode video"),  # a header and nothing else
     (b"not a video at all", "nor base64 of one"),
     (b"", "empty video"),
+    (make_video(frames=1), "video has too few frames"),  # vLLM's qwen2_vl loader divided by zero (issue 35's harness)
 ])
 def test_hostile_videos_are_invalid_input_naming_the_item(data, fragment):
     with pytest.raises(InvalidInput, match=fragment) as info:
