@@ -4,7 +4,7 @@
 #   scripts/gpu_image.sh models       the three tiny checkpoints the tests read (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
 #   scripts/gpu_image.sh tests [K]    tests/component/test_gpu_image_gpu.py (-k K): bounds, tokens, the CPU table;
 #                                     the whole log in $OUT/gpu_image_tests.log
-#   scripts/gpu_image.sh cpu          the encoder's host CPU per 896 px image by mode (backend.diagnostics.image_cpu,
+#   scripts/gpu_image.sh cpu          the encoder's host CPU per 896 px image by mode (clients.tools.image_cpu,
 #                                     the processor capped at the 2B's 12,845,056 pixels) -> $OUT/image_cpu.json
 #   scripts/gpu_image.sh bench CKPT   E+PD with the encoder's images on the CPU (epd) and on the GPU with nvJPEG
 #                                     (epd_nvjpeg), a server each, 4 JPEGs of 448-896 px a request -> $OUT/bench-image
@@ -25,7 +25,7 @@ tests)
         | tail -70
     ;;
 cpu)
-    .venv/bin/python -m backend.diagnostics.image_cpu models/tiny-qwen2-vl --device cuda:0 --size 896 --batch 8 \
+    .venv/bin/python -m clients.tools.image_cpu models/tiny-qwen2-vl --device cuda:0 --size 896 --batch 8 \
         --repeats 5 --max-pixels 12845056 --json "$OUT/image_cpu.json" 2>&1 | tail -12
     ;;
 bench)

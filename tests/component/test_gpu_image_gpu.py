@@ -207,13 +207,13 @@ def test_images_preprocessed_on_the_gpu_in_the_served_encoder_give_llm_s_tokens(
 
 
 def test_encoder_host_cpu_per_896px_image():
-    """``backend.diagnostics.image_cpu`` in a process of its own (one intra-op thread, as an encoder instance), the
+    """``clients.tools.image_cpu`` in a process of its own (one intra-op thread, as an encoder instance), the
     processor's cap at Qwen2-VL-2B's 12,845,056 pixels (896 px kept): gpu takes less CPU per image than cpu, and
     nvjpeg's JPEGs at most 10 ms (the issue's target)."""
     import json
 
     out = Path(os.environ.get("OUT") or "/tmp") / "image_cpu.json"
-    command = [sys.executable, "-m", "backend.diagnostics.image_cpu", str(ROOT / "models" / "tiny-qwen2-vl"),
+    command = [sys.executable, "-m", "clients.tools.image_cpu", str(ROOT / "models" / "tiny-qwen2-vl"),
                "--device", "cuda:0", "--size", "896", "--batch", "8", "--repeats", "5", "--max-pixels", "12845056",
                "--json", str(out)]
     started = time.perf_counter()

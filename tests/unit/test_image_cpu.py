@@ -1,11 +1,11 @@
-"""``backend.diagnostics.image_cpu`` on the CPU: rows per mode and format, threads' CPU read from /proc, the pixel
+"""``clients.tools.image_cpu`` on the CPU: rows per mode and format, threads' CPU read from /proc, the pixel
 cap replaced in a linked copy of the checkpoint (the GPU modes run on the H200: scripts/gpu_image.sh cpu)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from backend.diagnostics import image_cpu
+from clients.tools import image_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 

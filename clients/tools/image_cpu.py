@@ -3,7 +3,7 @@
 ``EncoderService.run`` (decode, preprocess, tower forward, publish into a pool), CPU seconds of the whole process
 (``time.process_time``: every thread) over the images.
 
-    python -m backend.diagnostics.image_cpu MODEL --device cuda:0 --size 896 --batch 8 --repeats 5 \
+    python -m clients.tools.image_cpu MODEL --device cuda:0 --size 896 --batch 8 --repeats 5 \
         --max-pixels 12845056
 
 ``--max-pixels``: the processor's pixel cap replaced (a copy of MODEL's folder with its preprocessor config changed,
