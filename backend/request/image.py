@@ -77,9 +77,12 @@ def _image_tensor(data: bytes, probe: Image.Image, limits: MediaLimits):
         except RuntimeError as exc:
             _fell_back(f"{type(exc).__name__}: {exc}")
     probe.load()
-    rgb = np.asarray(probe.convert("RGB"))  # [H, W, 3]
+    rgb = np.asarray(probe.convert("RGB"))  # [H, W, 3], read-only (PIL's bytes)
     decode_counter.tally(IMAGE_DECODES, "cpu")
-    return torch.from_numpy(rgb).to(device).permute(2, 0, 1).contiguous()
+    with warnings.catch_warnings():  # torch warns of a read-only array; the tensor is only read (copied just below)
+        warnings.simplefilter("ignore", UserWarning)
+        pixels = torch.from_numpy(rgb)
+    return pixels.to(device).permute(2, 0, 1).contiguous()
 
 
 def nvjpeg_decode(data: bytes, device):
