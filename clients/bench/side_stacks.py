@@ -179,20 +179,27 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 @contextlib.contextmanager
 def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0):
     """Start ``servers`` in order, each once the previous one is healthy; yields {group name: [pid]}; stops them all,
-    last first, however the block ends."""
+    last first, however the block ends. vLLM's ZMQ IPC sockets go into a temporary directory of this call
+    (``VLLM_RPC_BASE_PATH``), removed after the stop (in /tmp, 3 sockets per server were left behind)."""
+    import shutil
+    import tempfile
+
     log_dir.mkdir(parents=True, exist_ok=True)
     started: list[tuple[Server, subprocess.Popen]] = []
+    ipc = tempfile.mkdtemp(prefix="side-by-side-ipc-")
     try:
         for server in servers:
             with open(log_dir / f"{server.name.replace(' ', '-')}.log", "wb") as log:
                 proc = subprocess.Popen(server.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                        env=process_env(server), start_new_session=True)
+                                        env={**process_env(server), "VLLM_RPC_BASE_PATH": ipc},
+                                        start_new_session=True)
             started.append((server, proc))
             wait_healthy(f"http://127.0.0.1:{server.port}/health", start_timeout, proc)
         yield {server.name: [proc.pid] for server, proc in started}
     finally:
         for _, proc in reversed(started):
             stop_group(proc)
+        shutil.rmtree(ipc, ignore_errors=True)
 
 
 @contextlib.contextmanager
