@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     from backend.encode.encoder import load_encoder
 
-    model = args.model
-    if args.max_pixels:
-        import tempfile
-        model = with_max_pixels(model, args.max_pixels, tempfile.mkdtemp(prefix="epd-image-cpu-"))
-    encoder = load_encoder(model, device=args.device, dtype=getattr(torch, args.dtype))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="epd-image-cpu-") as capped:  # removed after the load (it left one)
+        model = with_max_pixels(args.model, args.max_pixels, capped) if args.max_pixels else args.model
+        encoder = load_encoder(model, device=args.device, dtype=getattr(torch, args.dtype))
     encoder.warm_up()
     modes = [m for m in args.modes.split(",") if m == "cpu" or args.device.startswith("cuda")]
     rows = [measure(encoder, args.device, mode, fmt, args.size, args.batch, args.repeats)

@@ -3,6 +3,7 @@ cap replaced in a linked copy of the checkpoint (the GPU modes run on the H200: 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from clients.tools import image_cpu
@@ -27,7 +28,10 @@ def test_main_measures_the_cpu_mode_here(tmp_path, monkeypatch):
 
     monkeypatch.setattr(backend.engine.host, "prepare_process", lambda: None)  # no process-wide settings in pytest
     out = tmp_path / "rows.json"
+    before = set(Path(tempfile.gettempdir()).glob("epd-image-cpu-*"))
     rows = image_cpu.main([str(ROOT / "models" / "tiny-qwen2-vl"), "--device", "cpu", "--dtype", "float32",
-                           "--size", "64", "--batch", "2", "--repeats", "1", "--formats", "JPEG", "--json", str(out)])
+                           "--size", "64", "--batch", "2", "--repeats", "1", "--formats", "JPEG", "--json", str(out),
+                           "--max-pixels", "200704"])
     assert [(r.mode, r.fmt) for r in rows] == [("cpu", "JPEG")]  # no CUDA: the GPU modes are left out
     assert rows[0].cpu_ms_per_image > 0 and json.loads(out.read_text())[0]["mode"] == "cpu"
+    assert set(Path(tempfile.gettempdir()).glob("epd-image-cpu-*")) <= before  # the capped checkpoint is removed
