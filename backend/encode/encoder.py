@@ -276,20 +276,21 @@ def is_image(item) -> bool:
 def _by_pixels_device(images: list[int], items: list) -> list[list[int]]:
     """The indices ``images`` of ``items`` grouped by where their pixels are (PIL images first, then the tensors of
     each device), in order within a group."""
-    groups: dict[str, list[int]] = {}
-    for i in images:
-        groups.setdefault(str(items[i].device) if isinstance(items[i], torch.Tensor) else "", []).append(i)
-    return [groups[key] for key in sorted(groups)]
+    return _by_device(images, [items[i] for i in images])
 
 
 def _by_frames_device(videos: list[int], items: list) -> list[list[int]]:
     """The indices ``videos`` of ``items`` grouped by where their frames are (host arrays first, then each CUDA
     device's tensors), in order within a group: NVDEC's frames are preprocessed on the GPU, a CPU decoder's on the
     host, whatever else is in the batch (so a video's pixels never depend on its batch)."""
+    return _by_device(videos, [getattr(items[i], "video", items[i]).frames for i in videos])
+
+
+def _by_device(indices: list[int], data: list) -> list[list[int]]:
+    """``indices`` grouped by the device of their ``data`` (host objects first, then each device's tensors)."""
     groups: dict[str, list[int]] = {}
-    for i in videos:
-        frames = getattr(items[i], "video", items[i]).frames
-        groups.setdefault(str(frames.device) if isinstance(frames, torch.Tensor) else "", []).append(i)
+    for i, value in zip(indices, data):
+        groups.setdefault(str(value.device) if isinstance(value, torch.Tensor) else "", []).append(i)
     return [groups[key] for key in sorted(groups)]
 
 
