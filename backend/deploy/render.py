@@ -136,7 +136,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         if topology.video_split > 1:
             params["video_split"] = _fmt(topology.video_split)
         params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
-        return header + body + _params(params)
+        return header + body + _params({**params, **_openai(topology)})
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
@@ -154,7 +154,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         if topology.reuse:
             per_request["demand_aware"] = _fmt(topology.reuse["demand_aware"])
         return header + body + _params({**names, **per_request, **limits,
-                                        "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])})
+                                        "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"]),
+                                        **_openai(topology)})
     body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
     params = {"engine_args": "model.json", **limits}
     if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
@@ -163,7 +164,14 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
     if kind.role.spec.pulls_embeddings:  # a consumer: its copies (the reuse block)
         params.update({k: _fmt(v) for k, v in topology.reuse.items() if k != "demand_aware"})
+    if kind.role is Stage.LLM:
+        params.update(_openai(topology))
     return header + body + _params(params)
+
+
+def _openai(topology: Topology) -> dict[str, str]:
+    """A served model's parameters for the OpenAI endpoint in its process (``topology.openai_port``; none: {})."""
+    return {"openai_port": _fmt(topology.openai_port)} if topology.openai_port else {}
 
 
 def render_engine_args(topology: Topology, stage: str, model_dir: Path) -> str:

@@ -57,7 +57,7 @@ from typing import Any
 import yaml
 
 from backend.deploy.server_address import LOCAL, EndpointError, check_endpoint
-from backend.protocol.settings import (ColocatedSettings, EncoderSettings, EngineSettings, HeldSettings, KvEngineSettings,
+from backend.protocol.settings import (ColocatedSettings, LlmSettings, EncoderSettings, EngineSettings, HeldSettings, KvEngineSettings,
                                        ImagePreprocess, MediaSettings, PdSettings, PrefillSettings, ProxySettings,
                                        RoutingSettings, VideoDecoder, defaults)
 from backend.protocol.stages import Disaggregation, Stage
@@ -68,7 +68,7 @@ DEPLOYMENTS = {"baseline": (Stage.LLM.value,), **{mode.value: tuple(s.value for 
 ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
-TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms",
+TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms", "openai_port",
             "video_split", "tier", "reuse", "hosts"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
 # reached by an orchestrator over gRPC: they take an endpoint
@@ -141,7 +141,7 @@ class ModelKind(enum.StrEnum):
         if self.role is Stage.ORCHESTRATOR:
             return ColocatedSettings if self.colocated else ProxySettings
         return {Stage.ENCODER: EncoderSettings, Stage.PREFILL: PrefillSettings, Stage.PD: PdSettings,
-                Stage.DECODE: KvEngineSettings}.get(self.role, EngineSettings)
+                Stage.DECODE: KvEngineSettings, Stage.LLM: LlmSettings}.get(self.role, EngineSettings)
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,9 @@ class Topology:
     transfer: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     stream_interval_ms: float = 0.0  # streaming engines send at most one response per interval (0: every step)
+    # the OpenAI-compatible endpoint served from the served deployment's own model process on this port (0: none;
+    # frontend.openai.in_process); one served deployment only
+    openai_port: int = 0
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
     reuse: dict[str, Any] = field(default_factory=dict)  # consumers' copies, demand-aware (REUSE_DEFAULTS' keys); {}: off
@@ -292,6 +295,12 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     interval = doc.get("stream_interval_ms", 0)
     if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval < 0:
         raise TopologyError(f"{path}: stream_interval_ms: expected a number >= 0, got {interval!r}")
+    openai_port = doc.get("openai_port", 0)
+    if not isinstance(openai_port, int) or isinstance(openai_port, bool) or not 0 <= openai_port < 65536:
+        raise TopologyError(f"{path}: openai_port: expected a port number (0: none), got {openai_port!r}")
+    if openai_port and len(serve) != 1:
+        raise TopologyError(f"{path}: openai_port: the endpoint in a model's process serves that model alone; this "
+                            f"file serves {', '.join(serve)} (serve one, or front them with python -m frontend.openai)")
     split = doc.get("video_split", 1)
     if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_INSTANCES:
         raise TopologyError(f"{path}: video_split: expected an integer from 1 to {MAX_INSTANCES}, got {split!r}")
@@ -299,7 +308,7 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                         checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                         serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                         transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
-                        video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
+                        openai_port=openai_port, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
                         reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
     from backend.deploy.hosts import parse_hosts  # it builds on this module
 

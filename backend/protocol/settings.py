@@ -7,7 +7,7 @@ their defaults written here only (the topology renderer, ``backend.deploy``, tak
 a value of the wrong type is a ``ConfigError`` naming the model and the parameter, so the model fails to load
 instead of running with a default nobody asked for.
 
-Which kind reads which class: ``llm``, ``pd``: ``EngineSettings``; ``prefill``, ``decode``: ``KvEngineSettings``;
+Which kind reads which class: ``llm``: ``LlmSettings``; ``pd``: ``PdSettings``; ``prefill``, ``decode``: ``KvEngineSettings``;
 ``encoder``: ``EncoderSettings``; the ``epd`` proxy orchestrator: ``ProxySettings``; an orchestrator colocated with
 its host stage's engine: ``ColocatedSettings``.
 """
@@ -43,6 +43,20 @@ class EngineSettings(MediaSettings):
 
     engine_args: str = "model.json"  # the engine arguments' file, in the model's directory
     stream_interval_ms: float = 0  # at most one streamed response per interval (0: every engine step)
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    """A served model (``llm``, the orchestrators) that may serve the OpenAI-compatible endpoint from its own process
+    (``frontend.openai.in_process``; topology ``openai_port``)."""
+
+    openai_port: int = 0  # 0: none here (the separate endpoint, python -m frontend.openai, may front the server)
+    openai_host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LlmSettings(OpenAISettings, EngineSettings):
+    """``llm``: the single engine, given the client's media."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +159,7 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
-class ProxySettings(RoutingSettings, MediaSettings):
+class ProxySettings(OpenAISettings, RoutingSettings, MediaSettings):
     """The ``epd`` model: an orchestrator of its own, asking every generator stage over gRPC."""
 
     model: str = ""  # the checkpoint, relative to the model repository (its identity and processing options)
@@ -165,7 +179,7 @@ class ProxySettings(RoutingSettings, MediaSettings):
 
 
 @dataclass(frozen=True)
-class ColocatedSettings(RoutingSettings, HeldSettings, KvEngineSettings):
+class ColocatedSettings(OpenAISettings, RoutingSettings, HeldSettings, KvEngineSettings):
     """An orchestrator in the instances of its host stage (``topology``'s host: pd or prefill), beside its engine."""
 
     orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt

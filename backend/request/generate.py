@@ -84,6 +84,20 @@ class RawGenerateInputs:
     media_io: MediaOptions = MediaOptions()    # the request parameter media_io_kwargs (backend.protocol.media_options)
 
 
+def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawGenerateInputs:
+    """A request given as input name -> value (``backend.protocol.generate.input_values``' form: what a client sends
+    as tensors) and its request parameters, without tensors: what ``backend.triton.io.read_generate_inputs`` reads
+    from a Triton request (InvalidInput for a bad ``session_id`` or ``media_io_kwargs``). Used by the endpoint that
+    runs inside a model's process (``frontend.openai.in_process``)."""
+    from backend.protocol.generate import SESSION_PARAMETER, Form, input_tensors, parse_session
+
+    tensors = {t.name: t for t in input_tensors()}
+    fields = {tensors[name].field: tuple(value) if tensors[name].form in (Form.TEXTS, Form.BYTES) else value
+              for name, value in values.items() if name in tensors}
+    return RawGenerateInputs(**fields, session_id=parse_session(parameters.get(SESSION_PARAMETER)),
+                             media_io=MediaOptions.from_parameters(dict(parameters)))
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str | None                          # text_input (placeholders complete), or None for chat

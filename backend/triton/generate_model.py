@@ -79,6 +79,31 @@ class GenerateModel:
         self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
         self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
         self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
+        self.openai = None  # the OpenAI endpoint in this process (serve_openai), if the config asks for one
+        if self.ROLE is Stage.LLM:
+            self.serve_openai(self.answer)
+
+    def serve_openai(self, answer) -> None:
+        """Serve the OpenAI-compatible endpoint from this process on the engine's loop, each request answered by
+        ``answer(raw, parameters, sink)`` (``frontend.openai.in_process``), if the config has an ``openai_port``."""
+        port = getattr(self.settings, "openai_port", 0)
+        if port:
+            from frontend.openai.in_process import InProcessEndpoint
+
+            self.openai = InProcessEndpoint(self.name, answer, self.host.submit, self.settings.openai_host, port,
+                                            self.metrics)
+
+    async def answer(self, raw, parameters: dict, sink) -> None:
+        """One request of the in-process OpenAI endpoint, as ``execute`` answers one (on the engine's loop)."""
+        try:
+            parsed = parse_generate_request(raw, self.resolver, self.limits)
+        except Exception as exc:
+            sink.send_error(exc)
+            return
+        finally:
+            self.metrics.media_decodes(decode_counter.count)
+        await stream_generation(self.host, parsed, sink, self.metrics, prepare=self.prepare,
+                                interval=self.stream_interval)
 
     def check_settings(self) -> None:
         """Runs once the settings are read, before anything starts: a setting that cannot work fails the load."""
@@ -127,6 +152,8 @@ class GenerateModel:
 
     def finalize(self) -> None:
         report_a_slow_finalize()
+        if self.openai is not None:
+            self.openai.close()
         self.host.shutdown()
         self.cancels.close()
         # Metric families must go while the stub's shared memory is alive (else a segfault at exit); the

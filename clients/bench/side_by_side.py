@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from clients.bench import side_client as client
+from clients.bench import side_profile as profile
 from clients.bench import side_stacks as stacks
 from clients.bench import side_table as table
 from clients.local_server import ROOT
@@ -64,19 +65,28 @@ class Run:
         self.rows: list[dict] = []
         self.commands: dict[str, list[list[str]]] = {}
         self.log_dir = args.out / "logs"
+        self.profile_dir = args.out / "profile"
 
     def drive(self, name: str, protocol: str, url: str, model: str, groups: dict[str, list[int]]) -> dict:
         """Warm ``url`` up, then the timed window of this protocol's request set; appends and returns the row."""
         a = self.args
-        send = client.run_openai if protocol == "openai" else client.run_grpc
+        send = client.run_grpc if protocol == "grpc" else client.run_openai
+        requests = table.REQUEST_SET[protocol]
         if a.warmup:
-            asyncio.run(send(url, model, self.warm[protocol], min(2, a.concurrency), a.max_tokens))
+            asyncio.run(send(url, model, self.warm[requests], min(2, a.concurrency), a.max_tokens))
         watched = {group: (pids, True) for group, pids in groups.items()}
         watched["client"] = ([os.getpid()], False)
         before = table.cpu_snapshot(watched)
-        samples, errors, wall = asyncio.run(send(url, model, self.sets[protocol], a.concurrency, a.max_tokens))
-        cpu = table.cpu_per_request(before, table.cpu_snapshot(watched), a.requests)
+        recorders = profile.Profiles(self.stack_pids(before), self.profile_dir / f"{name}-{protocol}") \
+            if a.profile else None
+        samples, errors, wall = asyncio.run(send(url, model, self.sets[requests], a.concurrency, a.max_tokens))
+        after = table.cpu_snapshot(watched)
+        recorded = recorders.stop() if recorders else []
+        cpu = table.cpu_per_request(before, after, a.requests)
         row = table.summarise(name, protocol, samples, len(errors), wall, a.requests)
+        row["cpu_by_process"] = {g: p for g, p in profile.by_process(before, after, a.requests).items() if g != "client"}
+        if recorded:
+            row["profile"] = self.summarise_profiles(recorded, row["cpu_by_process"])
         row["client_cpu_ms"] = cpu.pop("client")
         row["cpu_ms"], row["cpu_total_ms"] = cpu, round(sum(cpu.values()), 2)
         row["error_examples"] = errors[:3]
@@ -85,6 +95,22 @@ class Run:
               f"{row['ttft_p90_ms']:.0f} ms, CPU {row['cpu_total_ms']:.1f} ms/req {cpu}, {len(errors)} errors"
               + (f" ({errors[0][:200]})" if errors else ""), file=sys.stderr, flush=True)
         return row
+
+    @staticmethod
+    def stack_pids(snapshot: dict[str, dict[tuple[int, int], float]]) -> list[int]:
+        """Every process of the stack's groups in ``snapshot`` (not the client)."""
+        return sorted({pid for group, procs in snapshot.items() if group != "client" for pid, _ in procs})
+
+    @staticmethod
+    def summarise_profiles(recorded: list[tuple[str, int, Path]], cpu_by_process: dict[str, dict[str, float]]) -> dict:
+        """Each process label's py-spy stacks (its processes' files merged) summarised with its CPU per request."""
+        from collections import Counter
+
+        merged: dict[str, Counter] = {}
+        for name, _, path in recorded:
+            merged.setdefault(name, Counter()).update(profile.read_raw(path))
+        per_label = {name: ms for group in cpu_by_process.values() for name, ms in group.items()}
+        return {name: profile.summarise(stacks, per_label.get(name)) for name, stacks in merged.items()}
 
     def vllm(self, kind: str) -> None:
         """One of vLLM's stacks: start, drive through its OpenAI endpoint, stop (the EC directory removed after)."""
@@ -116,12 +142,19 @@ class Run:
             self.drive(name, "openai", base_url, model, groups)
             if not self.args.no_grpc:
                 self.drive(name, "grpc", grpc_url, model, {"tritonserver group": groups["tritonserver group"]})
+        if self.args.no_in_process:
+            return
+        started = time.monotonic()
+        with stacks.ours_running(self.topology, name, self.log_dir, in_process=True) as (base_url, _, model, groups):
+            print(f"{name} (endpoint in process): up in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+            self.drive(name, "openai-in", base_url, model, groups)
 
     def settings(self) -> dict:
         a = self.args
         return {"rows": a.rows, "requests": a.requests, "concurrency": a.concurrency, "warmup": a.warmup,
                 "image_size": a.image_size, "max_tokens": a.max_tokens, "topology": str(a.topology),
                 "proxy": str(a.proxy or ""), "poll_delay_us": self.poll_delay_us, "grpc": not a.no_grpc,
+                "in_process": not a.no_in_process,
                 "engine_args": {mode: self.topology.only(mode).engine_args
                                 for mode in dict.fromkeys(MODES[row] for row in a.rows)}}
 
@@ -143,9 +176,13 @@ def report(run: Run) -> str:
             f"{a.image_size} PNG and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
             f"row of a protocol; topology {a.topology}; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
             + table.results_table(run.rows) + "\n\n" + (distinct(run.rows) + "\n\n" if distinct(run.rows) else "") + "ours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
-            + table.ratios_table(pairs) + "\n")
+            + table.ratios_table(pairs) + "\n\nCPU ms per request by process\n\n" + table.process_cpu_table(run.rows)
+            + "\n")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tables.md").write_text(text)
+    if profiled := [row for row in run.rows if row.get("profile")]:
+        (a.out / "profile.md").write_text("\n".join(profile.report(f"{row['name']} [{row['protocol']}]", row["profile"])
+                                                    for row in profiled))
     (a.out / "results.json").write_text(json.dumps({"settings": run.settings(), "rows": run.rows, "ratios": pairs,
                                                     "commands": run.commands}, indent=1, default=str))
     return text
@@ -166,6 +203,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--poll-delay-us", type=int,
                         help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
     parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
+    parser.add_argument("--no-in-process", action="store_true",
+                        help="leave out ours with the OpenAI endpoint in the served model's process (openai-in rows)")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy every Python process of each row over its timed window (--out/profile; "
+                             "slows the row: where the time goes, not how fast)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each vLLM server may take to start")
     parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "side-by-side")
     args = parser.parse_args(argv)

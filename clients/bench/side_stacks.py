@@ -203,21 +203,27 @@ def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0):
 
 
 @contextlib.contextmanager
-def ours_running(topology, row: str, log_dir: Path):
+def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
     """tritonserver serving ``topology`` rendered for ``row``'s deployment alone (``OURS``) and ``frontend.openai``
-    in front of it, on free 127.0.0.1 ports. Yields (OpenAI base URL, gRPC URL, model name, {group: [pid]}); stops
-    both on exit (TritonServer stops its own process group)."""
+    in front of it (``in_process``: the endpoint in the served model's process instead, topology ``openai_port``), on
+    free 127.0.0.1 ports. Yields (OpenAI base URL, gRPC URL, model name, {group: [pid]}); stops both on exit
+    (TritonServer stops its own process group)."""
     import tempfile
 
     from backend.deploy.ports import free_ports
     from backend.deploy.render import render
     from clients.local_server import TritonServer, start_openai_process
 
+    (port,) = free_ports(1)
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as repo:
-        served = render(topology.only(OURS[row]), Path(repo))
+        served = render(topology.only(OURS[row], openai_port=port if in_process else 0), Path(repo))
         model = "llm" if "llm" in served else "epd"
-        with TritonServer(Path(repo), log_path=log_dir / f"{row}-tritonserver.log") as server:
-            (port,) = free_ports(1)
+        log = log_dir / f"{row}{'-in-process' if in_process else ''}-tritonserver.log"
+        with TritonServer(Path(repo), log_path=log) as server:
+            if in_process:
+                wait_healthy(f"http://127.0.0.1:{port}/health", 120)
+                yield f"http://127.0.0.1:{port}", server.grpc_url, model, {"tritonserver group": [server.proc.pid]}
+                return
             endpoint = start_openai_process(port, server.grpc_url, "--models", model)
             try:
                 wait_healthy(f"http://127.0.0.1:{port}/health", 120, endpoint)

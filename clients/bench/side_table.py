@@ -23,6 +23,10 @@ from clients.bench.report import Sample, percentile
 # (ours, vLLM's) rows compared: the same deployment shape on both sides
 PAIRS = (("llm", "vllm-single"), ("epd", "vllm-e-pd"), ("epd_disagg", "vllm-e-p-d"), ("epd_disagg", "vllm-e-p-d-delay"))
 REFERENCE = "vllm-single"  # whose answers the others' are compared with
+# how ours are driven: the OpenAI endpoint as its own process (python -m frontend.openai), the endpoint in the served
+# model's process (frontend.openai.in_process), Triton's gRPC; "openai-in" rows get the "openai" rows' requests
+PROTOCOLS = ("openai", "openai-in", "grpc")
+REQUEST_SET = {"openai": "openai", "openai-in": "openai", "grpc": "grpc"}
 RATIO_METRICS = (("req_per_s", "req/s"), ("ttft_p50_ms", "TTFT p50"), ("ttft_p90_ms", "TTFT p90"),
                  ("tpot_p50_ms", "TPOT p50"), ("cpu_total_ms", "CPU/req"))
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -51,10 +55,10 @@ def same_text(texts: dict[int, str], reference: dict[int, str] | None) -> tuple[
 
 
 def add_equality(rows: list[dict], references: dict[str, dict[int, str]]) -> None:
-    """Set each row's ``same_text`` against ``references[row['protocol']]`` (vLLM single's answers to the request
-    set that protocol's rows were sent)."""
+    """Set each row's ``same_text`` against the reference of its protocol's request set (``REQUEST_SET``: vLLM
+    single's answers to the requests that protocol's rows were sent)."""
     for row in rows:
-        row["same_text"] = same_text(row.get("texts", {}), references.get(row["protocol"]))
+        row["same_text"] = same_text(row.get("texts", {}), references.get(REQUEST_SET[row["protocol"]]))
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -71,7 +75,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     out = []
     for ours, theirs in PAIRS:
         base = by_key.get((theirs, "openai"))
-        for protocol in ("openai", "grpc"):
+        for protocol in PROTOCOLS:
             mine = by_key.get((ours, protocol))
             if base is None or mine is None:
                 continue
@@ -102,6 +106,16 @@ def results_table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {r['protocol']} | {_cell(r['req_per_s'], 2)} | {_cell(r['ttft_p50_ms'])} | "
                      f"{_cell(r['ttft_p90_ms'])} | {_cell(r['tpot_p50_ms'], 2)} | {_cell(r.get('cpu_total_ms'))} | "
                      f"{_groups_cell(r.get('cpu_ms', {}))} | {_equality_cell(r.get('same_text'))} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def process_cpu_table(rows: list[dict]) -> str:
+    """One line per row: each process's (``side_profile.label``) CPU ms per request, largest first."""
+    lines = ["| stack | protocol | CPU ms/req by process |", "|---|---|---|"]
+    for row in rows:
+        per = sorted(((ms, name) for group in row.get("cpu_by_process", {}).values() for name, ms in group.items()),
+                     reverse=True)
+        lines.append(f"| {row['name']} | {row['protocol']} | {', '.join(f'{n} {ms:.1f}' for ms, n in per)} |")
     return "\n".join(lines)
 
 

@@ -211,7 +211,13 @@ def _sse(doc: dict) -> str:
 
 def create_app(grpc_url: str, models: list[str]) -> FastAPI:
     """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models``."""
-    backend, metrics = Backend(grpc_url, models), Metrics()
+    return make_app(Backend(grpc_url, models))
+
+
+def make_app(backend) -> FastAPI:
+    """The application over ``backend``: ``Backend`` (tritonserver's gRPC endpoint) or one with its ``models``,
+    ``generate``, ``ready`` and ``close`` (``frontend.openai.in_process.LocalBackend``: a model's own process)."""
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -11,7 +11,7 @@ import pytest
 from backend.deploy import server_address
 from backend.deploy.render import render_files
 from backend.deploy.topology import LIMIT_DEFAULTS, TRANSFER_DEFAULTS, ModelKind, load
-from backend.protocol.settings import (LOCAL, ColocatedSettings, ConfigError, EncoderSettings, EngineSettings,
+from backend.protocol.settings import (LOCAL, ColocatedSettings, ConfigError, EncoderSettings, EngineSettings, LlmSettings,
                                        PdSettings, PrefillSettings,
                                        KvEngineSettings, ProxySettings, parse_settings)
 from backend.protocol.stages import Disaggregation, Stage
@@ -56,7 +56,7 @@ def test_every_rendered_config_parses_into_its_kind_s_settings(name, tmp_path):
 
 def test_the_kinds_read_the_settings_of_their_role():
     assert {kind: kind.settings for kind in ModelKind} == {
-        ModelKind.LLM: EngineSettings, ModelKind.PD: PdSettings, ModelKind.PREFILL: PrefillSettings,
+        ModelKind.LLM: LlmSettings, ModelKind.PD: PdSettings, ModelKind.PREFILL: PrefillSettings,
         ModelKind.DECODE: KvEngineSettings, ModelKind.ENCODER: EncoderSettings, ModelKind.EPD: ProxySettings,
         ModelKind.EPD_DISAGG: ProxySettings, ModelKind.COLOCATED: ColocatedSettings,
         ModelKind.COLOCATED_PREFILL: ColocatedSettings}

@@ -47,14 +47,31 @@ def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: 
             continue
         try:
             raw = read_generate_inputs(request)
-            metadata_only = _bool_parameter(params, METADATA_ONLY_PARAMETER)
-            encode = _bool_parameter(params, ENCODE_PARAMETER) is not False
-            demand_aware = _bool_parameter(params, DEMAND_AWARE_PARAMETER)
+            options = run_options(params)
         except Exception as exc:
             send_error(sender, exc, tag)
             continue
         request_id, sink = watched_sink(request, sender, cancels, tag, metrics)
-        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, metadata_only, encode, demand_aware)))
+        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, *options)))
+
+
+def run_options(params: dict) -> tuple[bool | None, bool, bool | None]:
+    """``Orchestrator.run``'s options from a request's parameters: metadata-only, encode, demand-aware."""
+    return (_bool_parameter(params, METADATA_ONLY_PARAMETER), _bool_parameter(params, ENCODE_PARAMETER) is not False,
+            _bool_parameter(params, DEMAND_AWARE_PARAMETER))
+
+
+def answerer(orchestrator: Orchestrator, metrics):
+    """The in-process OpenAI endpoint's request function (``frontend.openai.in_process``) of an orchestrator model:
+    ``orchestrate`` for one request given as values, its bad parameters sent to the sink as its error."""
+    async def answer(raw, params: dict, sink) -> None:
+        try:
+            options = run_options(params)
+        except Exception as exc:
+            sink.send_error(exc)
+            return
+        await orchestrator.run(raw, sink, metrics, *options)
+    return answer
 
 
 class TritonPythonModel:
@@ -86,12 +103,20 @@ class TritonPythonModel:
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses
         self.cancels = CancelBoard.for_model(args["model_name"])
+        self.openai = None
+        if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
+            from frontend.openai.in_process import InProcessEndpoint
+
+            self.openai = InProcessEndpoint(args["model_name"], answerer(self.orchestrator, self.metrics),
+                                            self.loop.submit, settings.openai_host, settings.openai_port, self.metrics)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit, self.cancels)
         return None
 
     def finalize(self):
+        if self.openai is not None:
+            self.openai.close()
         self.watch.cancel()
         try:
             self.loop.submit(self.stages.aclose()).result(timeout=5)

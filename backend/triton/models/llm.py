@@ -5,8 +5,11 @@ streams; here we say that media are decoded in this model.
 """
 from backend.triton.generate_model import GenerateModel
 from backend.request.generate import DecodeMedia
+from backend.protocol.settings import LlmSettings
 
 
 class TritonPythonModel(GenerateModel):
+    SETTINGS = LlmSettings
+
     def make_resolver(self):
         return DecodeMedia(self.limits.media)
