@@ -179,6 +179,9 @@ class Topology:
         keep those, a host left with none is dropped), with ``engine_args`` laid over its own and other fields replaced
         by ``changes``."""
         modes = (mode,) if isinstance(mode, str) else tuple(mode)
+        if len(modes) > 1 and changes.get("openai_port", self.openai_port):
+            raise TopologyError(f"{self.name}: openai_port: the endpoint in a model's process serves that model alone, "
+                                f"not {' + '.join(modes)}")
         unknown = [m for m in modes if m not in DEPLOYMENTS]
         if unknown or not modes:
             raise TopologyError(f"unknown deployment {', '.join(map(repr, unknown))}; known: {', '.join(DEPLOYMENTS)}")

@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.topology import StageSpec, load
+from backend.deploy.ports import free_ports
 from backend.deploy.render import render
 from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
@@ -39,7 +40,11 @@ def colocated_server(tmp_path_factory):
     e_p_d = load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu")
     render(dataclasses.replace(topology, serve=("baseline", "E+PD", "E/P/D"),
                                stages={**topology.stages, **e_p_d.stages, "llm": StageSpec()}), repo)
+    (port,) = free_ports(1)  # epd (colocated) also serves the OpenAI endpoint from its process, as openai_port renders
+    with open(repo / "epd" / "config.pbtxt", "a") as config:
+        config.write(f'parameters {{ key: "openai_port" value: {{ string_value: "{port}" }} }}\n')
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+        server.epd_openai = f"http://127.0.0.1:{port}"
         yield server
         held = held_shm(server.proc.pid) - _shm_of_this_process()
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
@@ -167,3 +172,23 @@ def test_cancelling_aborts_the_engine_request(colocated_server, baseline, model)
     if model == "epd_disagg":  # prefill (in epd_disagg) ran its one token, and nothing more
         assert metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd_disagg") == prefilled_before + 1
     assert ask(colocated_server, model, **CASES["one_image_portrait"]).text == baseline["one_image_portrait"].text
+
+
+
+def test_the_openai_endpoint_in_the_colocated_process_answers_as_llm(colocated_server):
+    """``openai_port`` on the colocated ``epd``: the endpoint runs on its engine's loop and calls its orchestrator;
+    its streamed greedy answers to image requests equal ``llm``'s over Triton's gRPC, and it lists its own model."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from clients.bench.side_client import request_set, run_grpc, run_openai
+
+    base = colocated_server.epd_openai
+    models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=5).read())
+    assert [m["id"] for m in models["data"]] == ["epd"]
+    requests = request_set(0, 3, 96)
+    samples, errors, _ = asyncio.run(run_openai(base, "epd", requests, 3, 8))
+    want, want_errors, _ = asyncio.run(run_grpc(colocated_server.grpc_url, "llm", requests, 3, 8))
+    assert not errors and not want_errors and len(samples) == len(want) == 3
+    assert {s.index: s.text for s in samples} == {s.index: s.text for s in want}
