@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from typing import Coroutine
@@ -17,9 +18,22 @@ def _log_failure(future: Future) -> None:
         log.error("task on the model loop failed", exc_info=future.exception())
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where installed (``EPD_EVENT_LOOP=asyncio``: the standard one), as vLLM's API server and uvicorn
+    use: the loop of a model that serves HTTP (``frontend.openai.in_process``) and streams every engine step."""
+    if os.environ.get("EPD_EVENT_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
     def __init__(self, name: str = "model-loop"):
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

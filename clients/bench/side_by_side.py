@@ -55,6 +55,9 @@ class Run:
         from backend.deploy.topology import load
 
         self.topology = load(args.topology)
+        self.ours_topology = self.topology  # ours: the deployments of --colocated with their orchestrator colocated
+        for mode in args.colocated:
+            self.ours_topology = self.ours_topology.with_orchestrator("colocated", mode)
         self.poll_delay_us = (args.poll_delay_us if args.poll_delay_us is not None
                               else int(self.topology.transfer.get("nixl_poll_delay_us", 5000)))
         n, size = args.requests, args.image_size
@@ -137,7 +140,7 @@ class Run:
     def ours(self, name: str) -> None:
         """One of ours: tritonserver + the OpenAI endpoint; driven through the endpoint, then over gRPC."""
         started = time.monotonic()
-        with stacks.ours_running(self.topology, name, self.log_dir) as (base_url, grpc_url, model, groups):
+        with stacks.ours_running(self.ours_topology, name, self.log_dir) as (base_url, grpc_url, model, groups):
             print(f"{name}: up in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             self.drive(name, "openai", base_url, model, groups)
             if not self.args.no_grpc:
@@ -145,7 +148,7 @@ class Run:
         if self.args.no_in_process:
             return
         started = time.monotonic()
-        with stacks.ours_running(self.topology, name, self.log_dir, in_process=True) as (base_url, _, model, groups):
+        with stacks.ours_running(self.ours_topology, name, self.log_dir, in_process=True) as (base_url, _, model, groups):
             print(f"{name} (endpoint in process): up in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             self.drive(name, "openai-in", base_url, model, groups)
 
@@ -154,7 +157,7 @@ class Run:
         return {"rows": a.rows, "requests": a.requests, "concurrency": a.concurrency, "warmup": a.warmup,
                 "image_size": a.image_size, "max_tokens": a.max_tokens, "topology": str(a.topology),
                 "proxy": str(a.proxy or ""), "poll_delay_us": self.poll_delay_us, "grpc": not a.no_grpc,
-                "in_process": not a.no_in_process,
+                "in_process": not a.no_in_process, "colocated": a.colocated,
                 "engine_args": {mode: self.topology.only(mode).engine_args
                                 for mode in dict.fromkeys(MODES[row] for row in a.rows)}}
 
@@ -174,7 +177,8 @@ def report(run: Run) -> str:
     a = run.args
     text = (f"\n{a.requests} streaming chat requests per row at concurrency {a.concurrency}, one {a.image_size}x"
             f"{a.image_size} PNG and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
-            f"row of a protocol; topology {a.topology}; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
+            f"row of a protocol; topology {a.topology}, ours with the orchestrator of {', '.join(a.colocated) or 'no deployment'} "
+            f"colocated; NIXL poll delay of vllm-e-p-d-delay {run.poll_delay_us} us\n\n"
             + table.results_table(run.rows) + "\n\n" + (distinct(run.rows) + "\n\n" if distinct(run.rows) else "") + "ours / vLLM's (req/s: higher is better for ours; the rest: lower)\n\n"
             + table.ratios_table(pairs) + "\n\nCPU ms per request by process\n\n" + table.process_cpu_table(run.rows)
             + "\n")
@@ -203,6 +207,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--poll-delay-us", type=int,
                         help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
     parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
+    parser.add_argument("--colocated", default="E+PD",
+                        help="our deployments (comma-separated: E+PD, E/P/D; '' for none) whose orchestrator runs in "
+                             "its host stage's process (topology stages.<pd|prefill>.orchestrator: colocated)")
     parser.add_argument("--no-in-process", action="store_true",
                         help="leave out ours with the OpenAI endpoint in the served model's process (openai-in rows)")
     parser.add_argument("--profile", action="store_true",
@@ -221,6 +228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.proxy.resolve().is_relative_to(ROOT.resolve()):
             parser.error("--proxy is vLLM's file: keep it outside this repository")
     args.rows = [r for r in ROWS if r in rows]  # the reference first, one stack at a time in a fixed order
+    args.colocated = [m for m in args.colocated.split(",") if m]
+    if bad := [m for m in args.colocated if m not in ("E+PD", "E/P/D")]:
+        parser.error(f"--colocated: {', '.join(bad)}: expected E+PD and/or E/P/D")
     if missing := unservable(args.topology, args.rows):
         parser.error(f"{args.topology} cannot serve {', '.join(missing)} alone; leave them out of --rows")
     return args
