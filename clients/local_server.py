@@ -417,15 +417,21 @@ def _exit_on_sigterm():
     return signal.SIG_DFL
 
 
-def render_topology(topology: Path, checkpoint: Path | None = None) -> Path:
-    """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``."""
+def render_topology(topology: Path, checkpoint: Path | None = None, openai_port: int = 0) -> tuple[Path, int]:
+    """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``. A topology
+    with ``openai_port`` serves the OpenAI endpoint from its served model's process: ``openai_port`` (non-zero)
+    replaces its port. Returns the repository and that in-process endpoint's port (0: the topology has none)."""
+    from dataclasses import replace
+
     from backend.deploy.topology import load
     from backend.deploy.render import render
 
     served = load(topology, checkpoint=checkpoint)
+    if served.openai_port and openai_port:
+        served = replace(served, openai_port=openai_port)
     out = ROOT / ".cache" / "repositories" / served.name
     render(served, out)
-    return out
+    return out, served.openai_port
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -434,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topology", type=Path, help="render this topology and serve it (instead of --model-repository)")
     parser.add_argument("--checkpoint", type=Path, help="with --topology: serve this checkpoint directory")
     parser.add_argument("--openai-port", type=int, default=0,
-                        help="also serve the OpenAI-compatible endpoint (frontend.openai) on this port; 0: leave it out")
+                        help="also serve the OpenAI-compatible endpoint (frontend.openai) on this port; 0: leave it out "
+                             "(with a --topology that has openai_port: that in-process endpoint's port)")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     if args.checkpoint and not args.topology:
@@ -444,10 +451,14 @@ def main(argv: list[str] | None = None) -> None:
         from backend.deploy.topology import TopologyError
 
         try:
-            repository = render_topology(args.topology, args.checkpoint)
+            repository, in_process = render_topology(args.topology, args.checkpoint, args.openai_port)
         except TopologyError as exc:
             parser.exit(2, f"error: {exc}\n")
         print(f"rendered {args.topology} into {repository}", flush=True)
+        if in_process:
+            print(f"OpenAI-compatible endpoint (in the served model's process) on http://127.0.0.1:{in_process}/v1",
+                  flush=True)
+            args.openai_port = 0
     ports = Ports.from_env()
     cmd = command(repository, ports, args.extra)
     if args.openai_port:

@@ -85,6 +85,22 @@ def test_make_serve_on_other_ports(tmp_path):
     _stopped_clean(server, before)  # the endpoint too: it is in the server's process group
 
 
+def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
+    """docs/openai.md's command: ``clients.local_server --topology topologies/cpu-e-pd-openai.yaml --openai-port N``
+    (the endpoint in epd's own process, colocated orchestrator): an image chat request through it gives what Triton's
+    generate of the same model gives; the server stops clean."""
+    ports, (openai_port,) = Ports.free(), free_ports(1)
+    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    argv = [str(VENV / "bin" / "python"), "-m", "clients.local_server", "--topology",
+            str(ROOT / "topologies" / "cpu-e-pd-openai.yaml"), "--openai-port", str(openai_port)]
+    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv)
+    before = _shm()
+    with server:
+        _openai_answers_as_triton(server, openai_port)
+    _stopped_clean(server, before)
+    assert f"(in the served model's process) on http://127.0.0.1:{openai_port}/v1" in (tmp_path / "server.log").read_text()
+
+
 def test_tritonserver_run_directly_with_its_own_flags(tmp_path):
     ports = Ports.free()
     argv = [str(VENV / "bin" / "tritonserver"), "--model-repository", str(ROOT / "model_repository"),
