@@ -50,11 +50,11 @@ def same_text(texts: dict[int, str], reference: dict[int, str] | None) -> tuple[
     return sum(texts.get(i) == text for i, text in reference.items()), len(reference)
 
 
-def add_equality(rows: list[dict], references: dict[str, dict[int, str]]) -> None:
-    """Set each row's ``same_text`` against ``references[row['protocol']]`` (vLLM single's answers to the request
-    set that protocol's rows were sent)."""
+def add_equality(rows: list[dict], references: dict[tuple[str, int | None], dict[int, str]]) -> None:
+    """Set each row's ``same_text`` against ``references[row's protocol, row's concurrency]`` (vLLM single's answers
+    to the request set that protocol's rows were sent at that concurrency)."""
     for row in rows:
-        row["same_text"] = same_text(row.get("texts", {}), references.get(row["protocol"]))
+        row["same_text"] = same_text(row.get("texts", {}), references.get((row["protocol"], row.get("concurrency"))))
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -67,16 +67,18 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def ratios(rows: list[dict]) -> list[dict]:
     """Per pair of ``PAIRS`` both present (ours through each protocol it ran, against vLLM's row through OpenAI):
     ``{"ours", "protocol", "vllm", <metric>: ours/vLLM}`` for ``RATIO_METRICS``."""
-    by_key = {(r["name"], r["protocol"]): r for r in rows}
+    by_key = {(r["name"], r["protocol"], r.get("concurrency")): r for r in rows}
+    levels = list(dict.fromkeys(r.get("concurrency") for r in rows))
     out = []
-    for ours, theirs in PAIRS:
-        base = by_key.get((theirs, "openai"))
-        for protocol in ("openai", "grpc"):
-            mine = by_key.get((ours, protocol))
-            if base is None or mine is None:
-                continue
-            out.append({"ours": ours, "protocol": protocol, "vllm": theirs,
-                        **{key: ratio(mine.get(key), base.get(key)) for key, _ in RATIO_METRICS}})
+    for level in levels:
+        for ours, theirs in PAIRS:
+            base = by_key.get((theirs, "openai", level))
+            for protocol in ("openai", "grpc"):
+                mine = by_key.get((ours, protocol, level))
+                if base is None or mine is None:
+                    continue
+                out.append({"ours": ours, "protocol": protocol, "vllm": theirs, "concurrency": level,
+                            **{key: ratio(mine.get(key), base.get(key)) for key, _ in RATIO_METRICS}})
     return out
 
 
@@ -96,10 +98,11 @@ def _groups_cell(cpu: dict[str, float]) -> str:
 
 def results_table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: one line per row, in order."""
-    lines = ["| stack | protocol | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | CPU ms/req | CPU ms/req by group "
-             "| same text as vllm-single | errors |", "|" + "---|" * 10]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['protocol']} | {_cell(r['req_per_s'], 2)} | {_cell(r['ttft_p50_ms'])} | "
+    lines = ["| stack | protocol | c | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | CPU ms/req | CPU ms/req by "
+             "group | same text as vllm-single | errors |", "|" + "---|" * 11]
+    for r in sorted(rows, key=lambda r: r.get("concurrency") or 0):  # stable: each level in run order
+        lines.append(f"| {r['name']} | {r['protocol']} | {r.get('concurrency') or '-'} | {_cell(r['req_per_s'], 2)} | "
+                     f"{_cell(r['ttft_p50_ms'])} | "
                      f"{_cell(r['ttft_p90_ms'])} | {_cell(r['tpot_p50_ms'], 2)} | {_cell(r.get('cpu_total_ms'))} | "
                      f"{_groups_cell(r.get('cpu_ms', {}))} | {_equality_cell(r.get('same_text'))} | {r['errors']} |")
     return "\n".join(lines)
@@ -107,11 +110,11 @@ def results_table(rows: list[dict]) -> str:
 
 def ratios_table(pairs: list[dict]) -> str:
     """The markdown table of ``ratios``: ours / vLLM per pair and metric (x)."""
-    lines = ["| ours | protocol | vs vLLM's | " + " | ".join(label for _, label in RATIO_METRICS) + " |",
-             "|" + "---|" * (3 + len(RATIO_METRICS))]
+    lines = ["| ours | protocol | vs vLLM's | c | " + " | ".join(label for _, label in RATIO_METRICS) + " |",
+             "|" + "---|" * (4 + len(RATIO_METRICS))]
     for p in pairs:
         cells = " | ".join(_cell(p[key], 2) + ("x" if p[key] is not None else "") for key, _ in RATIO_METRICS)
-        lines.append(f"| {p['ours']} | {p['protocol']} | {p['vllm']} | {cells} |")
+        lines.append(f"| {p['ours']} | {p['protocol']} | {p['vllm']} | {p.get('concurrency') or '-'} | {cells} |")
     return "\n".join(lines)
 
 
