@@ -240,7 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engines = parser.add_mutually_exclusive_group()
     engines.add_argument("--eager", action="store_true", help="every engine of both sides eager (enforce_eager)")
     engines.add_argument("--compile", action="store_true",
-                         help="every engine of both sides compiled with CUDA graphs (ours: the GPU encoder's tower too)")
+                         help="every engine of both sides compiled, CUDA graphs (ours: the GPU encoder's tower too)")
     parser.add_argument("--interleave", action="store_true",
                         help="run each of ours right after its vLLM counterpart (a run cut short keeps whole pairs)")
     parser.add_argument("--parallel-start", action="store_true",

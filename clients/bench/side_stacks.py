@@ -134,8 +134,9 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
     prefill = metadata_only_engine_args(engine_settings(topology, "E/P/D", "prefill"))
     decode = metadata_only_engine_args(engine_settings(topology, "E/P/D", "decode"))
     p_dev, d_dev = buffer_device(topology, "prefill"), buffer_device(topology, "decode")
-    return [Server("encoder", api_server_argv(ckpt, ports[0], engine_settings(topology, "E/P/D", "prefill"),
-                                              "--ec-transfer-config", ec_config("ec_producer", ec_dir, p_dev)), ports[0]),
+    encoder = engine_settings(topology, "E/P/D", "prefill")
+    return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, "--ec-transfer-config",
+                                              ec_config("ec_producer", ec_dir, p_dev)), ports[0]),
             Server("prefill", api_server_argv(ckpt, ports[1], prefill, "--ec-transfer-config",
                                               ec_config("ec_consumer", ec_dir, p_dev), "--kv-transfer-config",
                                               kv_config("kv_producer", p_dev)), ports[1],
