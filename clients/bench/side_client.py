@@ -1,10 +1,12 @@
 """The one client of ``clients.bench.side_by_side``: the same seeded requests to every stack, over the OpenAI protocol
 (streaming chat completions, aiohttp) or over Triton's gRPC (``clients.bench.load.run_concurrency``).
 
-A request set is ``count`` requests from seed ``first``: request ``i`` has one random-pixel PNG
-(``clients.images.image_bytes(size, size, seed=first + i)``) before the text ``Request <first + i>: what is in the
-picture?``, greedy sampling, ``max_tokens`` tokens with ``ignore_eos``. Both protocols send the same chat (an image part,
-then the text part), so a deployment's answers can be compared with vLLM's single engine's, request by request.
+A request set is ``count`` requests from seed ``first``: request ``s`` (seed) has ``images`` random-pixel square images
+(PNG, or JPEG with ``fmt``), image ``j`` of ``sizes[(s + j) % len(sizes)]`` px a side drawn from seed ``s + j * 10**7``
+(``clients.images.image_bytes``; one image of one size: ``image_bytes(size, size, seed=s)``, as before), then the text
+``Request <s>: what is in the picture?``, greedy sampling, ``max_tokens`` tokens with ``ignore_eos``. Both protocols
+send the same chat (the image parts, then the text part), so a deployment's answers can be compared with vLLM's single
+engine's, request by request.
 
 Load: closed loop, ``concurrency`` clients, each sending its next request when its previous one finished; a request's
 TTFT is the time to its first non-empty text, its latency the time to its last byte (``clients.bench.report.Sample``).
@@ -20,36 +22,55 @@ from dataclasses import dataclass
 from clients.bench.report import Sample
 
 
+IMAGE_SEED_STRIDE = 10**7  # image j > 0 of request s is drawn from seed s + j * stride: no two requests share an image
+
+
 @dataclass(frozen=True)
 class Request:
     seed: int
-    image: bytes  # PNG
+    images: tuple[bytes, ...]  # PNG or JPEG
     text: str
 
+    @property
+    def image(self) -> bytes:
+        """The first image."""
+        return self.images[0]
 
-def request_set(first: int, count: int, size: int) -> list[Request]:
+
+def request_set(first: int, count: int, size: int | list[int], images: int = 1, fmt: str = "PNG") -> list[Request]:
     """``count`` requests from seed ``first`` (the module's contract); the same arguments give the same bytes."""
     from clients.images import image_bytes
 
-    return [Request(seed, image_bytes(size, size, seed=seed), f"Request {seed}: what is in the picture?")
+    sizes = [size] if isinstance(size, int) else list(size)
+
+    def image(seed: int, j: int) -> bytes:
+        side = sizes[(seed + j) % len(sizes)]
+        return image_bytes(side, side, seed=seed + j * IMAGE_SEED_STRIDE, fmt=fmt)
+
+    return [Request(seed, tuple(image(seed, j) for j in range(images)), f"Request {seed}: what is in the picture?")
             for seed in range(first, first + count)]
+
+
+def data_url(image: bytes) -> str:
+    """``image`` as a ``data:`` URL of its type (JPEG or PNG, by its first bytes)."""
+    mime = "image/jpeg" if image[:3] == b"\xff\xd8\xff" else "image/png"
+    return f"data:{mime};base64," + base64.b64encode(image).decode()
 
 
 def chat_body(model: str, request: Request, max_tokens: int) -> dict:
     """The OpenAI streaming chat-completions body of ``request`` (usage in the last chunk)."""
-    url = "data:image/png;base64," + base64.b64encode(request.image).decode()
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in request.images]
     return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": request.text}]}]}
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": request.text}]}]}
 
 
 def grpc_inputs(request: Request, max_tokens: int):
     """The same request as Triton generate inputs (``clients.triton_client.GenerateInputs``)."""
     from clients.triton_client import GenerateInputs
 
-    content = [{"type": "image"}, {"type": "text", "text": request.text}]
-    return GenerateInputs(messages=[{"role": "user", "content": content}], images=[request.image],
+    content = [*({"type": "image"} for _ in request.images), {"type": "text", "text": request.text}]
+    return GenerateInputs(messages=[{"role": "user", "content": content}], images=list(request.images),
                           sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}, stream=True)
 
 

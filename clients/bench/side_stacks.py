@@ -77,15 +77,24 @@ def engine_flags(args: dict) -> list[str]:
     return flags
 
 
-def ec_config(role: str, directory: Path) -> str:
-    """``--ec-transfer-config`` of an ``ec_producer`` or ``ec_consumer`` sharing ``directory`` (ECExampleConnector)."""
-    return json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role, "ec_buffer_device": "cpu",
+def buffer_device(topology, stage: str) -> str:
+    """Where a connector of ``stage``'s engine keeps its buffers: ``cuda`` where the topology puts that stage on a
+    GPU (as ours: ``backend.engine.host.kv_transfer_config``), else ``cpu``."""
+    spec = topology.stages.get(stage)
+    return "cuda" if spec is not None and spec.device == "gpu" else "cpu"
+
+
+def ec_config(role: str, directory: Path, device: str = "cpu") -> str:
+    """``--ec-transfer-config`` of an ``ec_producer`` or ``ec_consumer`` sharing ``directory`` (ECExampleConnector,
+    which keeps each item's embeddings as a safetensors file there)."""
+    return json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role, "ec_buffer_device": device,
                        "ec_connector_extra_config": {"shared_storage_path": str(directory)}})
 
 
-def kv_config(role: str) -> str:
-    """``--kv-transfer-config`` of a NixlConnector ``kv_producer`` or ``kv_consumer`` with its buffers in host memory."""
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+def kv_config(role: str, device: str = "cpu") -> str:
+    """``--kv-transfer-config`` of a NixlConnector ``kv_producer`` or ``kv_consumer``, its buffers in host memory
+    (``cpu``) or in VRAM (``cuda``)."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": device})
 
 
 def api_server_argv(checkpoint: Path, port: int, settings: dict, *extra: str) -> list[str]:
@@ -113,24 +122,27 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
         return [Server("api server", api_server_argv(ckpt, ports[0], engine_settings(topology, "baseline", "llm")),
                        ports[0])]
     if kind == "vllm-e-pd":
-        settings = engine_settings(topology, "E+PD", "pd")
+        settings, dev = engine_settings(topology, "E+PD", "pd"), buffer_device(topology, "pd")
         return [Server("encoder", api_server_argv(ckpt, ports[0], settings, "--ec-transfer-config",
-                                                  ec_config("ec_producer", ec_dir)), ports[0]),
+                                                  ec_config("ec_producer", ec_dir, dev)), ports[0]),
                 Server("pd", api_server_argv(ckpt, ports[1], metadata_only_engine_args(settings), "--ec-transfer-config",
-                                             ec_config("ec_consumer", ec_dir)), ports[1]),
+                                             ec_config("ec_consumer", ec_dir, dev)), ports[1]),
                 Server("proxy", proxy_argv(proxy, ports[2], [ports[0]], None, ports[1]), ports[2])]
     if kind not in ("vllm-e-p-d", "vllm-e-p-d-delay"):
         raise ValueError(f"unknown vLLM stack {kind!r}; known: {', '.join(VLLM_STACKS)}")
     delay = {"VLLM_PLUGINS": PLUGIN, POLL_DELAY_ENV: str(poll_delay_us)} if kind.endswith("-delay") else {}
     prefill = metadata_only_engine_args(engine_settings(topology, "E/P/D", "prefill"))
     decode = metadata_only_engine_args(engine_settings(topology, "E/P/D", "decode"))
-    return [Server("encoder", api_server_argv(ckpt, ports[0], engine_settings(topology, "E/P/D", "prefill"),
-                                              "--ec-transfer-config", ec_config("ec_producer", ec_dir)), ports[0]),
+    p_dev, d_dev = buffer_device(topology, "prefill"), buffer_device(topology, "decode")
+    encoder = engine_settings(topology, "E/P/D", "prefill")
+    return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, "--ec-transfer-config",
+                                              ec_config("ec_producer", ec_dir, p_dev)), ports[0]),
             Server("prefill", api_server_argv(ckpt, ports[1], prefill, "--ec-transfer-config",
-                                              ec_config("ec_consumer", ec_dir), "--kv-transfer-config",
-                                              kv_config("kv_producer")), ports[1],
+                                              ec_config("ec_consumer", ec_dir, p_dev), "--kv-transfer-config",
+                                              kv_config("kv_producer", p_dev)), ports[1],
                    {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[3]), **delay}),
-            Server("decode", api_server_argv(ckpt, ports[2], decode, "--kv-transfer-config", kv_config("kv_consumer")),
+            Server("decode", api_server_argv(ckpt, ports[2], decode, "--kv-transfer-config",
+                                             kv_config("kv_consumer", d_dev)),
                    ports[2], {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[4]), **delay}),
             Server("proxy", proxy_argv(proxy, ports[5], [ports[0]], ports[1], ports[2]), ports[5])]
 
@@ -176,10 +188,21 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             continue
 
 
+def start_waves(servers: list[Server], together: bool) -> list[list[Server]]:
+    """The order ``running`` starts ``servers`` in: one at a time, or (``together``) every engine server at once
+    and then the proxy (whose /health asks theirs)."""
+    if not together:
+        return [[server] for server in servers]
+    engines = [s for s in servers if s.name != "proxy"]
+    return [engines, *([[s] for s in servers if s.name == "proxy"])]
+
+
 @contextlib.contextmanager
-def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0):
-    """Start ``servers`` in order, each once the previous one is healthy; yields {group name: [pid]}; stops them all,
-    last first, however the block ends. vLLM's ZMQ IPC sockets go into a temporary directory of this call
+def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0, together: bool = False):
+    """Start ``servers`` in order, each once the previous one is healthy (``together``: the engine servers at once,
+    then the proxy once they are all healthy, as ours start their engines at once; with an explicit KV size each,
+    ``kv_cache_memory_bytes``, no engine's memory profile depends on another's); yields {group name: [pid]}; stops
+    them all, last first, however the block ends. vLLM's ZMQ IPC sockets go into a temporary directory of this call
     (``VLLM_RPC_BASE_PATH``), removed after the stop (in /tmp, 3 sockets per server were left behind)."""
     import shutil
     import tempfile
@@ -188,13 +211,15 @@ def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0):
     started: list[tuple[Server, subprocess.Popen]] = []
     ipc = tempfile.mkdtemp(prefix="side-by-side-ipc-")
     try:
-        for server in servers:
-            with open(log_dir / f"{server.name.replace(' ', '-')}.log", "wb") as log:
-                proc = subprocess.Popen(server.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**process_env(server), "VLLM_RPC_BASE_PATH": ipc},
-                                        start_new_session=True)
-            started.append((server, proc))
-            wait_healthy(f"http://127.0.0.1:{server.port}/health", start_timeout, proc)
+        for wave in start_waves(servers, together):
+            for server in wave:
+                with open(log_dir / f"{server.name.replace(' ', '-')}.log", "wb") as log:
+                    proc = subprocess.Popen(server.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**process_env(server), "VLLM_RPC_BASE_PATH": ipc},
+                                            start_new_session=True)
+                started.append((server, proc))
+            for server, proc in started[-len(wave):]:
+                wait_healthy(f"http://127.0.0.1:{server.port}/health", start_timeout, proc)
         yield {server.name: [proc.pid] for server, proc in started}
     finally:
         for _, proc in reversed(started):

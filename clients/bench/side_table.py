@@ -54,11 +54,12 @@ def same_text(texts: dict[int, str], reference: dict[int, str] | None) -> tuple[
     return sum(texts.get(i) == text for i, text in reference.items()), len(reference)
 
 
-def add_equality(rows: list[dict], references: dict[str, dict[int, str]]) -> None:
-    """Set each row's ``same_text`` against the reference of its protocol's request set (``REQUEST_SET``: vLLM
-    single's answers to the requests that protocol's rows were sent)."""
+def add_equality(rows: list[dict], references: dict[tuple[str, int | None], dict[int, str]]) -> None:
+    """Set each row's ``same_text`` against ``references[request set, row's concurrency]`` (vLLM single's answers
+    to the requests that protocol's rows were sent at that concurrency; ``REQUEST_SET``)."""
     for row in rows:
-        row["same_text"] = same_text(row.get("texts", {}), references.get(REQUEST_SET[row["protocol"]]))
+        key = (REQUEST_SET[row["protocol"]], row.get("concurrency"))
+        row["same_text"] = same_text(row.get("texts", {}), references.get(key))
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -71,16 +72,18 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def ratios(rows: list[dict]) -> list[dict]:
     """Per pair of ``PAIRS`` both present (ours through each protocol it ran, against vLLM's row through OpenAI):
     ``{"ours", "protocol", "vllm", <metric>: ours/vLLM}`` for ``RATIO_METRICS``."""
-    by_key = {(r["name"], r["protocol"]): r for r in rows}
+    by_key = {(r["name"], r["protocol"], r.get("concurrency")): r for r in rows}
+    levels = list(dict.fromkeys(r.get("concurrency") for r in rows))
     out = []
-    for ours, theirs in PAIRS:
-        base = by_key.get((theirs, "openai"))
-        for protocol in PROTOCOLS:
-            mine = by_key.get((ours, protocol))
-            if base is None or mine is None:
-                continue
-            out.append({"ours": ours, "protocol": protocol, "vllm": theirs,
-                        **{key: ratio(mine.get(key), base.get(key)) for key, _ in RATIO_METRICS}})
+    for level in levels:
+        for ours, theirs in PAIRS:
+            base = by_key.get((theirs, "openai", level))
+            for protocol in PROTOCOLS:
+                mine = by_key.get((ours, protocol, level))
+                if base is None or mine is None:
+                    continue
+                out.append({"ours": ours, "protocol": protocol, "vllm": theirs, "concurrency": level,
+                            **{key: ratio(mine.get(key), base.get(key)) for key, _ in RATIO_METRICS}})
     return out
 
 
@@ -100,10 +103,11 @@ def _groups_cell(cpu: dict[str, float]) -> str:
 
 def results_table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: one line per row, in order."""
-    lines = ["| stack | protocol | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | CPU ms/req | CPU ms/req by group "
-             "| same text as vllm-single | errors |", "|" + "---|" * 10]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['protocol']} | {_cell(r['req_per_s'], 2)} | {_cell(r['ttft_p50_ms'])} | "
+    lines = ["| stack | protocol | c | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | CPU ms/req | CPU ms/req by "
+             "group | same text as vllm-single | errors |", "|" + "---|" * 11]
+    for r in sorted(rows, key=lambda r: r.get("concurrency") or 0):  # stable: each level in run order
+        lines.append(f"| {r['name']} | {r['protocol']} | {r.get('concurrency') or '-'} | {_cell(r['req_per_s'], 2)} | "
+                     f"{_cell(r['ttft_p50_ms'])} | "
                      f"{_cell(r['ttft_p90_ms'])} | {_cell(r['tpot_p50_ms'], 2)} | {_cell(r.get('cpu_total_ms'))} | "
                      f"{_groups_cell(r.get('cpu_ms', {}))} | {_equality_cell(r.get('same_text'))} | {r['errors']} |")
     return "\n".join(lines)
@@ -111,21 +115,22 @@ def results_table(rows: list[dict]) -> str:
 
 def process_cpu_table(rows: list[dict]) -> str:
     """One line per row: each process's (``side_profile.label``) CPU ms per request, largest first."""
-    lines = ["| stack | protocol | CPU ms/req by process |", "|---|---|---|"]
+    lines = ["| stack | protocol | c | CPU ms/req by process |", "|---|---|---|---|"]
     for row in rows:
         per = sorted(((ms, name) for group in row.get("cpu_by_process", {}).values() for name, ms in group.items()),
                      reverse=True)
-        lines.append(f"| {row['name']} | {row['protocol']} | {', '.join(f'{n} {ms:.1f}' for ms, n in per)} |")
+        lines.append(f"| {row['name']} | {row['protocol']} | {row.get('concurrency') or '-'} | "
+                     f"{', '.join(f'{n} {ms:.1f}' for ms, n in per)} |")
     return "\n".join(lines)
 
 
 def ratios_table(pairs: list[dict]) -> str:
     """The markdown table of ``ratios``: ours / vLLM per pair and metric (x)."""
-    lines = ["| ours | protocol | vs vLLM's | " + " | ".join(label for _, label in RATIO_METRICS) + " |",
-             "|" + "---|" * (3 + len(RATIO_METRICS))]
+    lines = ["| ours | protocol | vs vLLM's | c | " + " | ".join(label for _, label in RATIO_METRICS) + " |",
+             "|" + "---|" * (4 + len(RATIO_METRICS))]
     for p in pairs:
         cells = " | ".join(_cell(p[key], 2) + ("x" if p[key] is not None else "") for key, _ in RATIO_METRICS)
-        lines.append(f"| {p['ours']} | {p['protocol']} | {p['vllm']} | {cells} |")
+        lines.append(f"| {p['ours']} | {p['protocol']} | {p['vllm']} | {p.get('concurrency') or '-'} | {cells} |")
     return "\n".join(lines)
 
 

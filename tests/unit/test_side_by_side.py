@@ -110,7 +110,8 @@ def test_rows_equality_and_ratios():
     assert theirs["tpot_p50_ms"] == pytest.approx(30 / 15) and theirs["distinct_texts"] == 4 and grpc["distinct_texts"] == 4
     theirs["cpu_total_ms"], mine["cpu_total_ms"], grpc["cpu_total_ms"] = 10.0, 15.0, 5.0
     rows = [theirs, mine, grpc]
-    side_table.add_equality(rows, {"openai": theirs["texts"], "grpc": {i: f"g{i}" for i in range(3)} | {3: "other"}})
+    side_table.add_equality(rows, {("openai", None): theirs["texts"],
+                                   ("grpc", None): {i: f"g{i}" for i in range(3)} | {3: "other"}})
     assert theirs["same_text"] == (4, 4) and mine["same_text"] == (3, 4) and grpc["same_text"] == (3, 4)
     pairs = side_table.ratios(rows)
     assert [(p["ours"], p["protocol"], p["vllm"]) for p in pairs] == [("llm", "openai", "vllm-single"),
@@ -118,8 +119,8 @@ def test_rows_equality_and_ratios():
     assert pairs[0]["req_per_s"] == pytest.approx(0.75 / 2.0) and pairs[0]["cpu_total_ms"] == 1.5
     assert pairs[1]["req_per_s"] == 2.0 and pairs[1]["cpu_total_ms"] == 0.5
     text = side_table.results_table(rows)
-    assert "| llm | openai | 0.75 |" in text and "3/4" in text
-    assert "| llm | grpc | vllm-single | 2.00x |" in side_table.ratios_table(pairs)
+    assert "| llm | openai | - | 0.75 |" in text and "3/4" in text
+    assert "| llm | grpc | vllm-single | - | 2.00x |" in side_table.ratios_table(pairs)
 
 
 def test_ratio_edges_and_missing_reference():
@@ -182,3 +183,117 @@ def test_arguments(tmp_path):
     with pytest.raises(SystemExit):  # a topology without the stages of a row asked for
         parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "vllm-single,epd"])
     assert parse_args(["--topology", str(ROOT / "topologies" / "cpu-e-pd.yaml"), "--rows", "epd"]).rows == ["epd"]
+
+
+def test_levels_of_concurrency_pair_up_within_their_level():
+    rows = []
+    for level, rate in ((8, 1.0), (32, 2.0)):
+        for name, scale in (("vllm-e-pd", 1.0), ("epd", 1.5)):
+            row = side_table.summarise(name, "openai", [sample(i, 10, 40, f"{level}-{i}") for i in range(4)], 0,
+                                       4 / (rate * scale), 4)
+            row["concurrency"], row["cpu_total_ms"] = level, 1.0
+            rows.append(row)
+    side_table.add_equality(rows, {("openai", 8): {i: f"8-{i}" for i in range(4)}})
+    assert [r["same_text"] for r in rows] == [(4, 4), (4, 4), None, None]
+    pairs = side_table.ratios(rows)
+    assert [(p["ours"], p["concurrency"]) for p in pairs] == [("epd", 8), ("epd", 32)]
+    assert all(p["req_per_s"] == pytest.approx(1.5) for p in pairs)
+    text = side_table.results_table(rows)
+    assert text.index("| vllm-e-pd | openai | 8 |") < text.index("| epd | openai | 8 |") < text.index(
+        "| vllm-e-pd | openai | 32 |")
+    assert "| epd | openai | vllm-e-pd | 32 | 1.50x |" in side_table.ratios_table(pairs)
+
+
+def test_requests_with_several_images_of_several_sizes():
+    from PIL import Image
+    import io
+
+    requests = side_client.request_set(3, 2, [8, 12, 16], images=4, fmt="JPEG")
+    assert requests == side_client.request_set(3, 2, [8, 12, 16], images=4, fmt="JPEG")
+    sizes = [[Image.open(io.BytesIO(image)).size[0] for image in r.images] for r in requests]
+    assert sizes == [[8, 12, 16, 8], [12, 16, 8, 12]]
+    assert len({image for r in requests for image in r.images}) == 8  # no image shared between requests
+    assert side_client.request_set(5, 1, 32)[0].image == side_client.request_set(5, 1, [32], 1)[0].images[0]
+    body = side_client.chat_body("m", requests[0], 128)
+    parts = body["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["image_url"] * 4 + ["text"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    inputs = side_client.grpc_inputs(requests[0], 128)
+    assert inputs.images == list(requests[0].images)
+    assert [p["type"] for p in inputs.messages[0]["content"]] == ["image"] * 4 + ["text"]
+
+
+GPU_TOPOLOGY = ROOT / "topologies" / "checkpoint-gpu.yaml"
+
+
+def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(tmp_path):
+    from clients.bench.side_by_side import run_topology
+
+    args = parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--checkpoint",
+                       str(load(TOPOLOGY).checkpoint), "--eager", "--rows", "vllm-single,llm,epd,epd_disagg",
+                       "--concurrency", "8,32", "--image-size", "448,672,896", "--images-per-request", "4"])
+    assert args.concurrency == [8, 32] and args.image_size == [448, 672, 896] and args.images_per_request == 4
+    topology = run_topology(args)
+    assert topology.engine_args["enforce_eager"] is True and topology.engine_args["dtype"] == "bfloat16"
+    shipped = side_stacks.vllm_stack("vllm-e-p-d", topology, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/ec"), 1)
+    for server in shipped[:3]:
+        given = flags(server.argv)
+        assert given["enforce-eager"] is True and given["dtype"] == "bfloat16" and given["max-num-seqs"] == "64"
+        assert given["kv-cache-memory-bytes"] == "17179869184" and given["gpu-memory-utilization"] == "0.2"
+    assert [json.loads(flags(s.argv)["kv-transfer-config"])["kv_buffer_device"] for s in shipped[1:3]] == ["cuda",
+                                                                                                          "cuda"]
+    ours = json.loads(render_files(topology.only("E/P/D"), tmp_path)["prefill/model.json"])
+    assert ours["enforce_eager"] is True and ours["kv_cache_memory_bytes"] == 17179869184
+    on_cpu = side_stacks.vllm_stack("vllm-e-p-d", load(TOPOLOGY), Path("/x/p.py"), [1] * 6, Path("/e"), 1)
+    assert json.loads(flags(on_cpu[2].argv)["kv-transfer-config"])["kv_buffer_device"] == "cpu"  # as before
+    with pytest.raises(SystemExit):
+        parse_args(["--eager", "--compile"])
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "8,x"])
+
+
+def test_start_waves():
+    servers = [side_stacks.Server(n, [], i) for i, n in enumerate(("encoder", "prefill", "decode", "proxy"))]
+    assert [[s.name for s in w] for w in side_stacks.start_waves(servers, False)] == [["encoder"], ["prefill"],
+                                                                                    ["decode"], ["proxy"]]
+    assert [[s.name for s in w] for w in side_stacks.start_waves(servers, True)] == [["encoder", "prefill", "decode"],
+                                                                                   ["proxy"]]
+    assert [[s.name for s in w] for w in side_stacks.start_waves(servers[:1], True)] == [["encoder"]]
+
+
+def test_the_report_of_a_run_cut_short(tmp_path):
+    from clients.bench.side_by_side import Run, report
+
+    args = parse_args(["--rows", "vllm-single,llm", "--requests", "2", "--warmup", "0", "--concurrency", "1,2",
+                       "--images-per-request", "2", "--image-size", "16,24", "--eager", "--interleave",
+                       "--out", str(tmp_path)])
+    run = Run(args)
+    assert sorted(run.sets) == [("grpc", 1), ("grpc", 2), ("openai", 1), ("openai", 2)]
+    seeds = [r.seed for key in sorted(run.sets) for r in run.sets[key]]
+    assert len(set(seeds)) == 8 and [r.seed for r in run.sets["openai", 1]] == [0, 1]
+    row = side_table.summarise("vllm-single", "openai", [sample(i, 10, 40, f"t{i}") for i in range(2)], 0, 1.0, 2)
+    row.update(concurrency=1, cpu_ms={"api server": 3.0}, cpu_total_ms=3.0)
+    run.rows.append(row)
+    run.references["openai", 1] = dict(row["texts"])
+    run.started_s["vllm-single"], run.failed["llm"] = 12.0, "RuntimeError: tritonserver exited"
+    text = report(run)
+    assert "| vllm-single | openai | 1 | 2.00 |" in text and "2/2" in text and "engines eager" in text
+    assert "started in (s): vllm-single 12" in text and "llm failed: RuntimeError" in text
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["settings"]["engine_args_over_topology"] == {"enforce_eager": True}
+    assert saved["settings"]["failed"] == {"llm": "RuntimeError: tritonserver exited"}
+
+
+def test_rows_through_the_in_process_endpoint_get_the_openai_requests_reference_and_ratios():
+    rows = [{"name": "vllm-single", "protocol": "openai", "concurrency": 16, "req_per_s": 100.0, "texts": {0: "a", 1: "b"},
+             "cpu_total_ms": 8.0},
+            {"name": "llm", "protocol": "openai-in", "concurrency": 16, "req_per_s": 120.0, "texts": {0: "a", 1: "x"},
+             "cpu_total_ms": 6.0}]
+    side_table.add_equality(rows, {("openai", 16): {0: "a", 1: "b"}})
+    assert rows[1]["same_text"] == (1, 2)
+    [pair] = side_table.ratios(rows)
+    assert (pair["ours"], pair["protocol"], pair["vllm"]) == ("llm", "openai-in", "vllm-single")
+    assert pair["req_per_s"] == 1.2 and pair["cpu_total_ms"] == 0.75
+    assert parse_args(["--rows", "llm", "--colocated", ""]).colocated == []
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "llm", "--colocated", "E+P"])

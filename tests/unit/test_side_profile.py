@@ -70,7 +70,7 @@ def test_labels_of_the_stacks_processes(monkeypatch, tmp_path):
 
 
 def test_the_process_table_lists_each_rows_processes():
-    rows = [{"name": "llm", "protocol": "grpc", "cpu_by_process": {"tritonserver group": {"EngineCore": 9.0,
+    rows = [{"name": "llm", "protocol": "grpc", "concurrency": 16, "cpu_by_process": {"tritonserver group": {"EngineCore": 9.0,
                                                                                          "stub llm": 5.5}}}]
     text = side_table.process_cpu_table(rows)
-    assert "| llm | grpc | EngineCore 9.0, stub llm 5.5 |" in text
+    assert "| llm | grpc | 16 | EngineCore 9.0, stub llm 5.5 |" in text
