@@ -18,3 +18,8 @@ def load_settings(cls: type[S], args: dict[str, Any]) -> S:
         return parse_settings(cls, args["model_name"], json.loads(args["model_config"]))
     except ConfigError as exc:
         raise pb_utils.TritonModelException(str(exc)) from None
+
+
+def instance_count(model_config: dict) -> int:
+    """How many instances of the model Triton runs (its config's ``instance_group`` counts; none: 1)."""
+    return sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}]) or 1

@@ -32,7 +32,7 @@ from backend.transfer.agent import POLL_DELAY_ENV
 from backend.triton.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
-from backend.triton.config import load_settings
+from backend.triton.config import instance_count, load_settings
 from backend.protocol.generate import LOAD_PARAMETER
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_json, in_band_cancel, read_generate_inputs,
                                request_parameters, send_error, watched_sink)
@@ -49,6 +49,7 @@ class GenerateModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.name = args["model_name"]
+        self.instances = instance_count(json.loads(args["model_config"]))
         if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
         self.settings = load_settings(self.SETTINGS, args)
@@ -91,7 +92,7 @@ class GenerateModel:
             from frontend.openai.in_process import InProcessEndpoint
 
             self.openai = InProcessEndpoint(self.name, answer, self.host.submit, self.settings.openai_host, port,
-                                            self.metrics)
+                                            self.metrics, shared=self.instances > 1)
 
     async def answer(self, raw, parameters: dict, sink) -> None:
         """One request of the in-process OpenAI endpoint, as ``execute`` answers one (on the engine's loop)."""

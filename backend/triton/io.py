@@ -119,8 +119,11 @@ def _output(tensor, value) -> "pb_utils.Tensor":
 class TritonSink:
     """``backend.engine.serving.ResponseSink`` over a decoupled model's response sender.
 
-    ``is_cancelled`` asks the server at most every ``CANCEL_CHECK_SECONDS`` (each ask is a round trip
-    from the stub to the server; per token it cost measurable throughput); a cancel is seen that much later.
+    ``is_cancelled`` asks the server at most every ``CANCEL_CHECK_SECONDS``, the first time that long after the
+    request was read (each ask is a round trip from the stub to the server: every 20 ms, from the first token, it was
+    0.3-0.5 ms of a stage's CPU per request, docs/benchmarks.md); a cancel is seen that much later. An in-band
+    cancel (``epd_cancel``, what the orchestrators and the OpenAI endpoint send) is checked every
+    ``BOARD_CHECK_SECONDS``, from the first token.
 
     The request is always completed exactly once: a send that fails (e.g. the client went away) still
     sends the final flag, and later ``send_error``/``close`` calls are no-ops. A decoupled request that
@@ -128,7 +131,8 @@ class TritonSink:
     with cancelling clients: the server waited out its exit timeout and left the stub's /dev/shm region).
     """
 
-    CANCEL_CHECK_SECONDS = 0.02
+    CANCEL_CHECK_SECONDS = 0.1
+    BOARD_CHECK_SECONDS = 0.02
 
     def __init__(self, sender, tag_error_codes: bool = False, cancelled=None, timer: "RequestMetrics | None" = None):
         """``cancelled``: another check, asked first (``CancelBoard.watch``: an in-band cancel). ``timer`` is told
@@ -137,15 +141,21 @@ class TritonSink:
         self._tag = tag_error_codes
         self._also_cancelled = cancelled
         self._cancelled = False
-        self._checked = float("-inf")
+        self._checked = time.monotonic()
+        self._board_checked = float("-inf")
         self._completed = False
         self._timer, self._started, self._first = timer, time.monotonic(), True
 
     def is_cancelled(self) -> bool:
+        if self._cancelled:
+            return True
         now = time.monotonic()
+        if self._also_cancelled is not None and now - self._board_checked >= self.BOARD_CHECK_SECONDS:
+            self._board_checked = now  # in band: no round trip (a dict lookup and a stat)
+            self._cancelled = bool(self._also_cancelled())
         if not self._cancelled and now - self._checked >= self.CANCEL_CHECK_SECONDS:
             self._checked = now
-            self._cancelled = bool(self._also_cancelled and self._also_cancelled()) or self._sender.is_cancelled()
+            self._cancelled = self._sender.is_cancelled()
         return self._cancelled
 
     def send(self, chunk: ResponseChunk, final: bool) -> None:

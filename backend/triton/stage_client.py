@@ -56,7 +56,7 @@ from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
-from backend.triton.grpc_stream import cancel_in_band, grpc_inputs, single_request_stream
+from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
 from backend.triton.replicas import Replica, ReplicaSet
 from backend.triton.stage_health import Lost, StageHealth, Unreachable, unless
@@ -165,6 +165,7 @@ class TritonStages(StageHealth, BlsEncoders):
         self.encoders = ReplicaSet(encoder_model, encoders, self._forget) if encoders else None
         self.health_seconds = health_seconds
         self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
+        self._pools: dict[str, StreamPool] = {}  # address -> its kept streams (generate)
         self._loads: dict[str, asyncio.Task] = {}  # address -> its KV-cache usage read in flight (_read_load)
 
     @property
@@ -224,10 +225,11 @@ class TritonStages(StageHealth, BlsEncoders):
         if inputs.media_io:  # consumers that decode media (metadata-only off, P/D) sample them as the client asked
             parameters = {**parameters, MEDIA_IO_PARAMETER: inputs.media_io.parameter()}
         request = {"model_name": model, "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
-                   "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id}
+                   "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id,
+                   "enable_empty_final_response": True}  # every response says whether it is the last (StreamPool)
         finished, lost = False, replica.lost if self.health_seconds else None
         with replicas.using(replica):
-            async with single_request_stream(client, request) as stream:
+            async with self._pool(url).stream(request) as stream:  # a kept stream: no call set-up per request
                 try:
                     async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, url, lost)) as items:
                         async for result, error in items:
@@ -291,9 +293,21 @@ class TritonStages(StageHealth, BlsEncoders):
         except Exception as exc:  # noqa: BLE001 - the stream's own end is the fallback
             log.warning("cancelling %s request %s in band: %s", model, request_id, exc)
 
+    def _pool(self, address: str) -> StreamPool:
+        """The kept gRPC streams to ``address`` (``backend.triton.grpc_stream.StreamPool``: measured, a new stream per
+        stage request was the orchestrator's largest cost per E/P/D request after the loop itself, docs/benchmarks.md)."""
+        client = self._client(address)
+        pool = self._pools.get(address)
+        if pool is None or pool.client is not client:  # a lost replica's channel was replaced (_forget)
+            pool = self._pools[address] = StreamPool(client)
+        return pool
+
     async def aclose(self) -> None:
         for task in self._loads.values():
             task.cancel()
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:  # before the channels close (read_to_end)
+            await pool.close()
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.close()

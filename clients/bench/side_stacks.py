@@ -237,14 +237,14 @@ def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
 
     from backend.deploy.ports import free_ports
     from backend.deploy.render import render
-    from clients.local_server import TritonServer, start_openai_process
+    from clients.local_server import Ports, TritonServer, start_openai_process
 
-    (port,) = free_ports(1)
+    *server_ports, port = free_ports(4)  # distinct: the server's and the endpoint's
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as repo:
         served = render(topology.only(OURS[row], openai_port=port if in_process else 0), Path(repo))
         model = "llm" if "llm" in served else "epd"
         log = log_dir / f"{row}{'-in-process' if in_process else ''}-tritonserver.log"
-        with TritonServer(Path(repo), log_path=log) as server:
+        with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=log) as server:
             if in_process:
                 wait_healthy(f"http://127.0.0.1:{port}/health", 120)
                 yield f"http://127.0.0.1:{port}", server.grpc_url, model, {"tritonserver group": [server.proc.pid]}

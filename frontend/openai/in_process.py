@@ -11,8 +11,8 @@ in one process).
 
 What the model gives: its name, its event loop, and ``start(raw, parameters, sink)``: the coroutine that answers one
 request (``RawGenerateInputs`` and the request's parameters, the same ones ``execute`` reads), errors included (a bad
-request is sent to the sink as its error, never raised). Every instance of the model binds the same port with
-``SO_REUSEPORT`` (the kernel spreads the connections over them). The model serves its own name only: a repository
+request is sent to the sink as its error, never raised). A model of several instances has each bind the same port
+with ``SO_REUSEPORT`` (the kernel spreads the connections over them). The model serves its own name only: a repository
 serving several deployments keeps the separate endpoint, which reaches them all (the topology refuses
 ``openai_port`` with more than one served deployment).
 """
@@ -144,11 +144,11 @@ class InProcessEndpoint:
     ``SO_REUSEPORT``; ``close`` stops it (waits up to ``timeout`` seconds)."""
 
     def __init__(self, model: str, start: Start, submit: Callable[[Coroutine], Future], host: str, port: int,
-                 timer=None):
+                 timer=None, shared: bool = False):
         import uvicorn
 
         self.backend = LocalBackend(model, start, timer)
-        self.socket = bound_socket(host, port)
+        self.socket = bound_socket(host, port, shared)
         config = uvicorn.Config(make_app(self.backend), log_level="warning", lifespan="on", loop="none",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
@@ -164,12 +164,15 @@ class InProcessEndpoint:
         self.socket.close()
 
 
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that every instance of the model can bind too (``SO_REUSEPORT``)."""
+def bound_socket(host: str, port: int, shared: bool = False) -> socket.socket:
+    """A listening TCP socket on ``host:port``; ``shared`` (a model of several instances): every instance binds it
+    (``SO_REUSEPORT``). Alone it is not shared, so a port another server already listens on (gRPC servers set
+    ``SO_REUSEPORT`` too) fails the load instead of splitting the connections with it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)

@@ -15,7 +15,7 @@ import pytest
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render_files, write_files
 from backend.deploy.topology import load
-from clients.local_server import ROOT, TritonServer
+from clients.local_server import ROOT, Ports, TritonServer
 from clients.triton_client import GenerateInputs, generate
 from tests.e2e.conftest import metric
 from tests.e2e.test_openai import CASES, GREEDY
@@ -30,13 +30,14 @@ TOPOLOGY = ROOT / "topologies" / "default.yaml"
 def served(tmp_path_factory):
     """(server, {model: base URL}): ``llm`` and ``epd`` each with its endpoint in its process."""
     topology = load(TOPOLOGY)
-    ports = dict(zip(("llm", "epd"), free_ports(2)))
+    *server_ports, llm_port, epd_port = free_ports(5)  # all distinct
+    ports = {"llm": llm_port, "epd": epd_port}
     repo = tmp_path_factory.mktemp("repo")
     files = {**render_files(topology.only("baseline", openai_port=ports["llm"]), repo),
              **render_files(topology.only("E+PD", openai_port=ports["epd"]), repo)}
     write_files(repo, files)
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    with TritonServer(repo, log_path=log) as server:
+    with TritonServer(repo, ports=Ports(*server_ports), log_path=log) as server:
         yield server, {model: f"http://127.0.0.1:{port}" for model, port in ports.items()}
 
 

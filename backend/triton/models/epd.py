@@ -18,7 +18,7 @@ from backend.request.generate import RequestLimits
 from backend.protocol.errors import InvalidInput
 from backend.protocol.settings import ProxySettings
 from backend.triton.cancel_board import CancelBoard
-from backend.triton.config import load_settings
+from backend.triton.config import instance_count, load_settings
 from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
                                watched_sink)
 from backend.triton.metrics import RequestMetrics
@@ -108,7 +108,8 @@ class TritonPythonModel:
             from frontend.openai.in_process import InProcessEndpoint
 
             self.openai = InProcessEndpoint(args["model_name"], answerer(self.orchestrator, self.metrics),
-                                            self.loop.submit, settings.openai_host, settings.openai_port, self.metrics)
+                                            self.loop.submit, settings.openai_host, settings.openai_port, self.metrics,
+                                            shared=instance_count(json.loads(args["model_config"])) > 1)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit, self.cancels)
