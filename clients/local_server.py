@@ -18,6 +18,7 @@ and stop them after tritonserver has stopped, also when it failed to start.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import shutil
 import signal
@@ -281,21 +282,24 @@ class TritonServer:
         finally:
             if self.log_path:
                 out.close()
-        while time.monotonic() - started < timeout:
-            self.regions |= stub_regions(self.proc.pid)  # also those of stubs a crash at load leaves behind
-            if self.proc.poll() is not None:
-                self.stop()  # the stubs and their regions go too
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}"
-                                   f"{'; removed the /dev/shm regions its stubs left' if self.leftover_shm else ''}")
-            if self.is_ready() and self._metrics_up():
-                self.ready_seconds = time.monotonic() - started
-                self._window[1] = time.time()
-                self.server_pid = self._server_pid()
-                self.regions |= stub_regions(self.proc.pid)
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
+        try:
+            while time.monotonic() - started < timeout:
+                self.regions |= stub_regions(self.proc.pid)  # also those of stubs a crash at load leaves behind
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
+                if self.is_ready() and self._metrics_up():
+                    self.ready_seconds = time.monotonic() - started
+                    self._window[1] = time.time()
+                    self.server_pid = self._server_pid()
+                    self.regions |= stub_regions(self.proc.pid)
+                    return self
+                time.sleep(0.25)
+            raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
+        except BaseException as exc:  # whatever ends the wait (Ctrl-C too): nothing of the server is left behind
+            self.stop()  # the stubs and their regions go too
+            if isinstance(exc, RuntimeError) and self.leftover_shm:
+                raise RuntimeError(f"{exc}; removed the /dev/shm regions its stubs left") from None
+            raise
 
     def _with_tier(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` for a server with the repository's embedding tier, started here if it has one and it is not up."""
@@ -309,7 +313,7 @@ class TritonServer:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
                 return resp.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up, or something else answers there (not HTTP)
             return False
 
     def _metrics_up(self) -> bool:
@@ -318,7 +322,7 @@ class TritonServer:
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
                 return resp.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
 
     def stop(self, timeout: float = 60.0) -> None:

@@ -20,6 +20,7 @@ group it started (SIGTERM, then SIGKILL) on exit.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -164,7 +165,7 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet, or not HTTP there
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")

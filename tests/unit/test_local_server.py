@@ -57,3 +57,48 @@ def test_what_was_there_before_made_later_or_not_empty_is_left(made, monkeypatch
     assert all(os.path.isdir(path) for path in (older, full, later))
     os.unlink(os.path.join(full, "env.tar.gz"))
     assert local_server.remove_python_envs(before, [None, None]) == []  # never started
+
+
+def test_a_start_that_meets_something_else_on_its_port_stops_what_it_started(tmp_path):
+    """The readiness probe answered by a listener that is not HTTP (seen: a ZeroMQ greeting on a port picked free
+    before the server bound it) is not ready, and whatever ends the wait stops the process it started: an exception
+    other than OSError once escaped ``start`` and left the server running."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from clients.local_server import Ports, TritonServer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def greet():  # a ZMTP greeting to every connection, as a ZeroMQ socket sends
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")
+            conn.close()
+    threading.Thread(target=greet, daemon=True).start()
+    port = listener.getsockname()[1]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    server = TritonServer(ports=Ports(port, port + 1, port), log_path=tmp_path / "log", argv=sleeper)
+    try:
+        assert not server.is_ready() and not server._metrics_up()
+        with pytest.raises(TimeoutError):
+            server.start(timeout=2)
+        assert server.proc.poll() is not None  # stopped
+        server2 = TritonServer(ports=Ports(port, port + 1, port), log_path=tmp_path / "log2", argv=sleeper)
+        server2.is_ready = lambda: (_ for _ in ()).throw(ValueError("probe broke"))
+        with pytest.raises(ValueError):
+            server2.start(timeout=10)
+        assert server2.proc.poll() is not None
+    finally:
+        listener.close()
+        for s in (server, locals().get("server2")):
+            if s is not None and s.proc is not None and s.proc.poll() is None:
+                os.killpg(s.proc.pid, signal.SIGKILL)
