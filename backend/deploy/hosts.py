@@ -48,7 +48,7 @@ from typing import Any
 
 from backend.deploy.render import render_files, write_files
 from backend.deploy.server_address import LOCAL
-from backend.deploy.topology import ENDPOINT_STAGES, ROOT, Topology, TopologyError, _check_keys, colocated_host
+from backend.deploy.topology import ENDPOINT_STAGES, HOSTS, ROOT, Topology, TopologyError, _check_keys
 from backend.protocol.stages import Stage
 
 HOST_KEYS = {"address", "stages", "interface", "grpc_port", "http_port", "metrics_port"}
@@ -143,7 +143,7 @@ def _stages(value: Any, where: str, topology: Topology) -> tuple[str, ...]:
     for stage in value:
         if stage in topology.stages:
             continue
-        hosted = [colocated_host(topology.stages, mode) for mode in topology.colocated]
+        hosted = [HOSTS[mode] for mode in topology.colocated]
         if stage == Stage.ORCHESTRATOR.value and hosted:
             raise TopologyError(f"{where}: {stage}: the orchestrator runs inside the {' and '.join(hosted)} instances "
                                 f"(orchestrator: colocated); place {' and '.join(hosted)} instead")

@@ -54,12 +54,6 @@ _HEADERS = {
         "(prefill: NixlConnector kv_producer, pulls the embeddings by handle; 1 token, do_remote_decode), in\n"
         "process, then to `decode` with its kv_transfer_params over the server's gRPC endpoint; decode's stream\n"
         "comes back with a timing breakdown. Engine arguments in model.json.",
-    ModelKind.COLOCATED_DECODE:
-        "E/P/D with the orchestrator colocated with decode (decoupled): the same interface as llm. Media items go\n"
-        "to `encoder` concurrently (BLS); the metadata-only request goes to `prefill` over the server's gRPC endpoint\n"
-        "(1 token, kv_transfer_params back), then to this model's own vLLM AsyncLLM (decode: NixlConnector\n"
-        "kv_consumer, reads prefill's KV), in process: the token stream starts here, no stage relays it. Engine\n"
-        "arguments in model.json.",
     ModelKind.EPD_DISAGG:
         "E/P/D orchestrator (decoupled): media items go to `encoder` concurrently (BLS); the metadata-only\n"
         "request goes to `prefill` (1 token, do_remote_decode) and then to `decode` with prefill's\n"
@@ -134,20 +128,14 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
                   "encoder_model": "encoder", "encoder_endpoint": topology.stages["encoder"].endpoint,
                   "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
-        if kind is ModelKind.COLOCATED_PREFILL:  # decode over gRPC; this model's engine is prefill's (a KV producer)
+        if kind.mode is Disaggregation.E_P_D:  # decode over gRPC; this model's engine is prefill's (a KV producer)
             params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
-        elif kind is ModelKind.COLOCATED_DECODE:  # prefill over gRPC; this model's engine is decode's (a KV consumer)
-            params.update(host="decode", prefill_model="prefill", prefill_endpoint=topology.stages["prefill"].endpoint,
-                          nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         if topology.video_split > 1:
             params["video_split"] = _fmt(topology.video_split)
-        if kind is not ModelKind.COLOCATED_DECODE:  # its engine is the consumer (pd, prefill): its copies
-            params.update({k: _fmt(v) for k, v in topology.reuse.items()})
-        elif topology.reuse:
-            params["demand_aware"] = _fmt(topology.reuse["demand_aware"])
+        params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
         return header + body + _params({**params, **_openai(topology)})
     if kind.role is Stage.ORCHESTRATOR:
         mode = kind.mode.value

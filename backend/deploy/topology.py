@@ -75,20 +75,7 @@ STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_
 REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
-# deployment -> the stages that can host its orchestrator (stages.<host>.orchestrator: colocated), the default first
-HOSTS = {mode.value: tuple(stage.value for stage in mode.hosts) for mode in Disaggregation}
-HOST_STAGES = tuple(dict.fromkeys(stage for hosts in HOSTS.values() for stage in hosts))
-
-
-def colocated_host(stages: dict, mode: str) -> str | None:
-    """The stage hosting ``mode``'s orchestrator in ``stages`` (stage -> its settings: a ``StageSpec`` or a topology
-    file's mapping), None: a proxy orchestrator (``epd``)."""
-    for host in HOSTS.get(mode, ()):
-        spec = stages.get(host)
-        where = spec.get("orchestrator") if isinstance(spec, dict) else getattr(spec, "orchestrator", None)
-        if where == "colocated":
-            return host
-    return None
+HOSTS = {mode.value: mode.host.value for mode in Disaggregation}  # deployment -> the stage that can host its orchestrator
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
 TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
                      **defaults(KvEngineSettings, "nixl_poll_delay_us")}
@@ -133,15 +120,11 @@ class ModelKind(enum.StrEnum):
     EPD_DISAGG = "epd:E/P/D", Stage.ORCHESTRATOR, Disaggregation.E_P_D
     COLOCATED = "epd:E+PD:colocated", Stage.ORCHESTRATOR, Disaggregation.E_PD, Stage.PD
     COLOCATED_PREFILL = "epd:E/P/D:colocated", Stage.ORCHESTRATOR, Disaggregation.E_P_D, Stage.PREFILL
-    COLOCATED_DECODE = "epd:E/P/D:colocated-decode", Stage.ORCHESTRATOR, Disaggregation.E_P_D, Stage.DECODE
 
     @classmethod
-    def orchestrator(cls, mode: Disaggregation, colocated: str | bool | None) -> "ModelKind":
-        """``mode``'s orchestrator kind: a proxy (``colocated`` None or False), colocated in the instances of the stage
-        ``colocated`` names, or in its default host's (True)."""
-        engine = None if not colocated else mode.host if colocated is True else Stage(colocated)
+    def orchestrator(cls, mode: Disaggregation, colocated: bool) -> "ModelKind":
         return next(kind for kind in cls if kind.role is Stage.ORCHESTRATOR and kind.mode is mode
-                    and kind.engine is engine)
+                    and (kind.engine is not None) == colocated)
 
     @property
     def colocated(self) -> bool:
@@ -217,12 +200,13 @@ class Topology:
     def colocated(self) -> tuple[str, ...]:
         """The served deployments whose orchestrator runs inside their host stage's instances
         (``stages.pd.orchestrator`` / ``stages.prefill.orchestrator: colocated``)."""
-        return tuple(mode for mode in self.serve if colocated_host(self.stages, mode) is not None)
+        return tuple(mode for mode in self.serve if mode in HOSTS and HOSTS[mode] in self.stages
+                     and self.stages[HOSTS[mode]].orchestrator == "colocated")
 
-    def with_orchestrator(self, where: str, mode: str = "E+PD", host: str | None = None) -> "Topology":
-        """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated`` (in ``host``'s instances: one of
-        ``HOSTS[mode]``, default the first): the settings of the stages the deployments then use (an ``epd`` stage
-        nothing uses is dropped; a proxy without one gets the defaults, as in a file)."""
+    def with_orchestrator(self, where: str, mode: str = "E+PD") -> "Topology":
+        """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
+        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
+        as in a file)."""
         if self.hosts:
             raise TopologyError(f"{self.name}: orchestrator {where}: its hosts block places the stages; edit the file")
         if where not in ORCHESTRATORS:
@@ -230,13 +214,9 @@ class Topology:
         if mode not in HOSTS or mode not in self.serve:
             raise TopologyError(f"{self.name}: orchestrator {where}: {mode} has no orchestrator to place here "
                                 f"(served: {', '.join(self.serve)}; orchestrators: {', '.join(HOSTS)})")
-        host = host or HOSTS[mode][0]
-        if host not in HOSTS[mode]:
-            raise TopologyError(f"{self.name}: orchestrator {where}: {mode}'s can run in {' or '.join(HOSTS[mode])}, "
-                                f"not {host}")
-        stages = {"epd": StageSpec(), **self.stages,
-                  **{h: replace(self.stages[h], orchestrator=where if h == host else "proxy") for h in HOSTS[mode]}}
-        colocated = tuple(m for m in HOSTS if colocated_host(stages, m) is not None)
+        host = HOSTS[mode]
+        stages = {"epd": StageSpec(), **self.stages, host: replace(self.stages[host], orchestrator=where)}
+        colocated = tuple(m for m in HOSTS if stages.get(HOSTS[m], StageSpec()).orchestrator == "colocated")
         needed = {stage for m in self.serve for stage in deployment_stages(m, colocated)}
         return replace(self, stages={s: spec for s, spec in stages.items() if s in needed})
 
@@ -249,8 +229,8 @@ class Topology:
             for stage in DEPLOYMENTS[mode]:
                 if stage == Stage.ORCHESTRATOR.value:
                     name = "epd" if "epd" not in out else "epd_disagg"
-                    out[name] = ModelKind.orchestrator(Disaggregation(mode), colocated_host(self.stages, mode))
-                elif stage != colocated_host(self.stages, mode):
+                    out[name] = ModelKind.orchestrator(Disaggregation(mode), mode in colocated)
+                elif not (mode in colocated and stage == HOSTS[mode]):
                     out[stage] = ModelKind(stage)
         return out
 
@@ -292,18 +272,13 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     stages_doc = doc.get("stages") or {}
     if not isinstance(stages_doc, dict):
         raise TopologyError(f"{path}: stages: expected a mapping of stage -> settings")
-    for mode in serve:
-        hosting = [h for h in HOSTS.get(mode, ()) if isinstance(stages_doc.get(h), dict)
-                   and stages_doc[h].get("orchestrator") == "colocated"]
-        if len(hosting) > 1:
-            raise TopologyError(f"{path}: stages: {' and '.join(hosting)} both say orchestrator: colocated; {mode} has "
-                                f"one orchestrator (pick one)")
-    colocated = tuple(mode for mode in serve if colocated_host(stages_doc, mode) is not None)
+    colocated = tuple(mode for mode, host in HOSTS.items() if mode in serve and isinstance(stages_doc.get(host), dict)
+                      and stages_doc[host].get("orchestrator") == "colocated")
     needed = {stage for mode in serve for stage in deployment_stages(mode, colocated)}
     unused = sorted(set(stages_doc) - needed)
     if unused:
-        why = "".join(f" ({host}.orchestrator is colocated: {mode}'s orchestrator runs in the {host} instances)"
-                      for mode in colocated if "epd" in unused for host in [colocated_host(stages_doc, mode)])
+        why = "".join(f" ({HOSTS[mode]}.orchestrator is colocated: {mode}'s orchestrator runs in the {HOSTS[mode]} instances)"
+                      for mode in colocated if "epd" in unused)
         raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} "
                             f"(uses {', '.join(sorted(needed))}){why}")
     stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
@@ -367,12 +342,11 @@ def _reuse(doc, where: str, stages: dict[str, "StageSpec"], serve) -> dict[str, 
     for mode in serve:
         if mode not in HOSTS:
             continue
-        consumer = HOSTS[mode][0]  # the stage that pulls the embeddings and keeps the copies (pd, prefill)
-        host = stages[consumer]
-        if reuse["demand_aware"] and colocated_host(stages, mode) != consumer and host.instances > 1:
-            raise TopologyError(f"{where}.demand_aware: {mode}'s orchestrator (not in {consumer}'s instances) cannot know "
-                                f"which of stages.{consumer}'s {host.instances} instances Triton gives a request; use one "
-                                f"instance, or {consumer}.orchestrator: colocated")
+        host = stages[HOSTS[mode]]
+        if reuse["demand_aware"] and host.orchestrator != "colocated" and host.instances > 1:
+            raise TopologyError(f"{where}.demand_aware: {mode}'s proxy orchestrator cannot know which of stages."
+                                f"{HOSTS[mode]}'s {host.instances} instances Triton gives a request; use one instance, "
+                                f"or orchestrator: colocated")
     return reuse
 
 
@@ -426,8 +400,8 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     if gpus and device != "gpu":
         raise TopologyError(f"{where}.gpus: only for device: gpu")
     orchestrator = doc.get("orchestrator", "proxy")
-    if "orchestrator" in doc and stage not in HOST_STAGES:
-        raise TopologyError(f"{where}.orchestrator: only pd (E+PD's), prefill or decode (E/P/D's) can host an orchestrator")
+    if "orchestrator" in doc and stage not in HOSTS.values():
+        raise TopologyError(f"{where}.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator")
     if orchestrator not in ORCHESTRATORS:
         raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
     endpoint = doc.get("endpoint", LOCAL)

@@ -180,20 +180,9 @@ class ProxySettings(OpenAISettings, RoutingSettings, MediaSettings):
 
 @dataclass(frozen=True)
 class ColocatedSettings(OpenAISettings, RoutingSettings, HeldSettings, KvEngineSettings):
-    """An orchestrator in the instances of its host stage (pd for E+PD; prefill or decode for E/P/D), beside its
-    engine."""
+    """An orchestrator in the instances of its host stage (``topology``'s host: pd or prefill), beside its engine."""
 
     orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt
-    host: str = ""  # the stage whose engine this model runs ("": the deployment's first generator, pd or prefill)
-    prefill_model: str = "prefill"  # E/P/D hosted by decode: prefill is asked over gRPC
-    prefill_endpoint: str = LOCAL
-
-    @property
-    def host_stage(self) -> Stage:
-        return Stage(self.host) if self.host else self.topology.host
-
-    def targets(self) -> dict[Stage, tuple[str, str]]:
-        return {**super().targets(), Stage.PREFILL: (self.prefill_model, self.prefill_endpoint)}
 
 
 S = typing.TypeVar("S")

@@ -77,14 +77,8 @@ class Disaggregation(enum.Enum):
 
     @property
     def host(self) -> Stage:
-        """The stage whose instances host this deployment's orchestrator by default when it is colocated."""
+        """The stage whose instances can host this deployment's orchestrator (colocated beside its engine)."""
         return self.generators[0]
-
-    @property
-    def hosts(self) -> tuple[Stage, ...]:
-        """The stages whose instances can host this deployment's orchestrator (colocated beside their engine): every
-        generator (E/P/D: prefill, which saves the prefill hop, or decode, where the token stream starts)."""
-        return self.generators
 
     @property
     def stages(self) -> tuple[Stage, ...]:

@@ -64,9 +64,8 @@ class Run:
         self.args = args
         self.topology = run_topology(args)
         self.ours_topology = self.topology  # ours: the deployments of --colocated with their orchestrator colocated
-        for entry in args.colocated:  # MODE or MODE:host
-            mode, _, host = entry.partition(":")
-            self.ours_topology = self.ours_topology.with_orchestrator("colocated", mode, host=host or None)
+        for mode in args.colocated:
+            self.ours_topology = self.ours_topology.with_orchestrator("colocated", mode)
         self.poll_delay_us = (args.poll_delay_us if args.poll_delay_us is not None
                               else int(self.topology.transfer.get("nixl_poll_delay_us", 5000)))
         n, sizes, images, fmt = args.requests, args.image_size, args.images_per_request, args.image_format
@@ -292,9 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
     parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
     parser.add_argument("--colocated", default="E+PD",
-                        help="our deployments (comma-separated: E+PD, E/P/D or E/P/D:decode; '' for none) whose "
-                             "orchestrator runs in its host stage's process (topology stages.<pd|prefill|decode>."
-                             "orchestrator: colocated; E/P/D: prefill unless :decode)")
+                        help="our deployments (comma-separated: E+PD, E/P/D; '' for none) whose orchestrator runs in "
+                             "its host stage's process (topology stages.<pd|prefill>.orchestrator: colocated)")
     parser.add_argument("--no-in-process", action="store_true",
                         help="leave out ours with the OpenAI endpoint in the served model's process (openai-in rows)")
     parser.add_argument("--profile", action="store_true",
@@ -314,8 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--proxy is vLLM's file: keep it outside this repository")
     args.rows = [r for r in (INTERLEAVED if args.interleave else ROWS) if r in rows]  # the reference first
     args.colocated = [m for m in args.colocated.split(",") if m]
-    if bad := [m for m in args.colocated if m not in ("E+PD", "E+PD:pd", "E/P/D", "E/P/D:prefill", "E/P/D:decode")]:
-        parser.error(f"--colocated: {', '.join(bad)}: expected E+PD and/or E/P/D[:prefill|:decode]")
+    if bad := [m for m in args.colocated if m not in ("E+PD", "E/P/D")]:
+        parser.error(f"--colocated: {', '.join(bad)}: expected E+PD and/or E/P/D")
     if missing := unservable(args.topology, args.rows, args.machine):
         parser.error(f"{args.topology} cannot serve {', '.join(missing)} alone; leave them out of --rows")
     return args

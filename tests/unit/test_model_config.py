@@ -59,7 +59,7 @@ def test_the_kinds_read_the_settings_of_their_role():
         ModelKind.LLM: LlmSettings, ModelKind.PD: PdSettings, ModelKind.PREFILL: PrefillSettings,
         ModelKind.DECODE: KvEngineSettings, ModelKind.ENCODER: EncoderSettings, ModelKind.EPD: ProxySettings,
         ModelKind.EPD_DISAGG: ProxySettings, ModelKind.COLOCATED: ColocatedSettings,
-        ModelKind.COLOCATED_PREFILL: ColocatedSettings, ModelKind.COLOCATED_DECODE: ColocatedSettings}
+        ModelKind.COLOCATED_PREFILL: ColocatedSettings}
 
 
 def test_rendered_values_reach_the_settings_typed(tmp_path):
@@ -69,8 +69,7 @@ def test_rendered_values_reach_the_settings_typed(tmp_path):
     assert models["epd"].max_images == 4 and models["epd"].request_timeout_seconds == 300.0
     assert models["prefill"].nixl_side_channel_port is None and models["decode"].nixl_poll_delay_us == 5000
     colocated = dict((m, parse_settings(k.settings, m, c)) for m, k, c in rendered("cpu-e-p-d-colocated", tmp_path))
-    assert colocated["epd"].topology is Disaggregation.E_P_D and colocated["epd"].host_stage is Stage.PREFILL
-    assert colocated["epd"].targets()[Stage.DECODE] == ("decode", LOCAL)
+    assert colocated["epd"].topology is Disaggregation.E_P_D and colocated["epd"].targets() == {Stage.DECODE: ("decode", LOCAL)}
 
 
 def test_an_unknown_parameter_fails_naming_it():

@@ -32,7 +32,7 @@ def test_the_deployment_tables_are_the_roles():
     assert DEPLOYMENTS == {"baseline": ("llm",), "E+PD": ("encoder", "pd", "epd"),
                            "E/P/D": ("encoder", "prefill", "decode", "epd")}
     assert ENGINE_STAGES == ("llm", "pd", "prefill", "decode") and GPU_STAGES == ("encoder", *ENGINE_STAGES)
-    assert REMOTE_STAGES == ("pd", "prefill", "decode") and HOSTS == {"E+PD": ("pd",), "E/P/D": ("prefill", "decode")}
+    assert REMOTE_STAGES == ("pd", "prefill", "decode") and HOSTS == {"E+PD": "pd", "E/P/D": "prefill"}
 
 
 def test_model_kinds_say_what_they_are():

@@ -183,13 +183,9 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"engine_args": {"model": "x"}}, "the model is 'checkpoint'"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "inline"}, "epd": {}}}, "stages.pd.orchestrator: expected one of proxy, colocated"),
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}, "epd": {}}}, "stages: epd not used by serve"),
-    ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}},
-     "stages.encoder.orchestrator: only pd (E+PD's), prefill or decode (E/P/D's) can host an orchestrator"),
+    ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}}, "stages.encoder.orchestrator: only pd (E+PD's) or prefill"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {}, "decode": {"orchestrator": "colocated"}, "epd": {}}},
-     "stages: epd not used by serve ['E/P/D'] (uses decode, encoder, prefill) (decode.orchestrator is colocated"),
-    ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "colocated"},
-                                     "decode": {"orchestrator": "colocated"}}},
-     "stages: prefill and decode both say orchestrator: colocated; E/P/D has one orchestrator"),
+     "stages.decode.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {}, "epd": {}}},
      "stages: epd not used by serve ['E/P/D'] (uses decode, encoder, prefill) (prefill.orchestrator is colocated"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "beside"}, "decode": {}, "epd": {}}},
@@ -300,7 +296,7 @@ def test_the_reuse_block_renders_copies_into_the_consumers_and_demand_aware_into
     ({"held_bytes": 1, "demand_aware": "yes"}, {}, "reuse.demand_aware: expected true or false"),
     ({"demand_aware": True}, {}, "the consumers keep no copies to find"),
     ({"held_bytes": 1 << 20, "demand_aware": True}, {"pd": {"instances": 2}},
-     "E\\+PD's orchestrator \\(not in pd's instances\\) cannot know which of stages.pd's 2 instances"),
+     "E\\+PD's proxy orchestrator cannot know which of stages.pd's 2 instances"),
 ])
 def test_a_bad_reuse_block_is_refused_naming_the_key(tmp_path, reuse, stages, message):
     doc = {**BASE, "stages": {**BASE["stages"], **stages}, "reuse": reuse}
@@ -312,29 +308,3 @@ def test_demand_aware_with_several_consumer_instances_is_fine_for_the_colocated_
     doc = {**BASE, "stages": {"encoder": {}, "pd": {"instances": 2, "orchestrator": "colocated"}},
            "reuse": {"held_bytes": 1 << 20, "demand_aware": True}}
     assert load(_write(tmp_path, doc), "cpu").reuse["demand_aware"] is True
-
-
-def test_e_p_d_can_colocate_its_orchestrator_with_decode(tmp_path):
-    """``stages.decode.orchestrator: colocated``: ``epd`` is the decode-hosted kind (decode's engine, prefill asked over
-    gRPC), no ``decode`` model; the same topology through ``with_orchestrator(..., host="decode")``."""
-    from backend.deploy.render import render_files
-    from backend.deploy.topology import ModelKind, ROOT, load
-    from backend.protocol.settings import ColocatedSettings, parse_settings
-    from backend.protocol.stages import Stage
-
-    shipped = load(ROOT / "topologies" / "cpu-e-p-d-colocated-decode.yaml", "cpu")
-    made = load(ROOT / "topologies" / "default.yaml").only("E/P/D").with_orchestrator("colocated", "E/P/D", host="decode")
-    for topology in (shipped, made):
-        assert topology.models() == {"encoder": ModelKind.ENCODER, "prefill": ModelKind.PREFILL,
-                                     "epd": ModelKind.COLOCATED_DECODE}
-        files = render_files(topology, tmp_path / "repo")
-        assert "decode/config.pbtxt" not in files and "epd/model.json" in files
-        import re
-        params = {k: {"string_value": v} for k, v in re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}',
-                                                                 files["epd/config.pbtxt"])}
-        settings = parse_settings(ColocatedSettings, "epd", {"parameters": params})
-        assert settings.host_stage is Stage.DECODE and settings.targets()[Stage.PREFILL] == ("prefill", "local")
-    with pytest.raises(TopologyError, match="can run in prefill or decode, not pd"):
-        load(ROOT / "topologies" / "default.yaml").only("E/P/D").with_orchestrator("colocated", "E/P/D", host="pd")
-    back = made.with_orchestrator("proxy", "E/P/D")  # proxy again: decode's model comes back
-    assert set(back.models()) == {"encoder", "prefill", "decode", "epd"}

@@ -45,13 +45,12 @@ class TritonPythonModel(MetadataOnlyModel):
         if mode is Disaggregation.E_PD and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
         else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
-            remote = TritonStages(self.urls, settings.encoder_model, prefill_model=settings.prefill_model,
-                                  decode_model=settings.decode_model,
+            remote = TritonStages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
                                   encoders=self.encoders, health_seconds=settings.health_seconds())
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
-                                  interval=self.stream_interval, local=settings.host_stage,
+                                  interval=self.stream_interval, local=mode.host,
                                   held=self.held.lookup if self.held is not None else None)
         self.orchestrator = Orchestrator(
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
@@ -61,8 +60,7 @@ class TritonPythonModel(MetadataOnlyModel):
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
-            host = self.settings.host_stage
-            self.urls = stage_urls(self.settings.targets(), [g for g in self.settings.topology.generators if g is not host])
+            self.urls = stage_urls(self.settings.targets(), self.settings.topology.generators[1:])
             self.encoders = encoder_urls(self.settings.encoder_model, self.settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
@@ -70,7 +68,7 @@ class TritonPythonModel(MetadataOnlyModel):
     def role_spec(self):
         """The host stage's engine (pd's, or prefill's: a KV producer that pulls the embeddings), given layouts
         only: the orchestrator in this process always encodes the media first."""
-        return replace(self.settings.host_stage.spec, takes_media=False)
+        return replace(self.settings.topology.host.spec, takes_media=False)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.host.submit, self.cancels)
