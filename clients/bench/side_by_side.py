@@ -290,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--poll-delay-us", type=int,
                         help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
     parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
-    parser.add_argument("--colocated", default="E+PD",
+    parser.add_argument("--colocated", default="E+PD,E/P/D",
                         help="our deployments (comma-separated: E+PD, E/P/D; '' for none) whose orchestrator runs in "
                              "its host stage's process (topology stages.<pd|prefill>.orchestrator: colocated)")
     parser.add_argument("--no-in-process", action="store_true",

@@ -170,8 +170,12 @@ def test_two_networks_with_the_same_addresses_side_by_side(make_network):
 
 
 def test_a_killed_run_leaves_orphans_that_are_found_and_removed():
-    script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from tests.netns import Network\n"
+    # the sleep is in the namespace before the run says so (``ip netns exec`` enters it after popen returns: under
+    # load the run was once killed before that, and the sleep was never in it: a CI failure of this test)
+    script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from tests.netns import Network, pids_in\n"
               "net = Network({'a': '10.77.0.1'}).__enter__(); net.popen('a', ['sleep', '60'])\n"
+              "deadline = time.monotonic() + 20\n"
+              "while not pids_in(net.namespace('a')) and time.monotonic() < deadline: time.sleep(0.05)\n"
               "print(net.namespace('a'), net.switch, flush=True); time.sleep(60)")
     run = subprocess.Popen([sys.executable, "-c", script, str(ROOT)], stdout=subprocess.PIPE, text=True)
     spaces = run.stdout.readline().split()
