@@ -216,7 +216,8 @@ def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0, 
             for server in wave:
                 with open(log_dir / f"{server.name.replace(' ', '-')}.log", "wb") as log:
                     proc = subprocess.Popen(server.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**process_env(server), "VLLM_RPC_BASE_PATH": ipc},
+                                            # their TMPDIR too: each EngineCore leaves a vllm_dist_* directory
+                                            env={**process_env(server), "VLLM_RPC_BASE_PATH": ipc, "TMPDIR": ipc},
                                             start_new_session=True)
                 started.append((server, proc))
             for server, proc in started[-len(wave):]:
@@ -241,11 +242,14 @@ def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
     from clients.local_server import Ports, TritonServer, start_openai_process
 
     *server_ports, port = free_ports(4)  # distinct: the server's and the endpoint's
-    with tempfile.TemporaryDirectory(prefix="side-by-side-") as repo:
+    with tempfile.TemporaryDirectory(prefix="side-by-side-") as repo, \
+            tempfile.TemporaryDirectory(prefix="side-by-side-tmp-") as tmp:
         served = render(topology.only(OURS[row], openai_port=port if in_process else 0), Path(repo))
         model = "llm" if "llm" in served else "epd"
         log = log_dir / f"{row}{'-in-process' if in_process else ''}-tritonserver.log"
-        with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=log) as server:
+        # TMPDIR: what the server's processes leave in it (each EngineCore a vllm_dist_* directory) goes with it
+        with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=log,
+                          env={**os.environ, "TMPDIR": tmp}) as server:
             if in_process:
                 wait_healthy(f"http://127.0.0.1:{port}/health", 120)
                 yield f"http://127.0.0.1:{port}", server.grpc_url, model, {"tritonserver group": [server.proc.pid]}
