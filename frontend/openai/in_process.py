@@ -140,8 +140,9 @@ class LocalBackend:
 
 
 class InProcessEndpoint:
-    """The endpoint's uvicorn server on ``loop`` (the model's event loop), bound to ``host:port`` with
-    ``SO_REUSEPORT``; ``close`` stops it (waits up to ``timeout`` seconds)."""
+    """The endpoint's uvicorn server on the model's event loop (``submit`` runs a coroutine there), bound to
+    ``host:port`` (``shared``: with ``SO_REUSEPORT``, every instance of the model); ``close`` stops it (waits up to
+    ``timeout`` seconds for the requests in flight)."""
 
     def __init__(self, model: str, start: Start, submit: Callable[[Coroutine], Future], host: str, port: int,
                  timer=None, shared: bool = False):
@@ -153,7 +154,6 @@ class InProcessEndpoint:
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.served = submit(self.server.serve(sockets=[self.socket]))
-        self._submit = submit
 
     def close(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
