@@ -49,8 +49,9 @@ class GenerateModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.name = args["model_name"]
-        self.instances = instance_count(json.loads(args["model_config"]))
-        if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
+        config = json.loads(args["model_config"])
+        self.instances = instance_count(config)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(f"{self.name} must use the decoupled transaction policy")
         self.settings = load_settings(self.SETTINGS, args)
         self.check_settings()
@@ -87,12 +88,10 @@ class GenerateModel:
     def serve_openai(self, answer) -> None:
         """Serve the OpenAI-compatible endpoint from this process on the engine's loop, each request answered by
         ``answer(raw, parameters, sink)`` (``frontend.openai.in_process``), if the config has an ``openai_port``."""
-        port = getattr(self.settings, "openai_port", 0)
-        if port:
-            from frontend.openai.in_process import InProcessEndpoint
+        if getattr(self.settings, "openai_port", 0):
+            from frontend.openai.in_process import serve_for
 
-            self.openai = InProcessEndpoint(self.name, answer, self.host.submit, self.settings.openai_host, port,
-                                            self.metrics, shared=self.instances > 1)
+            self.openai = serve_for(self.name, self.settings, answer, self.host.submit, self.metrics, self.instances)
 
     async def answer(self, raw, parameters: dict, sink) -> None:
         """One request of the in-process OpenAI endpoint, as ``execute`` answers one (on the engine's loop)."""

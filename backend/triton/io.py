@@ -15,10 +15,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.protocol.errors import ErrorCode, EpdError, InvalidInput, decode, encode, error_code
-from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, HELD_PARAMETER, SESSION_PARAMETER, Form,
-                                       input_tensors, output_tensors, parse_session)
-from backend.protocol.media_options import MediaOptions
-from backend.request.generate import RawGenerateInputs
+from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, HELD_PARAMETER, Form, input_tensors,
+                                       output_tensors, parse_session)
+from backend.request.generate import RawGenerateInputs, parameter_inputs
 from backend.engine.serving import ResponseChunk
 
 if TYPE_CHECKING:
@@ -103,10 +102,8 @@ _READ = {Form.TEXT: _text, Form.TEXTS: _texts, Form.BYTES: _bytes_items, Form.BO
 def read_generate_inputs(request) -> RawGenerateInputs:
     """The request's tensors of the generate interface (``backend.protocol.generate.input_tensors``) as typed values,
     and its ``session_id`` and ``media_io_kwargs`` parameters (InvalidInput naming what is wrong)."""
-    params = request_parameters(request)
-    session = parse_session(params.get(SESSION_PARAMETER))
-    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()}, session_id=session,
-                             media_io=MediaOptions.from_parameters(params))
+    return RawGenerateInputs(**{t.field: _READ[t.form](request, t.name) for t in input_tensors()},
+                             **parameter_inputs(request_parameters(request)))
 
 
 def _output(tensor, value) -> "pb_utils.Tensor":

@@ -164,6 +164,17 @@ class InProcessEndpoint:
         self.socket.close()
 
 
+def serve_for(model: str, settings, start: Start, submit: Callable[[Coroutine], Future], timer,
+              instances: int) -> InProcessEndpoint | None:
+    """The endpoint of a model whose settings (``backend.protocol.settings.OpenAISettings``) have an ``openai_port``,
+    on its loop (``submit``), answered by ``start``; None without one. ``instances``: how many instances of the model
+    Triton runs (more than one share the port)."""
+    if not getattr(settings, "openai_port", 0):
+        return None
+    return InProcessEndpoint(model, start, submit, settings.openai_host, settings.openai_port, timer,
+                             shared=instances > 1)
+
+
 def bound_socket(host: str, port: int, shared: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port``; ``shared`` (a model of several instances): every instance binds it
     (``SO_REUSEPORT``). Alone it is not shared, so a port another server already listens on (gRPC servers set

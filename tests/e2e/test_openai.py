@@ -60,11 +60,16 @@ def _triton(server, model: str, messages) -> tuple[str, int, int]:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
 def test_sdk_answers_equal_tritons_generate_streaming_and_not(server, sdk, model, case):
-    want = _triton(server, model, CASES[case])
-    whole = sdk.chat.completions.create(model=model, messages=CASES[case], **GREEDY)
+    assert_answers(sdk, model, CASES[case], _triton(server, model, CASES[case]))
+
+
+def assert_answers(sdk, model: str, messages, want: tuple[str, int, int]) -> None:
+    """``sdk``'s greedy answer to ``messages``, whole and streamed (with usage), is ``want`` (text, prompt tokens,
+    completion tokens), with OpenAI's shapes: the role first, ``finish_reason`` last, more than one chunk."""
+    whole = sdk.chat.completions.create(model=model, messages=messages, **GREEDY)
     assert (whole.choices[0].message.content, whole.usage.prompt_tokens, whole.usage.completion_tokens) == want
     assert whole.choices[0].finish_reason == "length" and whole.object == "chat.completion"
-    chunks = list(sdk.chat.completions.create(model=model, messages=CASES[case], stream=True,
+    chunks = list(sdk.chat.completions.create(model=model, messages=messages, stream=True,
                                               stream_options={"include_usage": True}, **GREEDY))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[0].choices[0].delta.role == "assistant"

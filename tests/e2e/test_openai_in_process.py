@@ -16,9 +16,8 @@ from backend.deploy.ports import free_ports
 from backend.deploy.render import render_files, write_files
 from backend.deploy.topology import load
 from clients.local_server import ROOT, Ports, TritonServer
-from clients.triton_client import GenerateInputs, generate
 from tests.e2e.conftest import metric
-from tests.e2e.test_openai import CASES, GREEDY
+from tests.e2e.test_openai import CASES, GREEDY, _triton, assert_answers
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -50,17 +49,7 @@ def _sdk(base: str):
 def test_answers_equal_tritons_generate_streaming_and_not(served, model, case):
     server, bases = served
     sdk = _sdk(bases[model])
-    triton = generate(server.grpc_url, model, GenerateInputs(messages=CASES[case], sampling=GREEDY))
-    want = triton.text, triton.num_input_tokens, triton.num_output_tokens
-    whole = sdk.chat.completions.create(model=model, messages=CASES[case], **GREEDY)
-    assert (whole.choices[0].message.content, whole.usage.prompt_tokens, whole.usage.completion_tokens) == want
-    chunks = list(sdk.chat.completions.create(model=model, messages=CASES[case], stream=True,
-                                              stream_options={"include_usage": True}, **GREEDY))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert (text, chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == want
-    assert len([c for c in chunks if c.choices]) > 2  # streamed, not one piece
+    assert_answers(sdk, model, CASES[case], _triton(server, model, CASES[case]))
 
 
 @pytest.mark.parametrize("model", ["llm", "epd"])

@@ -105,11 +105,10 @@ class TritonPythonModel:
         self.cancels = CancelBoard.for_model(args["model_name"])
         self.openai = None
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
-            from frontend.openai.in_process import InProcessEndpoint
+            from frontend.openai.in_process import serve_for
 
-            self.openai = InProcessEndpoint(args["model_name"], answerer(self.orchestrator, self.metrics),
-                                            self.loop.submit, settings.openai_host, settings.openai_port, self.metrics,
-                                            shared=instance_count(json.loads(args["model_config"])) > 1)
+            self.openai = serve_for(args["model_name"], settings, answerer(self.orchestrator, self.metrics),
+                                    self.loop.submit, self.metrics, instance_count(json.loads(args["model_config"])))
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit, self.cancels)
