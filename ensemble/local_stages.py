@@ -5,7 +5,7 @@ Who uses it: ``backend.triton.models.colocated`` (topology ``stages.pd.orchestra
 in one Triton stub. ``local`` names the stage that engine serves: ``Stage.PD`` (E+PD: prefill and
 decode, the pd engine) or ``Stage.PREFILL`` (E/P/D: a KV producer, one token per request). Everything else goes
 to ``remote``, a ``StageClient`` of other Triton models: encoders over BLS (both), and for E/P/D the decode stage
-over the server's gRPC endpoint (``backend.triton.stage_client.TritonStages``), whose stream the orchestrator relays.
+over the server's gRPC endpoint (``backend.triton.stage_client.triton_stages``), whose stream the orchestrator relays.
 Per response of the local stage that saves a second stub's response, tritonserver forwarding it, and parsing it
 in the orchestrator's gRPC client.
 
@@ -42,7 +42,7 @@ class LocalStages:
                  prepare: Callable[[GenerateRequest], Awaitable[GenerateRequest]] | None = None,
                  interval: float = 0.0, local: Stage = Stage.PD, held=None):
         """``remote``: the ``StageClient`` of the other stages; ``encode`` at least (``BlsEncoders``), and
-        ``generate`` where the orchestrator asks other generator stages (E/P/D's decode: ``TritonStages``).
+        ``generate`` where the orchestrator asks other generator stages (E/P/D's decode: ``triton_stages``).
         ``resolver`` and ``limits``: how the local stage parses its metadata-only request (``LayoutMedia``).
         ``prepare``: runs on each parsed request before the engine sees it. ``interval``: the stream interval
         of ``Chunker``. ``held``: the local stage's lookup of its copies (``HeldEmbeddings.lookup``; None: it keeps

@@ -21,7 +21,7 @@ import yaml
 from backend.deploy.hosts import HostPlan, host_plan
 from backend.deploy.topology import Topology, load
 from backend.protocol.settings import RoutingSettings
-from backend.triton.replicas import PROBE_SECONDS
+from ensemble.replicas import PROBE_SECONDS
 from clients.local_server import Ports, TritonServer, server_env
 from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.netns import Network
@@ -103,7 +103,7 @@ class HostsDeployment:
                 for future in [starting.submit(self.start, name) for name in self.plans]:
                     future.result()
             # an orchestrator whose health checks began while another host was still loading routes around that
-            # host until its next check finds it (backend.triton.replicas): give them that check
+            # host until its next check finds it (ensemble.replicas): give them that check
             time.sleep(SETTLE_SECONDS)
         except BaseException:
             self.close()

@@ -29,7 +29,7 @@ from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, checkpoint_media, parse_generate_request
 from backend.engine.serving import stream_generation
 from backend.transfer.agent import POLL_DELAY_ENV
-from backend.triton.cancel_board import CancelBoard
+from ensemble.cancel_board import CancelBoard
 from backend.triton.counter_batch import CounterBatch
 from backend.deploy.ports import free_ports
 from backend.triton.config import instance_count, load_settings
@@ -135,7 +135,7 @@ class GenerateModel:
             tag = bool(params.get(ERROR_CODES_PARAMETER))
             if in_band_cancel(sender, params, self.cancels, tag) or self.answer_lookup(sender, params, tag):
                 continue
-            if params.get(LOAD_PARAMETER):  # a router's health and load probe (backend.triton.replicas)
+            if params.get(LOAD_PARAMETER):  # a router's health and load probe (ensemble.replicas)
                 answer_json(sender, {"kv_cache_usage": self.engine_metrics.kv_cache_usage})
                 continue
             try:

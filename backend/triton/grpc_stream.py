@@ -97,7 +97,7 @@ async def cancel_in_band(client, model: str, request_id: str, parameters: dict |
                          timeout: float = END_OF_STREAM_SECONDS) -> None:
     """Cancel the request ``request_id`` of ``model`` (one of this project's) in band: a second request, on
     its own stream of ``client`` (``tritonclient.grpc.aio``), whose parameter ``epd_cancel`` names it
-    (``backend.triton.cancel_board``). Raises the server's error, or TimeoutError."""
+    (``ensemble.cancel_board``). Raises the server's error, or TimeoutError."""
     from backend.protocol.generate import CANCEL_PARAMETER
 
     async def one_request():  # then the request side closes, so the stream ends once the server answered

@@ -11,7 +11,7 @@ endpoint (tritonclient's asyncio client, on the model's event loop), not through
 decoupled BLS deadlocks and crashes the calling stub under load (a lock-order inversion between the response
 iterator, its map and the GIL; heap corruption fixed upstream only in python_backend r25.01; docs/results/epd.md,
 "Limits found"). A gRPC stream has neither problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
-the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``backend.triton.cancel_board``). A
+the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``ensemble.cancel_board``). A
 stage request the orchestrator gives up on (its client cancelled, the deadline passed) is cancelled in band,
 by a second request naming its request id; the stage aborts its engine request and ends the stream.
 
@@ -23,26 +23,18 @@ Each generator stage's gRPC address comes from the topology (its ``endpoint``, r
 (``backend.deploy.server_address``). ``watch`` checks after load that every stage answers there and logs the outcome, so a
 deployment whose stages cannot be reached says so before a request fails.
 
-Several replicas (an endpoint that lists several addresses, or a DNS name of several: ``backend.triton.replicas``):
-each generate call and each encode goes to the healthy replica with the fewest of this orchestrator's calls in
-flight (generators: then the lowest KV-cache usage); demand-aware lookups ask every healthy consumer replica and
-pin the request to the one holding most of its items, unless that one is overloaded. The encoder too may live on
-other servers (``encoder_endpoint``: a list of addresses): then each item is one gRPC ``infer`` to a replica, with a
-deadline (``STAGE_CALL_SECONDS``), instead of BLS. Where any stage is remote or replicated, its replicas are
-health-checked (``backend.triton.stage_health``): one that fails a call at the connection level or a check is
-routed around at once and taken back once it answers again; the streams still open to one that is lost end with
-UNAVAILABLE naming the stage and the replica, so nothing waits for a host that is gone. The final response of each
-stage names the replica that served it (``timings``: ``pd_replica``, ``prefill_replica``, ``decode_replica``).
+Several replicas, remote encoders (``encoder_endpoint``: a list of addresses; each item is then one gRPC ``infer``
+with a deadline, ``STAGE_CALL_SECONDS``, instead of BLS), health checks: ``ensemble.routing.RoutedStages`` chooses the
+replica of each call and ``ensemble.health`` checks them; ``GrpcStageCalls`` here makes the calls to one replica
+(the channels, ``CHANNEL_ARGS``), and ``triton_stages`` puts the two together for the orchestrator models.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import uuid
-from dataclasses import replace
 from typing import AsyncIterator
 
 import numpy as np
@@ -50,7 +42,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
-                                       PART_PARAMETER, SESSION_PARAMETER)
+                                       LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER)
 from backend.deploy.server_address import LOCAL, endpoint_list, resolve
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
@@ -58,8 +50,9 @@ from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
-from backend.triton.replicas import Replica, ReplicaSet
-from backend.triton.stage_health import Lost, StageHealth, Unreachable, unless
+from ensemble.health import Lost, Unreachable, unless
+from ensemble.replicas import PROBE_SECONDS, Replica
+from ensemble.routing import RoutedStages
 
 # What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
 # prefill's with the kv_transfer_params decode needs.
@@ -69,8 +62,11 @@ log = logging.getLogger(__name__)
 _TAGGED = {ERROR_CODES_PARAMETER: True}  # stages put the error code in the message (see backend.triton.io)
 PART_STAGGER_SECONDS = 0.002  # between the BLS requests of a video's parts (see above)
 STAGE_CALL_SECONDS = 120.0  # deadline of one encode over gRPC (a remote encoder)
-# the consumer replica a demand-aware lookup chose for this request (its task's context): stage -> address
-_PINNED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("epd_pinned_replica", default=None)
+# gRPC channels to the stages: reconnect within a second or two of a server coming (back) up, not after gRPC's
+# exponential back-off of up to two minutes; messages as large as tritonclient's own default allows
+CHANNEL_ARGS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def stage_values(raw: RawGenerateInputs) -> dict:
@@ -88,7 +84,7 @@ def _chunk(result) -> ResponseChunk:
 async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asyncio.Event | None = None):
     """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
     lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above), and so is ``lost`` set
-    while waiting (the replica stopped answering health checks: ``backend.triton.replicas``)."""
+    while waiting (the replica stopped answering health checks: ``ensemble.replicas``)."""
     import grpc
 
     iterator = stream.__aiter__()
@@ -150,33 +146,55 @@ class BlsEncoders:
         return pb_utils.get_output_tensor_by_name(response, ENCODER_LAYOUT.name).as_numpy().reshape(-1)[0].decode()
 
 
-class TritonStages(StageHealth, BlsEncoders):
-    """``urls``: the gRPC addresses of each generator stage role this orchestrator asks, one per replica
-    (``backend.deploy.server_address``); ``encoders``: the encoder replicas' addresses, None: BLS in this server.
-    ``health_seconds``: between health checks of every replica (0: none; a deployment in one server needs none).
-    One client per address."""
+class TritonLogger:
+    """``ensemble.routing.RoutedStages``' logger: the Triton server's log."""
 
-    def __init__(self, urls: dict[Stage, list[str]], encoder_model: str = "encoder", generator_model: str = "pd",
-                 prefill_model: str = "prefill", decode_model: str = "decode", encoders: list[str] | None = None,
-                 health_seconds: float = 0.0):
-        super().__init__(encoder_model)
-        self.models = {Stage.PD: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
-        self.replicas = {stage: ReplicaSet(self.models[stage], addresses, self._forget) for stage, addresses in urls.items()}
-        self.encoders = ReplicaSet(encoder_model, encoders, self._forget) if encoders else None
-        self.health_seconds = health_seconds
-        self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client, made on the event loop
+    @staticmethod
+    def info(message: str) -> None:
+        pb_utils.Logger.log_info(message)
+
+    @staticmethod
+    def warning(message: str) -> None:
+        pb_utils.Logger.log_warn(message)
+
+
+def triton_stages(urls: dict[Stage, list[str]], encoder_model: str = "encoder", generator_model: str = "pd",
+                  prefill_model: str = "prefill", decode_model: str = "decode", encoders: list[str] | None = None,
+                  health_seconds: float = 0.0) -> RoutedStages:
+    """The orchestrator models' stage client: ``urls``, the gRPC addresses of each generator stage role asked, one
+    per replica (``backend.deploy.server_address``); ``encoders``: the encoder replicas' addresses, None: BLS in this
+    server. ``health_seconds``: between health checks of every replica (0: none)."""
+    models = {Stage.PD: generator_model, Stage.PREFILL: prefill_model, Stage.DECODE: decode_model}
+    return RoutedStages(GrpcStageCalls(), urls, models, encoder_model, encoders, BlsEncoders(encoder_model),
+                        health_seconds, TritonLogger())
+
+
+class GrpcStageCalls:
+    """``ensemble.routing.StageCalls`` over Triton's gRPC endpoint: one channel per address (made on the event
+    loop), kept streams for generate calls (``StreamPool``), the in-band cancel, the health probes."""
+
+    def __init__(self):
+        self._clients: dict[str, object] = {}  # address -> tritonclient.grpc.aio client
         self._pools: dict[str, StreamPool] = {}  # address -> its kept streams (generate)
-        self._loads: dict[str, asyncio.Task] = {}  # address -> its KV-cache usage read in flight (_read_load)
+        self._loads: dict[str, asyncio.Task] = {}  # address -> its KV-cache usage read in flight (read_load)
 
-    @property
-    def urls(self) -> dict[Stage, str]:
-        """Each stage's addresses as one string (for messages)."""
-        return {stage: ",".join(r.address for r in replicas.replicas) for stage, replicas in self.replicas.items()}
+    def _client(self, address: str):
+        import tritonclient.grpc.aio as aio  # deferred: the models that never call a stage over gRPC load none of it
 
-    async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
-        """BLS in this server, or (remote encoders) one gRPC call to the least-loaded healthy encoder replica."""
-        if self.encoders is None:
-            return await super().encode(item, key, part)
+        if address not in self._clients:
+            self._clients[address] = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS)
+        return self._clients[address]
+
+    def forget(self, address: str) -> None:
+        """A replica was lost: its channel goes (the calls still on it end), the next call opens a fresh one (a channel
+        to a host that was cut off would wait out TCP's retransmission back-off once the host is back)."""
+        client = self._clients.pop(address, None)
+        if client is not None:
+            asyncio.get_running_loop().create_task(client.close())
+
+    async def encode_at(self, address: str, model: str, item: MediaBytes, key: str, part: tuple[int, int] | None,
+                        lost: asyncio.Event) -> str:
+        """One gRPC ``infer`` of the encoder at ``address``, within ``STAGE_CALL_SECONDS``."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -188,37 +206,23 @@ class TritonStages(StageHealth, BlsEncoders):
                             (ENCODER_MODALITY.name, item.modality.encode())):
             inputs.append(grpcclient.InferInput(name, [1, 1], "BYTES"))  # the encoder batches: [1, 1]
             inputs[-1].set_data_from_numpy(np.array([[value]], dtype=np.object_))
-        replica = self.encoders.pick()
-        with self.encoders.using(replica):
-            try:
-                result = await unless(self._client(replica.address).infer(
-                    self.encoder_model, inputs, outputs=[grpcclient.InferRequestedOutput(ENCODER_LAYOUT.name)],
-                    parameters=parameters, client_timeout=STAGE_CALL_SECONDS), replica.lost)
-            except Lost:
-                raise Unreachable(f"stage {self.encoder_model} at {replica.address} was lost "
-                                  f"(it stopped answering health checks)") from None
-            except InferenceServerException as exc:
-                raise self._call_failed(self.encoders, replica, exc) from None
+        try:
+            result = await unless(self._client(address).infer(
+                model, inputs, outputs=[grpcclient.InferRequestedOutput(ENCODER_LAYOUT.name)],
+                parameters=parameters, client_timeout=STAGE_CALL_SECONDS), lost)
+        except Lost:
+            raise Unreachable(f"stage {model} at {address} was lost (it stopped answering health checks)") from None
+        except InferenceServerException as exc:
+            raise _call_failed(model, address, exc) from None
         return result.as_numpy(ENCODER_LAYOUT.name).reshape(-1)[0].decode()
 
-    def _call_failed(self, replicas: ReplicaSet, replica: Replica, exc) -> Exception:
-        """A failed call's error: the stage's own (tagged) error as it is; a failure of the call itself (no server
-        there, connection lost, deadline passed, no such model) routes around the replica and is UNAVAILABLE."""
-        message = exc.message() or ""
-        if message.startswith("[") or (exc.status() or "") not in ("StatusCode.UNAVAILABLE",
-                                                                   "StatusCode.DEADLINE_EXCEEDED"):
-            return from_triton_error(exc, replicas.stage)
-        replicas.failed(replica.address, message, lost=exc.status() != "StatusCode.DEADLINE_EXCEEDED")
-        return Unreachable(f"stage {replicas.stage} not reachable over gRPC at {replica.address}: {message}")
-
-    async def generate(self, inputs: RawGenerateInputs, stage: Stage = Stage.PD) -> AsyncIterator[ResponseChunk]:
-        """Stream the chunks of the stage's least-loaded healthy replica (the request's pinned one: ``held``).
-        If the consumer stops early (``aclose``: its client cancelled), the stage's request is cancelled in band."""
+    async def generate_at(self, address: str, model: str, stage: Stage, inputs: RawGenerateInputs,
+                          lost: asyncio.Event | None) -> AsyncIterator[ResponseChunk]:
+        """The stage's chunks over a kept stream. Closed before the final one, the stage's request is cancelled in
+        band; a failure of the call itself cancels the stream (no in-band cancel can reach a server that is gone)."""
         import tritonclient.grpc as grpcclient
 
-        replicas = self.replicas[stage]
-        replica = replicas.pick(prefer=(_PINNED.get() or {}).get(stage))
-        client, url, model = self._client(replica.address), replica.address, self.models[stage]
+        client = self._client(address)
         outputs = PREFILL_OUTPUTS if stage is Stage.PREFILL else GENERATE_OUTPUTS
         request_id = f"epd-{uuid.uuid4().hex}"
         parameters = {**_TAGGED, SESSION_PARAMETER: inputs.session_id} if inputs.session_id else _TAGGED
@@ -227,65 +231,92 @@ class TritonStages(StageHealth, BlsEncoders):
         request = {"model_name": model, "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id,
                    "enable_empty_final_response": True}  # every response says whether it is the last (StreamPool)
-        finished, lost = False, replica.lost if self.health_seconds else None
-        with replicas.using(replica):
-            async with self._pool(url).stream(request) as stream:  # a kept stream: no call set-up per request
-                try:
-                    async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, url, lost)) as items:
-                        async for result, error in items:
-                            if error is not None:
-                                finished = True
-                                raise from_triton_error(error, model)
-                            chunk = _chunk(result)
-                            finished = chunk.finish_reason is not None or _is_final(result)
-                            if chunk.finish_reason is not None and self.health_seconds:  # which replica served it
-                                chunk = replace(chunk, timings={**(chunk.timings or {}), f"{stage.value}_replica": url})
-                            if chunk.text_output or chunk.finish_reason is not None:
-                                yield chunk
-                            if finished:
-                                return
-                except Unreachable as exc:  # the call itself failed: route around the replica
-                    finished = True
-                    replicas.failed(url, str(exc))
-                    stream.cancel()  # the server is gone or cut off: no in-band cancel can reach it
-                    raise
-                finally:
-                    if not finished:  # the block's exit then reads the stream to its end, which the stage closes
-                        await self._cancel(client, model, request_id)
+        finished = False
+        async with self._pool(address).stream(request) as stream:  # a kept stream: no call set-up per request
+            try:
+                async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, address, lost)) as items:
+                    async for result, error in items:
+                        if error is not None:
+                            finished = True
+                            raise from_triton_error(error, model)
+                        chunk = _chunk(result)
+                        finished = chunk.finish_reason is not None or _is_final(result)
+                        if chunk.text_output or chunk.finish_reason is not None:
+                            yield chunk
+                        if finished:
+                            return
+            except Unreachable:
+                finished = True
+                stream.cancel()
+                raise
+            finally:
+                if not finished:  # the block's exit then reads the stream to its end, which the stage closes
+                    await self._cancel(client, model, request_id)
 
-    async def held(self, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
-        """Demand-aware encoding: ask the consumer stage's healthy replicas which of ``keys`` they hold
-        (``HELD_PARAMETER``, on a stream of their own); the answer of the one holding most, {content key: layout
-        document}, and the request pinned to it (``generate``) unless it is overloaded (``ReplicaSet.pick``).
-        Raises the stage's error (one replica) or when none answers."""
-        replicas = self.replicas[stage]
-        asked = [r for r in replicas.replicas if r.healthy] or replicas.replicas
-        answers = await asyncio.gather(*(self._held_at(r.address, keys, session, stage) for r in asked),
-                                       return_exceptions=len(asked) > 1)
-        found = [(a, r) for a, r in zip(answers, asked) if isinstance(a, dict)]
-        if not found:
-            raise next(a for a in answers if isinstance(a, BaseException))
-        answer, holder = max(found, key=lambda pair: len(pair[0]))
-        chosen = replicas.pick(prefer=holder.address)
-        _PINNED.set({**(_PINNED.get() or {}), stage: chosen.address})
-        return answer if chosen is holder else dict(next((a for a, r in found if r is chosen), {}))
-
-    async def _held_at(self, address: str, keys: list[str], session: str | None, stage: Stage) -> dict[str, str]:
+    async def held_at(self, address: str, model: str, keys: list[str], session: str | None) -> dict[str, str]:
+        """Which of ``keys`` the consumer at ``address`` holds (``HELD_PARAMETER``, on a stream of its own)."""
         import tritonclient.grpc as grpcclient
 
         query = json.dumps({"keys": keys, "session": session})
-        request = {"model_name": self.models[stage], "inputs": [], "parameters": {**_TAGGED, HELD_PARAMETER: query},
+        request = {"model_name": model, "inputs": [], "parameters": {**_TAGGED, HELD_PARAMETER: query},
                    "outputs": [grpcclient.InferRequestedOutput("text_output")]}
         async with single_request_stream(self._client(address), request) as stream:
-            async for result, error in _unavailable_if_unreachable(stream, self.models[stage], address):
+            async for result, error in _unavailable_if_unreachable(stream, model, address):
                 if error is not None:
-                    raise from_triton_error(error, self.models[stage])
+                    raise from_triton_error(error, model)
                 answer = json.loads(result.as_numpy("text_output").reshape(-1)[0])
                 return answer if isinstance(answer, dict) else {}
         return {}
 
+    async def ready(self, model: str, address: str):
+        """True if ``model`` answers ready at ``address``, else what it answered. A channel of its own per probe:
+        one that failed to connect (the server's endpoints open only after every model loaded) backs off before it
+        tries again, and would fail requests meanwhile."""
+        import tritonclient.grpc.aio as aio
+
+        probe = aio.InferenceServerClient(address)
+        try:
+            return True if await probe.is_model_ready(model) else "not ready"
+        except Exception as exc:  # noqa: BLE001 - the answer is what we log
+            return str(exc)
+        finally:
+            await probe.close()
+
+    async def probe(self, model: str, address: str, fresh: bool) -> bool:
+        """Model readiness, a unary call with a gRPC deadline (clean to give up on); ``fresh``: on a channel of its
+        own (a lost replica's: a failed channel backs off for minutes)."""
+        import tritonclient.grpc.aio as aio
+
+        client = aio.InferenceServerClient(address, channel_args=CHANNEL_ARGS) if fresh else self._client(address)
+        try:
+            return bool(await client.is_model_ready(model, client_timeout=PROBE_SECONDS))
+        finally:
+            if fresh:
+                await client.close()
+
+    def read_load(self, replica: Replica, model: str) -> None:
+        """Read the replica's KV-cache usage (the load probe, ``LOAD_PARAMETER``) in a task of its own, one at a time
+        per replica: a slow answer delays no health check."""
+        import tritonclient.grpc as grpcclient
+
+        if self._loads.get(replica.address) is not None and not self._loads[replica.address].done():
+            return
+
+        async def read() -> None:
+            request = {"model_name": model, "inputs": [], "parameters": {**_TAGGED, LOAD_PARAMETER: True},
+                       "outputs": [grpcclient.InferRequestedOutput("text_output")]}
+            with contextlib.suppress(Exception):
+                async with single_request_stream(self._client(replica.address), request) as stream:
+                    async for result, error in stream:
+                        if error is None:
+                            usage = json.loads(result.as_numpy("text_output").reshape(-1)[0]).get("kv_cache_usage")
+                            if isinstance(usage, (int, float)):
+                                replica.kv_usage = float(usage)
+                        break
+        self._loads[replica.address] = asyncio.get_running_loop().create_task(read())
+
     async def _cancel(self, client, model: str, request_id: str) -> None:
-        """Cancel a stage request in band (``backend.triton.cancel_board``: cancelling the gRPC stream can deadlock
+        """Cancel a stage request in band (``ensemble.cancel_board``: cancelling the gRPC stream can deadlock
         Triton 2.51's gRPC frontend). Should this fail, the stream is still read to its end, and cancelled
         after ``backend.triton.grpc_stream.END_OF_STREAM_SECONDS`` (``read_to_end``)."""
         try:
@@ -298,7 +329,7 @@ class TritonStages(StageHealth, BlsEncoders):
         stage request was the orchestrator's largest cost per E/P/D request after the loop itself, docs/benchmarks.md)."""
         client = self._client(address)
         pool = self._pools.get(address)
-        if pool is None or pool.client is not client:  # a lost replica's channel was replaced (_forget)
+        if pool is None or pool.client is not client:  # a lost replica's channel was replaced (forget)
             pool = self._pools[address] = StreamPool(client)
         return pool
 
@@ -311,3 +342,13 @@ class TritonStages(StageHealth, BlsEncoders):
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.close()
+
+
+def _call_failed(model: str, address: str, exc) -> Exception:
+    """A failed call's error: the stage's own (tagged) error as it is; a failure of the call itself (no server there,
+    connection lost, deadline passed, no such model) is ``Unreachable`` (lost unless only the deadline passed)."""
+    message = exc.message() or ""
+    if message.startswith("[") or (exc.status() or "") not in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
+        return from_triton_error(exc, model)
+    return Unreachable(f"stage {model} not reachable over gRPC at {address}: {message}",
+                       lost=exc.status() != "StatusCode.DEADLINE_EXCEEDED")

@@ -8,7 +8,7 @@ it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, t
 - E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
 - E/P/D: prefill's engine (NixlConnector ``kv_producer``, prefill's role spec in ``backend.protocol.stages``); ``prepare``
   pulls the embeddings by handle, as for pd. Decode stays a model of its own, asked over the server's gRPC
-  endpoint (``TritonStages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
+  endpoint (``triton_stages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
   with prefill's ``kv_transfer_params``; its stream is relayed to the client.
 
 Same Triton interface as ``llm`` and the proxy ``epd``. Media go to the ``encoder`` model over BLS, the host
@@ -32,7 +32,7 @@ from backend.deploy.server_address import EndpointError
 from backend.triton.models.epd import answerer, orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator
-from backend.triton.stage_client import BlsEncoders, TritonStages, encoder_urls, stage_urls
+from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
 
 
 class TritonPythonModel(MetadataOnlyModel):
@@ -45,8 +45,8 @@ class TritonPythonModel(MetadataOnlyModel):
         if mode is Disaggregation.E_PD and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
         else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
-            remote = TritonStages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
-                                  encoders=self.encoders, health_seconds=settings.health_seconds())
+            remote = triton_stages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
+                                   encoders=self.encoders, health_seconds=settings.health_seconds())
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,

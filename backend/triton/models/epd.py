@@ -17,14 +17,14 @@ from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
 from backend.protocol.errors import InvalidInput
 from backend.protocol.settings import ProxySettings
-from backend.triton.cancel_board import CancelBoard
+from ensemble.cancel_board import CancelBoard
 from backend.triton.config import instance_count, load_settings
 from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
                                watched_sink)
 from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
-from backend.triton.stage_client import TritonStages, encoder_urls, stage_urls
+from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
 from backend.protocol.generate import ENCODE_PARAMETER, DEMAND_AWARE_PARAMETER, METADATA_ONLY_PARAMETER
 
 
@@ -92,8 +92,8 @@ class TritonPythonModel:
             encoders = encoder_urls(settings.encoder_model, settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
-        self.stages = TritonStages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
-                                   settings.decode_model, encoders, settings.health_seconds())
+        self.stages = triton_stages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
+                                    settings.decode_model, encoders, settings.health_seconds())
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, mode, deadline=settings.request_timeout_seconds,
                                          metadata_only=settings.metadata_only,
