@@ -66,7 +66,7 @@ def link_perf_analyzer_libs() -> None:
         link = libdir / plain
         if link.is_symlink() or link.exists():
             link.unlink()
-        os.symlink(matches[0], link)
+        os.symlink(matches[0].resolve(), link)  # a venv reached through a link (a worktree's) may go away
 
 
 def patch_vllm_cli() -> None:
