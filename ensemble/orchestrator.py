@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
-from backend.protocol.generate import ENCODE_PARAMETER
+from backend.protocol.generate import DEMAND_AWARE_PARAMETER, ENCODE_PARAMETER, METADATA_ONLY_PARAMETER
 from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
@@ -134,6 +134,19 @@ class Orchestrator:
             if observer is not None:
                 observer.request_finished(state.outcome, state.tokens)
         return state.outcome
+
+    def answerer(self, observer: RequestObserver | None = None):
+        """``run`` for one request given as values and its request parameters (``run_options``; bad ones are sent
+        to the sink as the request's error): the in-process OpenAI endpoint's request function
+        (``frontend.openai.in_process``) of an orchestrator model."""
+        async def answer(raw: RawGenerateInputs, params: dict, sink: ResponseSink) -> None:
+            try:
+                options = run_options(params)
+            except Exception as exc:
+                sink.send_error(exc)
+                return
+            await self.run(raw, sink, observer, *options)
+        return answer
 
     async def _run(self, raw: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
@@ -347,6 +360,20 @@ def _in_client_terms(exc: Unavailable, items: tuple[MediaBytes, ...]) -> Unavail
     return exc
 
 
+def run_options(params: dict) -> tuple[bool | None, bool, bool | None]:
+    """``Orchestrator.run``'s options from a request's parameters: metadata-only, encode, demand-aware (INVALID_ARG
+    naming a parameter that is not a bool)."""
+    return (_bool_parameter(params, METADATA_ONLY_PARAMETER), _bool_parameter(params, ENCODE_PARAMETER) is not False,
+            _bool_parameter(params, DEMAND_AWARE_PARAMETER))
+
+
+def _bool_parameter(params: dict, name: str) -> bool | None:
+    value = params.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"parameters.{name}", f"expected a bool, got {value!r}")
+    return value
+
+
 def _merge(timings: dict, stage: dict | None) -> None:
     """A stage's timings into the request's; ``media_ms`` adds up over stages (prefill and decode)."""
     for key, value in (stage or {}).items():
@@ -357,4 +384,4 @@ def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 3)
 
 
-__all__ = ["Orchestrator", "StageClient", "Identity"]
+__all__ = ["Orchestrator", "StageClient", "Identity", "run_options"]

@@ -19,9 +19,11 @@ from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, 
                                        output_tensors, parse_session)
 from backend.request.generate import RawGenerateInputs, parameter_inputs
 from backend.engine.serving import ResponseChunk
+from ensemble.orchestrator import run_options
 
 if TYPE_CHECKING:
     from backend.triton.metrics import RequestMetrics
+    from ensemble.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,26 @@ def watched_sink(request, sender, board, tag_code: bool, timer: "RequestMetrics 
     the caller ends the registration with ``board.tracking``) and reports its latencies to ``timer``."""
     request_id = request.request_id() or ""
     return request_id, TritonSink(sender, tag_code, board.watch(request_id) if request_id else None, timer)
+
+
+def orchestrate(requests, orchestrator: "Orchestrator", metrics, submit, cancels) -> None:
+    """``execute`` of the orchestrator models (``epd``, ``backend.triton.models.colocated``): read each request (a bad
+    one is answered with its error at once; an in-band cancel cancels on ``cancels``, a ``CancelBoard``) and
+    ``submit`` the orchestrator's run of it to the model's event loop."""
+    for request in requests:
+        sender = request.get_response_sender()
+        params = request_parameters(request)
+        tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
+        if in_band_cancel(sender, params, cancels, tag):
+            continue
+        try:
+            raw = read_generate_inputs(request)
+            options = run_options(params)
+        except Exception as exc:
+            send_error(sender, exc, tag)
+            continue
+        request_id, sink = watched_sink(request, sender, cancels, tag, metrics)
+        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, *options)))
 
 
 def send_error(sender, exc: BaseException, tag_code: bool = False) -> None:

@@ -355,3 +355,15 @@ def test_a_video_s_options_make_its_content_key_and_go_on_to_the_consumer():
         keys.append(stages.encoded[0][1])
         assert stages.generated[0].media_io == raw.media_io  # consumers that decode media sample them alike
     assert len(set(keys[:3])) == 3 and keys[3] == keys[1]  # other options: another item; 1 == 1.0: the same
+
+
+def test_the_answerer_checks_the_run_options_and_runs_the_request():
+    stages = FakeStages()
+    answer = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4)).answerer()
+    bad = FakeSink()
+    asyncio.run(answer(RawGenerateInputs(text_input="hi"), {"epd_metadata_only": "yes"}, bad))
+    assert [str(e) for e in bad.errors] == ["parameters.epd_metadata_only: expected a bool, got 'yes'"]
+    assert stages.generated == [] and bad.chunks == []
+    good = FakeSink()
+    asyncio.run(answer(RawGenerateInputs(text_input="hi"), {"epd_encode": True}, good))
+    assert good.errors == [] and good.chunks[-1][1] is True

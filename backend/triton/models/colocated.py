@@ -29,7 +29,7 @@ from backend.protocol.settings import ColocatedSettings
 from backend.protocol.stages import Disaggregation
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.deploy.server_address import EndpointError
-from backend.triton.models.epd import answerer, orchestrate
+from backend.triton.io import orchestrate
 from ensemble.local_stages import LocalStages
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
@@ -56,7 +56,7 @@ class TritonPythonModel(MetadataOnlyModel):
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
             deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
             video_split=settings.video_split, demand_aware=settings.demand_aware)
-        self.serve_openai(answerer(self.orchestrator, self.metrics))
+        self.serve_openai(self.orchestrator.answerer(self.metrics))
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)

@@ -15,63 +15,14 @@ from backend.engine.loop import LoopThread
 from backend.protocol.modality import modalities
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
-from backend.protocol.errors import InvalidInput
 from backend.protocol.settings import ProxySettings
 from ensemble.cancel_board import CancelBoard
 from backend.triton.config import instance_count, load_settings
-from backend.triton.io import (ERROR_CODES_PARAMETER, in_band_cancel, read_generate_inputs, request_parameters, send_error,
-                               watched_sink)
+from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
-from backend.protocol.generate import ENCODE_PARAMETER, DEMAND_AWARE_PARAMETER, METADATA_ONLY_PARAMETER
-
-
-def _bool_parameter(params: dict, name: str) -> bool | None:
-    value = params.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidInput(f"parameters.{name}", f"expected a bool, got {value!r}")
-    return value
-
-
-def orchestrate(requests, orchestrator: Orchestrator, metrics, submit, cancels: CancelBoard) -> None:
-    """``execute`` of the orchestrator models (this one and ``backend.triton.models.colocated``): read each request
-    (a bad one is answered with its error at once; an in-band cancel cancels on ``cancels``) and ``submit``
-    the orchestrator's run of it to the model's event loop."""
-    for request in requests:
-        sender = request.get_response_sender()
-        params = request_parameters(request)
-        tag = bool(params.get(ERROR_CODES_PARAMETER))  # clients may ask for "[CODE] " before messages, as stages do
-        if in_band_cancel(sender, params, cancels, tag):
-            continue
-        try:
-            raw = read_generate_inputs(request)
-            options = run_options(params)
-        except Exception as exc:
-            send_error(sender, exc, tag)
-            continue
-        request_id, sink = watched_sink(request, sender, cancels, tag, metrics)
-        submit(cancels.tracking(request_id, orchestrator.run(raw, sink, metrics, *options)))
-
-
-def run_options(params: dict) -> tuple[bool | None, bool, bool | None]:
-    """``Orchestrator.run``'s options from a request's parameters: metadata-only, encode, demand-aware."""
-    return (_bool_parameter(params, METADATA_ONLY_PARAMETER), _bool_parameter(params, ENCODE_PARAMETER) is not False,
-            _bool_parameter(params, DEMAND_AWARE_PARAMETER))
-
-
-def answerer(orchestrator: Orchestrator, metrics):
-    """The in-process OpenAI endpoint's request function (``frontend.openai.in_process``) of an orchestrator model:
-    ``orchestrate`` for one request given as values, its bad parameters sent to the sink as its error."""
-    async def answer(raw, params: dict, sink) -> None:
-        try:
-            options = run_options(params)
-        except Exception as exc:
-            sink.send_error(exc)
-            return
-        await orchestrator.run(raw, sink, metrics, *options)
-    return answer
 
 
 class TritonPythonModel:
@@ -107,7 +58,7 @@ class TritonPythonModel:
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
             from frontend.openai.in_process import serve_for
 
-            self.openai = serve_for(args["model_name"], settings, answerer(self.orchestrator, self.metrics),
+            self.openai = serve_for(args["model_name"], settings, self.orchestrator.answerer(self.metrics),
                                     self.loop.submit, self.metrics, instance_count(json.loads(args["model_config"])))
 
     def execute(self, requests):
