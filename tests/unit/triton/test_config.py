@@ -27,6 +27,7 @@ def test_a_bad_parameter_fails_the_load_naming_model_and_parameter(pb, parameter
 
 
 @pytest.mark.parametrize("groups, count", [(None, 1), ([], 1), ([{"kind": "KIND_CPU"}], 1),
-                                           ([{"count": 2}, {"count": 3, "kind": "KIND_GPU"}], 5)])
+                                           ([{"count": 2}, {"count": 3, "kind": "KIND_GPU"}], 5),
+                                           ([{"kind": "KIND_CPU"}, {"count": 2}], 3)])
 def test_instance_count_sums_the_instance_groups(groups, count):
     assert instance_count({} if groups is None else {"instance_group": groups}) == count
