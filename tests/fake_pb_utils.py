@@ -259,22 +259,12 @@ def labelled(name: str) -> list[dict[str, str]]:
 
 
 # -- logging and config -------------------------------------------------------------------------------------------
+def _logs_at(level: str):
+    return staticmethod(lambda message: logged.append((level, message)))
+
+
 class Logger:
-    @staticmethod
-    def log_info(message: str) -> None:
-        logged.append(("INFO", message))
-
-    @staticmethod
-    def log_warn(message: str) -> None:
-        logged.append(("WARNING", message))
-
-    @staticmethod
-    def log_error(message: str) -> None:
-        logged.append(("ERROR", message))
-
-    @staticmethod
-    def log_verbose(message: str) -> None:
-        logged.append(("VERBOSE", message))
+    log_info, log_warn, log_error, log_verbose = (_logs_at(level) for level in ("INFO", "WARNING", "ERROR", "VERBOSE"))
 
 
 def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
