@@ -11,7 +11,7 @@ import pytest
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import content_key
 from backend.request.generate import RequestLimits
-from backend.triton.cancel_board import CancelBoard
+from ensemble.cancel_board import CancelBoard
 from backend.triton.io import to_triton_error
 from backend.triton.metrics import RequestMetrics
 from backend.triton.models import encoder

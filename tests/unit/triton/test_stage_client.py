@@ -1,5 +1,6 @@
-"""The BLS half of the orchestrators' stage client (``backend.triton.stage_client.BlsEncoders``, and ``TritonStages``
-without remote encoders) over the fake pb_utils: the encoder request it builds and how it reads the answer."""
+"""The BLS half of the orchestrators' stage client (``backend.triton.stage_client.BlsEncoders``, and ``triton_stages``
+without remote encoders) over the fake pb_utils: the encoder request it builds and how it reads the answer; the routing's
+log lines go to Triton's log."""
 import asyncio
 import json
 
@@ -9,7 +10,7 @@ import pytest
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.request.generate import MediaBytes
 from backend.triton.io import to_triton_error
-from backend.triton.stage_client import BlsEncoders, TritonStages
+from backend.triton.stage_client import BlsEncoders, TritonLogger, triton_stages
 
 
 def encoder_answering(pb, layout: str = '{"layout": 1}', error=None):
@@ -61,5 +62,12 @@ def test_an_encoder_that_is_not_loaded_is_unavailable_naming_it(pb):
 
 def test_triton_stages_encode_over_bls_without_remote_encoders(pb):
     encoder_answering(pb, layout='{"layout": 2}')
-    stages = TritonStages({}, encoder_model="encoder", encoders=None)
+    stages = triton_stages({}, encoder_model="encoder", encoders=None)
     assert encode(stages) == '{"layout": 2}' and len(pb.bls_requests) == 1
+    assert isinstance(stages.logger, TritonLogger)
+
+
+def test_the_routing_logs_to_the_triton_log(pb):
+    TritonLogger.info("stage pd answers at localhost:8001")
+    TritonLogger.warning("stage pd at localhost:8001 was lost")
+    assert pb.logged == [("INFO", "stage pd answers at localhost:8001"), ("WARNING", "stage pd at localhost:8001 was lost")]
