@@ -1,0 +1,73 @@
+"""The BLS half of the orchestrators' stage client (``backend.triton.stage_client.BlsEncoders``, and ``triton_stages``
+without remote encoders) over the fake pb_utils: the encoder request it builds and how it reads the answer; the routing's
+log lines go to Triton's log."""
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from backend.protocol.errors import InvalidInput, Unavailable
+from backend.request.generate import MediaBytes
+from backend.triton.io import to_triton_error
+from backend.triton.stage_client import BlsEncoders, TritonLogger, triton_stages
+
+
+def encoder_answering(pb, layout: str = '{"layout": 1}', error=None):
+    """A BLS ``encoder`` that answers each request with ``layout`` (or ``error``, a domain error) and records it."""
+    def handler(request):
+        if error is not None:
+            return pb.InferenceResponse(error=to_triton_error(error, "epd_error_codes" in request.parameters()))
+        key = pb.get_input_tensor_by_name(request, "content_key").as_numpy()
+        return pb.InferenceResponse([pb.Tensor("layout", np.array([[layout.encode()]] * key.shape[0], dtype=np.object_))])
+    pb.serve("encoder", handler)
+
+
+def encode(client, item=MediaBytes(b"\x89PNG", "image[0]", "image"), key="k1", part=None):
+    return asyncio.run(client.encode(item, key, part))
+
+
+def test_an_item_is_one_bls_request_of_one_row(pb):
+    encoder_answering(pb)
+    assert encode(BlsEncoders()) == '{"layout": 1}'
+    (request,) = pb.bls_requests
+    assert request.model_name == "encoder" and request.requested_output_names() == ["layout"]
+    tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+    assert {name: a.shape for name, a in tensors.items()} == {"image": (1, 1), "content_key": (1, 1), "modality": (1, 1)}
+    assert (tensors["image"][0, 0], tensors["content_key"][0, 0], tensors["modality"][0, 0]) == (b"\x89PNG", b"k1", b"image")
+    assert json.loads(request.parameters()) == {"epd_error_codes": True}  # the stage tags its errors with their code
+
+
+def test_a_video_part_and_media_options_travel_as_parameters(pb):
+    encoder_answering(pb)
+    video = MediaBytes(b"\x00\x00\x00\x18ftyp", "video[0]", "video", options='{"num_frames":4}')
+    encode(BlsEncoders("encoder"), video, "k2", part=(1, 3))
+    params = json.loads(pb.bls_requests[0].parameters())
+    assert params["epd_part"] == "1/3" and json.loads(params["media_io_kwargs"]) == {"video": {"num_frames": 4}}
+
+
+@pytest.mark.parametrize("error", [InvalidInput("image", "cannot identify image file"),
+                                   Unavailable("embedding pool full")])
+def test_the_encoders_error_comes_back_as_its_domain_error(pb, error):
+    encoder_answering(pb, error=error)
+    with pytest.raises(type(error)) as caught:
+        encode(BlsEncoders())
+    assert str(caught.value) == str(error)
+
+
+def test_an_encoder_that_is_not_loaded_is_unavailable_naming_it(pb):
+    with pytest.raises(Unavailable, match="encoder"):
+        encode(BlsEncoders())
+
+
+def test_triton_stages_encode_over_bls_without_remote_encoders(pb):
+    encoder_answering(pb, layout='{"layout": 2}')
+    stages = triton_stages({}, encoder_model="encoder", encoders=None)
+    assert encode(stages) == '{"layout": 2}' and len(pb.bls_requests) == 1
+    assert isinstance(stages.logger, TritonLogger)
+
+
+def test_the_routing_logs_to_the_triton_log(pb):
+    TritonLogger.info("stage pd answers at localhost:8001")
+    TritonLogger.warning("stage pd at localhost:8001 was lost")
+    assert pb.logged == [("INFO", "stage pd answers at localhost:8001"), ("WARNING", "stage pd at localhost:8001 was lost")]
