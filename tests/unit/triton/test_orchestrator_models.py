@@ -15,7 +15,7 @@ from ensemble.cancel_board import CancelBoard
 from backend.triton.io import to_triton_error
 from backend.triton.metrics import RequestMetrics
 from backend.triton.models import encoder
-from backend.triton.models.epd import orchestrate
+from backend.triton.io import orchestrate
 from backend.triton.stage_client import BlsEncoders
 from ensemble.orchestrator import Identity, Orchestrator
 from tests.fakes import FakeStages
