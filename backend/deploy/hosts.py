@@ -33,7 +33,7 @@ backend's environment) on the host's repository, bound to its address and ports,
 interface), ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (its address: vLLM's NixlConnector side channel for KV) and ``EPD_HOST``
 (its name). The checkpoint is named relative to the repository, as in ``render``: render on each host, or keep
 the same layout. Without a ``hosts:`` block nothing here applies: one server serves the whole topology; and a plain
-``render`` (``clients.local_server --topology``) of a file with one still gives one server with every stage, all
+``render`` (``backend.deploy.local_server --topology``) of a file with one still gives one server with every stage, all
 ``local``: the same topology on one machine.
 """
 from __future__ import annotations

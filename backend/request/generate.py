@@ -121,7 +121,7 @@ class GenerateRequest:
     media_uuids: Mapping[str, tuple[str, ...]] | None = None  # and its items' content keys, per modality (vLLM's ids)
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
-    original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout
+    original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.request.naive_media): one per layout
     session_id: str | None = None               # the conversation this request is a turn of
     media_io: MediaOptions = MediaOptions()     # its media options (metadata-only off: original_media decode alike)
 

@@ -21,19 +21,19 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
                                  metadata_only_engine_args, report_a_slow_finalize)
+from backend.deploy.ports import free_ports
+from backend.engine.serving import stream_generation
 from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import LOAD_PARAMETER
 from backend.protocol.modality import modalities
 from backend.protocol.settings import EngineSettings, KvEngineSettings
 from backend.protocol.stages import RoleSpec, Stage
-from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, checkpoint_media, parse_generate_request
-from backend.engine.serving import stream_generation
+from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.transfer.agent import POLL_DELAY_ENV
 from backend.triton.cancel_board import CancelBoard
-from backend.triton.counter_batch import CounterBatch
-from backend.deploy.ports import free_ports
 from backend.triton.config import instance_count, load_settings
-from backend.protocol.generate import LOAD_PARAMETER
+from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_json, in_band_cancel, read_generate_inputs,
                                request_parameters, send_error, watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
@@ -232,7 +232,7 @@ class MetadataOnlyModel(GenerateModel):
             return request
         timings = {}
         if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
-            from backend.diagnostics.naive_media import process_original_media
+            from backend.request.naive_media import process_original_media
 
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
                                              self.limits.media, self.video_processor(), self.feature_extractor(),

@@ -216,8 +216,8 @@ class Run:
 
     def serve(self, deployment: str) -> None:
         """Render the deployment, start its server (and tier), run its parts, stop it."""
+        from backend.deploy.local_server import TritonServer
         from backend.deploy.render import render
-        from clients.local_server import TritonServer
         from tqdm import tqdm
 
         a = self.args

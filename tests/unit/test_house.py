@@ -14,12 +14,11 @@ ALLOWED = {
     "backend.request": {"backend.protocol"},
     "backend.encode": {"backend.protocol", "backend.request"},
     "backend.transfer": {"backend.protocol"},
-    "backend.engine": {"backend.protocol", "backend.request", "backend.transfer", "backend.diagnostics"},
-    "backend.diagnostics": {"backend.protocol", "backend.request", "backend.transfer"},
+    "backend.engine": {"backend.protocol", "backend.request", "backend.transfer"},
     "backend.deploy": {"backend.protocol"},
     "ensemble": {"backend.protocol", "backend.request", "backend.encode", "backend.engine"},
     "backend.triton": {"backend.protocol", "backend.request", "backend.encode", "backend.engine", "backend.transfer",
-                       "backend.diagnostics", "backend.deploy", "ensemble"},
+                       "backend.deploy", "ensemble"},
 }
 
 

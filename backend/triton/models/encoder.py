@@ -29,9 +29,9 @@ from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings, ImagePreprocess, VideoDecoder
 from backend.request import image, nvdec
-from backend.request.video import VIDEO_DECODES
-from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import checkpoint_media
+from backend.request.media import MediaLimits, media_limits
+from backend.request.video import VIDEO_DECODES
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
@@ -189,7 +189,7 @@ def connect_tier(settings: EncoderSettings):
     try:
         if not (master and metadata):
             raise TierUnavailable(f"no tier address ({MASTER_ENV} unset: the server was not started by "
-                                  "clients.local_server, or Mooncake is not installed)")
+                                  "backend.deploy.local_server, or Mooncake is not installed)")
         tier = connect(master, metadata, site_packages=paths[0] if paths else None,
                        call_timeout=settings.tier_call_timeout_seconds, retry_seconds=settings.tier_retry_seconds,
                        claim_seconds=settings.tier_claim_seconds)

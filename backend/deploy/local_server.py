@@ -3,7 +3,7 @@
 Used by ``make serve`` (foreground), ``make demo``, the e2e tests and the benchmarks. The binary and
 the Python backend come from the ``nvidia-pytriton`` wheel in the project venv (see scripts/setup.sh).
 
-    python -m clients.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
+    python -m backend.deploy.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
     .venv/bin/tritonserver --model-repository model_repository --grpc-port 9001 ...   # tritonserver's own flags
 
 ``.venv/bin/tritonserver`` (the console script ``tritonserver``, ``exec_tritonserver``) is the real binary
@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
 DEFAULT_REPOSITORY = ROOT / "model_repository"
 
@@ -355,7 +355,7 @@ class TritonServer:
             time.sleep(0.2)
         self.stragglers = left
         if left:
-            from backend.diagnostics.stacks import report_native_stacks
+            from backend.deploy.stacks import report_native_stacks
             report_native_stacks(left, self.log_path)  # py-spy's view first: C frames too
             for pid in left:  # a stub prints its threads' stacks into the log first (backend.engine.host.prepare_process)
                 try:
@@ -427,8 +427,8 @@ def render_topology(topology: Path, checkpoint: Path | None = None, openai_port:
     replaces its port. Returns the repository and that in-process endpoint's port (0: the topology has none)."""
     from dataclasses import replace
 
-    from backend.deploy.topology import load
     from backend.deploy.render import render
+    from backend.deploy.topology import load
 
     served = load(topology, checkpoint=checkpoint)
     if served.openai_port and openai_port:
