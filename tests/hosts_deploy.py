@@ -20,7 +20,8 @@ import yaml
 
 from backend.deploy.hosts import HostPlan, host_plan
 from backend.deploy.local_server import Ports, TritonServer, server_env
-from backend.deploy.topology import Topology, load
+from backend.deploy.schema import Topology
+from backend.deploy.topology import load
 from backend.protocol.generate import GenerateInputs
 from backend.protocol.settings import RoutingSettings
 from backend.triton.replicas import PROBE_SECONDS

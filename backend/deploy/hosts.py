@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from backend.deploy.render import render_files, write_files
+from backend.deploy.schema import ENDPOINT_STAGES, HOSTS, ROOT, Topology, TopologyError, check_keys
 from backend.deploy.server_address import LOCAL
-from backend.deploy.topology import ENDPOINT_STAGES, HOSTS, ROOT, Topology, TopologyError, _check_keys
 from backend.protocol.stages import Stage
 
 HOST_KEYS = {"address", "stages", "interface", "grpc_port", "http_port", "metrics_port"}
@@ -103,7 +103,7 @@ def _host(name: Any, doc: Any, where: str, topology: Topology) -> HostSpec:
     where = f"{where}.{name}"
     if not isinstance(doc, dict):
         raise TopologyError(f"{where}: expected a mapping with address, interface and stages")
-    _check_keys(doc, HOST_KEYS, where)
+    check_keys(doc, HOST_KEYS, where)
     for key in ("address", "interface", "stages"):
         if key not in doc:
             raise TopologyError(f"{where}.{key}: required (see backend.deploy.hosts)")

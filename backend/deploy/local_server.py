@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--checkpoint goes with --topology")
     repository = args.model_repository.resolve()
     if args.topology:
-        from backend.deploy.topology import TopologyError
+        from backend.deploy.schema import TopologyError
 
         try:
             repository, in_process = render_topology(args.topology, args.checkpoint, args.openai_port)

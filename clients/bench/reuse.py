@@ -117,7 +117,7 @@ def deployments(args) -> list[str]:
 
 def reuse_block(args) -> dict | None:
     """The topology's ``reuse:`` block for the agent part, where this checkout's topologies know one (None: not yet)."""
-    from backend.deploy.topology import TOP_KEYS
+    from backend.deploy.schema import TOP_KEYS
 
     if "reuse" not in TOP_KEYS:
         return None

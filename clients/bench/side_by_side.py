@@ -329,7 +329,8 @@ def int_list(text: str) -> list[int]:
 
 def unservable(topology: Path, rows: list[str], machine: str | None = None) -> list[str]:
     """The rows whose deployment ``topology`` has no stages for (``Topology.only`` refuses it)."""
-    from backend.deploy.topology import TopologyError, load
+    from backend.deploy.schema import TopologyError
+    from backend.deploy.topology import load
 
     served = load(topology, machine=machine)
     missing = []

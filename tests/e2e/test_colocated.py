@@ -16,7 +16,8 @@ import tritonclient.http as httpclient
 from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
-from backend.deploy.topology import StageSpec, load
+from backend.deploy.schema import StageSpec
+from backend.deploy.topology import load
 from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, assert_same_logprobs, held_shm, left_behind, metric

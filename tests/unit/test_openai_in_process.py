@@ -14,7 +14,8 @@ import pytest
 
 from backend.deploy.local_server import ROOT
 from backend.deploy.render import render_files
-from backend.deploy.topology import TopologyError, load
+from backend.deploy.schema import TopologyError
+from backend.deploy.topology import load
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import GenerateInputs
