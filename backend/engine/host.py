@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Coroutine
 
 from backend.engine.logprobs import token_entries
 from backend.engine.loop import LoopThread
+from backend.engine.stats import stat_logger_factory
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.protocol.modality import modalities, modality
 from backend.protocol.versions import Guard
@@ -318,7 +319,6 @@ class EngineHost:
 
         loggers = None
         if stats_observer is not None:
-            from backend.engine.stats import stat_logger_factory
             loggers = [stat_logger_factory(stats_observer)]
 
         async def create():

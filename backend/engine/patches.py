@@ -21,6 +21,7 @@ import sys
 import time
 
 from backend.protocol.versions import Guard
+from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
 
 # Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU): EngineCoreProc._process_engine_step (its 1 ms sleep after a step
 # that ran no model), _handle_client_request and input_queue are the same code; 0.27-0.31 were not looked at.
@@ -202,8 +203,6 @@ def register() -> None:
     wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
     if wait:
         patch_idle_wait(float(wait) / 1000)
-    from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
-
     value = os.environ.get(POLL_DELAY_ENV)
     if not value:
         return

@@ -142,8 +142,8 @@ class Bench:
         """``deployments``: (deployment key, model name on this server), benchmarked in turn; with ``metrics_url``
         each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level; with ``server_pid``
         (a server started here) ``cpu_ms``: CPU ms per request of each of its processes and of the load generator
-        (``clients.tools.proc_cpu``)."""
-        from clients.tools import proc_cpu
+        (``clients.bench.proc_cpu``)."""
+        from clients.bench import proc_cpu
 
         from tqdm import tqdm
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backend.deploy.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
 from backend.protocol.generate import GenerateInputs
-from clients.tools.proc_cpu import snapshot
+from clients.bench.proc_cpu import snapshot
 from clients.triton_client import generate
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
