@@ -1,6 +1,7 @@
 """``python -m devtools.tiny``: build a tiny random-weight checkpoint of a family (``--family``: ``qwen2_vl``, the
-default, in ``devtools.tiny.model``; ``qwen2_5_vl`` and ``qwen3_vl`` in ``devtools.tiny.families``), or one shaped like a
-real checkpoint (``--like DIR``, ``devtools.tiny.model.build_like``). ``scripts/setup.sh`` builds the tests' models so."""
+default, in ``devtools.tiny.model``; ``qwen2_5_vl`` and ``qwen3_vl`` in ``devtools.tiny.families``), or one shaped
+like a real checkpoint (``--like DIR``, ``devtools.tiny.model.build_like``). scripts/setup.sh builds the tests'
+models so."""
 from __future__ import annotations
 
 import argparse
