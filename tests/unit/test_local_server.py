@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from clients import local_server
+from backend.deploy import local_server
 
 
 @pytest.fixture
