@@ -15,7 +15,7 @@ setup:
 # tritonserver in the foreground on 127.0.0.1 with the environment the Python backend needs, and the OpenAI-compatible
 # endpoint on $(OPENAI_PORT) beside it (`make serve OPENAI=0` leaves it out).
 serve: setup
-	$(PY) -m clients.local_server --model-repository model_repository --openai-port $(if $(filter 0,$(OPENAI)),0,$(OPENAI_PORT))
+	$(PY) -m backend.deploy.local_server --model-repository model_repository --openai-port $(if $(filter 0,$(OPENAI)),0,$(OPENAI_PORT))
 
 demo: setup
 	$(PY) -m clients.demo

@@ -12,7 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from backend.protocol.generate import GenerateInputs
+
+from clients.triton_client import GenerateError, generate
 
 
 def build_parser() -> argparse.ArgumentParser:

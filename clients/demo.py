@@ -15,10 +15,10 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from backend.deploy.topology import load
+from backend.deploy.local_server import Ports, ROOT, TritonServer
 from backend.deploy.render import render
+from backend.deploy.topology import load
 from clients import chat
-from clients.local_server import ROOT, Ports, TritonServer
 from clients.triton_client import GenerateError, GenerateResult, generate
 
 SERVED = ("baseline", "E+PD")  # llm, and encoder + pd + epd

@@ -13,10 +13,13 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from backend.protocol import generate as interface
-from backend.protocol.modality import modalities
+from backend.protocol.generate import GenerateInputs
+# the stream helpers are this library's too (the benchmarks and tests import them from here)
+from backend.triton.grpc_stream import (END_OF_STREAM_SECONDS, cancel_in_band, grpc_inputs,  # noqa: F401
+                                         read_to_end, single_request_stream)
 
 
 @dataclass
@@ -40,42 +43,6 @@ class GenerateError(RuntimeError):
     def __init__(self, status: str, message: str):
         self.status, self.message = status, message
         super().__init__(f"[{status}] {message}")
-
-
-@dataclass
-class GenerateInputs:
-    prompt: str | None = None
-    messages: list[dict] | str | None = None
-    images: Sequence[bytes] = ()
-    image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd, prefill, decode)
-    videos: Sequence[bytes] = ()  # encoded videos (MP4, WebM, ...): the items of {"type": "video"} parts
-    video_layouts: Sequence[str] = ()
-    audios: Sequence[bytes] = ()  # encoded audio files (WAV, FLAC, OGG, ...): the items of {"type": "audio"} parts
-    audio_layouts: Sequence[str] = ()
-    kv_transfer_params: dict | None = None  # prefill / decode stages: vLLM KV connector parameters
-    sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
-    stream: bool = True
-    exclude_input_in_output: bool = True
-    return_counts: bool = True
-    parameters: dict[str, Any] | None = None  # Triton request parameters, e.g. {"epd_metadata_only": False}
-
-    def as_values(self) -> dict[str, Any]:
-        """Input name -> value for the shared interface (``backend.protocol.generate``); absent inputs are left out."""
-        fields = {name: getattr(self, name, ()) for m in modalities() for name in (m.media_field, m.layout_field)}
-        fields.update(text_input=self.prompt, messages=_json_text(self.messages), stream=self.stream,
-                      sampling_parameters=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
-                      return_num_input_tokens=self.return_counts, return_num_output_tokens=self.return_counts,
-                      kv_transfer_params=None if self.kv_transfer_params is None else json.dumps(self.kv_transfer_params))
-        return interface.input_values(fields)
-
-
-def _json_text(value: Any) -> str | None:
-    """A JSON input given as a Python value or as JSON text (sent as is)."""
-    return value if value is None or isinstance(value, str) else json.dumps(value)
-
-
-from backend.triton.grpc_stream import (END_OF_STREAM_SECONDS, cancel_in_band, grpc_inputs,  # noqa: E402,F401
-                                         read_to_end, single_request_stream)
 
 
 def _absorb(result: GenerateResult, value: Callable[[str], Any], started: float,

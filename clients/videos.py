@@ -39,7 +39,7 @@ def make_h264_video(width: int = 448, height: int = 448, frames: int = 30, fps: 
     """An H.264 MP4 (PyAV's libx264, crf 18, yuv420p) of ``frames`` frames: random pixels (``noise``: every level of
     every plane, what a converter can get wrong) or smooth moving gradients (phase by ``seed``); ``tags``: x264 VUI colour parameters
     (``"colormatrix=bt709:colorprim=bt709:transfer=bt709"``; "" untagged)."""
-    from backend.request.video import h264_mp4
+    from backend.request.clips import h264_mp4
 
     rng = np.random.default_rng(seed)
     shift = rng.integers(0, 256, 3)  # the gradients' phase: another seed, another video

@@ -35,7 +35,7 @@ outputs are compared with).
 Metadata-only off (``metadata_only=False``, the model's parameter or a request's ``epd_metadata_only``
 parameter): the "naive EPD" the metadata-only design is measured against. Encoders still run, and the
 consumer stages still take the embeddings from them, but they also get the client's original media
-(``original_media``) and decode and preprocess it themselves (``backend.diagnostics.naive_media``), as a consumer
+(``original_media``) and decode and preprocess it themselves (``backend.request.naive_media``), as a consumer
 given the unmodified request would; the time that costs comes back as ``timings["media_ms"]`` (summed
 over prefill and decode in E/P/D).
 
@@ -52,13 +52,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
+from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.protocol.generate import DEMAND_AWARE_PARAMETER, ENCODE_PARAMETER, METADATA_ONLY_PARAMETER
 from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
 
 log = logging.getLogger(__name__)
 

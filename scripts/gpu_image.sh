@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp}
 case "${1:-}" in
 models)
     for pair in qwen2_vl:tiny-qwen2-vl qwen2_5_vl:tiny-qwen2.5-vl qwen3_vl:tiny-qwen3-vl; do
-        python3 -m backend.deploy.tiny_model --family "${pair%%:*}" --out "models/${pair#*:}" | tail -1
+        python3 -m devtools.tiny --family "${pair%%:*}" --out "models/${pair#*:}" | tail -1
     done
     ;;
 tests)

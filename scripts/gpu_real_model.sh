@@ -8,7 +8,7 @@ set -euo pipefail
 OUT=$1
 LIKE=${2:-$(dirname "$0")/../tests/data/checkpoints/Qwen2-VL-2B-Instruct}
 started=$(date +%s)
-python3 -m backend.deploy.tiny_model --like "$LIKE" --out "$OUT" --layers "${3:-28}" --vision-layers "${4:-32}"
+python3 -m devtools.tiny --like "$LIKE" --out "$OUT" --layers "${3:-28}" --vision-layers "${4:-32}"
 python3 - "$OUT" <<'PY'
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network, Python 3.12 with CUDA torch preinstalled): make .venv the way
-# clients.local_server expects it, from files carried in .tri/ or the folder TRI names (scripts/gpu_pieces.sh
+# backend.deploy.local_server expects it, from files carried in .tri/ or the folder TRI names (scripts/gpu_pieces.sh
 # makes them; scripts/gpu_setup.sh install unpacks them into /tmp/gpu/tri):
 #   triton-gpu.tar.xz   pytriton/tritonserver + nvidia_pytriton.libs from the nvidia-pytriton 0.7.0 wheel
 #   wheels: numpy 1.26.4 (the Python backend of 2.51 needs numpy 1.x), tritonclient 2.51.0,

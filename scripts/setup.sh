@@ -46,9 +46,9 @@ fi
 
 "$PY" scripts/post_install.py
 bash scripts/setup_mooncake.sh  # .venv-mooncake: the shared embedding tier (docs/tier.md)
-"$PY" -m backend.deploy.tiny_model --out "$MODEL_DIR"
-for family in qwen2_5_vl qwen3_vl; do "$PY" -m backend.deploy.tiny_model --family "$family"; done  # models/tiny-<family>
-"$PY" -m backend.deploy.tiny_audio_model --out "$ROOT/models/tiny-qwen2-audio"
+"$PY" -m devtools.tiny --out "$MODEL_DIR"
+for family in qwen2_5_vl qwen3_vl; do "$PY" -m devtools.tiny --family "$family"; done  # models/tiny-<family>
+"$PY" -m devtools.tiny.audio --out "$ROOT/models/tiny-qwen2-audio"
 "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api; assert numpy.__version__ == '1.26.4', numpy.__version__" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; "$PY" -c "import numpy, vllm, tritonclient.grpc, nixl._api"; exit 1; }
 say "done in $(( $(date +%s) - started )) s"

@@ -4,7 +4,7 @@
 ``HostsDeployment(topology, network, workdir)`` writes every host's repository, starts every host's server in its
 namespace with the host's launch environment (``UCX_TLS=tcp`` added: hosts on one machine would otherwise move NIXL
 READs by cross-memory attach, not over their veths; ``tests.netns``), waits until each is ready, and stops each
-(SIGTERM, then what ``clients.local_server.TritonServer.stop`` checks) on exit. The test process talks to them from a
+(SIGTERM, then what ``backend.deploy.local_server.TritonServer.stop`` checks) on exit. The test process talks to them from a
 client host of the network (``CLIENT``) through threads in its namespace (``Network.executor``): HTTP generate
 requests, readiness and metrics, as a client on another machine would. No pytest in here.
 """
@@ -19,11 +19,13 @@ from pathlib import Path
 import yaml
 
 from backend.deploy.hosts import HostPlan, host_plan
-from backend.deploy.topology import Topology, load
+from backend.deploy.local_server import Ports, TritonServer, server_env
+from backend.deploy.schema import Topology
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
 from backend.protocol.settings import RoutingSettings
+from clients.triton_client import GenerateError, GenerateResult, generate
 from ensemble.replicas import PROBE_SECONDS
-from clients.local_server import Ports, TritonServer, server_env
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
 from tests.netns import Network
 
 CLIENT = "client"

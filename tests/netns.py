@@ -293,7 +293,7 @@ class Network:
 
     def launch(self, host: str, env: dict[str, str] | None = None, **defaults):
         """``launch(argv, **kwargs)``: ``popen`` in ``host`` with ``env`` and ``defaults`` (what
-        ``backend.diagnostics.pool_process`` takes to start its child somewhere)."""
+        ``devtools.diagnostics.pool_process`` takes to start its child somewhere)."""
         return lambda argv, **kwargs: self.popen(host, argv, env=env, **{**defaults, **kwargs})
 
     def executor(self, host: str, workers: int = 1) -> ThreadPoolExecutor:

@@ -33,7 +33,7 @@ backend's environment) on the host's repository, bound to its address and ports,
 interface), ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (its address: vLLM's NixlConnector side channel for KV) and ``EPD_HOST``
 (its name). The checkpoint is named relative to the repository, as in ``render``: render on each host, or keep
 the same layout. Without a ``hosts:`` block nothing here applies: one server serves the whole topology; and a plain
-``render`` (``clients.local_server --topology``) of a file with one still gives one server with every stage, all
+``render`` (``backend.deploy.local_server --topology``) of a file with one still gives one server with every stage, all
 ``local``: the same topology on one machine.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from backend.deploy.render import render_files, write_files
+from backend.deploy.schema import ENDPOINT_STAGES, HOSTS, ROOT, Topology, TopologyError, check_keys
 from backend.deploy.server_address import LOCAL
-from backend.deploy.topology import ENDPOINT_STAGES, HOSTS, ROOT, Topology, TopologyError, _check_keys
 from backend.protocol.stages import Stage
 
 HOST_KEYS = {"address", "stages", "interface", "grpc_port", "http_port", "metrics_port"}
@@ -103,7 +103,7 @@ def _host(name: Any, doc: Any, where: str, topology: Topology) -> HostSpec:
     where = f"{where}.{name}"
     if not isinstance(doc, dict):
         raise TopologyError(f"{where}: expected a mapping with address, interface and stages")
-    _check_keys(doc, HOST_KEYS, where)
+    check_keys(doc, HOST_KEYS, where)
     for key in ("address", "interface", "stages"):
         if key not in doc:
             raise TopologyError(f"{where}.{key}: required (see backend.deploy.hosts)")

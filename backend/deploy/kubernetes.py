@@ -38,7 +38,8 @@ import yaml
 from backend.deploy.hosts import DEVICES_ENV, HOST_ENV, PORT_DEFAULTS, SIDE_CHANNEL_ENV, launch_argv, models_at, \
     with_endpoints
 from backend.deploy.render import render_files
-from backend.deploy.topology import ENGINE_STAGES, Topology, TopologyError, load
+from backend.deploy.schema import ENGINE_STAGES, Topology, TopologyError
+from backend.deploy.topology import load
 from backend.protocol.stages import Stage
 
 REPOSITORY = "/repository"

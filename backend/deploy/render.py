@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from backend.deploy.topology import ModelKind, StageSpec, Topology
+from backend.deploy.schema import ModelKind, StageSpec, Topology
 from backend.protocol import generate
 from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage

@@ -227,7 +227,7 @@ class TierRun:
 
     def serve(self, command: list[str], env: dict) -> int:
         """Run the server ``command`` in the foreground with this tier (``env`` + ``self.env``) and stop the tier after
-        it (``clients.local_server``): the server stays in this process's group (Ctrl-C reaches it; a ``TritonServer``
+        it (``backend.deploy.local_server``): the server stays in this process's group (Ctrl-C reaches it; a ``TritonServer``
         launcher command finds it there); SIGTERM to this process is passed on to it. Returns its exit status."""
         server = None
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
+from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout
 from backend.protocol.modality import AUDIO, modality
@@ -62,8 +62,6 @@ class AudioEncoder:
         checkpoint's), on ``device``."""
         from transformers import AutoConfig, AutoFeatureExtractor
         from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
-
-        from backend.encode.encoder import LoadReport
 
         model_dir = Path(model_dir)
         started = time.perf_counter()

@@ -1,12 +1,21 @@
 """What identifies a checkpoint's embeddings: the model (``model_identity``) and the image/video processor settings
 (``processing_options``), both parts of an item's content key; and reading a tower's tensors out of it
-(``read_tensors``). Light on purpose (no torch at import): the orchestrators import it at load.
+(``read_tensors``, with what that took: ``LoadReport``). Light on purpose (no torch at import): the orchestrators import it at load.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading a tower read: the seconds it took, the bytes of tensors read, the checkpoint's bytes in all."""
+    seconds: float
+    bytes_read: int
+    checkpoint_bytes: int
 
 
 def model_identity(model_dir: str | Path) -> str:

@@ -31,20 +31,15 @@ import torch
 from PIL import Image
 
 from backend.encode import families, gpu_image
-from backend.encode.checkpoint import embedding_width, model_identity, read_tensors
+from backend.encode.audio import AudioEncoder, is_audio_only
+from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
+from backend.encode.packed_tower import PackedTower
 from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' handlers
 
 TOWER_PREFIXES = ("visual.", "model.visual.")
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    seconds: float
-    bytes_read: int
-    checkpoint_bytes: int
 
 
 @dataclass(frozen=True)
@@ -109,7 +104,6 @@ class VisionEncoder:
             raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
         forward = None
         if impl == "packed" and config.model_type in families.PACKED:
-            from backend.encode.packed_tower import PackedTower
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
         encoder = cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
                       torch.device(device), dtype, forward, video_processor, config.model_type)
@@ -259,8 +253,6 @@ def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype 
     """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a checkpoint with an
     audio tower and no vision tower (Qwen2-Audio), else its vision tower's (``VisionEncoder.load``)."""
     from transformers import AutoConfig
-
-    from backend.encode.audio import AudioEncoder, is_audio_only
 
     if is_audio_only(AutoConfig.from_pretrained(model_dir)):
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from backend.encode.cache import EmbeddingCache
 from backend.encode.encoder import VideoPart, VisionEncoder
+from backend.encode.tier import TierExpect
 from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import PART_PARAMETER, part_range
+from backend.protocol.layout import LayoutMetadata, content_key
 from backend.protocol.modality import IMAGE, VIDEO, modality
 from backend.request.media import decode_counter, handler
 
@@ -80,8 +82,6 @@ class EncoderService:
                 LOG.warning("encoder warm-up: no %s decoded at load (%s: %s)", name, type(exc).__name__, exc)
 
     def run(self, jobs: list[EncodeJob], num_requests: int) -> list[list[str] | BaseException]:
-        from backend.protocol.layout import content_key
-
         results: list[list[str] | BaseException] = [[] for _ in range(num_requests)]
         looked: list[tuple] = []  # per job: (its cache key, its cached item or None)
         for job in jobs:
@@ -152,8 +152,6 @@ class EncoderService:
 
     def expect(self):
         """What a tier entry must match to be served here."""
-        from backend.encode.tier import TierExpect
-
         return TierExpect(self.encoder.identity, self.processing, str(self.encoder.dtype).removeprefix("torch."),
                           int(self.encoder.width))
 
@@ -221,8 +219,6 @@ class EncoderService:
     def _publish(self, ready: list[list], results: list) -> None:
         """Each ready item's embeddings into a lease, its layout JSON appended to its request's results (a request
         whose lease cannot be had fails, and the leases it got are released)."""
-        from backend.protocol.layout import LayoutMetadata
-
         leases: dict[int, list[str]] = {}
         # One wait for pool space per batch, not one per item: once the pool stayed full, the batch's
         # other items fail at once instead of each waiting alloc_timeout (requests would pile up behind).

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
-from backend.protocol.modality import modalities, modality
-from backend.protocol.errors import InvalidInput, Unavailable
-from backend.protocol.versions import Guard
 from backend.engine.logprobs import token_entries
 from backend.engine.loop import LoopThread
+from backend.engine.stats import stat_logger_factory
+from backend.protocol.errors import InvalidInput, Unavailable
+from backend.protocol.modality import modalities, modality
+from backend.protocol.versions import Guard
 from backend.request.generate import GenerateRequest
 from backend.request.media import modality_of
 
@@ -128,7 +129,7 @@ def prepare_process() -> None:
     with two (same wall time), and under load, with every stage sharing the cores, the spinning second
     thread made the encoder cost ~11 ms of CPU per image."""
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
-    # SIGUSR1 prints every thread's stack to stderr (the server's log): clients.local_server sends it to a stub
+    # SIGUSR1 prints every thread's stack to stderr (the server's log): backend.deploy.local_server sends it to a stub
     # that outlives tritonserver before killing it, so a hang at unload says where it hung
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     for key, value in PROCESS_ENV_DEFAULTS.items():
@@ -318,7 +319,6 @@ class EngineHost:
 
         loggers = None
         if stats_observer is not None:
-            from backend.engine.stats import stat_logger_factory
             loggers = [stat_logger_factory(stats_observer)]
 
         async def create():

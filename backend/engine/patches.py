@@ -10,8 +10,8 @@ by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the
 own); gloo groups share one transport device (``share_gloo_device``);
 ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
-agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_ENGINE_MEMDEBUG``
-naming a directory: each EngineCore writes memory reports there (``backend.diagnostics.memdebug``).
+agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``). The memory diagnostic
+(``EPD_ENGINE_MEMDEBUG``) is a plugin of its own in the developers' package (``devtools.diagnostics.memdebug``).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import sys
 import time
 
 from backend.protocol.versions import Guard
+from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
 
 # Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU): EngineCoreProc._process_engine_step (its 1 ms sleep after a step
 # that ran no model), _handle_client_request and input_queue are the same code; 0.27-0.31 were not looked at.
@@ -36,7 +37,6 @@ GLOO_DEVICE = Guard("shared gloo device", "torch", "2.11", "2.14",
 QUICK_EXIT = Guard("engine quick exit", "vllm", "0.32", "0.33",
                    "a stopped EngineCore spends ~2-3 s more tearing down its interpreter (2 cores), which every "
                    "model unload and server stop waits for")
-MEMDEBUG = Guard("engine memdebug", "vllm", "0.32", "0.33", "no memory reports from the EngineCore")
 
 
 def patch_idle_wait(seconds: float) -> None:
@@ -200,18 +200,9 @@ def register() -> None:
         follow_parent()
     if os.environ.get("EPD_GLOO_SHARED_DEVICE") == "1":
         share_gloo_device()
-    memdebug = os.environ.get("EPD_ENGINE_MEMDEBUG")
-    if memdebug:
-        from vllm.v1.engine import core
-
-        if MEMDEBUG.allows(core.EngineCore, "__init__"):
-            from backend.diagnostics import memdebug as tool
-            tool.install(memdebug)
     wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
     if wait:
         patch_idle_wait(float(wait) / 1000)
-    from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
-
     value = os.environ.get(POLL_DELAY_ENV)
     if not value:
         return

@@ -18,7 +18,7 @@ import enum
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from backend.protocol.errors import InvalidInput
 from backend.protocol.modality import IMAGE, Modality, modalities
@@ -204,3 +204,37 @@ def output_fields(value: Callable[[str], Any]) -> dict[str, Any]:
         fields[tensor.field] = item
     fields["text_output"] = fields["text_output"] or ""
     return fields
+
+
+@dataclass
+class GenerateInputs:
+    """One generate request as a client builds it (the client library, the OpenAI frontend, the benchmarks):
+    ``as_values`` turns it into the interface's input values."""
+    prompt: str | None = None
+    messages: list[dict] | str | None = None
+    images: Sequence[bytes] = ()
+    image_layouts: Sequence[str] = ()  # metadata-only media, for a consumer model (pd, prefill, decode)
+    videos: Sequence[bytes] = ()  # encoded videos (MP4, WebM, ...): the items of {"type": "video"} parts
+    video_layouts: Sequence[str] = ()
+    audios: Sequence[bytes] = ()  # encoded audio files (WAV, FLAC, OGG, ...): the items of {"type": "audio"} parts
+    audio_layouts: Sequence[str] = ()
+    kv_transfer_params: dict | None = None  # prefill / decode stages: vLLM KV connector parameters
+    sampling: dict[str, Any] | str | None = None  # a dict, or JSON text sent as is
+    stream: bool = True
+    exclude_input_in_output: bool = True
+    return_counts: bool = True
+    parameters: dict[str, Any] | None = None  # Triton request parameters, e.g. {"epd_metadata_only": False}
+
+    def as_values(self) -> dict[str, Any]:
+        """Input name -> value for the shared interface (``input_values``); absent inputs are left out."""
+        fields = {name: getattr(self, name, ()) for m in modalities() for name in (m.media_field, m.layout_field)}
+        fields.update(text_input=self.prompt, messages=_json_text(self.messages), stream=self.stream,
+                      sampling_parameters=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
+                      return_num_input_tokens=self.return_counts, return_num_output_tokens=self.return_counts,
+                      kv_transfer_params=None if self.kv_transfer_params is None else json.dumps(self.kv_transfer_params))
+        return input_values(fields)
+
+
+def _json_text(value: Any) -> str | None:
+    """A JSON input given as a Python value or as JSON text (sent as is)."""
+    return value if value is None or isinstance(value, str) else json.dumps(value)

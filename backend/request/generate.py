@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import SESSION_PARAMETER, Form, input_tensors, parse_session
 from backend.protocol.layout import LayoutMetadata
 from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import Modality, content_part, modalities
@@ -89,8 +90,6 @@ def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawG
     as tensors) and its request parameters, without tensors: what ``backend.triton.io.read_generate_inputs`` reads
     from a Triton request (InvalidInput for a bad ``session_id`` or ``media_io_kwargs``). Used by the endpoint that
     runs inside a model's process (``frontend.openai.in_process``)."""
-    from backend.protocol.generate import Form, input_tensors
-
     tensors = {t.name: t for t in input_tensors()}
     fields = {tensors[name].field: tuple(value) if tensors[name].form in (Form.TEXTS, Form.BYTES) else value
               for name, value in values.items() if name in tensors}
@@ -100,8 +99,6 @@ def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawG
 def parameter_inputs(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """The ``RawGenerateInputs`` fields a request's parameters give: ``session_id`` and ``media_io`` (InvalidInput
     naming the parameter that is wrong)."""
-    from backend.protocol.generate import SESSION_PARAMETER, parse_session
-
     return {"session_id": parse_session(parameters.get(SESSION_PARAMETER)),
             "media_io": MediaOptions.from_parameters(dict(parameters))}
 
@@ -121,7 +118,7 @@ class GenerateRequest:
     media_uuids: Mapping[str, tuple[str, ...]] | None = None  # and its items' content keys, per modality (vLLM's ids)
     timings: dict | None = None                 # stage timings to report on the final response
     kv_transfer_params: dict | None = None      # vLLM KV connector parameters (P -> D)
-    original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.diagnostics.naive_media): one per layout
+    original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.request.naive_media): one per layout
     session_id: str | None = None               # the conversation this request is a turn of
     media_io: MediaOptions = MediaOptions()     # its media options (metadata-only off: original_media decode alike)
 

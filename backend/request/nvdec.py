@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.request.clips import sample_video
+
 # codecs whose decoding the standard makes bit-exact (integer transforms); MPEG-1/2/4 Part 2 and VC-1 allow an IDCT
 # within a tolerance: NVDEC's frames of an mp4v clip differ from FFmpeg's (measured on the H200)
 EXACT_CODECS = ("h264", "hevc", "vp9", "av1")
@@ -156,8 +158,6 @@ class NvdecDecoder:
     def warm_up(self) -> None:
         """Make every kept decoder now, on a 2-frame clip: a decoder's session costs ~70 ms, a process's first ~290
         ms (CUDA set-up; measured on the H200), which no request should pay."""
-        from backend.request.video import sample_video  # noqa: PLC0415 - video imports this module lazily
-
         clip = sample_video(64, 2)
         slots = [self._borrow() for _ in range(self._slots)]
         try:

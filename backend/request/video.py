@@ -28,6 +28,7 @@ from typing import Any
 
 from backend.protocol.errors import InvalidInput
 from backend.protocol.modality import VIDEO
+from backend.request.clips import sample_video
 from backend.request.media import MediaHandler, MediaLimits, check_encoded, decode_counter, read_url, register_handler
 
 VIDEO_DECODES: Counter = Counter()  # videos decoded in this process, by decoder: "nvdec" (the GPU) or "cpu"
@@ -172,7 +173,7 @@ def _decode_on_gpu(loader, data: bytes, header: Header, device: int, num_frames:
     (decoded on the CPU then, its reason logged once)."""
     from vllm.multimodal.video import VideoTargetMetadata
 
-    from backend.request import nvdec
+    from backend.request import nvdec  # torch and PyNvVideoCodec: loaded only where a GPU decodes
 
     defaults = inspect.signature(loader.load_bytes).parameters
     target = VideoTargetMetadata(num_frames, options.get("fps", defaults["fps"].default),
@@ -199,35 +200,7 @@ def read_video_url(url: str, field: str, limits: MediaLimits) -> bytes:
     return read_url(url, field, limits, VIDEO)
 
 
-def h264_mp4(frames, width: int, height: int, fps: int = 30, options: dict[str, str] | None = None) -> bytes:
-    """An H.264 MP4 (PyAV's libx264, yuv420p) of ``frames`` (RGB uint8 ``[H, W, 3]`` arrays); ``options``: libx264's
-    (``{"crf": "18"}``)."""
-    import io
-
-    import av
-
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = dict(options or {})
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, "rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
-
-
-def sample_video(size: int = 64, frames: int = 2) -> bytes:
-    """An H.264 MP4 of ``frames`` grey ``size`` x ``size`` frames at 30 fps (the handler's ``sample``; NVDEC's warm-up
-    decodes it too)."""
-    import numpy as np
-
-    return h264_mp4([np.full((size, size, 3), 128, np.uint8)] * frames, size, size)
-
-
 register_handler(VIDEO, MediaHandler(decode_video, read_video_url, DecodedVideo, sample_video))
 
-__all__ = ["VIDEO_DECODES", "DecodedVideo", "decode_video", "h264_mp4", "read_video_url", "sample_video",
+__all__ = ["VIDEO_DECODES", "DecodedVideo", "decode_video", "read_video_url",
            "video_loader", "video_processor_for"]

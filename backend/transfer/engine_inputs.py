@@ -12,6 +12,7 @@ import torch
 
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout, GridLayout, VideoLayout
+from backend.protocol.modality import modality
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.held import HeldEmbeddings
 from backend.transfer.same_host import DTYPES
@@ -48,8 +49,6 @@ def placeholder_media_embeds(layouts) -> dict[str, object]:
 
 def _joined(name: str, tensors: list[torch.Tensor]):
     """One modality's item embeddings in vLLM's form: a list (``Modality.embeds_per_item``), else concatenated."""
-    from backend.protocol.modality import modality
-
     if modality(name).embeds_per_item:
         return tensors
     return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
@@ -57,8 +56,6 @@ def _joined(name: str, tensors: list[torch.Tensor]):
 
 def media_fields(layouts) -> list[str]:
     """Each layout's field: ``<modality's layouts tensor>[i]``, ``i`` its index among the layouts of its modality."""
-    from backend.protocol.modality import modality
-
     seen: dict[str, int] = collections.Counter()
     fields = []
     for layout in layouts:

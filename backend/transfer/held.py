@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.transfer.same_host import DTYPES
+
 PIN_SECONDS = 30.0  # how long a looked-up item is kept for the request that will take it
 
 
@@ -72,8 +74,6 @@ class HeldEmbeddings:
     def take(self, layout, session: str | None = None) -> torch.Tensor | None:
         """The copy of ``layout``'s item if it is the one stored for this very layout (content key, lease id,
         dtype and shape), else None (the caller pulls). ``session``: the conversation now using it."""
-        from backend.transfer.same_host import DTYPES
-
         now = self._clock()
         with self._lock:
             entry = self._entries.get(layout.content_key)

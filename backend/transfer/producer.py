@@ -39,6 +39,7 @@ import torch
 
 from backend.protocol.errors import Overloaded
 from backend.protocol.layout import CudaIpcHandle, NixlHandle, SharedMemoryHandle, TransferHandle, host_identity
+from backend.transfer import cuda_ipc
 from backend.transfer.agent import create_agent
 
 HEADER = 16
@@ -87,7 +88,6 @@ class EmbeddingPool:
         self._fd, self._map, self._allocation, self.shm_path, self.ipc_handle = None, None, None, "", ""
         self._table_fd, self._table_map, self._table, self._free_slots, self.tag_table = None, None, None, None, ""
         if self.device.type == "cuda":  # VRAM: CUDA IPC for consumers on this host, NIXL READ across hosts
-            from backend.transfer import cuda_ipc
             if cuda_ipc.available():
                 self._allocation = cuda_ipc.DeviceAllocation(pool_bytes, self.device)
                 self.buffer, self.ipc_handle = self._allocation.tensor, self._allocation.ipc_handle

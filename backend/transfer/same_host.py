@@ -23,6 +23,7 @@ import torch
 
 from backend.protocol.errors import Unavailable
 from backend.protocol.layout import CudaIpcHandle, SharedMemoryHandle
+from backend.transfer import cuda_ipc
 from backend.transfer.producer import HEADER, TRAILER
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,6 @@ class CudaIpcReader:
     @classmethod
     def create(cls, device: torch.device, shm: SharedMemoryReader) -> "CudaIpcReader | None":
         """A reader where this process can use CUDA IPC, else None."""
-        from backend.transfer import cuda_ipc
-
         return cls(cuda_ipc, device, shm) if cuda_ipc.available() else None
 
     def reserve(self, items: int) -> None:
@@ -131,9 +130,8 @@ class CudaIpcReader:
         if cached is None:
             if handle.pid == os.getpid() or handle.agent_name in self._refused:
                 return None
-            from backend.transfer.cuda_ipc import open_allocation
             try:
-                opened = open_allocation(handle.ipc_handle, handle.pool_bytes, self.device)
+                opened = cuda_ipc.open_allocation(handle.ipc_handle, handle.pool_bytes, self.device)
             except RuntimeError as exc:
                 log.warning("CUDA IPC cannot open %s's pool, using NIXL: %s", handle.agent_name, exc)
                 self._refused.add(handle.agent_name)

@@ -19,23 +19,28 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from backend.deploy.ports import free_ports
+from backend.encode.checkpoint import embedding_width, model_identity
 from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
-                                 metadata_only_engine_args, report_a_slow_finalize)
+                                 metadata_only_engine_args, report_a_slow_finalize, takes_layout_only)
+from backend.engine.serving import stream_generation
 from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import HELD_PARAMETER, LOAD_PARAMETER
+from backend.protocol.layout import LayoutMetadata
 from backend.protocol.modality import modalities
 from backend.protocol.settings import EngineSettings, KvEngineSettings
 from backend.protocol.stages import RoleSpec, Stage
+from backend.request.generate import (GenerateRequest, LayoutMedia, LayoutOrDecodeMedia, MediaResolver, RequestLimits,
+                                      checkpoint_media, parse_generate_request)
 from backend.request.media import MediaLimits, decode_counter, media_limits
-from backend.request.generate import GenerateRequest, MediaResolver, RequestLimits, checkpoint_media, parse_generate_request
-from backend.engine.serving import stream_generation
+from backend.request.naive_media import process_original_media
 from backend.transfer.agent import POLL_DELAY_ENV
+from backend.transfer.announce import ProducerWatcher, directory
 from ensemble.cancel_board import CancelBoard
-from backend.triton.counter_batch import CounterBatch
-from backend.deploy.ports import free_ports
 from backend.triton.config import instance_count, load_settings
-from backend.protocol.generate import LOAD_PARAMETER
-from backend.triton.io import (ERROR_CODES_PARAMETER, answer_json, in_band_cancel, read_generate_inputs,
-                               request_parameters, send_error, watched_sink)
+from backend.triton.counter_batch import CounterBatch
+from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
+                               read_generate_inputs, request_parameters, send_error, watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
 
 
@@ -89,6 +94,7 @@ class GenerateModel:
         """Serve the OpenAI-compatible endpoint from this process on the engine's loop, each request answered by
         ``answer(raw, parameters, sink)`` (``frontend.openai.in_process``), if the config has an ``openai_port``."""
         if getattr(self.settings, "openai_port", 0):
+            # upward on purpose: the endpoint served inside this process (fastapi), imported only where configured
             from frontend.openai.in_process import serve_for
 
             self.openai = serve_for(self.name, self.settings, answer, self.host.submit, self.metrics, self.instances)
@@ -180,7 +186,7 @@ class MetadataOnlyModel(GenerateModel):
         super().initialize(args)
         self.held = None  # this consumer's copies of what it pulled (backend.transfer.held)
         if self.spec.pulls_embeddings:
-            from backend.transfer.announce import ProducerWatcher, directory
+            # torch: imported after EngineHost.start's prepare_process set the process's thread and offline defaults
             from backend.transfer.consumer import EmbeddingConsumer
             from backend.transfer.held import HeldEmbeddings
 
@@ -193,9 +199,6 @@ class MetadataOnlyModel(GenerateModel):
             self.producers = ProducerWatcher(directory(), lambda handle: self.pulls.submit(self.consumer.warm, handle))
 
     def make_resolver(self):
-        from backend.encode.checkpoint import embedding_width, model_identity
-        from backend.request.generate import LayoutMedia, LayoutOrDecodeMedia
-
         identity, width = model_identity(self.engine_args["model"]), embedding_width(self.engine_args["model"])
         if self.spec.takes_media:
             return LayoutOrDecodeMedia(identity, self.limits.media, width)
@@ -220,8 +223,6 @@ class MetadataOnlyModel(GenerateModel):
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        from backend.protocol.layout import LayoutMetadata
-
         layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
         if layouts < len(request.images):  # media decoded here (takes_media): the engine processes them
             if layouts:
@@ -232,17 +233,14 @@ class MetadataOnlyModel(GenerateModel):
             return request
         timings = {}
         if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
-            from backend.diagnostics.naive_media import process_original_media
-
             seconds = process_original_media(request.original_media, request.images, self.image_processor(),
                                              self.limits.media, self.video_processor(), self.feature_extractor(),
                                              request.media_io)
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.engine_inputs import media_grids, media_kwargs, media_uuids
+        from backend.transfer.engine_inputs import media_grids, media_kwargs, media_uuids  # torch, as initialize's
 
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
-            from backend.engine.host import takes_layout_only
             from backend.transfer.engine_inputs import placeholder_media_embeds
 
             zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
@@ -265,16 +263,13 @@ class MetadataOnlyModel(GenerateModel):
     def _pull(self, request: GenerateRequest):
         """On the pulls' thread: the request's embeddings (its items this consumer holds taken from its copies,
         ``backend.transfer.held``) and, per item, whether it was taken so."""
-        from backend.transfer.engine_inputs import pull_media_embeds
+        from backend.transfer.engine_inputs import pull_media_embeds  # torch, as initialize's
 
         layouts, held, session = request.images, self.held, request.session_id
         copies = [held.take(layout, session) for layout in layouts] if held is not None else [None] * len(layouts)
         return pull_media_embeds(self.consumer, layouts, copies, held, session), [c is not None for c in copies]
 
     def answer_lookup(self, sender, params, tag):
-        from backend.protocol.generate import HELD_PARAMETER
-        from backend.triton.io import answer_held_lookup
-
         if HELD_PARAMETER not in params:
             return False
         answer_held_lookup(sender, params[HELD_PARAMETER], self.held, tag)
@@ -302,7 +297,7 @@ class MetadataOnlyModel(GenerateModel):
     def video_processor(self):
         """The checkpoint's video processor (None: it has none), loaded at the first request with ``original_media``."""
         if not hasattr(self, "_video_processor"):
-            from backend.encode.encoder import load_video_processor
+            from backend.encode.encoder import load_video_processor  # torch, as initialize's
 
             self._video_processor = load_video_processor(Path(self.engine_args["model"]))
         return self._video_processor

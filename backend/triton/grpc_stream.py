@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from backend.protocol.generate import CANCEL_PARAMETER
+
 
 def grpc_inputs(values: dict[str, Any]):
     """Triton gRPC input tensors for the shared interface's values (see ``GenerateInputs.as_values``)."""
@@ -98,8 +100,6 @@ async def cancel_in_band(client, model: str, request_id: str, parameters: dict |
     """Cancel the request ``request_id`` of ``model`` (one of this project's) in band: a second request, on
     its own stream of ``client`` (``tritonclient.grpc.aio``), whose parameter ``epd_cancel`` names it
     (``ensemble.cancel_board``). Raises the server's error, or TimeoutError."""
-    from backend.protocol.generate import CANCEL_PARAMETER
-
     async def one_request():  # then the request side closes, so the stream ends once the server answered
         yield {"model_name": model, "inputs": [], "parameters": {**(parameters or {}), CANCEL_PARAMETER: request_id}}
 

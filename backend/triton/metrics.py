@@ -263,7 +263,7 @@ def _with_labels(families: dict) -> dict:
 
 def tier_values(tier, tier_hits: int) -> dict:
     """The tier's series (name, label value) -> value, from its stats (zeros where not connected)."""
-    from backend.encode.tier import BAD_REASONS
+    from backend.encode.tier import BAD_REASONS  # torch, as in tier_labels
 
     stats = tier.stats if tier is not None else None
     get = (lambda field: getattr(stats, field)) if stats is not None else (lambda field: 0)

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 TOKENIZER = ROOT / "models" / "tiny-qwen2-vl"

@@ -122,9 +122,9 @@ class Bench:
     async def _level(self, url: str, model: str, level: float, requests, progress):
         """(results, wall seconds, CPU seconds of a load generator process other than this one)."""
         if self.args.load_generator == "perf_analyzer":
+            from backend.deploy.local_server import ROOT
             from clients.bench import perf_analyzer
             from clients.bench.load import Results
-            from clients.local_server import ROOT
 
             samples, errors, wall, cpu = await asyncio.to_thread(
                 perf_analyzer.load_level, url, model, int(level), requests, ROOT / ".cache" / "bench-perf-analyzer",
@@ -142,8 +142,8 @@ class Bench:
         """``deployments``: (deployment key, model name on this server), benchmarked in turn; with ``metrics_url``
         each row gets ``vllm_queue_ms`` from the engines' queue-time metrics over its level; with ``server_pid``
         (a server started here) ``cpu_ms``: CPU ms per request of each of its processes and of the load generator
-        (``clients.tools.proc_cpu``)."""
-        from clients.tools import proc_cpu
+        (``clients.bench.proc_cpu``)."""
+        from clients.bench import proc_cpu
 
         from tqdm import tqdm
 
@@ -213,9 +213,9 @@ def run_isolated(bench: Bench, keys: list[str]) -> None:
     """One server per topology mode, rendered from ``--topology``, started and stopped in turn."""
     import tempfile
 
-    from backend.deploy.topology import load
+    from backend.deploy.local_server import ROOT, TritonServer
     from backend.deploy.render import render
-    from clients.local_server import ROOT, TritonServer
+    from backend.deploy.topology import load
 
     a = bench.args
     base = load(a.topology, checkpoint=a.checkpoint)
@@ -244,9 +244,9 @@ def run_shared_topology(bench: Bench, keys: list[str]) -> None:
     engines loaded; a deployment not being asked stays idle); they alternate per level."""
     import tempfile
 
-    from backend.deploy.topology import load
+    from backend.deploy.local_server import ROOT, TritonServer
     from backend.deploy.render import render
-    from clients.local_server import ROOT, TritonServer
+    from backend.deploy.topology import load
 
     a = bench.args
     modes = tuple(dict.fromkeys(DEPLOYMENTS[k][1] for k in keys))
@@ -374,7 +374,7 @@ def _serve(bench: "Bench", args) -> None:
     elif args.shared_topology:
         run_shared_topology(bench, keys)
     elif args.shared:
-        from clients.local_server import ROOT, TritonServer
+        from backend.deploy.local_server import ROOT, TritonServer
 
         with TritonServer(log_path=ROOT / ".cache" / "bench-e2e-server.log") as server:
             print(f"server ready in {server.ready_seconds:.1f} s", file=sys.stderr)

@@ -13,11 +13,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from backend.deploy.topology import load
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
 from clients.images import image_bytes
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from clients.triton_client import generate
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 FIGURES = (("transfer_ms", lambda r: r.timings["transfer_ms"]), ("encode_ms", lambda r: r.timings["encode_ms"]),

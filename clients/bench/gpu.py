@@ -133,7 +133,7 @@ def encoder_accuracy(tower, cfg) -> dict:
 
 def bench_handoff(quick: bool) -> list[dict]:
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     sizes = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     if quick:
@@ -177,7 +177,7 @@ def bench_handoff(quick: bool) -> list[dict]:
 
 def _pull_many_x4(producer, consumer, tensor, nbytes: int) -> dict:
     """Per item of ``pull_many`` of four items (a request's four images: one wait, one notification)."""
-    from backend.diagnostics.pool_process import make_layout
+    from devtools.diagnostics.pool_process import make_layout
 
     groups = 2 if nbytes > (16 << 20) else 3
     per_item = []
@@ -200,8 +200,8 @@ def _pull_many_x4(producer, consumer, tensor, nbytes: int) -> dict:
 def _bare_copy(producer, tensor, nbytes: int) -> dict:
     """The limit: a bare copy out of the IPC mapping, no lease, tags or notification (one copy + wait as a pull
     does, four copies + one wait as pull_many of four does, and copies back to back)."""
-    from backend.diagnostics.pool_process import make_layout
     from backend.transfer.cuda_ipc import open_allocation
+    from devtools.diagnostics.pool_process import make_layout
 
     layout = make_layout(producer.call("publish", tensor), tensor)
     opened = open_allocation(layout.handle.ipc_handle, layout.handle.pool_bytes, torch.device("cuda"))
@@ -234,8 +234,8 @@ def handoff_breakdown(quick: bool) -> list[dict]:
     time (host microseconds per operation, median; ``gpu_us``: the copy alone, CUDA events)."""
     from backend.transfer import cuda_ipc
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
     from backend.transfer.producer import HEADER
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     memcpy, sync = cuda_ipc._hot_calls()  # the calls a pull makes
     sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20] if not quick else [16 << 20]
@@ -315,7 +315,7 @@ def _measure(op, regions, stream, sync, gpu: bool) -> dict:
 def _pull_us(producer, consumer, tensor, count: int) -> float:
     """Median us of a whole ``EmbeddingConsumer.pull`` (release included) of fresh leases, three rounds of
     ``count``, each round's first pull left out."""
-    from backend.diagnostics.pool_process import make_layout
+    from devtools.diagnostics.pool_process import make_layout
 
     times = []
     for _ in range(3):

@@ -23,8 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.report import Sample
-from clients.triton_client import GenerateInputs, grpc_inputs, read_to_end, single_request_stream
+from clients.triton_client import grpc_inputs, read_to_end, single_request_stream
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 

@@ -28,9 +28,9 @@ import sys
 import time
 import urllib.request
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.load import Results, _read_response, _request, run_concurrency
 from clients.bench.report import Sample, percentile
-from clients.triton_client import GenerateInputs
 
 
 def _messages(seed: int, images: int, size: tuple[int, int]) -> list[dict]:
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--openai-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                         help="the started endpoint's event loop (frontend.openai --loop)")
     args = parser.parse_args(argv)
+    from backend.deploy.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
     from backend.deploy.ports import free_ports
-    from clients.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
 
     with TritonServer(args.repository or DEFAULT_REPOSITORY, log_path=ROOT / ".cache" / "bench-openai-server.log",
                       start_timeout=900) if not args.url else _Given() as server:

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 VLLM = ROOT / ".venv" / "bin" / "vllm"
 METRICS = [("request_throughput", "req/s", 2), ("output_throughput", "out tok/s", 1), ("median_ttft_ms", "TTFT p50 ms", 1),
@@ -70,8 +70,8 @@ def wait_healthy(url: str, timeout: float) -> None:
 def openai_endpoint(log_path: Path):
     """tritonserver with the committed repository and ``frontend.openai`` in front of it, both on free 127.0.0.1 ports,
     as users start them; yields the endpoint's base URL once ``/health`` is 200, stops both on exit."""
+    from backend.deploy.local_server import TritonServer, start_openai_process
     from backend.deploy.ports import free_ports
-    from clients.local_server import TritonServer, start_openai_process
 
     with TritonServer(log_path=log_path) as server:
         (port,) = free_ports(1)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clients.local_server import ROOT, VENV, TritonServer
+from backend.deploy.local_server import ROOT, TritonServer, VENV
 
 PROMPTS = ("What is in the picture?", "Describe the image in one sentence.", "Which colours do you see?",
            "Is there any text in the image?", "What would you call this picture?")

@@ -25,10 +25,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.load import synthetic_requests
+from clients.bench.proc_cpu import _stat
 from clients.bench.report import Sample, summarise
-from clients.tools.proc_cpu import _stat
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult
+from clients.triton_client import GenerateError, GenerateResult
 
 WORKERS = 32  # the client host's threads (tests.hosts_deploy.HostsDeployment): the most requests in flight
 

@@ -106,7 +106,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def cpu_table(rows: list[dict]) -> str:
-    """CPU ms per request of each process role (``row["cpu_ms"]``, ``clients.tools.proc_cpu``), one line per row;
+    """CPU ms per request of each process role (``row["cpu_ms"]``, ``clients.bench.proc_cpu``), one line per row;
     ``busy``: the share of all cores those processes used over the row."""
     labels = list(dict.fromkeys(label for r in rows for label in (r.get("cpu_ms") or {})))
     lines = ["| deployment | load | " + " | ".join(labels) + " | total ms/req | busy |",

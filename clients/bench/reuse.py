@@ -117,7 +117,7 @@ def deployments(args) -> list[str]:
 
 def reuse_block(args) -> dict | None:
     """The topology's ``reuse:`` block for the agent part, where this checkout's topologies know one (None: not yet)."""
-    from backend.deploy.topology import TOP_KEYS
+    from backend.deploy.schema import TOP_KEYS
 
     if "reuse" not in TOP_KEYS:
         return None
@@ -216,8 +216,8 @@ class Run:
 
     def serve(self, deployment: str) -> None:
         """Render the deployment, start its server (and tier), run its parts, stop it."""
+        from backend.deploy.local_server import TritonServer
         from backend.deploy.render import render
-        from clients.local_server import TritonServer
         from tqdm import tqdm
 
         a = self.args

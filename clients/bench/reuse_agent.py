@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.load import run_concurrency, run_until
-from clients.bench.reuse_parts import Checker, ms, moved, references, scrape, settled
+from clients.bench.reuse_parts import Checker, moved, ms, references, scrape, settled
 from clients.images import image_bytes
-from clients.triton_client import GenerateInputs
 
 ON, OFF = "on", "off"
 SESSION_PARAMETER, DEMAND_PARAMETER = "session_id", "epd_demand_aware"

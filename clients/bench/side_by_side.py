@@ -43,11 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from clients.bench import side_client as client
-from clients.bench import side_profile as profile
-from clients.bench import side_stacks as stacks
-from clients.bench import side_table as table
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
+from clients.bench import side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
 
 ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 INTERLEAVED = ("vllm-single", "llm", "vllm-e-pd", "epd", "vllm-e-p-d", "epd_disagg", "vllm-e-p-d-delay")
@@ -332,7 +329,8 @@ def int_list(text: str) -> list[int]:
 
 def unservable(topology: Path, rows: list[str], machine: str | None = None) -> list[str]:
     """The rows whose deployment ``topology`` has no stages for (``Topology.only`` refuses it)."""
-    from backend.deploy.topology import TopologyError, load
+    from backend.deploy.schema import TopologyError
+    from backend.deploy.topology import load
 
     served = load(topology, machine=machine)
     missing = []

@@ -66,8 +66,8 @@ def chat_body(model: str, request: Request, max_tokens: int) -> dict:
 
 
 def grpc_inputs(request: Request, max_tokens: int):
-    """The same request as Triton generate inputs (``clients.triton_client.GenerateInputs``)."""
-    from clients.triton_client import GenerateInputs
+    """The same request as Triton generate inputs (``backend.protocol.generate.GenerateInputs``)."""
+    from backend.protocol.generate import GenerateInputs
 
     content = [*({"type": "image"} for _ in request.images), {"type": "text", "text": request.text}]
     return GenerateInputs(messages=[{"role": "user", "content": content}], images=list(request.images),

@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 VLLM_STACKS = ("vllm-single", "vllm-e-pd", "vllm-e-p-d", "vllm-e-p-d-delay")
 OURS = {"llm": "baseline", "epd": "E+PD", "epd_disagg": "E/P/D"}  # our row -> the topology's deployment
@@ -237,9 +237,9 @@ def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
     (TritonServer stops its own process group)."""
     import tempfile
 
+    from backend.deploy.local_server import Ports, TritonServer, start_openai_process
     from backend.deploy.ports import free_ports
     from backend.deploy.render import render
-    from clients.local_server import Ports, TritonServer, start_openai_process
 
     *server_ports, port = free_ports(4)  # distinct: the server's and the endpoint's
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as repo, \

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from backend.transfer.consumer import EmbeddingConsumer
-from backend.diagnostics.pool_process import ProducerProcess, make_layout
+from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
 PRODUCER_MODEL = '''
 import numpy as np
@@ -120,7 +120,7 @@ def bench_nixl(sizes: list[int], iters: int, same_host_copy: bool = True) -> tup
 def bench_triton(sizes: list[int], iters: int) -> dict:
     import tritonclient.http as httpclient
 
-    from clients.local_server import TritonServer
+    from backend.deploy.local_server import TritonServer
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from backend.diagnostics.pool_process import ConsumerProcess, ProducerProcess
 from clients.bench.transfer import _size, _summary
+from devtools.diagnostics.pool_process import ConsumerProcess, ProducerProcess
 from tests.netns import Network, ucx_env
 
 ROOT = Path(__file__).resolve().parents[2]

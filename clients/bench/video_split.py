@@ -14,10 +14,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
-from backend.deploy.topology import Topology, load
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from backend.deploy.schema import Topology
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import generate
 from clients.videos import make_video
 
 PROMPT = "<|vision_start|><|video_pad|><|vision_end|>Describe."

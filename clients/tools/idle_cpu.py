@@ -11,9 +11,10 @@ import argparse
 import time
 from pathlib import Path
 
-from clients.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
-from clients.tools.proc_cpu import snapshot
-from clients.triton_client import GenerateInputs, generate
+from backend.deploy.local_server import DEFAULT_REPOSITORY, ROOT, TritonServer
+from backend.protocol.generate import GenerateInputs
+from clients.bench.proc_cpu import snapshot
+from clients.triton_client import generate
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -144,9 +144,9 @@ async def grpc_side(url: str, pairs: int, warm: int = 10) -> dict[str, tuple[flo
     """``pairs`` pairs (``clients.bench.openai.paired``): the endpoint's ``Backend.generate`` in this process against
     the benchmark's gRPC session, the same chat request each way; median (TTFT, latency) differences in ms, with
     their 95% intervals."""
+    from backend.protocol.generate import GenerateInputs
     from clients.bench.openai import _GrpcSession, _checked, chat_body, paired, paired_diffs
     from clients.bench.report import Sample
-    from clients.triton_client import GenerateInputs
     from frontend.openai import translate
     from frontend.openai.app import Backend
 

@@ -24,8 +24,9 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.report import percentile
-from clients.triton_client import GenerateInputs, cancel_in_band, grpc_inputs, single_request_stream
+from clients.triton_client import cancel_in_band, grpc_inputs, single_request_stream
 
 ERROR_CODES = {"epd_error_codes": True}
 
@@ -173,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", type=Path, default=Path(__file__).resolve().parents[2] / "topologies" / "default.yaml")
     args = parser.parse_args(argv)
 
-    from backend.deploy.topology import load
+    from backend.deploy.local_server import ROOT, TritonServer
     from backend.deploy.render import render
-    from clients.local_server import ROOT, TritonServer
+    from backend.deploy.topology import load
 
     with tempfile.TemporaryDirectory(prefix="soak-") as repo:
         served = render(load(args.topology).only(args.deployment), Path(repo))

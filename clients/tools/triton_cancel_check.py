@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args(argv)
 
-    from clients.local_server import TritonServer
+    from backend.deploy.local_server import TritonServer
 
     with tempfile.TemporaryDirectory(prefix="cancel-check-") as tmp:
         repo = Path(tmp) / "repo"

@@ -9,7 +9,7 @@ DEFAULT_MODELS = "llm,epd,epd_disagg"
 
 
 def _die_with_parent() -> None:
-    """Exit when the process that started this one does (``clients.local_server`` execs tritonserver after
+    """Exit when the process that started this one does (``backend.deploy.local_server`` execs tritonserver after
     starting this endpoint: the endpoint then ends with the server)."""
     import ctypes
     import signal

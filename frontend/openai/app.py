@@ -14,9 +14,8 @@ from typing import Any, AsyncIterator, NamedTuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from backend.protocol.generate import ERROR_CODES_PARAMETER
+from backend.protocol.generate import ERROR_CODES_PARAMETER, GenerateInputs
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs
-from clients.triton_client import GenerateInputs
 from frontend.openai import translate
 from frontend.openai.logprobs import text_length
 from frontend.openai.metrics import Clock, Metrics

@@ -25,8 +25,8 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import encode
+from backend.protocol.generate import GenerateInputs
 from backend.request.generate import RawGenerateInputs, raw_inputs
-from clients.triton_client import GenerateInputs
 from frontend.openai import translate
 from frontend.openai.app import Piece, make_app
 from frontend.openai.metrics import Clock

@@ -38,7 +38,7 @@ class ApiError(Exception):
 
 @dataclass
 class GenerateCall:
-    """One generate request: the model, the interface's inputs (``clients.triton_client.GenerateInputs`` fields) and
+    """One generate request: the model, the interface's inputs (``backend.protocol.generate.GenerateInputs`` fields) and
     how to answer (``stream``, ``include_usage``; ``chat``: chat.completion objects, else text_completion;
     ``logprobs``: the top tokens asked for per token, None: no log probabilities)."""
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_vram_pool_is_read_into_host_memory_through_nixl():
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer()
     with ProducerProcess(pool_bytes=64 << 20, device="cuda") as producer:
@@ -68,7 +68,7 @@ def test_encoder_on_gpu_matches_cpu_and_publishes_from_vram():
 def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
     from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     to_gpu, to_host = EmbeddingConsumer(device="cuda"), EmbeddingConsumer(device="cpu")
     try:
@@ -117,7 +117,7 @@ def test_packed_encoder_on_gpu_matches_transformers():
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
     from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer(device="cuda")
     try:
@@ -147,7 +147,7 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
     from backend.protocol.errors import Unavailable
     from backend.transfer import cuda_ipc
     from backend.transfer.consumer import EmbeddingConsumer
-    from backend.diagnostics.pool_process import ProducerProcess, make_layout
+    from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
     consumer = EmbeddingConsumer(device="cuda")
     try:
@@ -258,10 +258,11 @@ def test_llm_epd_and_epd_disagg_served_by_tritonserver_on_gpu(tmp_path):
     Each engine has an explicit KV budget (the topology's; 8 GiB here): two engines started together on one GPU with
     only ``gpu_memory_utilization`` failed there (vLLM 0.26.0, 2026-12-01: "Available KV cache memory: -0.11 GiB").
     ``EPD_GPU_SERVE_MODEL`` names another checkpoint."""
+    from backend.deploy.local_server import TritonServer, triton_home
     from backend.deploy.render import render
     from backend.deploy.topology import load
-    from clients.local_server import TritonServer, triton_home
-    from clients.triton_client import GenerateInputs, generate_grpc
+    from backend.protocol.generate import GenerateInputs
+    from clients.triton_client import generate_grpc
     from tests.e2e.conftest import metric
     from tests.images import image_bytes
 

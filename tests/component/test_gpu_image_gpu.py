@@ -166,11 +166,12 @@ def test_images_preprocessed_on_the_gpu_in_the_served_encoder_give_llm_s_tokens(
     ``image_preprocess: nvjpeg``: PNG images (decoded on the host, preprocessed on the GPU) give ``llm``'s greedy
     tokens; JPEGs (nvJPEG) are reported; ``epd_image_decodes_total`` counts the JPEGs as nvJPEG's, the PNGs as the
     host's (this count added after the H200 run of 2026-12-04: not yet run there)."""
+    from backend.deploy.local_server import TritonServer, triton_home
     from backend.deploy.render import render
     from backend.deploy.topology import load
+    from backend.protocol.generate import GenerateInputs
     from clients.images import image_bytes
-    from clients.local_server import TritonServer, triton_home
-    from clients.triton_client import GenerateInputs, generate_grpc
+    from clients.triton_client import generate_grpc
     from tests.e2e.conftest import metric
 
     try:

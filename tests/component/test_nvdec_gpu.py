@@ -151,10 +151,11 @@ def test_videos_decoded_by_nvdec_in_the_served_encoder_give_llm_s_tokens(tmp_pat
     import os
     from pathlib import Path
 
+    from backend.deploy.local_server import TritonServer, triton_home
     from backend.deploy.render import render
     from backend.deploy.topology import load
-    from clients.local_server import TritonServer, triton_home
-    from clients.triton_client import GenerateInputs, generate_grpc
+    from backend.protocol.generate import GenerateInputs
+    from clients.triton_client import generate_grpc
     from tests.e2e.conftest import metric
 
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 pytestmark = pytest.mark.component
 

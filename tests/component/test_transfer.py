@@ -10,7 +10,7 @@ from backend.protocol.errors import Overloaded, Unavailable
 from backend.protocol.layout import LayoutMetadata
 from backend.transfer.consumer import EmbeddingConsumer
 from backend.transfer.producer import EmbeddingPool
-from backend.diagnostics.pool_process import ProducerProcess, make_layout
+from devtools.diagnostics.pool_process import ProducerProcess, make_layout
 
 pytestmark = pytest.mark.component
 

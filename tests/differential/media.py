@@ -5,7 +5,7 @@ Specs:
 - image ``{"w", "h", "fmt": PNG|JPEG|WEBP|GIF|BMP, "mode": RGB|L|RGBA|P|LA, "seed"}``: a coarse random mosaic over a
   gradient (compresses well at 1,024 px, differs between seeds), saved in ``mode`` (JPEG: RGB or L only).
 - video ``{"w", "h", "frames", "fps", "codec": mp4v|h264, "seed"}``: ``clients.videos.make_video`` (OpenCV's mp4v)
-  or ``backend.request.video.h264_mp4`` (PyAV's libx264) of moving gradients; h264 needs even sizes and an integer
+  or ``backend.request.clips.h264_mp4`` (PyAV's libx264) of moving gradients; h264 needs even sizes and an integer
   fps, which the generator gives.
 - audio ``{"seconds", "rate", "channels", "fmt": WAV|FLAC, "seed"}``: ``clients.audios.make_audio``.
 
@@ -53,7 +53,7 @@ def video(spec: dict) -> bytes:
         from clients.videos import make_video
 
         return make_video(spec["w"], spec["h"], frames=spec["frames"], fps=spec["fps"], seed=spec["seed"])
-    from backend.request.video import h264_mp4
+    from backend.request.clips import h264_mp4
 
     w, h = spec["w"], spec["h"]
     shift = np.random.default_rng(spec["seed"]).integers(0, 256, 3)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 
+from backend.protocol.generate import GenerateInputs
 from backend.protocol.modality import modalities, modality
-from clients.triton_client import GenerateInputs
 from tests.differential import media
 from tests.differential.cases import Case, Item
 from tests.differential.families import FAMILIES

@@ -1,5 +1,5 @@
 """The CLI's servers: a family's topology rendered into a temporary model repository and served by its own
-tritonserver on 127.0.0.1 with free ports (``clients.local_server.TritonServer``, always stopped), and the OpenAI
+tritonserver on 127.0.0.1 with free ports (``backend.deploy.local_server.TritonServer``, always stopped), and the OpenAI
 endpoint in front of it (``tests.e2e.conftest.openai_endpoint``)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from clients.local_server import ROOT, TritonServer
+from backend.deploy.local_server import ROOT, TritonServer
 from tests.differential.families import Family
 from tests.differential.runner import Target
 
@@ -18,8 +18,8 @@ def served(fam: Family, routes: tuple[str, ...], log_dir: Path | None = None):
     everything started here is stopped on the way out, a failure or Ctrl-C included. The server's log stays in
     ``log_dir`` (default: a temporary directory, named in what is printed)."""
     from backend.deploy.render import render
-    from backend.deploy.tiny_families import DEFAULT_OUT, build_family
     from backend.deploy.topology import load
+    from devtools.tiny.families import DEFAULT_OUT, build_family
     from tests.e2e.conftest import openai_endpoint
 
     if fam.name in DEFAULT_OUT:

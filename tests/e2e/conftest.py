@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateInputs, GenerateResult, generate
+from backend.deploy.local_server import ROOT, TritonServer
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import GenerateResult, generate
 from tests.timeline import made_during
 
 

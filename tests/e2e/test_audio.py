@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.topology import load
 from backend.protocol.modality import AUDIO
 from backend.triton.counter_batch import CounterBatch
-from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
 from tests.audios import hostile_audio, make_audio
 from tests.e2e.conftest import EPD_DEPLOYMENTS, _shm_of_this_process, assert_same_answer, asker, held_shm, left_behind, \

@@ -1,8 +1,8 @@
 """E2E: a real checkpoint's layout served the documented way. Checkpoints shaped like Qwen2-VL-2B-Instruct and
 Qwen2.5-VL-3B-Instruct (their own config.json, image processor, generation config and chat template, in
 tests/data/checkpoints: rope scaling, window attention, tied embeddings, the processor's 3136..12845056 pixels;
-two layers, random weights; ``backend.deploy.tiny_model.build_like``) go through
-``clients.local_server --topology topologies/checkpoint-cpu.yaml --checkpoint DIR``, and ``epd`` gives ``llm``'s
+two layers, random weights; ``devtools.tiny.model.build_like``) go through
+``backend.deploy.local_server --topology topologies/checkpoint-cpu.yaml --checkpoint DIR``, and ``epd`` gives ``llm``'s
 tokens on images of several sizes, in prompts and chat messages, one and two per request."""
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import os
 
 import pytest
 
-from backend.deploy.tiny_model import build_like
-from clients.local_server import ROOT, VENV, Ports, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import generate
+from devtools.tiny.model import build_like
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
@@ -41,7 +42,7 @@ def test_a_real_checkpoint_s_shape_serves_epd_with_llm_s_tokens(name, tmp_path):
     build_like(ROOT / "tests" / "data" / "checkpoints" / name, checkpoint)
     ports = Ports.free()
     env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
-    argv = [str(VENV / "bin" / "python"), "-m", "clients.local_server", "--topology",
+    argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / "checkpoint-cpu.yaml"), "--checkpoint", str(checkpoint)]
     before = _shm()
     server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path / "server.log")

@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import tritonclient.http as httpclient
 
-from backend.triton.counter_batch import CounterBatch
-from backend.deploy.topology import StageSpec, load
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
-from clients.local_server import ROOT, TritonServer
+from backend.deploy.schema import StageSpec
+from backend.deploy.topology import load
+from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, assert_same_logprobs, held_shm, left_behind, metric
 from tests.e2e.test_epd import CASES, ask, img

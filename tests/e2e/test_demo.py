@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 pytestmark = pytest.mark.e2e
 

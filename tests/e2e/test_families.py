@@ -1,4 +1,4 @@
-"""E2E: the model families beside Qwen2-VL, each its tiny checkpoint (``backend.deploy.tiny_families``) served by its
+"""E2E: the model families beside Qwen2-VL, each its tiny checkpoint (``devtools.tiny.families``) served by its
 topology (``topologies/cpu-qwen2.5-vl.yaml``, ``cpu-qwen3-vl.yaml``: llm, epd, epd_disagg) in one real tritonserver
 per family. ``epd`` (E+PD) and ``epd_disagg`` (E/P/D) give ``llm``'s tokens on images of several sizes (Qwen2.5-VL:
 several attention windows), videos of several frame rates (Qwen2.5-VL: other ``second_per_grid_ts``; Qwen3-VL: other
@@ -13,10 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from backend.deploy.tiny_families import DEFAULT_OUT, build_family
+from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.protocol.generate import GenerateInputs
 from backend.triton.counter_batch import CounterBatch
-from clients.local_server import ROOT, VENV, Ports, TritonServer
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from clients.triton_client import GenerateError, generate
+from devtools.tiny.families import DEFAULT_OUT, build_family
 from tests.e2e.conftest import _shm, assert_same_answer, metric, settled_orphans
 from tests.images import image_bytes
 from tests.videos import make_video
@@ -62,12 +63,12 @@ CASES = {
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(family name, its running tritonserver): the family's tiny checkpoint (built if missing) served by its
-    topology through ``clients.local_server``; checked for stragglers and leaked /dev/shm entries after the stop."""
+    topology through ``backend.deploy.local_server``; checked for stragglers and leaked /dev/shm entries after the stop."""
     name = request.param
     build_family(name, ROOT / DEFAULT_OUT[name])
     ports = Ports.free()
     env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
-    argv = [str(VENV / "bin" / "python"), "-m", "clients.local_server", "--topology",
+    argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / FAMILIES[name])]
     before = _shm()
     server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path_factory.mktemp(name) / "server.log")

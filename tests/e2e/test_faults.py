@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.deploy.topology import load
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import GenerateError, generate
 from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans
 from tests.images import image_bytes
 

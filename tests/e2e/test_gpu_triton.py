@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _repository(out: Path) -> Path:
-    from backend.deploy.topology import load
     from backend.deploy.render import render_files
+    from backend.deploy.topology import load
     # the encoder's tower runs in the engines' dtype (bfloat16 in that topology): float32 here, so the pulled
     # embeddings can be held to the fp32 reference's 1e-4 (bf16 embeddings were 1.5e-2 off it on the H200)
     topology = load(ROOT / "topologies" / "gpu-e-p-d.yaml", machine="gpu")
@@ -37,7 +37,7 @@ def _repository(out: Path) -> Path:
 
 def test_gpu_encoder_leases_are_pulled_into_gpu_memory_through_triton(tmp_path):
     import tritonclient.grpc as grpcclient
-    from clients.local_server import TritonServer
+    from backend.deploy.local_server import TritonServer
     from tests.e2e.conftest import orphaned_shm
     from tests.images import make_image
     import io

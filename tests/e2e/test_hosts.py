@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from clients.local_server import python_envs
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult
+from backend.deploy.local_server import python_envs
+from backend.protocol.generate import GenerateInputs
+from backend.protocol.modality import IMAGE
+from clients.triton_client import GenerateError, GenerateResult
 from tests.e2e.conftest import assert_same_answer
 from tests.e2e.netns_fixture import checked_network
 from tests.hosts_deploy import HostsDeployment, hosts_e_pd
 from tests.images import image_bytes
-from backend.protocol.modality import IMAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 

@@ -6,11 +6,12 @@ import time
 import pytest
 import tritonclient.http as httpclient
 
-from backend.triton.counter_batch import CounterBatch
+from backend.protocol.generate import GenerateInputs
 from backend.protocol.modality import IMAGE
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult, generate
-from tests.images import image_bytes
+from backend.triton.counter_batch import CounterBatch
+from clients.triton_client import GenerateError, GenerateResult, generate
 from tests.e2e.conftest import metric
+from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
 

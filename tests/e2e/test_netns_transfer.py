@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.diagnostics.pool_process import ConsumerProcess, ProducerProcess
+from devtools.diagnostics.pool_process import ConsumerProcess, ProducerProcess
 from tests.e2e.netns_fixture import checked_network
 from tests.netns import Network, ucx_env
 

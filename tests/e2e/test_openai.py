@@ -15,8 +15,9 @@ import urllib.request
 
 import pytest
 
-from clients.local_server import ROOT
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from backend.deploy.local_server import ROOT
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import GenerateError, generate
 from tests.e2e.conftest import assert_same_logprobs, metric, openai_endpoint
 from tests.images import image_bytes
 from tests.videos import make_video
@@ -308,9 +309,9 @@ def test_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(tmp
     while ``epd`` itself is still READY, and a chat request with an image is a 503 error object; loaded again, 200."""
     import tritonclient.http as httpclient
 
+    from backend.deploy.local_server import TritonServer
     from backend.deploy.render import render
     from backend.deploy.topology import load
-    from clients.local_server import TritonServer
 
     repo = tmp_path / "repo"
     render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("E+PD"), repo)

@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
+from backend.deploy.local_server import Ports, ROOT, TritonServer
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render_files, write_files
 from backend.deploy.topology import load
-from clients.local_server import ROOT, Ports, TritonServer
 from tests.e2e.conftest import metric
 from tests.e2e.test_openai import CASES, GREEDY, _triton, assert_answers
 

@@ -11,11 +11,12 @@ from dataclasses import replace
 
 import pytest
 
+from backend.deploy.local_server import ROOT
 from backend.encode.encoder import VisionEncoder
+from backend.protocol.generate import GenerateInputs
 from backend.protocol.layout import ImageLayout, LayoutMetadata
-from backend.transfer.producer import HEADER, EmbeddingPool
-from clients.local_server import ROOT
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from backend.transfer.producer import EmbeddingPool, HEADER
+from clients.triton_client import GenerateError, generate
 from tests.images import image_bytes, make_image
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from clients.local_server import ROOT
-from clients.triton_client import GenerateInputs, generate
+from backend.deploy.local_server import ROOT
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import generate
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e

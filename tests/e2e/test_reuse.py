@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import pytest
 
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.topology import load
-from clients.local_server import ROOT, TritonServer
 from clients.triton_client import GenerateError
 from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
 from tests.e2e.test_epd import ask

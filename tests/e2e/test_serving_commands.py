@@ -12,9 +12,10 @@ import urllib.request
 
 import pytest
 
+from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
 from backend.deploy.ports import free_ports
-from clients.local_server import ROOT, VENV, Ports, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import generate
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
@@ -86,12 +87,12 @@ def test_make_serve_on_other_ports(tmp_path):
 
 
 def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
-    """docs/openai.md's command: ``clients.local_server --topology topologies/cpu-e-pd-openai.yaml --openai-port N``
+    """docs/openai.md's command: ``backend.deploy.local_server --topology topologies/cpu-e-pd-openai.yaml --openai-port N``
     (the endpoint in epd's own process, colocated orchestrator): an image chat request through it gives what Triton's
     generate of the same model gives; the server stops clean."""
     ports, (openai_port,) = Ports.free(), free_ports(1)
     env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
-    argv = [str(VENV / "bin" / "python"), "-m", "clients.local_server", "--topology",
+    argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / "cpu-e-pd-openai.yaml"), "--openai-port", str(openai_port)]
     server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv)
     before = _shm()

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.deploy.topology import load
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
-from clients.local_server import ROOT, TritonServer
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
 from clients.tools.soak import drive
-from clients.triton_client import GenerateError, GenerateInputs, generate
+from clients.triton_client import GenerateError, generate
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
@@ -77,7 +78,7 @@ def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, monke
     """Free ports are only free when picked: another process (a parallel test run) may bind one first."""
     import socket
 
-    from clients.local_server import Ports
+    from backend.deploy.local_server import Ports
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -3,7 +3,7 @@ instances, E+PD and the ``llm`` baseline): ``TritonServer`` starts the tier's Mo
 tritonserver and stops them after it. ``epd`` gives ``llm``'s tokens with the tier on; 16 concurrent cold requests for
 one new image are encoded once across both instances; an item one instance encoded is served to the other from the
 tier; a corrupt entry planted in the store is dropped and encoded again; a killed master fails no request. And
-``python -m clients.local_server`` starts the tier with the server and stops it after.
+``python -m backend.deploy.local_server`` starts the tier with the server and stops it after.
 
 Counts come from the encoders' metrics (``epd_encoder_items_total``: tower outputs; ``epd_tier_*``), summed over the
 two instances. Skipped where Mooncake is not installed (scripts/setup_mooncake.sh)."""
@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import pytest
 
+from backend.deploy.local_server import Ports, ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.tier_service import mooncake_paths
 from backend.deploy.topology import load
-from clients.local_server import ROOT, Ports, TritonServer
 from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
 from tests.e2e.test_epd import CASES, ask
 from tests.images import image_bytes
@@ -297,7 +297,7 @@ def _children(pid: int) -> dict[int, str]:
 
 
 def test_local_server_starts_the_tier_before_the_server_and_stops_it_after(tmp_path):
-    """``python -m clients.local_server`` on a repository whose encoder has the tier (the encoder alone: no engine to
+    """``python -m backend.deploy.local_server`` on a repository whose encoder has the tier (the encoder alone: no engine to
     wait for): the master and holder run beside tritonserver, both instances connect, and a SIGTERM to the server
     stops all three."""
     if mooncake_paths() is None:
@@ -310,7 +310,7 @@ def test_local_server_starts_the_tier_before_the_server_and_stops_it_after(tmp_p
     ports = Ports.free()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EPD_TIER_LOG_DIR": str(tmp_path), "HTTP_PORT": str(ports.http),
            "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
-    argv = [sys.executable, "-m", "clients.local_server", "--model-repository", str(repo)]
+    argv = [sys.executable, "-m", "backend.deploy.local_server", "--model-repository", str(repo)]
     with TritonServer(repo, ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv) as server:
         launcher = server.proc.pid
         children = _children(launcher)

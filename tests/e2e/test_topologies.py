@@ -6,10 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.deploy.topology import load
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
+from clients.triton_client import generate
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e

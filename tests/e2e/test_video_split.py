@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.topology import load
+from backend.protocol.generate import GenerateInputs
 from clients.bench.video_split import split_topology
-from clients.local_server import ROOT, TritonServer
-from clients.triton_client import GenerateInputs, generate
+from clients.triton_client import generate
 from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
 from tests.e2e.test_video import GREEDY, V, user
 from tests.videos import make_video

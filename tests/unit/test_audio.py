@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend.deploy import tiny_audio_model
 from backend.engine.host import multi_modal_data
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout, ImageLayout, LayoutMetadata, NixlHandle
 from backend.request.audio import DecodedAudio, decode_audio, sampling_rate_for
+from devtools.tiny import audio as tiny_audio_model
 from backend.request.generate import DecodeMedia, EncodedMedia, GenerateRequest, MediaBytes, RawGenerateInputs, \
     RequestLimits, parse_generate_request
 from backend.request.media import MediaLimits, decode_counter

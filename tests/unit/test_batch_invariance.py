@@ -19,14 +19,14 @@ import random
 import pytest
 import torch
 
-from backend.deploy.tiny_families import DEFAULT_OUT, FAMILIES, build_family
+from backend.deploy.local_server import ROOT
 from backend.encode.encoder import VideoPart, load_encoder
 from backend.request.audio import decode_audio
 from backend.request.media import MediaLimits
 from backend.request.video import decode_video, video_processor_for
 from clients.audios import make_audio
 from clients.images import make_image
-from clients.local_server import ROOT
+from devtools.tiny.families import DEFAULT_OUT, FAMILIES, build_family
 from tests.videos import make_video
 
 BOUND = dict(atol=1e-6, rtol=1e-6)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.differential import media
-from tests.differential.cases import IMAGE_FORMATS, INVALID_KINDS, Case, Item, generate_all
+from tests.differential.cases import Case, IMAGE_FORMATS, INVALID_KINDS, Item, generate_all
 from tests.differential.families import FAMILIES
 from tests.differential.invalid import SPOILERS
 from tests.differential.requests import grpc_request, openai_request
@@ -91,8 +91,8 @@ def test_every_invalid_kind_is_generated_and_named():
 
 
 def test_the_family_limits_are_the_topologies():
+    from backend.deploy.local_server import ROOT
     from backend.deploy.topology import load
-    from clients.local_server import ROOT
 
     for fam in FAMILIES.values():
         limits = load(ROOT / "topologies" / fam.topology, "cpu").limits

@@ -108,10 +108,10 @@ def test_a_bad_item_fails_its_request_only_even_beside_cached_items(encoder):
 
 
 def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch):
-    import backend.protocol.layout
+    import backend.encode.service
 
-    real, calls = backend.protocol.layout.content_key, []
-    monkeypatch.setattr(backend.protocol.layout, "content_key", lambda *args: calls.append(args) or real(*args))
+    real, calls = backend.encode.service.content_key, []
+    monkeypatch.setattr(backend.encode.service, "content_key", lambda *args: calls.append(args) or real(*args))
     service, counting, _ = _service(encoder, 1 << 20)
     a = _png(64, 48, 1)
     own = real(a, service.processing, service.encoder.identity)

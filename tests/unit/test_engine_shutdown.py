@@ -1,7 +1,7 @@
 """How an engine's processes end, on real processes: an engine process killed while it holds a POSIX semaphore (as
 vLLM's EngineCore holds tqdm's) leaves nothing in /dev/shm once its host exits, because multiprocessing's resource
 tracker is left to unlink it (``backend.engine.host.stop_engine_processes``; the launcher's kill of survivors,
-``clients.local_server``, leaves the tracker last for the same reason); an engine process whose host is killed exits
+``backend.deploy.local_server``, leaves the tracker last for the same reason); an engine process whose host is killed exits
 by itself (``backend.engine.patches.follow_parent``); the exit bound after ``finalize``; the private IPC directory."""
 import os
 import subprocess
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 HOST = r'''
 import multiprocessing as mp, os, sys, time
@@ -201,11 +201,11 @@ def test_an_engine_process_exits_when_its_parent_is_killed_and_leaves_no_semapho
 
 @pytest.mark.parametrize("trackers_last", [True, False])
 def test_the_launcher_kills_survivors_before_their_resource_tracker(trackers_last):
-    """``clients.local_server``: processes that outlived tritonserver are killed, multiprocessing's tracker last, so it
+    """``backend.deploy.local_server``: processes that outlived tritonserver are killed, multiprocessing's tracker last, so it
     unlinks what they registered; killing the whole group at once (the control) leaves the semaphore behind."""
     import signal
 
-    from clients.local_server import _kill_leaving_trackers_last, group_members
+    from backend.deploy.local_server import _kill_leaving_trackers_last, group_members
 
     host, child, made = _host_with_semaphore(follow=False)
     members = group_members(host.pid)

@@ -1,4 +1,4 @@
-"""The model families beside Qwen2-VL: the tiny checkpoints' recipes (``backend.deploy.tiny_families``), the encoder's
+"""The model families beside Qwen2-VL: the tiny checkpoints' recipes (``devtools.tiny.families``), the encoder's
 per-family rules (``backend.encode.families``) against what vLLM and transformers compute, the layout's video timing
 (schema 7) and embedding width, and the consumer's fields for vLLM (``media_kwargs``)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from backend.deploy.tiny_families import DEFAULT_OUT, FAMILIES, build_family, fingerprint
+from backend.deploy.local_server import ROOT
 from backend.encode import families
 from backend.encode.checkpoint import embedding_width
 from backend.engine.host import multi_modal_data
@@ -18,7 +18,7 @@ from backend.request.generate import GenerateRequest, LayoutMedia
 from backend.request.media import MediaLimits
 from backend.request.video import decode_video, video_processor_for
 from backend.transfer.engine_inputs import media_grids, media_kwargs
-from clients.local_server import ROOT
+from devtools.tiny.families import DEFAULT_OUT, FAMILIES, build_family, fingerprint
 from tests.videos import make_video
 
 

@@ -146,7 +146,8 @@ def test_encoder_gives_tensor_images_the_embeddings_of_pil_images():
 
 def test_topology_takes_image_preprocess_on_a_gpu_encoder_only(tmp_path):
     from backend.deploy.render import render
-    from backend.deploy.topology import TopologyError, load
+    from backend.deploy.schema import TopologyError
+    from backend.deploy.topology import load
 
     topology = load(ROOT / "topologies" / "checkpoint-gpu.yaml", machine="gpu",
                     checkpoint=ROOT / "models" / "tiny-qwen2-vl")

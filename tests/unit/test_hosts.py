@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.deploy.hosts import TRITONSERVER, HostSpec, host_plan, plan_host
+from backend.deploy.hosts import HostSpec, TRITONSERVER, host_plan, plan_host
 from backend.deploy.render import render_files
-from backend.deploy.topology import TopologyError, load, main
+from backend.deploy.schema import TopologyError
+from backend.deploy.topology import load, main
 from backend.protocol.settings import ColocatedSettings, ProxySettings, parse_settings
 from tests.unit.test_model_config import triton_config
 

@@ -1,84 +1,64 @@
-"""The house's shape: which folder may import which (model_repository -> backend/triton -> ensemble -> the stage
-folders -> backend/protocol), Triton imported only at its boundary, server code never importing the clients."""
+"""The house's shape. import-linter holds it (``[tool.importlinter]`` in pyproject.toml: the layers from
+backend.protocol up to frontend, the server importing no client, test or developers' tool, Triton imported only in
+backend.triton, no import circles inside a package); these tests run it, so ``make test`` fails on a broken contract
+with the offending import chain. And what import-linter cannot see: ``model_repository/<model>/1/model.py`` is not
+an importable package, so its imports are checked here."""
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TRITON = ("triton_python_backend_utils", "tritonclient")
-
-# package -> the project packages its modules may import (besides their own). Server code is backend/ and ensemble/.
-ALLOWED = {
-    "backend.protocol": set(),
-    "backend.request": {"backend.protocol"},
-    "backend.encode": {"backend.protocol", "backend.request"},
-    "backend.transfer": {"backend.protocol"},
-    "backend.engine": {"backend.protocol", "backend.request", "backend.transfer", "backend.diagnostics"},
-    "backend.diagnostics": {"backend.protocol", "backend.request", "backend.transfer"},
-    "backend.deploy": {"backend.protocol"},
-    "ensemble": {"backend.protocol", "backend.request", "backend.encode", "backend.engine"},
-    "backend.triton": {"backend.protocol", "backend.request", "backend.encode", "backend.engine", "backend.transfer",
-                       "backend.diagnostics", "backend.deploy", "ensemble"},
-}
+PACKAGES = ("backend", "ensemble", "frontend", "clients", "devtools", "tests")
 
 
-def package_of(module: str) -> str:
-    parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "backend" else parts[0]
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` with the project's contracts on the packages under ``root``."""
+    argv = [str(Path(sys.executable).with_name("lint-imports")), "--config", str(ROOT / "pyproject.toml"), "--no-cache"]
+    return subprocess.run(argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=300)
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
+def _python_only(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or os.path.isdir(os.path.join(folder, n)))]
+
+
+def test_the_house_keeps_its_contracts():
+    done = lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_contracts_see_a_violation(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=_python_only)
+    (tmp_path / "backend" / "protocol" / "bad.py").write_text("import triton_python_backend_utils as pb_utils\n"
+                                                             "from backend.engine.serving import ResponseChunk\n")
+    (tmp_path / "ensemble" / "bad.py").write_text("from clients.triton_client import generate\n")
+    (tmp_path / "backend" / "request" / "media_back.py").write_text("from backend.request import generate\n")
+    (tmp_path / "backend" / "request" / "media.py").write_text(
+        (ROOT / "backend" / "request" / "media.py").read_text() + "\nfrom backend.request import media_back\n")
+    done = lint_imports(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    for chain in ("backend.protocol.bad -> backend.engine.serving", "ensemble.bad -> clients.triton_client",
+                  "backend.protocol.bad -> triton_python_backend_utils", "No cycles are allowed in backend.request"):
+        assert chain in done.stdout, done.stdout
+
+
+def imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
+            found.append(node.module)
     return found
-
-
-def violations(root: Path = ROOT) -> list[str]:
-    found = []
-    for path in sorted([*root.glob("backend/**/*.py"), *root.glob("ensemble/**/*.py")]):
-        where = path.relative_to(root)
-        if where.parts == ("backend", "__init__.py"):
-            continue
-        package = package_of(".".join(where.with_suffix("").parts))
-        if package not in ALLOWED:
-            found.append(f"{where}: package {package} is not in the house's layer table")
-            continue
-        for line, module in imports(path):
-            top = module.split(".")[0]
-            if top in TRITON and package != "backend.triton":
-                found.append(f"{where}:{line} imports {module} outside backend/triton")
-            elif top in ("clients", "tests"):
-                found.append(f"{where}:{line} (server code) imports {module}")
-            elif top in ("backend", "ensemble"):
-                target = package_of(module)
-                if target != package and target not in ALLOWED[package]:
-                    found.append(f"{where}:{line}: {package} may not import {target} ({module})")
-    return found
-
-
-def test_the_house_keeps_its_layers():
-    assert violations() == []
-
-
-def test_the_check_sees_a_violation(tmp_path):
-    (tmp_path / "backend" / "protocol").mkdir(parents=True)
-    (tmp_path / "ensemble").mkdir()
-    (tmp_path / "backend" / "protocol" / "bad.py").write_text("import triton_python_backend_utils as pb_utils\n"
-                                                             "from backend.engine.serving import Outcome\n")
-    (tmp_path / "ensemble" / "bad.py").write_text("from clients.triton_client import generate\n")
-    assert violations(tmp_path) == [
-        "backend/protocol/bad.py:1 imports triton_python_backend_utils outside backend/triton",
-        "backend/protocol/bad.py:2: backend.protocol may not import backend.engine (backend.engine.serving)",
-        "ensemble/bad.py:1 (server code) imports clients.triton_client",
-    ]
 
 
 def test_model_entry_points_import_only_the_boundary():
     for path in (ROOT / "model_repository").glob("*/1/model.py"):
-        modules = [module for _, module in imports(path)]
+        modules = imports(path)
         assert modules and all(m.startswith("backend.triton.models.") for m in modules), (path, modules)

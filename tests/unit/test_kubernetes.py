@@ -12,7 +12,8 @@ import yaml
 
 from backend.deploy.kubernetes import (CHECKPOINT, KUBERNETES_VERSION, REPOSITORY, SCALE_ON, Options, dump, main,
                                        manifests, tiers, validate)
-from backend.deploy.topology import TopologyError, load
+from backend.deploy.schema import TopologyError
+from backend.deploy.topology import load
 from tests.unit.test_model_config import triton_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""``clients.local_server.remove_python_envs``: which of tritonserver's Python-backend directories
+"""``backend.deploy.local_server.remove_python_envs``: which of tritonserver's Python-backend directories
 (``/tmp/python_env_*``) a stopped server's launcher removes. The directories are real ones in /tmp; the running
 servers' start times are given (real servers' directories: tests/e2e/test_hosts.py, whose killed hosts leave theirs)."""
 import os
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from clients import local_server
+from backend.deploy import local_server
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_a_start_that_meets_something_else_on_its_port_stops_what_it_started(tmp
     import sys
     import threading
 
-    from clients.local_server import Ports, TritonServer
+    from backend.deploy.local_server import Ports, TritonServer
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -10,7 +10,8 @@ import pytest
 
 from backend.deploy import server_address
 from backend.deploy.render import render_files
-from backend.deploy.topology import LIMIT_DEFAULTS, TRANSFER_DEFAULTS, ModelKind, load
+from backend.deploy.schema import LIMIT_DEFAULTS, ModelKind, TRANSFER_DEFAULTS
+from backend.deploy.topology import load
 from backend.protocol.settings import (LOCAL, ColocatedSettings, ConfigError, EncoderSettings, EngineSettings, LlmSettings,
                                        PdSettings, PrefillSettings,
                                        KvEngineSettings, ProxySettings, parse_settings)

@@ -7,7 +7,7 @@ import pytest
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import ImageLayout
 from backend.request.media import MediaLimits, decode_counter
-from backend.diagnostics.naive_media import process_original_media
+from backend.request.naive_media import process_original_media
 from clients.images import image_bytes
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2-vl"

@@ -12,13 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from backend.deploy.local_server import ROOT
 from backend.deploy.render import render_files
-from backend.deploy.topology import TopologyError, load
+from backend.deploy.schema import TopologyError
+from backend.deploy.topology import load
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import InvalidInput
+from backend.protocol.generate import GenerateInputs
 from backend.request.generate import RawGenerateInputs, raw_inputs
-from clients.local_server import ROOT
-from clients.triton_client import GenerateInputs
 from frontend.openai.app import make_app
 from frontend.openai.in_process import LocalBackend
 

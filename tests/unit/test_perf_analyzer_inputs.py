@@ -5,9 +5,9 @@ import struct
 
 from PIL import Image
 
-from clients.bench.report import Sample
+from backend.protocol.generate import GenerateInputs
 from clients.bench.perf_analyzer import export_samples, input_entry, make_inputs
-from clients.triton_client import GenerateInputs
+from clients.bench.report import Sample
 
 
 def _elements(b64: str) -> list[bytes]:

@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from backend.protocol.generate import GenerateInputs
 from clients.bench.replicas import check, closed_loop, parse_args, split, table
 from clients.bench.report import Sample, summarise
-from clients.triton_client import GenerateError, GenerateInputs, GenerateResult
+from clients.triton_client import GenerateError, GenerateResult
 from tests.hosts_deploy import hosts_e_pd
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from backend.deploy.local_server import ROOT
 from backend.deploy.render import render_files
 from backend.deploy.topology import load
 from clients.bench import side_client, side_stacks, side_table
 from clients.bench.report import Sample
 from clients.bench.side_by_side import parse_args
-from clients.local_server import ROOT
 
 TOPOLOGY = ROOT / "topologies" / "default.yaml"
 ENGINE_KEYS = ("max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "dtype", "enforce_eager")

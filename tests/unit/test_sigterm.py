@@ -1,5 +1,5 @@
 """``with TritonServer()`` stops its server when the process gets SIGTERM (``timeout``, ``kill``): the handler
-``clients.local_server._exit_on_sigterm`` installs turns the signal into SystemExit, so ``finally`` and ``__exit__``
+``backend.deploy.local_server._exit_on_sigterm`` installs turns the signal into SystemExit, so ``finally`` and ``__exit__``
 run (on the H200 a benchmark cut short by ``timeout`` left four vLLM engines holding 87 GiB)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from clients.local_server import ROOT
+from backend.deploy.local_server import ROOT
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -19,7 +19,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_sigterm_runs_the_cleanup_and_exits_143():
     done = _run("""
         import os, signal, time
-        from clients.local_server import _exit_on_sigterm
+        from backend.deploy.local_server import _exit_on_sigterm
         assert _exit_on_sigterm() is signal.SIG_DFL
         try:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -35,7 +35,7 @@ def test_sigterm_runs_the_cleanup_and_exits_143():
 def test_a_handler_already_set_is_left_alone():
     done = _run("""
         import signal
-        from clients.local_server import _exit_on_sigterm
+        from backend.deploy.local_server import _exit_on_sigterm
         mine = lambda *a: None
         signal.signal(signal.SIGTERM, mine)
         assert _exit_on_sigterm() is None

@@ -1,9 +1,9 @@
-"""``backend.diagnostics.stacks``: py-spy's native stacks of a live process (what the harness prints for a straggler
+"""``backend.deploy.stacks``: py-spy's native stacks of a live process (what the harness prints for a straggler
 before it kills it), and the report going into the output and the log."""
 import subprocess
 import sys
 
-from backend.diagnostics.stacks import native_stacks, report_native_stacks
+from backend.deploy.stacks import native_stacks, report_native_stacks
 
 
 def test_a_sleeping_process_s_stacks_name_its_frames(tmp_path, capsys):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.deploy.topology import DEPLOYMENTS, ENGINE_STAGES, GPU_STAGES, HOSTS, REMOTE_STAGES, ModelKind, load
+from backend.deploy.schema import DEPLOYMENTS, ENGINE_STAGES, GPU_STAGES, HOSTS, ModelKind, REMOTE_STAGES
+
+from backend.deploy.topology import load
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,9 +1,9 @@
-"""``backend.deploy.tiny_model.shaped_config``: a real checkpoint's config keeps its fields but for the layer counts and
+"""``devtools.tiny.model.shaped_config``: a real checkpoint's config keeps its fields but for the layer counts and
 the tokenizer's vocabulary and special ids."""
 import json
 from pathlib import Path
 
-from backend.deploy.tiny_model import QWEN_SPECIAL_IDS, shaped_config
+from devtools.tiny.model import QWEN_SPECIAL_IDS, shaped_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 

@@ -4,8 +4,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.deploy.topology import TopologyError, load
+from backend.deploy.schema import TopologyError
+
 from backend.deploy.render import render_files
+from backend.deploy.topology import load
 from backend.engine.host import load_engine_args
 from backend.protocol.settings import ConfigError, EncoderSettings, VideoDecoder, parse_settings
 

@@ -268,7 +268,8 @@ def test_a_stage_s_error_on_a_part_names_the_client_s_video():
 
 def test_the_topology_renders_video_split_for_the_orchestrators_and_no_queue_delay_for_the_encoder(tmp_path):
     from backend.deploy.render import render_files
-    from backend.deploy.topology import TopologyError, load
+    from backend.deploy.schema import TopologyError
+    from backend.deploy.topology import load
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "topologies" / "default.yaml").read_text().replace("checkpoint: ../", f"checkpoint: {root}/")

@@ -18,9 +18,13 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.deploy.tier_service import MASTER_ENV, METADATA_ENV, mooncake_paths
+from backend.encode import gpu_image
 from backend.encode.checkpoint import processing_options
+from backend.encode.cuda_wait import block_on_waits
 from backend.encode.encoder import load_encoder
 from backend.encode.service import EncodeJob, EncoderService
+from backend.encode.tier import TierUnavailable
+from backend.encode.tier_mooncake import connect  # mooncake itself is imported when a store is made
 from backend.engine.host import bound_the_exit, prepare_process
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
     parse_part
@@ -29,9 +33,9 @@ from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
 from backend.protocol.settings import EncoderSettings, ImagePreprocess, VideoDecoder
 from backend.request import image, nvdec
-from backend.request.video import VIDEO_DECODES
-from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import checkpoint_media
+from backend.request.media import MediaLimits, media_limits
+from backend.request.video import VIDEO_DECODES
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
@@ -63,8 +67,6 @@ def image_device(settings: EncoderSettings, device: str, encoder) -> dict:
     is not one that module reproduces); nvjpeg's decoder is set up now on a small JPEG, not by a request."""
     if settings.image_preprocess == ImagePreprocess.CPU:
         return {}
-    from backend.encode import gpu_image
-
     if not device.startswith("cuda"):
         raise pb_utils.TritonModelException(f"encoder: image_preprocess {settings.image_preprocess} preprocesses on the "
                                             "instance's GPU: it needs KIND_GPU instances")
@@ -85,7 +87,6 @@ class TritonPythonModel:
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
         dtype = settings.encoder_dtype  # "" = the checkpoint's; bfloat16 for speed on GPU
         if settings.cuda_blocking_sync and device.startswith("cuda"):  # before this process's first CUDA tensor
-            from backend.encode.cuda_wait import block_on_waits
             sleeping = block_on_waits(int(args["model_instance_device_id"]))
             pb_utils.Logger.log_info(f"encoder: waits for the GPU {'sleep' if sleeping else 'spin (not changed)'}")
         # the checkpoint's vision tower, or an audio-only checkpoint's audio tower (backend.encode.audio)
@@ -180,16 +181,13 @@ def connect_tier(settings: EncoderSettings):
     or it cannot be had (logged, with the reason: the instance encodes without it)."""
     if not (settings.tier_bytes or settings.tier_master):
         return None
-    from backend.encode.tier import TierUnavailable
-    from backend.encode.tier_mooncake import connect
-
     master = settings.tier_master or os.environ.get(MASTER_ENV, "")
     metadata = settings.tier_metadata or os.environ.get(METADATA_ENV, "")
     paths = mooncake_paths()
     try:
         if not (master and metadata):
             raise TierUnavailable(f"no tier address ({MASTER_ENV} unset: the server was not started by "
-                                  "clients.local_server, or Mooncake is not installed)")
+                                  "backend.deploy.local_server, or Mooncake is not installed)")
         tier = connect(master, metadata, site_packages=paths[0] if paths else None,
                        call_timeout=settings.tier_call_timeout_seconds, retry_seconds=settings.tier_retry_seconds,
                        claim_seconds=settings.tier_claim_seconds)

@@ -56,6 +56,7 @@ class TritonPythonModel:
         self.cancels = CancelBoard.for_model(args["model_name"])
         self.openai = None
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
+            # upward on purpose: the endpoint served inside this process (fastapi), imported only where configured
             from frontend.openai.in_process import serve_for
 
             self.openai = serve_for(args["model_name"], settings, self.orchestrator.answerer(self.metrics),

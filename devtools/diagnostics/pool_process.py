@@ -2,7 +2,7 @@
 the component tests, the network-namespace tests and the transfer benchmarks (clients/bench/transfer.py,
 clients/bench/transfer_hosts.py).
 
-The child is started by multiprocessing (spawn), or, given ``launch``, as ``python -m backend.diagnostics.pool_process
+The child is started by multiprocessing (spawn), or, given ``launch``, as ``python -m devtools.diagnostics.pool_process
 ROLE FD KWARGS`` through ``launch(argv, pass_fds=(FD,))``, which returns a ``subprocess.Popen``: a caller that must
 place the child somewhere (another network namespace: ``tests.netns.Network.popen``) starts it itself, and the
 connection is a socket pair inherited as FD.
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-MODULE = "backend.diagnostics.pool_process"
+MODULE = "devtools.diagnostics.pool_process"
 Launch = Callable[..., subprocess.Popen]  # launch(argv, pass_fds=...) -> the started child
 
 
@@ -63,7 +63,7 @@ def _loop(conn, commands: dict[str, Callable]) -> None:
 def _serve_producer(conn, pool_bytes: int = 8 << 20, lease_seconds: float = 30.0, alloc_timeout: float = 0.2,
                     device: str = "cpu", agent_name: str | None = None, poll_delay_us: int | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from backend.transfer.producer import HEADER, EmbeddingPool
+    from backend.transfer.producer import EmbeddingPool, HEADER
 
     pool = EmbeddingPool(pool_bytes, lease_seconds=lease_seconds, alloc_timeout=alloc_timeout, device=device,
                          agent_name=agent_name, poll_delay_us=poll_delay_us)
@@ -223,7 +223,7 @@ def make_layout(handle_doc: dict, tensor: torch.Tensor, grid=(1, 2, 2)):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m backend.diagnostics.pool_process ROLE FD KWARGS``: serve ROLE on the inherited socket FD."""
+    """``python -m devtools.diagnostics.pool_process ROLE FD KWARGS``: serve ROLE on the inherited socket FD."""
     role, fd, kwargs = argv or sys.argv[1:]
     _SERVERS[role](Connection(int(fd)), **json.loads(kwargs))
 

@@ -1,5 +1,5 @@
 """Tiny random-weight checkpoints of the other model families: Qwen2.5-VL and Qwen3-VL, built like the Qwen2-VL one
-(``backend.deploy.tiny_model``: the same tokenizer, chat template, seeded weights re-drawn at std 1/sqrt(fan_in),
+(``devtools.tiny.model``: the same tokenizer, chat template, seeded weights re-drawn at std 1/sqrt(fan_in),
 ``BUILD_INFO.json`` fingerprint, nothing downloaded).
 
 What each tiny config keeps of its family, so that serving it exercises what differs from Qwen2-VL:
@@ -13,7 +13,7 @@ What each tiny config keeps of its family, so that serving it exercises what dif
   hidden size of 128. Patches of 16 px, learned position embeddings (8 x 8 grid, interpolated), interleaved M-RoPE,
   a video processor that samples by fps (the prompt carries each temporal patch's ``<t seconds>``).
 
-CLI: ``python -m backend.deploy.tiny_model --family qwen2_5_vl --out models/tiny-qwen2.5-vl`` (``FAMILIES``).
+CLI: ``python -m devtools.tiny --family qwen2_5_vl --out models/tiny-qwen2.5-vl`` (``FAMILIES``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from backend.deploy import tiny_model as base
+from devtools.tiny import model as base
 
 RECIPE_VERSION = 1
 
@@ -109,7 +109,7 @@ def _processors(out: Path, family: str) -> None:
 
 
 def build_family(family: str, out: Path, force: bool = False) -> bool:
-    """Build ``family``'s tiny checkpoint at ``out`` (``qwen2_vl``: ``tiny_model.build``). Returns False when an
+    """Build ``family``'s tiny checkpoint at ``out`` (``qwen2_vl``: ``devtools.tiny.model.build``). Returns False when an
     identical one already exists."""
     if family == "qwen2_vl":
         return base.build(out, force)

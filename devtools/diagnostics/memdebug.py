@@ -1,7 +1,8 @@
 """Memory diagnostics inside a vLLM EngineCore process (opt-in, for soak investigations).
 
-Started by ``backend.engine.patches`` in each EngineCore process when ``EPD_ENGINE_MEMDEBUG`` names a
-directory. A daemon thread watches the engine; once it has been idle (no unfinished request) for a few
+A vLLM general plugin of its own (entry point ``epd_memdebug``, pyproject.toml; the server's patches,
+``backend.engine.patches``, know nothing of it): ``register`` starts it in each EngineCore process when
+``EPD_ENGINE_MEMDEBUG`` names a directory. A daemon thread watches the engine; once it has been idle (no unfinished request) for a few
 seconds after some work, it writes ``<dir>/<pid>-<n>.txt``: RSS, glibc's heap statistics, Python
 objects by type, live torch tensors, the sizes of vLLM's per-request structures, and (with
 ``EPD_ENGINE_TRACEMALLOC=<frames>``) the top allocation sites by traceback compared with the previous
@@ -18,7 +19,21 @@ import threading
 import traceback
 import time
 
+from backend.protocol.versions import Guard
+
+MEMDEBUG = Guard("engine memdebug", "vllm", "0.32", "0.33", "no memory reports from the EngineCore")
 _started = False
+
+
+def register() -> None:
+    """vLLM calls this in each of its processes that loads plugins; off unless ``EPD_ENGINE_MEMDEBUG`` is set."""
+    directory = os.environ.get("EPD_ENGINE_MEMDEBUG")
+    if not directory:
+        return
+    from vllm.v1.engine import core  # heavy, and only needed where the diagnostic is on
+
+    if MEMDEBUG.allows(core.EngineCore, "__init__"):
+        install(directory)
 
 
 def install(directory: str) -> None:

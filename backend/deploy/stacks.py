@@ -1,5 +1,5 @@
 """The native stacks of a process that would not exit (``py-spy dump --native``): a stub hung in a C destructor shows
-no Python frame in its own faulthandler dump ("Garbage-collecting"), so the harness (``clients.local_server``)
+no Python frame in its own faulthandler dump ("Garbage-collecting"), so the harness (``backend.deploy.local_server``)
 asks py-spy before it kills a straggler, and prints what it says into the test's output and the server's log."""
 from __future__ import annotations
 

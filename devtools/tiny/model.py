@@ -6,21 +6,19 @@ HF's default init (std 0.02) gives a model whose output ignores the image, which
 make every equality test vacuous; so matrices are re-drawn with std 1/sqrt(fan_in) and
 token embeddings with std 1, which makes different images give different tokens.
 
-CLI: ``python -m backend.deploy.tiny_model --out models/tiny-qwen2-vl``. The output directory
+CLI (``devtools.tiny.__main__``): ``python -m devtools.tiny --out models/tiny-qwen2-vl``. The output directory
 holds a ``BUILD_INFO.json`` fingerprint; a second run with the same recipe is a no-op. ``--family qwen2_5_vl`` /
-``qwen3_vl`` builds the other families' tiny checkpoints (``backend.deploy.tiny_families``).
+``qwen3_vl`` builds the other families' tiny checkpoints (``devtools.tiny.families``).
 
 ``--like DIR`` (``build_like``) builds instead a checkpoint shaped like a real one from its published files
 (config, image processor, generation config, chat template: tests/data/checkpoints), with fewer layers.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -264,29 +262,3 @@ def build_like(source: Path, out: Path, layers: int = 2, vision_layers: int = 2,
         return {"like": str(source), "layers": layers, "vision_layers": vision_layers}
 
     return _build_once(out, fingerprint, make, force)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="the checkpoint folder (default: models/tiny-<family>)")
-    parser.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
-                        help="the model family of the tiny checkpoint (not with --like)")
-    parser.add_argument("--like", type=Path, help="a folder with a real checkpoint's config.json (and processor, "
-                                                  "generation config, chat template): build one shaped like it")
-    parser.add_argument("--layers", type=int, default=2, help="--like: language-model layers")
-    parser.add_argument("--vision-layers", type=int, default=2, help="--like: vision tower blocks")
-    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    args = parser.parse_args(argv)
-    from backend.deploy.tiny_families import DEFAULT_OUT, build_family
-
-    args.out = args.out or Path(DEFAULT_OUT[args.family] if not args.like else "models/tiny-qwen2-vl")
-    if args.like:
-        built = build_like(args.like, args.out, args.layers, args.vision_layers, force=args.force)
-    else:
-        built = build_family(args.family, args.out, force=args.force)
-    print(f"{'built' if built else 'up to date'}: {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

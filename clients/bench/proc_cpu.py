@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from clients.local_server import group_members
+from backend.deploy.local_server import group_members
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

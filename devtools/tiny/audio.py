@@ -3,11 +3,11 @@
 Qwen2-Audio (``Qwen2AudioForConditionalGeneration``) is a Whisper-style audio encoder (two convolutions over a
 log-mel spectrogram, transformer layers, a 2x average pool) and a linear projector in front of a Qwen2 language model;
 vLLM serves it with precomputed audio embeddings (``audio_embeds`` + ``audio_num_tokens``), and its tokenizer family is
-the tiny Qwen2-VL's. Everything is as ``backend.deploy.tiny_model`` builds that one (its byte-level BPE tokenizer, its
+the tiny Qwen2-VL's. Everything is as ``devtools.tiny.model`` builds that one (its byte-level BPE tokenizer, its
 seeded re-initialisation, its fingerprinted one-shot build), plus the three audio special tokens, Qwen2-Audio's chat
 template and a Whisper feature extractor (16 kHz, 30 s chunks: 3000 mel frames, at most 750 audio tokens an item).
 
-CLI: ``python -m backend.deploy.tiny_audio_model --out models/tiny-qwen2-audio``; a second run with the same recipe is
+CLI: ``python -m devtools.tiny.audio --out models/tiny-qwen2-audio``; a second run with the same recipe is
 a no-op (``BUILD_INFO.json``).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from backend.deploy import tiny_model
+from devtools.tiny import model as tiny_model
 
 RECIPE_VERSION = 1
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]

@@ -3,7 +3,7 @@
 Used by ``make serve`` (foreground), ``make demo``, the e2e tests and the benchmarks. The binary and
 the Python backend come from the ``nvidia-pytriton`` wheel in the project venv (see scripts/setup.sh).
 
-    python -m clients.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
+    python -m backend.deploy.local_server [--model-repository DIR]   # foreground, ports from HTTP_PORT/GRPC_PORT/METRICS_PORT
     .venv/bin/tritonserver --model-repository model_repository --grpc-port 9001 ...   # tritonserver's own flags
 
 ``.venv/bin/tritonserver`` (the console script ``tritonserver``, ``exec_tritonserver``) is the real binary
@@ -25,12 +25,20 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from backend.deploy.ports import free_ports
+from backend.deploy.render import render
+from backend.deploy.schema import TopologyError
+from backend.deploy.stacks import report_native_stacks
+from backend.deploy.tier_service import launch_for, remote_tier_env
+from backend.deploy.topology import load
+
+ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
 DEFAULT_REPOSITORY = ROOT / "model_repository"
 
@@ -66,8 +74,6 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        from backend.deploy.ports import free_ports
-
         return cls(*free_ports(3))
 
     @classmethod
@@ -303,8 +309,6 @@ class TritonServer:
 
     def _with_tier(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` for a server with the repository's embedding tier, started here if it has one and it is not up."""
-        from backend.deploy.tier_service import launch_for, remote_tier_env
-
         if self.tier is None:
             self.tier = launch_for(self.repository, str(Path(self.log_path).parent) if self.log_path else "/tmp")
         return self.tier.env(env) if self.tier is not None else remote_tier_env(self.repository, env)
@@ -355,7 +359,6 @@ class TritonServer:
             time.sleep(0.2)
         self.stragglers = left
         if left:
-            from backend.diagnostics.stacks import report_native_stacks
             report_native_stacks(left, self.log_path)  # py-spy's view first: C frames too
             for pid in left:  # a stub prints its threads' stacks into the log first (backend.engine.host.prepare_process)
                 try:
@@ -409,8 +412,6 @@ def _exit_on_sigterm():
     the server and its engines on ``timeout`` or ``kill`` as on Ctrl-C (the server runs in a process group of its
     own: without this, a benchmark killed by ``timeout`` left every engine holding its GPU memory). Returns the
     handler to restore; None where one is set already or this is not the main thread."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         return None
 
@@ -425,11 +426,6 @@ def render_topology(topology: Path, checkpoint: Path | None = None, openai_port:
     """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``. A topology
     with ``openai_port`` serves the OpenAI endpoint from its served model's process: ``openai_port`` (non-zero)
     replaces its port. Returns the repository and that in-process endpoint's port (0: the topology has none)."""
-    from dataclasses import replace
-
-    from backend.deploy.topology import load
-    from backend.deploy.render import render
-
     served = load(topology, checkpoint=checkpoint)
     if served.openai_port and openai_port:
         served = replace(served, openai_port=openai_port)
@@ -452,8 +448,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--checkpoint goes with --topology")
     repository = args.model_repository.resolve()
     if args.topology:
-        from backend.deploy.topology import TopologyError
-
         try:
             repository, in_process = render_topology(args.topology, args.checkpoint, args.openai_port)
         except TopologyError as exc:
@@ -467,8 +461,6 @@ def main(argv: list[str] | None = None) -> None:
     cmd = command(repository, ports, args.extra)
     if args.openai_port:
         start_openai(args.openai_port, ports.grpc)
-    from backend.deploy.tier_service import launch_for, remote_tier_env
-
     tier = launch_for(repository, os.environ.get("EPD_TIER_LOG_DIR", "/tmp"))
     if tier is None:
         os.execve(cmd[0], cmd, remote_tier_env(repository, server_env()))

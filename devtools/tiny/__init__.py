@@ -1,0 +1,1 @@
+"""Tiny random-weight checkpoints, built locally and deterministically (``python -m devtools.tiny``; scripts/setup.sh)."""
