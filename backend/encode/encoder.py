@@ -13,12 +13,12 @@ temporal patch: ``temporal_patch_size``) where the video processor resizes a fra
 there are (``cap_pixels_per_frame`` off, Qwen2-VL's default); otherwise all frames are, and the rows are cut after.
 
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
-against the whole checkpoint). What differs per model family (the tower class, the video processor's call, the video
-timing in the layout, DeepStack's wider output): its ``Family`` (``backend.encode.families``). At load the encoder measures its output
-width with one tiny forward and checks it against what the checkpoint's language model takes
-(``checkpoint.embedding_width``), so a tower that gives other embeddings fails the load, not a request.
-``load_encoder`` gives a checkpoint with an audio tower and no vision tower (Qwen2-Audio) its
-``backend.encode.audio.AudioEncoder`` instead, with the same interface.
+against the whole checkpoint). What differs per model family (the tower class, packed or not, the video processor's
+call, the video timing in the layout, DeepStack's wider output) is asked of its ``Family``, the registry's for the
+config's ``model_type`` (``backend.encode.families``). At load the encoder measures its output width with one tiny
+forward and checks it against what the checkpoint's language model takes (``checkpoint.embedding_width``), so a tower
+that gives other embeddings fails the load, not a request. ``load_encoder`` gives a family with an audio tower and no
+vision tower (Qwen2-Audio) its ``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
 from __future__ import annotations
 
