@@ -3,7 +3,7 @@
 linear layer, the modules vLLM's ``Qwen2AudioForConditionalGeneration`` runs, read from the same safetensors files).
 
 Who calls it: the ``encoder`` model, through ``backend.encode.encoder.load_encoder``, which picks this class for a
-checkpoint with an audio tower and no vision tower; then ``encode(items)`` per batch, as ``VisionEncoder``'s. Items
+family with an audio tower and no vision tower (its ``Family.audio``: the tower class and the tensors' prefixes); then ``encode(items)`` per batch, as ``VisionEncoder``'s. Items
 (``backend.request.audio.DecodedAudio``: mono samples at the extractor's rate) of many requests go through one
 feature-extractor call and one tower forward: each item is padded to the extractor's window (30 s: 3000 mel frames)
 and masked past its own frames, as vLLM's ``_process_audio_input`` does, so an item's embeddings are its own rows of
@@ -19,20 +19,12 @@ from pathlib import Path
 import torch
 
 from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
+from backend.encode.families import family_for
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout
 from backend.protocol.modality import AUDIO, modality
 from backend.request.audio import DecodedAudio
 from backend.request.media import modality_of
-
-TOWER_PREFIXES = ("audio_tower.", "model.audio_tower.")
-PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
-
-
-def is_audio_only(config) -> bool:
-    """Whether a checkpoint's config (``AutoConfig``) has an audio tower and no vision tower (Qwen2-Audio)."""
-    return getattr(config, "audio_config", None) is not None and getattr(config, "vision_config", None) is None
-
 
 @dataclass(frozen=True)
 class EncodedAudio:
@@ -60,19 +52,19 @@ class AudioEncoder:
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> "AudioEncoder":
         """The audio tower and projector of ``model_dir`` (their tensors only are read), in ``dtype`` (None: the
         checkpoint's), on ``device``."""
-        from transformers import AutoConfig, AutoFeatureExtractor
-        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+        from transformers import AutoConfig, AutoFeatureExtractor  # deferred: heavy
 
         model_dir = Path(model_dir)
         started = time.perf_counter()
         config = AutoConfig.from_pretrained(model_dir)
-        if config.model_type != "qwen2_audio":
-            raise ValueError(f"no audio tower known for model_type {config.model_type!r}")
+        family = family_for(config.model_type)
+        if family.audio is None:
+            raise ValueError(f"the {family.model_type} family has no audio tower")
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
-        tower = Qwen2AudioEncoder(config.audio_config)  # as vLLM builds it (its attention implementation too)
+        tower = family.audio.load_class()(config.audio_config)  # as vLLM builds it (its attention implementation too)
         projector = torch.nn.Linear(config.audio_config.d_model, config.text_config.hidden_size, bias=True)
         read = 0
-        for module, prefixes in ((tower, TOWER_PREFIXES), (projector, PROJECTOR_PREFIXES)):
+        for module, prefixes in ((tower, family.audio.prefixes), (projector, family.audio.projector_prefixes)):
             state, nbytes = read_tensors(model_dir, prefixes)
             module.load_state_dict(state, strict=True)
             read += nbytes
@@ -138,4 +130,4 @@ def _padding_mask(lengths: torch.Tensor, mel_frames: int, device, dtype) -> torc
     return mask.masked_fill(padded.to(device), float("-inf"))
 
 
-__all__ = ["AudioEncoder", "EncodedAudio", "is_audio_only"]
+__all__ = ["AudioEncoder", "EncodedAudio"]

@@ -1,6 +1,7 @@
 """What identifies a checkpoint's embeddings: the model (``model_identity``) and the image/video processor settings
 (``processing_options``), both parts of an item's content key; and reading a tower's tensors out of it
-(``read_tensors``, with what that took: ``LoadReport``). Light on purpose (no torch at import): the orchestrators import it at load.
+(``read_tensors``, with what that took: ``LoadReport``); the embedding widths its family gives it (``embedding_widths``). Light on purpose (no torch at
+import): the orchestrators import it at load.
 """
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.encode.families import family_for
+
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What loading a tower read: the seconds it took, the bytes of tensors read, the checkpoint's bytes in all."""
+    """What loading an encoder cost: seconds, the tower's bytes read, and the whole checkpoint's bytes."""
+
     seconds: float
     bytes_read: int
     checkpoint_bytes: int
@@ -61,14 +65,19 @@ def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> tuple[dict, int]
     return state, read
 
 
-def embedding_width(model_dir: str | Path) -> int:
-    """The width of the media embeddings the checkpoint's language model takes (vLLM's ``image_embeds`` /
-    ``video_embeds``), from its config.json: the tower's output size (``out_hidden_size``; Qwen2-VL's
-    ``vision_config.hidden_size`` is its merger's output), times 1 + the DeepStack levels where the family has them
-    (Qwen3-VL: the merged embeddings and one per ``deepstack_visual_indexes``, concatenated)."""
+def embedding_widths(model_dir: str | Path) -> dict[str, int]:
+    """The width of the media embeddings the checkpoint's language model takes per modality (vLLM's
+    ``<modality>_embeds``), from its config.json, by its family's rule (``Family.embedding_widths``: the tower's
+    output size, times 1 + the DeepStack levels where the family has them). ``UnknownFamily`` for a ``model_type``
+    no family has."""
     doc = json.loads((Path(model_dir) / "config.json").read_text())
-    vision = doc.get("vision_config", {})
-    text = doc.get("text_config", doc)
-    width = vision.get("out_hidden_size") or (vision.get("hidden_size") if doc.get("model_type") == "qwen2_vl" else None)
-    width = width or text.get("hidden_size")
-    return int(width) * (1 + len(vision.get("deepstack_visual_indexes") or ()))
+    return family_for(doc.get("model_type", "")).embedding_widths(doc)
+
+
+def embedding_width(model_dir: str | Path) -> int:
+    """The one width of the checkpoint's media embeddings (``embedding_widths``), whatever the modality; ValueError
+    for a family whose modalities differ in width (their consumers take ``embedding_widths``)."""
+    widths = set(embedding_widths(model_dir).values())
+    if len(widths) != 1:
+        raise ValueError(f"{model_dir}: the media embeddings differ in width per modality ({sorted(widths)})")
+    return widths.pop()

@@ -13,12 +13,12 @@ temporal patch: ``temporal_patch_size``) where the video processor resizes a fra
 there are (``cap_pixels_per_frame`` off, Qwen2-VL's default); otherwise all frames are, and the rows are cut after.
 
 Only the tower's tensors are read from the safetensors files (``load_report`` says how many bytes,
-against the whole checkpoint). What differs per model family (the tower class, the video processor's call, the video
-timing in the layout, DeepStack's wider output): ``backend.encode.families``. At load the encoder measures its output
-width with one tiny forward and checks it against what the checkpoint's language model takes
-(``checkpoint.embedding_width``), so a tower that gives other embeddings fails the load, not a request.
-``load_encoder`` gives a checkpoint with an audio tower and no vision tower (Qwen2-Audio) its
-``backend.encode.audio.AudioEncoder`` instead, with the same interface.
+against the whole checkpoint). What differs per model family (the tower class, packed or not, the video processor's
+call, the video timing in the layout, DeepStack's wider output) is asked of its ``Family``, the registry's for the
+config's ``model_type`` (``backend.encode.families``). At load the encoder measures its output width with one tiny
+forward and checks it against what the checkpoint's language model takes (``checkpoint.embedding_width``), so a tower
+that gives other embeddings fails the load, not a request. ``load_encoder`` gives a family with an audio tower and no
+vision tower (Qwen2-Audio) its ``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
 from __future__ import annotations
 
@@ -30,17 +30,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backend.encode import families, gpu_image
-from backend.encode.audio import AudioEncoder, is_audio_only
+from backend.encode import gpu_image
+from backend.encode.audio import AudioEncoder
 from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
+from backend.encode.families import Family, family_for
 from backend.encode.packed_tower import PackedTower
 from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' handlers
-
-TOWER_PREFIXES = ("visual.", "model.visual.")
-
 
 @dataclass(frozen=True)
 class EncodedItem:
@@ -48,7 +46,7 @@ class EncodedItem:
     image_grid_thw: tuple[int, int, int]  # the item's patch grid (a video's too; a video part's own)
     modality: str = IMAGE.name
     part: tuple[int, int] | None = None  # a video part's (first temporal patch, the video's count)
-    timing: tuple = ()  # a video's VideoLayout timing members, as (name, value) pairs (families.video_timing)
+    timing: tuple = ()  # a video's VideoLayout timing members, as (name, value) pairs (Family.video_timing)
 
     def media(self) -> ModalityLayout:
         """The layout's per-modality block of this item."""
@@ -68,11 +66,12 @@ class VideoPart:
 class VisionEncoder:
     def __init__(self, tower: torch.nn.Module, processor, merge_size: int, identity: str, report: LoadReport,
                  device: torch.device, dtype: torch.dtype, forward=None, video_processor=None,
-                 model_type: str = "qwen2_vl"):
+                 family: Family | None = None):
         self.tower, self.processor, self.merge_size = tower, processor, merge_size
-        self.video_processor, self.model_type = video_processor, model_type
+        self.video_processor, self.family = video_processor, family or family_for("qwen2_vl")
+        self.model_type = self.family.model_type
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
-        self.forward = forward or _transformers_forward(tower)
+        self.forward = forward or _transformers_forward(tower, self.family)
         self._kept_sizes: dict[tuple, bool] = {}  # frame size -> whether the video processor keeps it (keeps_size)
 
     @classmethod
@@ -80,16 +79,18 @@ class VisionEncoder:
              impl: str = "packed", compile: bool = False) -> "VisionEncoder":
         """``impl``: ``packed`` (``backend.encode.packed_tower``: one varlen-attention pass over the batch) or
         ``transformers`` (the checkpoint's own module, the reference; what a family the packed tower does not
-        implement runs, ``families.PACKED``); ``compile``: torch.compile the packed blocks (CUDA only)."""
+        implement runs, ``VisionTower.packed``); ``compile``: torch.compile the packed blocks (CUDA only)."""
         from transformers import AutoConfig, AutoImageProcessor
 
         model_dir = Path(model_dir)
         started = time.perf_counter()
         config = AutoConfig.from_pretrained(model_dir)
-        tower_cls = families.tower_class(config.model_type)
+        family = family_for(config.model_type)
+        if family.vision is None:
+            raise ValueError(f"the {family.model_type} family has no vision tower")
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
-        tower = tower_cls._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
-        state, read = read_tensors(model_dir, TOWER_PREFIXES)
+        tower = family.vision.load_class()._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
+        state, read = read_tensors(model_dir, family.vision.prefixes)
         files = sorted(model_dir.glob("*.safetensors"))
         tower.load_state_dict(state, strict=True)
         if torch.device(device).type == "cuda" and dtype == torch.float32:
@@ -103,10 +104,10 @@ class VisionEncoder:
         if impl not in ("packed", "transformers"):
             raise ValueError(f"encoder impl must be 'packed' or 'transformers', not {impl!r}")
         forward = None
-        if impl == "packed" and config.model_type in families.PACKED:
+        if impl == "packed" and family.vision.packed:
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
         encoder = cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
-                      torch.device(device), dtype, forward, video_processor, config.model_type)
+                      torch.device(device), dtype, forward, video_processor, family)
         encoder.check_width(embedding_width(model_dir))
         return encoder
 
@@ -172,21 +173,21 @@ class VisionEncoder:
         return batch["pixel_values"], batch["image_grid_thw"]
 
     def _sampled(self, item):
-        """A video (or video part) with the frames its processor samples from it (``families.sample_frames``), so
+        """A video (or video part) with the frames its processor samples from it (``Family.sample_frames``), so
         that one processor call for many videos treats each as vLLM's per-video call does; images as they are."""
         if is_image(item) or self.video_processor is None:
             return item
         if isinstance(item, VideoPart):
-            return VideoPart(families.sample_frames(self.model_type, self.video_processor, item.video), item.part)
-        return families.sample_frames(self.model_type, self.video_processor, item)
+            return VideoPart(self.family.sample_frames(self.video_processor, item.video), item.part)
+        return self.family.sample_frames(self.video_processor, item)
 
     def _preprocess_videos(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One video processor call for ``items`` (videos and video parts whose frames are on one device: the
         processor runs there, on the GPU only where it gives the host's pixels), as vLLM's processing of the family
-        calls it (``families.video_kwargs``); their pixel rows and grids, cut to the parts'."""
+        calls it (``Family.video_kwargs``); their pixel rows and grids, cut to the parts'."""
         frames, cuts = zip(*(self._frames(item) for item in items))
         decoded = [getattr(item, "video", item) for item in items]
-        kwargs = families.video_kwargs(self.model_type, decoded)
+        kwargs = self.family.video_kwargs(decoded)
         if isinstance(frames[0], torch.Tensor) and frames[0].is_cuda and not all(
                 self.keeps_size(tuple(f.shape)) for f in frames):
             # torchvision's antialiased resize on CUDA computes in float where the host's is fixed-point uint8: up
@@ -201,7 +202,7 @@ class VisionEncoder:
         ops on the GPU give the host's pixels). A processor that sizes frames by their count (Qwen3-VL) is taken to
         resize. Found once per size by the processor's own call on a black 2-frame clip."""
         vp = self.video_processor
-        if families.resize_depends_on_frames(vp):
+        if self.family.resize_depends_on_frames(vp):
             return False
         if shape[1:3] not in self._kept_sizes:
             probe = np.zeros((vp.temporal_patch_size, *shape[1:3], 3), np.uint8)
@@ -226,7 +227,7 @@ class VisionEncoder:
     def _timing(self, item, cut: tuple[int, int] | None) -> tuple:
         """A video's (or video part's: ``cut``, its temporal patches) timing members for its layout."""
         whole = getattr(item, "video", item)
-        timing = families.video_timing(self.model_type, whole, self.video_processor.temporal_patch_size)
+        timing = self.family.video_timing(whole, self.video_processor.temporal_patch_size)
         if cut is not None and "timestamps" in timing:
             timing["timestamps"] = timing["timestamps"][cut[0]:cut[1]]
         return tuple(timing.items())
@@ -242,7 +243,7 @@ class VisionEncoder:
         if not isinstance(item, VideoPart):
             return item.frames, None
         first, stop = part_range(item.part, self.temporal_patches(item.video))
-        if families.resize_depends_on_frames(self.video_processor):  # the frame count changes each frame's size
+        if self.family.resize_depends_on_frames(self.video_processor):  # the frame count changes each frame's size
             return item.video.frames, (first, stop)
         size = self.video_processor.temporal_patch_size
         return item.video.frames[first * size: stop * size], None
@@ -250,11 +251,13 @@ class VisionEncoder:
 
 def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, impl: str = "packed",
                  compile: bool = False):
-    """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a checkpoint with an
-    audio tower and no vision tower (Qwen2-Audio), else its vision tower's (``VisionEncoder.load``)."""
-    from transformers import AutoConfig
+    """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a family with an
+    audio tower and no vision tower (Qwen2-Audio), else its vision tower's (``VisionEncoder.load``); the family is
+    the registry's for the config's ``model_type`` (``UnknownFamily`` if none)."""
+    from transformers import AutoConfig  # deferred: heavy, as everywhere in this module's loaders
 
-    if is_audio_only(AutoConfig.from_pretrained(model_dir)):
+    family = family_for(AutoConfig.from_pretrained(model_dir).model_type)
+    if family.vision is None and family.audio is not None:
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)
     return VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
 
@@ -310,7 +313,7 @@ def load_video_processor(model_dir: Path):
         return None
 
 
-def _transformers_forward(tower):
+def _transformers_forward(tower, family: Family):
     def forward(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        return families.tower_output(tower(pixels, grid_thw=grid.to(pixels.device)))
+        return family.tower_output(tower(pixels, grid_thw=grid.to(pixels.device)))
     return forward

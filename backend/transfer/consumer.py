@@ -4,14 +4,15 @@ Who calls it: a consumer model (``pd``, ``prefill``) before it submits a request
 tensor of the layout's dtype and shape, or raises ``Unavailable`` (lease expired or released, producer
 gone, transfer failed); the request then fails, never the engine.
 
-Three data paths, chosen per handle by its transport (``backend.protocol.layout.TRANSPORTS``) and where it is:
-- ``SharedMemoryHandle`` from this host (``handle.host`` equals ours) whose memfd can be opened: map the pool once
-  per producer (read-only) and copy the region (``backend.transfer.same_host.SharedMemoryReader``);
-- ``CudaIpcHandle`` from this host, and this process can use CUDA: open the pool once per producer through CUDA IPC
-  and copy the region with the GPU's copy engine, into VRAM (``device="cuda"``) or host memory (``device="cpu"``)
-  (``backend.transfer.same_host.CudaIpcReader``);
-- otherwise (a ``NixlHandle``, another host, or no CUDA here): one NIXL READ into ``device``'s memory, carrying the
-  notification ``release:<lease_id>``, delivered to the producer when the data has arrived.
+The data path is chosen per handle by its transport (``handle.transport``, a key of the transport registry,
+``backend.transfer.transports``) and where it is:
+- from this host (``handle.host`` equals ours), a transport with a same-host reader here: the reader's copy
+  (``shared_memory``: the pool's memfd mapped once per producer, read-only, and the region copied; ``cuda_ipc``, where
+  this process can use CUDA: the pool opened once per producer through CUDA IPC and the region copied with the GPU's
+  copy engine, into VRAM (``device="cuda"``) or host memory (``device="cpu"``), the call's copies finished together);
+- otherwise (a ``nixl`` handle, another host, a pool the reader cannot open, or no CUDA here): one NIXL READ into
+  ``device``'s memory, carrying the notification ``release:<lease_id>``, delivered to the producer when the data has
+  arrived.
 The same-host paths send the release as a NIXL notification (from a background thread; releases that
 come within ``RELEASE_BATCH_SECONDS`` of each other share one). All check the lease's tag after the copy
 (the region's tags; for CUDA IPC, the producer's host-memory tag table where it can be mapped), so a
@@ -33,10 +34,11 @@ import time
 import torch
 
 from backend.protocol.errors import Unavailable
-from backend.protocol.layout import CudaIpcHandle, LayoutMetadata, SharedMemoryHandle, host_identity
+from backend.protocol.layout import LayoutMetadata, host_identity
 from backend.transfer.agent import create_agent
-from backend.transfer.producer import HEADER, RELEASE_PREFIX, TRAILER
-from backend.transfer.same_host import DTYPES, CudaIpcReader, SharedMemoryReader
+from backend.transfer.region import HEADER, RELEASE_PREFIX, TRAILER
+from backend.transfer.same_host import DTYPES, SharedMemoryReader
+from backend.transfer.transports import SameHostReader, transports
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,9 @@ RELEASE_BATCH_SECONDS = 0.001  # releases this close together share one notifica
 class EmbeddingConsumer:
     def __init__(self, role: str = "consumer", timeout: float = 10.0, expiry_margin: float = 0.05,
                  same_host_copy: bool = True, poll_delay_us: int | None = None, device: str = "cpu",
-                 cuda_ipc: bool = True):
+                 same_host: tuple[str, ...] | None = None):
+        """``same_host_copy``: take the same-host readers at all; ``same_host``: the transports whose reader this
+        consumer may take (None: every registered one's)."""
         # Release notifications go out from a background thread (off the pull's critical path: ~10-15 us
         # a call on the GPU machine, as much as a 16 MiB copy); the agent is made thread-safe for it.
         self.agent = create_agent(role, poll_delay_us, thread_safe=True)
@@ -58,7 +62,11 @@ class EmbeddingConsumer:
         self.host = host_identity()
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata it was added with
         self._shm = SharedMemoryReader()
-        self._cuda_ipc = CudaIpcReader.create(self.device, self._shm) if cuda_ipc and same_host_copy else None
+        self.readers: dict[str, SameHostReader] = {}  # transport name -> its same-host reader here
+        for t in transports() if same_host_copy else ():
+            if t.reader is not None and (same_host is None or t.name in same_host) and \
+                    (reader := t.reader(self.device, self._shm)) is not None:
+                self.readers[t.name] = reader
         self._next_liveness_check = 0.0
         self.paths: collections.Counter[str] = collections.Counter()  # pulls per data path
         self.bytes_pulled = 0
@@ -76,17 +84,8 @@ class EmbeddingConsumer:
         pull connects if this did not). Call it where pulls run (not thread-safe)."""
         try:
             self._peer(handle)
-            if self.same_host_copy and handle.host == self.host:
-                if isinstance(handle, CudaIpcHandle) and self._cuda_ipc is not None:
-                    self._cuda_ipc.view(handle)
-                    self._shm.tags(handle)
-                elif isinstance(handle, SharedMemoryHandle) and (pool := self._shm.pool(handle)) is not None \
-                        and pool.numel() >= 2 * HEADER:
-                    # the ops of a pull (``SharedMemoryReader.copy``, ``pull_media_embeds``) once: their first
-                    # call costs more than a whole later pull
-                    part = pool[:HEADER].clone()
-                    torch.cat([part.view(torch.int64), part.view(torch.int64)])
-                    torch.tensor([[1, 2, 2]], dtype=torch.int64)
+            if (reader := self._reader(handle)) is not None:
+                reader.warm(handle)
             self._start_release_thread()
         except Exception as exc:  # noqa: BLE001 - an optimisation only
             log.warning("could not connect ahead to embedding producer %s: %s", handle.agent_name, exc)
@@ -95,16 +94,16 @@ class EmbeddingConsumer:
         return self.pull_many([layout])[0]
 
     def pull_many(self, layouts, names: list[str] | None = None) -> list[torch.Tensor]:
-        """Pull every layout; CUDA IPC items of the call share one wait and one release notification per
+        """Pull every layout; items a reader enqueued (CUDA IPC) share one wait and one release notification per
         producer. A failure raises ``Unavailable`` prefixed with the item's name (``names[i]``, if given)."""
         names = names or [""] * len(layouts)
         while self._unreachable:
             self._forget(self._unreachable.pop())
         self._drop_dead_maps()
         results: list[torch.Tensor | None] = [None] * len(layouts)
-        pending = []  # CUDA IPC copies in flight: (index, layout, peer, (payload, tag check), stream)
-        if self._cuda_ipc is not None:  # a trailer word for every item, before any copy
-            self._cuda_ipc.reserve(len(layouts))
+        pending = []  # copies in flight (CUDA IPC): (index, layout, peer, *what the reader's read gave)
+        for reader in self.readers.values():  # e.g. a trailer word for every item, before any copy
+            reader.reserve(len(layouts))
         try:
             for index, layout in enumerate(layouts):
                 try:
@@ -116,30 +115,33 @@ class EmbeddingConsumer:
                 else:
                     results[index] = pulled
             if pending:
-                self._finish_ipc(pending, results, names)
+                self._finish(pending, results, names)
         except BaseException:
-            if pending:  # copies may still be running into the payloads: let them finish first
-                self._cuda_ipc.wait(pending)
+            for name, group in _by_transport(pending).items():  # copies may still be running into the payloads
+                self.readers[name].wait(group)
             raise
         return results
 
     def _pull_or_enqueue(self, layout: LayoutMetadata, slot: int):
-        """One item: its tensor, or, for a CUDA IPC copy now enqueued, (peer, enqueued copy, stream)."""
+        """One item: its tensor, or, for a copy a reader enqueued, (peer, *what the reader's read gave)."""
         handle = layout.handle
         if time.time() > handle.expires_at - self.expiry_margin:
             raise Unavailable(f"embedding lease {handle.lease_id} expired before it was read")
         peer = self._peer(handle)
-        same_host = self.same_host_copy and handle.host == self.host
-        if same_host and isinstance(handle, CudaIpcHandle) and self._cuda_ipc is not None \
-                and (ipc := self._cuda_ipc.view(handle)) is not None:
-            return peer, self._cuda_ipc.enqueue(ipc, layout, slot), ipc[1]
-        if same_host and isinstance(handle, SharedMemoryHandle) and (pool := self._shm.pool(handle)) is not None:
-            payload = self._shm.copy(pool, handle)
+        reader = self._reader(handle)
+        pulled = reader.read(layout, peer, slot) if reader is not None else None
+        if isinstance(pulled, tuple):
+            return (peer, *pulled)
+        if pulled is not None:  # copied here: the lease can go
             self._notify(peer, handle.lease_id)
-            payload, path = payload.to(self.device), "shared_memory"
+            payload, path = pulled.to(self.device), handle.transport
         else:
             payload, path = self._read(handle, peer), "nixl"
         return self._count(layout, payload.view(DTYPES[layout.dtype]).reshape(layout.shape), path)
+
+    def _reader(self, handle) -> SameHostReader | None:
+        """The same-host reader of ``handle``'s transport, where its producer is on this host; else None (NIXL)."""
+        return self.readers.get(handle.transport) if handle.host == self.host else None
 
     def _count(self, layout, payload: torch.Tensor, path: str) -> torch.Tensor:
         self.paths[path] += 1
@@ -147,17 +149,19 @@ class EmbeddingConsumer:
         self.items_pulled += 1
         return payload
 
-    def _finish_ipc(self, pending, results, names) -> None:
-        done, failed = self._cuda_ipc.finish(pending)
-        releases: dict[str, list[str]] = {}
-        for index, layout, peer, payload in done:
-            releases.setdefault(peer, []).append(layout.handle.lease_id)
-            results[index] = self._count(layout, payload, "cuda_ipc")
-        for peer, lease_ids in releases.items():  # one notification per producer for the whole call
-            self._notify(peer, ",".join(lease_ids))
-        if failed:
-            index, message = failed
-            raise Unavailable(message, names[index])
+    def _finish(self, pending, results, names) -> None:
+        """Complete the call's enqueued copies, per transport: one release notification per producer."""
+        for name, group in _by_transport(pending).items():
+            done, failed = self.readers[name].finish(group)
+            releases: dict[str, list[str]] = {}
+            for index, layout, peer, payload in done:
+                releases.setdefault(peer, []).append(layout.handle.lease_id)
+                results[index] = self._count(layout, payload, name)
+            for peer, lease_ids in releases.items():  # one notification per producer for the whole call
+                self._notify(peer, ",".join(lease_ids))
+            if failed:
+                index, message = failed
+                raise Unavailable(message, names[index])
 
     def _notify(self, peer: str, lease_ids: str) -> None:
         """Queue ``release:<ids>`` for ``peer``. The data is already here: a notification that fails only
@@ -195,14 +199,14 @@ class EmbeddingConsumer:
                     self._unreachable.add(peer)
 
     def close(self) -> None:
-        """Send the releases still queued, close CUDA IPC mappings and pool maps (the agent goes with the
-        object)."""
+        """Send the releases still queued, close the readers' mappings (CUDA IPC) and pool maps (the agent goes with
+        the object)."""
         if self._release_thread is not None:
             self._releases.put(None)
             self._release_thread.join(timeout=5)
             self._release_thread = None
-        if self._cuda_ipc is not None:
-            self._cuda_ipc.close()
+        for reader in self.readers.values():
+            reader.close()
         self._shm.maps.clear()
 
     def _drop_dead_maps(self) -> None:
@@ -213,8 +217,8 @@ class EmbeddingConsumer:
             return
         self._next_liveness_check = now + 1.0
         self._shm.drop_dead()
-        if self._cuda_ipc is not None:
-            self._cuda_ipc.drop_dead()
+        for reader in self.readers.values():
+            reader.drop_dead()
 
     def _read(self, handle, peer: str) -> torch.Tensor:
         region = torch.empty(HEADER + handle.nbytes + TRAILER, dtype=torch.uint8, device=self.device)
@@ -272,11 +276,19 @@ class EmbeddingConsumer:
         return handle.agent_name
 
     def _forget(self, peer: str) -> None:
-        if self._cuda_ipc is not None:
-            self._cuda_ipc.forget(peer)
+        for reader in self.readers.values():
+            reader.forget(peer)
         if peer in self._peers:
             del self._peers[peer]
             try:
                 self.agent.remove_remote_agent(peer)
             except Exception:
                 pass
+
+
+def _by_transport(pending: list) -> dict[str, list]:
+    """The enqueued copies ``pending`` grouped by their handle's transport, in order."""
+    groups: dict[str, list] = {}
+    for entry in pending:
+        groups.setdefault(entry[1].handle.transport, []).append(entry)
+    return groups

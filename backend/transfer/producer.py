@@ -38,14 +38,12 @@ import numpy as np
 import torch
 
 from backend.protocol.errors import Overloaded
-from backend.protocol.layout import CudaIpcHandle, NixlHandle, SharedMemoryHandle, TransferHandle, host_identity
+from backend.protocol.layout import TransferHandle, host_identity
 from backend.transfer import cuda_ipc
 from backend.transfer.agent import create_agent
+from backend.transfer.region import ALIGN, HEADER, RELEASE_PREFIX, TRAILER  # noqa: F401 - HEADER re-exported
+from backend.transfer.transports import handle_for
 
-HEADER = 16
-TRAILER = 8
-ALIGN = 64
-RELEASE_PREFIX = b"release:"
 TAG_SLOTS = 1 << 16  # open leases a VRAM pool can hold (its tag table: 512 KiB of host memory)
 
 
@@ -160,16 +158,12 @@ class EmbeddingPool:
 
     def _handle(self, lease_id: str = "", nbytes: int = 0, expires_at: float = 0.0, descriptors: bytes = b"",
                 offset: int = 0, tag_slot: int = 0) -> TransferHandle:
-        """A handle of this pool's transport: CUDA IPC for a VRAM pool that has an IPC handle, shared memory
-        for a host pool (its memfd), NIXL alone otherwise."""
+        """A handle of this pool's transport: the first registered transport that offers this pool
+        (``backend.transfer.transports``: CUDA IPC for a VRAM pool that has an IPC handle, shared memory for a host
+        pool (its memfd), NIXL alone otherwise)."""
         common = dict(agent_name=self.agent.name, agent_metadata=self.agent_metadata, descriptors=descriptors,
                       lease_id=lease_id, nbytes=nbytes, expires_at=expires_at, host=self.host, pid=self._pid)
-        if self.ipc_handle:
-            return CudaIpcHandle(**common, ipc_handle=self.ipc_handle, pool_bytes=self.buffer.numel(), offset=offset,
-                                 tag_table=self.tag_table, tag_slot=tag_slot)
-        if self.shm_path:
-            return SharedMemoryHandle(**common, shm_path=self.shm_path, offset=offset)
-        return NixlHandle(**common)
+        return handle_for(self, common, offset, tag_slot)
 
     def release(self, lease_id: str, state: LeaseState = LeaseState.RELEASED) -> bool:
         """End a lease (idempotent). Returns False if it was not open."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import AsyncIterator, Callable, Coroutine
 
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import encode

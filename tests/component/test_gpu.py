@@ -87,12 +87,12 @@ def test_cuda_ipc_pulls_vram_leases_into_vram_and_host_memory():
             producer.call("release", layout.handle.lease_id)
             with pytest.raises(Unavailable, match="released or expired"):
                 to_gpu.pull(layout)
-        assert to_gpu._cuda_ipc.mappings  # the dead producer's mapping is still cached until the next pull notices
+        assert to_gpu.readers["cuda_ipc"].mappings  # the dead producer's mapping is still cached until the next pull notices
         with ProducerProcess(pool_bytes=8 << 20, device="cuda") as producer:  # a restarted producer
             tensor = torch.randn(16, 128)
             layout = make_layout(producer.call("publish", tensor), tensor)
             assert torch.equal(to_gpu.pull(layout).cpu(), tensor)
-            assert list(to_gpu._cuda_ipc.mappings) == [layout.handle.agent_name]  # the dead one's mapping was closed
+            assert list(to_gpu.readers["cuda_ipc"].mappings) == [layout.handle.agent_name]  # the dead one's mapping was closed
     finally:
         to_gpu.close()
         to_host.close()
@@ -169,10 +169,10 @@ def test_cuda_ipc_lease_that_ends_during_the_copy_fails_the_item(tag_table):
                     cuda_ipc.enqueue_region(src, dst, nbytes, tag_ptr, stream, to_host)
                     assert producer.call("release", layout.handle.lease_id)  # returns once the tags are cleared
 
-            consumer._cuda_ipc.api = EndsMidCopy
+            consumer.readers["cuda_ipc"].api = EndsMidCopy
             with pytest.raises(Unavailable, match="released or expired during the read"):
                 consumer.pull(layout)
-            consumer._cuda_ipc.api = cuda_ipc
+            consumer.readers["cuda_ipc"].api = cuda_ipc
             assert consumer.paths["cuda_ipc"] == 0
             tensor = torch.randn(7, 64)
             layout = make_layout(producer.call("publish", tensor), tensor)

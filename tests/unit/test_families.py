@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backend.deploy.local_server import ROOT
-from backend.encode import families
+from backend.encode.families import family_for
+from backend.encode.families.qwen3_vl import frame_timestamps
 from backend.encode.checkpoint import embedding_width
 from backend.engine.host import multi_modal_data
 from backend.protocol.errors import InvalidInput
@@ -87,7 +88,7 @@ def test_second_per_grid_ts_is_the_hf_processor_s(checkpoints, clip):
     processor = AutoProcessor.from_pretrained(checkpoints["qwen2_5_vl"])
     metadata = VideoMetadata(**{k: v for k, v in video.metadata.items() if k != "do_sample_frames"})
     want = processor(text="<|video_pad|>", videos=[video.frames], video_metadata=[metadata])["second_per_grid_ts"]
-    got = families.video_timing("qwen2_5_vl", video, processor.video_processor.temporal_patch_size)
+    got = family_for("qwen2_5_vl").video_timing(video, processor.video_processor.temporal_patch_size)
     assert got == {"second_per_grid_ts": want[0]}
 
 
@@ -95,7 +96,7 @@ def test_second_per_grid_ts_is_the_hf_processor_s(checkpoints, clip):
 def test_qwen3_vl_timestamps_are_vllm_s(indices, fps):
     from vllm.model_executor.models.qwen3_vl import Qwen3VLProcessingInfo
 
-    assert families.frame_timestamps(indices, fps, 2) == Qwen3VLProcessingInfo._calculate_timestamps(None, indices, fps, 2)
+    assert frame_timestamps(indices, fps, 2) == Qwen3VLProcessingInfo._calculate_timestamps(None, indices, fps, 2)
 
 
 def test_the_qwen3_vl_encoder_s_video_layout_carries_its_timestamps(checkpoints):
