@@ -1,4 +1,5 @@
-"""E2E faults against a real server, each with its own E+PD rendering; nothing leaks (fixture checks):
+"""E2E faults against real servers (one E+PD server with an encoder and an orchestrator per fault); nothing leaks
+(fixture checks):
 - leases that expire before any consumer can read them (``lease_seconds`` 1 ms): requests with media fail
   with a clear UNAVAILABLE after the orchestrator encoded their items again and retried once (counted in
   ``epd_retries_total``); text-only requests sent alongside succeed; the server keeps serving;
@@ -31,26 +32,81 @@ pytestmark = pytest.mark.e2e
 GREEDY = {"temperature": 0.0, "max_tokens": 4}
 
 
+# name -> (the encoder's parameters, its instances): one encoder and one `epd_<name>` orchestrator per fault below, all
+# in one E+PD server over one pd engine (a server per fault cost CI an engine start each; reloading the encoder with a
+# configuration override instead crashed tritonserver 2.51 with heap corruption as the old encoder unloaded)
+POOL_BYTES = 8192  # the "full" variant's pool: room for three 64x48 items (2,112 bytes each with header and tags)
+VARIANTS = {"expiring": ({"lease_seconds": "0.001"}, 1),
+            "full": ({"pool_bytes": str(POOL_BYTES), "lease_seconds": "600"}, 1),
+            "two": ({}, 2)}
+
+
+def _clone(repo, model: str, name: str, parameters: dict[str, str], instances: int = 1) -> None:
+    """``repo/model`` copied as ``repo/name`` with ``parameters`` and ``instances`` in its configuration."""
+    import re
+    import shutil
+
+    shutil.copytree(repo / model, repo / name)
+    config = repo / name / "config.pbtxt"
+    text = config.read_text().replace(f'name: "{model}"', f'name: "{name}"')
+    text = text.replace("instance_group [ { count: 1 kind: KIND_CPU } ]",
+                        f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]")
+    for key, value in parameters.items():
+        text, found = re.subn(rf'(parameters {{ key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert found == 1, (name, key)
+    config.write_text(text)
+
+
 @pytest.fixture(scope="module")
-def expiring_server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("expiring-leases") / "repo"
-    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
-    render(dataclasses.replace(topology, transfer={**topology.transfer, "lease_seconds": 0.001}), repo)
-    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
+def e_pd_server(tmp_path_factory):
+    """E+PD with an encoder and an orchestrator of each of ``VARIANTS`` (``encoder_<name>``, ``epd_<name>``)."""
+    import shutil
+
+    repo = tmp_path_factory.mktemp("e-pd-faults") / "repo"
+    render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu"), repo)
+    for name, (parameters, instances) in VARIANTS.items():
+        _clone(repo, "encoder", f"encoder_{name}", parameters, instances)
+        _clone(repo, "epd", f"epd_{name}", {"encoder_model": f"encoder_{name}"})
+    shutil.rmtree(repo / "encoder")
+    shutil.rmtree(repo / "epd")
+    before = _shm()
+    # the encoder with a killed instance never finishes unloading (Triton 2.51): the server would wait out its
+    # default exit timeout (30 s, measured) for it; 15 s leaves the other models' unload (pd's: 7 s) whole
+    with TritonServer(repo, log_path=repo.parent / "server.log", extra_args=["--exit-timeout-secs=15"]) as server:
+        server.killed_regions, server.encoder_stubs = set(), _stubs(server, "encoder_two")
         yield server
         held = held_shm(server.proc.pid) - _shm_of_this_process()
-    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
-    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
-    assert not left_behind(held), "/dev/shm entries leaked by the server"
+    # Triton leaves a dead stub's region in /dev/shm (measured), and a model with a dead instance may not finish
+    # unloading (measured in full suite runs: the server waited out its exit timeout, then either killed the
+    # encoder's live stub or left it running until the launcher killed it). The launcher removed those processes
+    # and regions; no other process or region may be left. An encoder stub killed before it unloaded also leaves its
+    # pool's announcement (backend.transfer.announce), which the launcher removed too.
+    assert set(server.stragglers) <= set(server.encoder_stubs), f"processes outlived tritonserver: {server.stragglers}"
+    allowed = set(server.encoder_stubs.values()) | {f"epd-producers-{server.server_pid}"}
+    assert server.killed_regions <= set(server.leftover_shm) <= allowed, (server.leftover_shm, allowed)
+    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+    assert not left_behind(held - allowed), "/dev/shm entries leaked by the server"
+
+
+def _variant(server, name: str):
+    """The server with ``name``'s encoder and orchestrator as the ones its test asks (``server.epd``, ``.encoder``)."""
+    server.epd, server.encoder = f"epd_{name}", f"encoder_{name}"
+    return server
+
+
+@pytest.fixture
+def expiring_server(e_pd_server):
+    """Leases that expire before any consumer can read them (1 ms)."""
+    return _variant(e_pd_server, "expiring")
 
 
 def _retries(server, what: str = "request") -> float:
-    return metric(server, "epd_retries_total", model="epd", what=what)
+    return metric(server, "epd_retries_total", model=server.epd, what=what)
 
 
 def _ask(server, case):
     try:
-        return generate(server.grpc_url, "epd", GenerateInputs(**{"sampling": GREEDY, **case}), timeout=120)
+        return generate(server.grpc_url, server.epd, GenerateInputs(**{"sampling": GREEDY, **case}), timeout=120)
     except GenerateError as exc:
         return exc
 
@@ -77,21 +133,12 @@ def test_expired_leases_fail_only_their_requests_after_one_retry(expiring_server
 
 
 # -- overload: the encoder's pool budget exhausted -------------------------------------------------------
-POOL_BYTES = 8192  # room for three 64x48 items (2,112 bytes each with header and tags)
 
 
-@pytest.fixture(scope="module")
-def full_pool_server(tmp_path_factory):
-    """E+PD whose encoder pool is tiny and whose leases live 10 minutes: leases nobody reads fill it."""
-    repo = tmp_path_factory.mktemp("full-pool") / "repo"
-    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
-    render(dataclasses.replace(topology, transfer={**topology.transfer, "pool_bytes": POOL_BYTES, "lease_seconds": 600}), repo)
-    before = _shm()
-    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
-        yield server
-    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
-    assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
-    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+@pytest.fixture
+def full_pool_server(e_pd_server):
+    """An encoder pool with room for three 64x48 items, leases that live 10 minutes: leases nobody reads fill it."""
+    return _variant(e_pd_server, "full")
 
 
 def _encode_directly(server, image: bytes):
@@ -103,14 +150,14 @@ def _encode_directly(server, image: bytes):
     try:
         tensor = grpcclient.InferInput("image", [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[image]], dtype=np.object_))
-        result = client.infer("encoder", [tensor], parameters={"epd_error_codes": True})
+        result = client.infer(server.encoder, [tensor], parameters={"epd_error_codes": True})
         return result.as_numpy("layout").reshape(-1)[0].decode()
     finally:
         client.close()
 
 
 def _pool_leases(server) -> float:
-    return metric(server, "epd_pool_leases")
+    return metric(server, "epd_pool_leases", model=server.encoder)
 
 
 def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_server):
@@ -156,30 +203,10 @@ def test_exhausted_encoder_pool_fails_new_requests_fast_and_recovers(full_pool_s
 
 
 # -- an encoder instance dies mid-request ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def two_encoder_server(tmp_path_factory):
-    """E+PD with two encoder instances (two stub processes), normal leases."""
-    repo = tmp_path_factory.mktemp("two-encoders-kill") / "repo"
-    topology = load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu")
-    stages = {**topology.stages, "encoder": dataclasses.replace(topology.stages["encoder"], instances=2)}
-    render(dataclasses.replace(topology, stages=stages), repo)
-    before = _shm()
-    # the encoder with a dead instance never finishes unloading (Triton 2.51): the server would wait out its
-    # default exit timeout (30 s, measured) for it; 15 s leaves the other models' unload (pd's: 7 s) whole
-    with TritonServer(repo, log_path=repo.parent / "server.log", extra_args=["--exit-timeout-secs=15"]) as server:
-        server.killed_regions = set()
-        encoder_stubs = _stubs(server, "encoder")
-        encoder_regions = set(encoder_stubs.values())
-        yield server
-    # Triton leaves a dead stub's region in /dev/shm (measured), and a model with a dead instance may not
-    # finish unloading (measured in full suite runs: the server waited out its exit timeout, then either
-    # killed the encoder's live stub or left it running until the launcher killed it). The launcher removed
-    # those processes and regions; no other process or region may be left. An encoder stub killed before it unloaded
-    # also leaves its pool's announcement (backend.transfer.announce), which the launcher removed too.
-    assert set(server.stragglers) <= set(encoder_stubs), f"processes outlived tritonserver: {server.stragglers}"
-    allowed = encoder_regions | {f"epd-producers-{server.server_pid}"}
-    assert server.killed_regions <= set(server.leftover_shm) <= allowed, (server.leftover_shm, allowed)
-    assert not (leaked := settled_orphans(before)), f"/dev/shm entries leaked by the server: {leaked}"
+@pytest.fixture
+def two_encoder_server(e_pd_server):
+    """Two encoder instances (two stub processes), normal leases."""
+    return _variant(e_pd_server, "two")
 
 
 def _stubs(server, model: str) -> dict[int, str]:
@@ -203,7 +230,7 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
     import time
 
     server = two_encoder_server
-    stubs = _stubs(server, "encoder")
+    stubs = _stubs(server, server.encoder)
     assert len(stubs) == 2, stubs
     with_media = [dict(prompt="<|vision_start|><|image_pad|><|vision_end|>" * 3 + f"Compare {i}.",
                        images=[image_bytes(112, 112, seed=10 * i + k) for k in range(3)]) for i in range(8)]
@@ -223,7 +250,7 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
             assert result.finish_reason == "length"
     for ok in results[8:]:
         assert not isinstance(ok, GenerateError), ok
-    assert len(_stubs(server, "encoder")) == 1  # Triton 2.51 does not restart the stub
+    assert len(_stubs(server, server.encoder)) == 1  # Triton 2.51 does not restart the stub
     later = [_ask(server, case) for case in with_media + text_only]  # still serving
     assert not any(isinstance(r, GenerateError) for r in later[8:]), later[8:]
     for result in later[:8]:
@@ -233,7 +260,7 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
     while _retries(server, "encode") <= retries and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _retries(server, "encode") > retries  # items sent to the dead instance were encoded again
-    assert len(_stubs(server, "encoder")) == 1
+    assert len(_stubs(server, server.encoder)) == 1
 
 
 DEADLINE = 2.0  # seconds: the E/P/D faults server's request deadline (limits.request_timeout_seconds)
@@ -250,6 +277,7 @@ def epd_faults_server(tmp_path_factory):
     before = _shm()
     with TritonServer(repo, log_path=repo.parent / "server.log",
                       extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server:
+        server.epd, server.encoder = "epd", "encoder"  # what _ask and the helpers above call
         yield server
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not server.leftover_shm, f"stubs killed at exit left their /dev/shm regions: {server.leftover_shm}"
