@@ -1,6 +1,6 @@
 """vLLM's own stacks beside this project's, one client, the same requests, one run, one table (issue 36, item 1).
 
-    .venv/bin/python -m clients.bench.side_by_side --proxy /work/.cache/vllm-examples/disagg_epd_proxy.py \\
+    .venv/bin/python -m clients.bench.side_by_side --proxy "$VLLM_EPD_PROXY" \\
         --requests 96 --concurrency 16 --out .cache/side-by-side
     # on one GPU (docs/gpu.md, "vLLM's own stack beside ours on the H200"): scripts/gpu_side_by_side.sh
     .venv/bin/python -m clients.bench.side_by_side --topology topologies/checkpoint-gpu.yaml --checkpoint /tmp/q2b \\

@@ -2,10 +2,14 @@
 client processes, ``is_exist``, what a full byte budget does, what a writer's exit and a killed master do to the
 others, and whether one process can hold both a Mooncake client and a NIXL agent and exit cleanly.
 
-Runs outside the project venv (the venv cannot import mooncake), one run, everything printed side by side:
+Runs outside the project venv (the venv cannot import mooncake), in the Mooncake venv (``EPD_MOONCAKE_VENV``,
+``.venv-mooncake`` from ``make setup``) with its libibverbs/libnl on the library path (docs/tier.md), one run,
+everything printed side by side:
 
-    export LD_LIBRARY_PATH=/work/tmp/ibv/usr/lib/x86_64-linux-gnu:/work/tmp/ibv/lib/x86_64-linux-gnu
-    PYTHONPATH=$PWD /work/tmp/mcvenv/bin/python -m clients.tools.tier_eval
+    export LD_LIBRARY_PATH=$EPD_MOONCAKE_LIBS
+    PYTHONPATH=$PWD "$EPD_MOONCAKE_VENV/bin/python" -m clients.tools.tier_eval
+
+``PROJECT_PYTHON`` (default: this checkout's ``.venv/bin/python``) runs the NIXL-and-Mooncake check.
 
 Client processes are *spawned*, never forked: a process forked from one that holds a Mooncake client hangs in its
 own ``setup`` (the lead's first script did exactly that, through multiprocessing's default ``fork``).
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from backend.deploy.tier_service import MooncakeHolder, MooncakeMaster
 
@@ -173,7 +178,7 @@ def nixl_and_mooncake(master: dict, ucx_modules: str | None) -> dict:
     env.pop("UCX_MODULES", None)
     if ucx_modules is not None:
         env["UCX_MODULES"] = ucx_modules
-    python = os.environ.get("PROJECT_PYTHON", "/work/main/.venv/bin/python")
+    python = os.environ.get("PROJECT_PYTHON", str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"))
     started = time.perf_counter()
     done = subprocess.run([python, "-c", NIXL_AND_MOONCAKE], env=env, capture_output=True, text=True, timeout=120)
     errors = [line[:160] for line in done.stderr.splitlines() if "rror" in line or "egmentation" in line][-2:]
