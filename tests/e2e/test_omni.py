@@ -84,9 +84,11 @@ def test_the_baseline_depends_on_the_media(baseline):
 
 @pytest.mark.parametrize("model", ["epd", "epd_disagg"])
 def test_epd_returns_the_baseline_tokens(server, baseline, model):
-    for name, case in CASES.items():
-        got = ask(server, model, **case)
-        assert got.timings["items"] == items(case), (name, got.timings)
+    answers = {name: ask(server, model, **case) for name, case in CASES.items()}
+    for name, got in answers.items():
+        assert got.timings["items"] == items(CASES[name]), (name, got.timings)
+    assert not (wrong := {n: (a.text, baseline[n].text) for n, a in answers.items() if a.text != baseline[n].text}), wrong
+    for name, got in answers.items():
         assert_same_answer(got, baseline[name])
 
 

@@ -84,3 +84,19 @@ def test_a_towers_encoder_refuses_a_modality_none_of_its_towers_takes(encoder):
     only_audio = TowersEncoder([encoder.encoders[1]])
     with pytest.raises(InvalidInput, match="takes audio, not image"):
         only_audio.encode([Image.new("RGB", (32, 32))])
+
+
+def test_the_video_size_and_timing_are_the_omni_processor_s(checkpoint, encoder):
+    """vLLM calls Qwen2_5OmniProcessor, whose own defaults size the frames and give second_per_grid_ts (2 / 2.0)."""
+    from transformers import AutoProcessor
+
+    from backend.request.video import DecodedVideo
+
+    frames = np.random.default_rng(1).integers(0, 255, (4, 120, 160, 3), dtype=np.uint8)
+    hf = AutoProcessor.from_pretrained(checkpoint)(text="<|vision_start|><|VIDEO|><|vision_end|>", videos=[frames],
+                                                   return_tensors="pt")
+    metadata = {"total_num_frames": 4, "fps": 4.0, "duration": 1.0, "frames_indices": [0, 1, 2, 3],
+                "do_sample_frames": False}
+    item = encoder.encode([DecodedVideo(frames, metadata)])[0]
+    assert list(item.image_grid_thw) == hf["video_grid_thw"][0].tolist()
+    assert dict(item.timing) == {"second_per_grid_ts": float(hf["video_second_per_grid"][0])}

@@ -3,8 +3,11 @@
 tower in one checkpoint, their configs under ``thinker_config``, their tensors under ``thinker.``.
 
 - Vision: Qwen2.5-VL's windowed tower (transformers' ``Qwen2_5OmniVisionEncoder``, run by transformers: the packed
-  tower is not checked against it), ``out_hidden_size`` wide; a video's layout carries ``second_per_grid_ts`` as
-  Qwen2.5-VL's does (``Qwen2_5VLFamily.video_timing``).
+  tower is not checked against it), ``out_hidden_size`` wide.
+- Video: vLLM calls ``Qwen2_5OmniProcessor``, whose own defaults size the frames (``VIDEO_SIZE``: 128 to 768 merge
+  units of 28 px per frame; they override the video processor's saved ``size``), and whose ``second_per_grid_ts`` is
+  ``temporal_patch_size`` / 2.0 whatever the video (vLLM passes no fps, and the processor takes 2.0 then): the encoder
+  calls the video processor with that size and the layout carries that timing.
 - Audio: transformers' ``Qwen2_5OmniAudioEncoder`` (the module vLLM runs), which takes the items' mel frames
   concatenated with their lengths, attends within chunks of ``n_window`` x 2 frames and projects to ``output_dim``
   itself (no separate projector).
@@ -17,8 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from backend.encode.families.base import AudioTower, VisionTower, config_width
-from backend.encode.families.qwen2_5_vl import Qwen2_5VLFamily
+from backend.encode.families.base import AudioTower, Family, VisionTower, config_width
 from backend.protocol.modality import AUDIO, IMAGE, VIDEO
 
 
@@ -35,7 +37,18 @@ def _audio_class() -> type:
     return Qwen2_5OmniAudioEncoder
 
 
-class Qwen2_5OmniFamily(Qwen2_5VLFamily):
+# Qwen2_5OmniProcessorKwargs._defaults (transformers 5.19): what vLLM's processor call resizes video frames with
+VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+PROCESSOR_FPS = 2.0  # Qwen2_5OmniProcessor's fps where its call gives none (vLLM gives none)
+
+
+class Qwen2_5OmniFamily(Family):
+    def video_kwargs(self, videos: list) -> dict[str, Any]:
+        return {"size": dict(VIDEO_SIZE)}
+
+    def video_timing(self, video, temporal_patch_size: int) -> dict[str, Any]:
+        return {"second_per_grid_ts": temporal_patch_size / PROCESSOR_FPS}
+
     def embedding_widths(self, config: Mapping[str, Any]) -> dict[str, int]:
         thinker = self.tower_config(config)
         vision = config_width(thinker, thinker["vision_config"].get("out_hidden_size"))
