@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
+from backend.encode.checkpoint import LoadReport, embedding_widths, model_identity, read_tensors
 from backend.encode.families import family_for
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import AudioLayout
@@ -44,8 +44,9 @@ class AudioEncoder:
     modalities = (AUDIO.name,)
 
     def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module, features, identity: str, report,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, packed_features: bool = False):
         self.tower, self.projector, self.features = tower, projector, features
+        self.packed_features = packed_features
         self.identity, self.load_report, self.device, self.dtype = identity, report, device, dtype
 
     @classmethod
@@ -61,10 +62,14 @@ class AudioEncoder:
         if family.audio is None:
             raise ValueError(f"the {family.model_type} family has no audio tower")
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
+        config = family.tower_config(config)
         tower = family.audio.load_class()(config.audio_config)  # as vLLM builds it (its attention implementation too)
-        projector = torch.nn.Linear(config.audio_config.d_model, config.text_config.hidden_size, bias=True)
+        projector = torch.nn.Linear(config.audio_config.d_model, config.text_config.hidden_size, bias=True) \
+            if family.audio.projector_prefixes else torch.nn.Identity()  # a tower that projects itself: none
         read = 0
         for module, prefixes in ((tower, family.audio.prefixes), (projector, family.audio.projector_prefixes)):
+            if not prefixes:
+                continue
             state, nbytes = read_tensors(model_dir, prefixes)
             module.load_state_dict(state, strict=True)
             read += nbytes
@@ -72,8 +77,8 @@ class AudioEncoder:
         files = sorted(model_dir.glob("*.safetensors"))
         report = LoadReport(time.perf_counter() - started, read, sum(p.stat().st_size for p in files))
         encoder = cls(tower, projector, AutoFeatureExtractor.from_pretrained(model_dir), model_identity(model_dir),
-                      report, torch.device(device), dtype)
-        encoder.check_width(embedding_width(model_dir))
+                      report, torch.device(device), dtype, family.audio.packed_features)
+        encoder.check_width(embedding_widths(model_dir)[AUDIO.name])
         return encoder
 
     @torch.inference_mode()
@@ -90,16 +95,28 @@ class AudioEncoder:
                               truncation=True, return_attention_mask=True, padding="max_length", return_tensors="pt")
         frames = batch["attention_mask"].sum(-1)
         conv_lengths, tokens = self.tower._get_feat_extract_output_lengths(frames)
-        hidden = self.tower(batch["input_features"].to(self.device, self.dtype),
-                            attention_mask=_padding_mask(conv_lengths, batch["input_features"].shape[-1],
-                                                         self.device, self.dtype)).last_hidden_state
-        embeds = self.projector(hidden)
+        features = batch["input_features"].to(self.device, self.dtype)
+        embeds = self._packed(features, batch["attention_mask"], frames, conv_lengths, tokens) \
+            if self.packed_features else self.projector(self._padded(features, conv_lengths))
         out = []
         for row, count, length in zip(embeds, tokens.tolist(), frames.tolist()):
             if count <= 0:
                 raise InvalidInput(AUDIO.media_tensor, f"audio of {length} feature frames is too short for a token")
             out.append(EncodedAudio(row[:count].contiguous(), int(length)))
         return out
+
+    def _padded(self, features: torch.Tensor, conv_lengths: torch.Tensor) -> torch.Tensor:
+        """The tower's output for a padded batch [items, mel, frames], masked past each item's frames (Qwen2-Audio,
+        as vLLM's ``_process_audio_input``): [items, positions, hidden]."""
+        mask = _padding_mask(conv_lengths, features.shape[-1], self.device, self.dtype)
+        return self.tower(features, attention_mask=mask).last_hidden_state
+
+    def _packed(self, features, mask, frames, conv_lengths, tokens) -> list[torch.Tensor]:
+        """The tower's output for the items' kept mel frames concatenated [mel, sum of frames] with their lengths
+        (Qwen2.5-Omni, as vLLM's ``_process_audio_input``: the feature attention mask unpads them), split per item."""
+        flat = features.permute(0, 2, 1)[mask.bool().to(features.device)].permute(1, 0)
+        hidden = self.tower(flat, feature_lens=frames.to(self.device), aftercnn_lens=conv_lengths.to(self.device))
+        return list(hidden.last_hidden_state.split(tokens.tolist()))
 
     def temporal_patches(self, video) -> int:
         raise InvalidInput(AUDIO.media_tensor, "this checkpoint's encoder takes audio only, not a video")

@@ -16,7 +16,7 @@ Only the tower's tensors are read from the safetensors files (``load_report`` sa
 against the whole checkpoint). What differs per model family (the tower class, packed or not, the video processor's
 call, the video timing in the layout, DeepStack's wider output) is asked of its ``Family``, the registry's for the
 config's ``model_type`` (``backend.encode.families``). At load the encoder measures its output width with one tiny
-forward and checks it against what the checkpoint's language model takes (``checkpoint.embedding_width``), so a tower
+forward and checks it against what the checkpoint's language model takes (``checkpoint.embedding_widths``), so a tower
 that gives other embeddings fails the load, not a request. ``load_encoder`` gives a family with an audio tower and no
 vision tower (Qwen2-Audio) its ``backend.encode.audio.AudioEncoder`` instead, with the same interface.
 """
@@ -32,9 +32,10 @@ from PIL import Image
 
 from backend.encode import gpu_image
 from backend.encode.audio import AudioEncoder
-from backend.encode.checkpoint import LoadReport, embedding_width, model_identity, read_tensors
+from backend.encode.checkpoint import LoadReport, embedding_widths, model_identity, read_tensors
 from backend.encode.families import Family, family_for
 from backend.encode.packed_tower import PackedTower
+from backend.encode.towers import TowersEncoder
 from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
 from backend.protocol.modality import IMAGE, VIDEO
@@ -89,6 +90,7 @@ class VisionEncoder:
         if family.vision is None:
             raise ValueError(f"the {family.model_type} family has no vision tower")
         dtype = dtype or getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
+        config = family.tower_config(config)
         tower = family.vision.load_class()._from_config(config.vision_config)  # non-persistent buffers (rotary) are built here
         state, read = read_tensors(model_dir, family.vision.prefixes)
         files = sorted(model_dir.glob("*.safetensors"))
@@ -108,7 +110,7 @@ class VisionEncoder:
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
         encoder = cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
                       torch.device(device), dtype, forward, video_processor, family)
-        encoder.check_width(embedding_width(model_dir))
+        encoder.check_width(embedding_widths(model_dir)[IMAGE.name])
         return encoder
 
     def check_width(self, expected: int) -> None:
@@ -252,14 +254,18 @@ class VisionEncoder:
 def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, impl: str = "packed",
                  compile: bool = False):
     """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a family with an
-    audio tower and no vision tower (Qwen2-Audio), else its vision tower's (``VisionEncoder.load``); the family is
-    the registry's for the config's ``model_type`` (``UnknownFamily`` if none)."""
+    audio tower and no vision tower (Qwen2-Audio), its vision tower's (``VisionEncoder.load``) for one without an
+    audio tower, both behind a ``backend.encode.towers.TowersEncoder`` for a family with both (Qwen2.5-Omni); the
+    family is the registry's for the config's ``model_type`` (``UnknownFamily`` if none)."""
     from transformers import AutoConfig  # deferred: heavy, as everywhere in this module's loaders
 
     family = family_for(AutoConfig.from_pretrained(model_dir).model_type)
     if family.vision is None and family.audio is not None:
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)
-    return VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
+    vision = VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
+    if family.audio is None:
+        return vision
+    return TowersEncoder([vision, AudioEncoder.load(model_dir, device=device, dtype=dtype)])
 
 
 def is_image(item) -> bool:

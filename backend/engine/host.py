@@ -42,6 +42,7 @@ PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
 # environment wins.
 PROCESS_ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",
+    "EPD_OMNI_AUDIO_EMBEDS": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",

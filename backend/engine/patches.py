@@ -10,7 +10,8 @@ by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the
 own); gloo groups share one transport device (``share_gloo_device``);
 ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
-agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``). The memory diagnostic
+agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_OMNI_AUDIO_EMBEDS=1``
+(set for every stub): Qwen2.5-Omni's thinker takes precomputed audio embeddings (``backend.engine.omni_audio``). The memory diagnostic
 (``EPD_ENGINE_MEMDEBUG``) is a plugin of its own in the developers' package (``devtools.diagnostics.memdebug``).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import queue
 import sys
 import time
 
+from backend.engine.omni_audio import patch_omni_audio_embeds
 from backend.protocol.versions import Guard
 from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
 
@@ -200,6 +202,8 @@ def register() -> None:
         follow_parent()
     if os.environ.get("EPD_GLOO_SHARED_DEVICE") == "1":
         share_gloo_device()
+    if os.environ.get("EPD_OMNI_AUDIO_EMBEDS") == "1":
+        patch_omni_audio_embeds()
     wait = os.environ.get("EPD_ENGINE_IDLE_WAIT_MS")
     if wait:
         patch_idle_wait(float(wait) / 1000)

@@ -1,5 +1,5 @@
 """``python -m devtools.tiny``: build a tiny random-weight checkpoint of a family (``--family``: ``qwen2_vl``, the
-default, in ``devtools.tiny.model``; ``qwen2_5_vl`` and ``qwen3_vl`` in ``devtools.tiny.families``), or one shaped
+default, in ``devtools.tiny.model``; ``qwen2_5_vl`` and ``qwen3_vl`` in ``devtools.tiny.families``; ``qwen2_5_omni`` in ``devtools.tiny.omni``), or one shaped
 like a real checkpoint (``--like DIR``, ``devtools.tiny.model.build_like``). scripts/setup.sh builds the tests'
 models so."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from devtools.tiny.model import build_like
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build a tiny random-weight checkpoint (devtools.tiny).")
     parser.add_argument("--out", type=Path, help="the checkpoint folder (default: models/tiny-<family>)")
-    parser.add_argument("--family", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+    parser.add_argument("--family", default="qwen2_vl", choices=tuple(DEFAULT_OUT),
                         help="the model family of the tiny checkpoint (not with --like)")
     parser.add_argument("--like", type=Path, help="a folder with a real checkpoint's config.json (and processor, "
                                                   "generation config, chat template): build one shaped like it")

@@ -21,7 +21,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from devtools.tiny import model as base
+from devtools.tiny import model as base, omni
 
 RECIPE_VERSION = 1
 
@@ -63,7 +63,7 @@ FAMILIES = {
     "qwen3_vl": (_qwen3_vl, "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
 }
 DEFAULT_OUT = {"qwen2_vl": "models/tiny-qwen2-vl", "qwen2_5_vl": "models/tiny-qwen2.5-vl",
-               "qwen3_vl": "models/tiny-qwen3-vl"}
+               "qwen3_vl": "models/tiny-qwen3-vl", "qwen2_5_omni": "models/tiny-qwen2.5-omni"}
 
 
 def fingerprint(family: str) -> str:
@@ -113,8 +113,10 @@ def build_family(family: str, out: Path, force: bool = False) -> bool:
     identical one already exists."""
     if family == "qwen2_vl":
         return base.build(out, force)
+    if family == "qwen2_5_omni":
+        return omni.build(out, force)
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of qwen2_vl, {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {family!r}; one of qwen2_vl, qwen2_5_omni, {', '.join(FAMILIES)}")
 
     def make(tmp: Path) -> dict:
         tokenizer = base._build_tokenizer(tmp)

@@ -23,17 +23,17 @@ COMMON = dict(agent_name="a", agent_metadata=b"m", descriptors=b"", lease_id="ab
 
 
 def test_every_shipped_family_is_registered_with_its_towers():
-    assert families.known() == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+    assert families.known() == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_audio", "qwen2_5_omni")
     assert {t: family_for(t).modalities for t in families.known()} == {
         "qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video"), "qwen3_vl": ("image", "video"),
-        "qwen2_audio": ("audio",)}
+        "qwen2_audio": ("audio",), "qwen2_5_omni": ("image", "video", "audio")}
     assert [t for t in families.known() if family_for(t).vision and family_for(t).vision.packed] == [
         "qwen2_vl", "qwen2_5_vl"]  # the families backend.encode.packed_tower implements
     assert all(family_for(t).tiny_recipe == t for t in families.known())
 
 
 def test_an_unknown_model_type_is_refused_naming_it_and_the_known_ones():
-    with pytest.raises(UnknownFamily, match=r"'llava'.*qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl"):
+    with pytest.raises(UnknownFamily, match=r"'llava'.*qwen2_5_omni, qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl"):
         family_for("llava")
 
 

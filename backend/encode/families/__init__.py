@@ -8,10 +8,10 @@ that uses a family asks it, and never branches on the name. A new family: its mo
 """
 from __future__ import annotations
 
-from backend.encode.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl
+from backend.encode.families import qwen2_5_omni, qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl
 from backend.encode.families.base import AudioTower, Family, VisionTower
 
-FAMILIES = (qwen2_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen2_audio.FAMILY)
+FAMILIES = (qwen2_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen2_audio.FAMILY, qwen2_5_omni.FAMILY)
 
 _REGISTRY: dict[str, Family] = {}
 

@@ -47,6 +47,10 @@ class AudioTower:
     prefixes: tuple[str, ...] = ("audio_tower.", "model.audio_tower.")
     projector_prefixes: tuple[str, ...] = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
     modalities: tuple[str, ...] = (AUDIO.name,)
+    # the tower takes the items' mel frames unpadded and concatenated with their lengths (``feature_lens``) and
+    # projects to the language model's width itself, no projector (Qwen2.5-Omni); else a padded batch with an
+    # attention mask, then the projector (Qwen2-Audio)
+    packed_features: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,14 @@ class Family:
     audio: AudioTower | None = None
     placeholders: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # modality -> (token, item text)
     tiny_recipe: str = ""  # the developers' tiny-checkpoint recipe of this family, by name ("": none)
+    towers_config: str = ""  # the config.json member holding vision_config, audio_config, text_config ("": the top)
+
+    def tower_config(self, config):
+        """The part of ``config`` (a transformers config, or config.json as a mapping) that holds the towers' and
+        the language model's configs: ``towers_config``'s member (an omni model's ``thinker_config``), or itself."""
+        if not self.towers_config:
+            return config
+        return config[self.towers_config] if isinstance(config, Mapping) else getattr(config, self.towers_config)
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -70,6 +82,7 @@ class Family:
         """The width of the embeddings the language model takes per modality (vLLM's ``<modality>_embeds``), from
         the checkpoint's config.json (``config``): the tower's output size (``out_hidden_size``; else the language
         model's hidden size), the same for every modality of the family."""
+        config = self.tower_config(config)
         width = config_width(config, config.get("vision_config", {}).get("out_hidden_size"))
         return {name: width for name in self.modalities}
 
