@@ -3,13 +3,16 @@ kind (``backend.protocol.settings``); a parameter that cannot be used fails the 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from importlib.metadata import entry_points
+from typing import Any, Callable, TypeVar
 
 import triton_python_backend_utils as pb_utils
 
 from backend.protocol.settings import ConfigError, parse_settings
 
 S = TypeVar("S")
+# endpoints a package above the server serves from a model's own process (pyproject: frontend.openai.in_process)
+ENDPOINTS = "triton_epd.endpoints"
 
 
 def load_settings(cls: type[S], args: dict[str, Any]) -> S:
@@ -23,3 +26,14 @@ def load_settings(cls: type[S], args: dict[str, Any]) -> S:
 def instance_count(model_config: dict) -> int:
     """How many instances of the model Triton runs (its config's ``instance_group`` counts; none: 1)."""
     return sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}]) or 1
+
+
+def in_process_endpoint(name: str) -> Callable:
+    """The ``serve_for`` of the in-process endpoint ``name`` (``openai``: ``frontend.openai.in_process``), found by its
+    entry point in ``ENDPOINTS``: the frontend plugs into the server, which never imports it. Missing (the project
+    not installed): ``TritonModelException`` saying so."""
+    found = [point for point in entry_points(group=ENDPOINTS) if point.name == name]
+    if not found:
+        raise pb_utils.TritonModelException(f"no in-process endpoint {name!r} is installed (entry point group "
+                                            f"{ENDPOINTS}); install the project: pip install -e .")
+    return found[0].load()

@@ -37,7 +37,7 @@ from backend.request.naive_media import process_original_media
 from backend.transfer.agent import POLL_DELAY_ENV
 from backend.transfer.announce import ProducerWatcher, directory
 from ensemble.cancel_board import CancelBoard
-from backend.triton.config import instance_count, load_settings
+from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
                                read_generate_inputs, request_parameters, send_error, watched_sink)
@@ -94,9 +94,7 @@ class GenerateModel:
         """Serve the OpenAI-compatible endpoint from this process on the engine's loop, each request answered by
         ``answer(raw, parameters, sink)`` (``frontend.openai.in_process``), if the config has an ``openai_port``."""
         if getattr(self.settings, "openai_port", 0):
-            # upward on purpose: the endpoint served inside this process (fastapi), imported only where configured
-            from frontend.openai.in_process import serve_for
-
+            serve_for = in_process_endpoint("openai")  # frontend.openai.in_process, plugged in (no upward import)
             self.openai = serve_for(self.name, self.settings, answer, self.host.submit, self.metrics, self.instances)
 
     async def answer(self, raw, parameters: dict, sink) -> None:

@@ -17,7 +17,7 @@ from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
 from backend.protocol.settings import ProxySettings
 from ensemble.cancel_board import CancelBoard
-from backend.triton.config import instance_count, load_settings
+from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
 from ensemble.orchestrator import Identity, Orchestrator
@@ -56,9 +56,7 @@ class TritonPythonModel:
         self.cancels = CancelBoard.for_model(args["model_name"])
         self.openai = None
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
-            # upward on purpose: the endpoint served inside this process (fastapi), imported only where configured
-            from frontend.openai.in_process import serve_for
-
+            serve_for = in_process_endpoint("openai")  # frontend.openai.in_process, plugged in (no upward import)
             self.openai = serve_for(args["model_name"], settings, self.orchestrator.answerer(self.metrics),
                                     self.loop.submit, self.metrics, instance_count(json.loads(args["model_config"])))
 

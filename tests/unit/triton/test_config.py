@@ -4,7 +4,7 @@ import json
 import pytest
 
 from backend.protocol.settings import LlmSettings, ProxySettings
-from backend.triton.config import instance_count, load_settings
+from backend.triton.config import in_process_endpoint, instance_count, load_settings
 
 
 def args(parameters: dict, name: str = "llm") -> dict:
@@ -31,3 +31,11 @@ def test_a_bad_parameter_fails_the_load_naming_model_and_parameter(pb, parameter
                                            ([{"kind": "KIND_CPU"}, {"count": 2}], 3)])
 def test_instance_count_sums_the_instance_groups(groups, count):
     assert instance_count({} if groups is None else {"instance_group": groups}) == count
+
+
+def test_the_in_process_endpoint_is_found_by_its_entry_point_not_imported(pb):
+    from frontend.openai.in_process import serve_for
+
+    assert in_process_endpoint("openai") is serve_for  # the project's pyproject registers it (pip install -e .)
+    with pytest.raises(pb.TritonModelException, match="no in-process endpoint 'grpc-web' is installed"):
+        in_process_endpoint("grpc-web")
