@@ -62,14 +62,19 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(family name, its running tritonserver): the family's tiny checkpoint (built if missing) served by its
-    topology through ``backend.deploy.local_server``; checked for stragglers and leaked /dev/shm entries after the stop."""
-    name = request.param
+    """(family name, its running tritonserver): ``family_server`` of each family."""
+    yield from family_server(request.param, FAMILIES[request.param], tmp_path_factory)
+
+
+def family_server(name: str, topology: str, tmp_path_factory):
+    """Yield (``name``, its running tritonserver): the family's tiny checkpoint (built if missing) served by
+    ``topologies/<topology>`` through ``backend.deploy.local_server``, as users start it; checked for stragglers and
+    leaked /dev/shm entries after the stop."""
     build_family(name, ROOT / DEFAULT_OUT[name])
     ports = Ports.free()
     env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
     argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
-            str(ROOT / "topologies" / FAMILIES[name])]
+            str(ROOT / "topologies" / topology)]
     before = _shm()
     server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path_factory.mktemp(name) / "server.log")
     with server:

@@ -6,17 +6,16 @@ layouts carry each modality's width; pd, prefill and decode decode no media."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.deploy.local_server import ROOT
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import generate
-from devtools.tiny.families import DEFAULT_OUT, build_family
+from devtools.tiny.families import DEFAULT_OUT
 from tests.audios import make_audio
-from tests.e2e.conftest import _shm, assert_same_answer, metric, settled_orphans
-from tests.e2e.test_families import _encode, vid
+from tests.e2e.conftest import assert_same_answer, metric
+from tests.e2e.test_families import _encode, family_server, vid
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -54,17 +53,8 @@ def items(case: dict) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    build_family("qwen2_5_omni", ROOT / DEFAULT_OUT["qwen2_5_omni"])
-    ports = Ports.free()
-    env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
-    argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
-            str(ROOT / "topologies" / "cpu-qwen2.5-omni.yaml")]
-    before = _shm()
-    server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path_factory.mktemp("omni") / "server.log")
-    with server:
-        yield server
-    assert not server.stragglers and not server.leftover_shm, (server.stragglers, server.leftover_shm)
-    assert not (left := settled_orphans(before)), left
+    for _, running in family_server("qwen2_5_omni", "cpu-qwen2.5-omni.yaml", tmp_path_factory):
+        yield running
 
 
 def ask(server, model: str, **inputs):
