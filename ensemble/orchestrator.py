@@ -151,15 +151,15 @@ class Orchestrator:
     async def _run(self, raw: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
         request = self.validate(raw)
-        owners = request.images  # the client's item of each layout the stages get
+        owners = request.items  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                encoded = await self._encode_all(request.images, state, raw.session_id)
+                encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
-                timings.update(items=len(request.images), encode_ms=_ms(started),
+                timings.update(items=len(request.items), encode_ms=_ms(started),
                                encoders=sorted({layout.producer for layout in layouts if layout.producer}))
-                if len(layouts) > len(request.images):
+                if len(layouts) > len(request.items):
                     timings["parts"] = len(layouts)
                 rewritten = _metadata_only(raw, request, encoded, state.metadata_only)
             else:  # P/D: the request as it came (validated above); prefill and decode process its media
@@ -344,7 +344,7 @@ def _metadata_only(raw: RawGenerateInputs, request, layouts: list[tuple[MediaByt
         fields[m.media_field] = ()
         fields[m.layout_field] = tuple(layout.text for item, layout in layouts if item.modality == m.name)
     fields = {name: value for name, value in fields.items() if hasattr(raw, name)}
-    return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.images),
+    return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.items),
                    messages=json.dumps(request.conversation) if request.conversation is not None else None)
 
 

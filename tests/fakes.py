@@ -191,5 +191,5 @@ class FakePull:
         self.seen.append(request)
         if self.error is not None and len(self.seen) <= self.failures:
             raise self.error
-        return replace(request, images=(), media_embeds={"image": ("embeds", len(request.images))},
-                       timings={"transfer_ms": 0.5, "transfer_bytes": 64 * len(request.images)})
+        return replace(request, items=(), media_embeds={"image": ("embeds", len(request.items))},
+                       timings={"transfer_ms": 0.5, "transfer_bytes": 64 * len(request.items)})

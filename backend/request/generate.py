@@ -107,7 +107,7 @@ def parameter_inputs(parameters: Mapping[str, Any]) -> dict[str, Any]:
 class GenerateRequest:
     prompt: str | None                          # text_input (placeholders complete), or None for chat
     conversation: list[dict[str, Any]] | None   # parsed messages, media parts as {"type": Modality.item_part}
-    images: tuple[Any, ...]                     # per media item (every modality), in prompt order: what the resolver made
+    items: tuple[Any, ...]                      # per media item (every modality), in prompt order: what the resolver made
     sampling: dict[str, Any]
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -258,7 +258,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         conversation, items = _parse_messages(raw.messages, given, resolver, limits)
     return GenerateRequest(
         prompt=prompt, conversation=conversation,
-        images=tuple(layout for item in items for layout in (item if isinstance(item, VideoParts) else (item,))), sampling=sampling, stream=raw.stream,
+        items=tuple(layout for item in items for layout in (item if isinstance(item, VideoParts) else (item,))), sampling=sampling, stream=raw.stream,
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
@@ -286,12 +286,12 @@ def _check_count(m: Modality, count: int, limits: RequestLimits) -> None:
 
 
 class VideoParts(tuple):
-    """The layouts of one video's parts, in order: one item of a request until ``GenerateRequest.images``."""
+    """The layouts of one video's parts, in order: one item of a request until ``GenerateRequest.items``."""
 
 
 def _grouped(layouts: list) -> list:
     """Consecutive parts of one video (``VideoLayout.part``: those past its first join the one before) as one item,
-    ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.images`` has them flat
+    ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.items`` has them flat
     again, in order; ``backend.transfer.engine_inputs.media_grids`` checks that they make up their video."""
     out: list = []
     for layout in layouts:

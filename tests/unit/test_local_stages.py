@@ -41,7 +41,7 @@ def test_the_engine_gets_the_metadata_only_request_and_its_stream_reaches_the_cl
     outcome, sink = run(stages, raw, observer=observer)
     assert outcome is Outcome.OK and len(encoders.encoded) == 2
     [request] = pull.seen  # what the engine side parsed: the encoders' layouts, no media
-    assert request.images == ('{"layout": 0}', '{"layout": 1}') and request.original_media == ()
+    assert request.items == ('{"layout": 0}', '{"layout": 1}') and request.original_media == ()
     assert request.prompt == f"{PH}{PH}Compare." and request.stream
     assert [(c.text_output, final) for c, final in sink.chunks] == [("Hel", False), ("lo", False), ("!", True)]
     last = sink.chunks[-1][0]
@@ -70,7 +70,7 @@ def test_text_only_skips_encoders_and_pull_sees_no_items():
     pull = FakePull()
     stages, encoders = colocated(pull=pull)
     outcome, _ = run(stages, RawGenerateInputs(text_input="hello"))
-    assert outcome is Outcome.OK and encoders.encoded == [] and pull.seen[0].images == ()
+    assert outcome is Outcome.OK and encoders.encoded == [] and pull.seen[0].items == ()
 
 
 def test_client_cancel_aborts_the_engine_request():
@@ -179,7 +179,7 @@ def test_e_p_d_prefill_runs_here_and_decode_goes_remote_with_prefill_s_kv_handle
     outcome, sink = run(stages, raw, observer=observer)
     assert outcome is Outcome.OK and remote.stages_called == [Stage.DECODE]  # only decode left the process
     [prefill] = pull.seen  # what the in-process prefill parsed: layouts, one token, do_remote_decode
-    assert prefill.images == ('{"layout": 0}',) and not prefill.stream and prefill.sampling == {"max_tokens": 1}
+    assert prefill.items == ('{"layout": 0}',) and not prefill.stream and prefill.sampling == {"max_tokens": 1}
     assert prefill.kv_transfer_params == {"do_remote_decode": True}
     [decode] = remote.generated  # the client's settings, the layouts and prefill's handle
     assert decode.image_layouts == ('{"layout": 0}',) and decode.images == () and decode.stream

@@ -101,7 +101,7 @@ def test_completion_logprobs_are_what_vllms_server_answers(case):
 
 
 def _request(stream: bool, logprobs: bool, exclude: bool = True) -> GenerateRequest:
-    return GenerateRequest(prompt="Q: ", conversation=None, images=(), sampling={"logprobs": 2} if logprobs else {},
+    return GenerateRequest(prompt="Q: ", conversation=None, items=(), sampling={"logprobs": 2} if logprobs else {},
                            stream=stream, exclude_input_in_output=exclude)
 
 

@@ -21,7 +21,7 @@ def test_text_prompt_with_placeholders_and_images():
     req = parse(text_input=f"{PH}{PH} compare", images=(image_bytes(8, 8, 1), image_bytes(16, 8, 2)),
                 sampling_parameters='{"max_tokens": 4}', stream=True, return_num_output_tokens=True)
     assert req.prompt == f"{PH}{PH} compare"
-    assert [im.size for im in req.images] == [(8, 8), (16, 8)]
+    assert [im.size for im in req.items] == [(8, 8), (16, 8)]
     assert req.sampling == {"max_tokens": 4} and req.stream and req.return_num_output_tokens
 
 
@@ -32,7 +32,7 @@ def test_placeholders_are_added_when_the_prompt_has_none():
 
 def test_text_only_request_has_no_images():
     req = parse(text_input="hello")
-    assert req.prompt == "hello" and req.images == ()
+    assert req.prompt == "hello" and req.items == ()
 
 
 @pytest.mark.parametrize("kwargs, field, fragment", [
@@ -66,7 +66,7 @@ def test_messages_with_data_url_and_tensor_images():
     assert req.prompt is None and req.prompt_field == "messages"
     assert render_chat(req.conversation) == ("system: be brief\nuser: <image>and<image>\nassistant: two pictures\n"
                                              "user: which is larger?\nassistant: ")
-    assert [im.size for im in req.images] == [(12, 8), (20, 10)]
+    assert [im.size for im in req.items] == [(12, 8), (20, 10)]
 
 
 @pytest.mark.parametrize("messages, images, field, fragment", [
@@ -95,7 +95,7 @@ def test_encoded_media_keeps_bytes_and_rewrites_image_parts():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"},
                                              {"type": "text", "text": "same?"}]}]
     req = parse(EncodedMedia(), messages=json.dumps(messages), images=(b"tensor-bytes",))
-    assert [(m.data, m.field) for m in req.images] == [  # prompt order; nothing decoded
+    assert [(m.data, m.field) for m in req.items] == [  # prompt order; nothing decoded
         (png, "messages[0].content[0].image_url"), (b"tensor-bytes", "image[0]")]
     assert req.conversation == [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                               {"type": "text", "text": "same?"}]}]

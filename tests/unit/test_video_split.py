@@ -184,7 +184,7 @@ def test_consecutive_parts_are_one_grid_row_and_one_item_of_the_request():
     raw = RawGenerateInputs(text_input="<|video_pad|> <|video_pad|> <|video_pad|>",
                             video_layouts=tuple(layout.to_json() for layout in layouts))
     request = parse_generate_request(raw, LayoutMedia("m"), RequestLimits(max_videos=3))
-    assert request.images == tuple(layouts)  # flat again, in order
+    assert request.items == tuple(layouts)  # flat again, in order
     with pytest.raises(InvalidInput, match="4 videos, over the per-request limit of 3"):
         parse_generate_request(replace_layouts(raw, layouts + [_layout((1, 6, 6))]), LayoutMedia("m"),
                                RequestLimits(max_videos=3))
