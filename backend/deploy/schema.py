@@ -156,7 +156,7 @@ class Topology:
 
     def with_orchestrator(self, where: str, mode: str = "E+PD") -> "Topology":
         """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
-        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
+        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy orchestrator without one gets the defaults,
         as in a file)."""
         if self.hosts:
             raise TopologyError(f"{self.name}: orchestrator {where}: its hosts block places the stages; edit the file")

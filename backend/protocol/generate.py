@@ -28,7 +28,7 @@ from backend.protocol.stages import Stage
 # the error envelope in error messages (backend.protocol.errors): Triton 2.51 turns every BLS error into INTERNAL and
 # its gRPC stream errors carry no code, so orchestrators ask their stages for it; clients may ask too
 ERROR_CODES_PARAMETER = "epd_error_codes"
-# an in-band cancel: the id of the request to cancel (ensemble.cancel_board)
+# an in-band cancel: the id of the request to cancel (orchestrator.cancel_board)
 CANCEL_PARAMETER = "epd_cancel"
 # (bool) this request's metadata-only setting, over the orchestrator's `metadata_only` parameter
 METADATA_ONLY_PARAMETER = "epd_metadata_only"
@@ -48,7 +48,7 @@ DEMAND_AWARE_PARAMETER = "epd_demand_aware"
 # one response whose text_output is the JSON object {content key: layout document} of the keys it holds
 HELD_PARAMETER = "epd_held"
 # (bool) a health and load probe, answered by every engine stage (llm, pd, prefill, decode): one response whose
-# text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (ensemble.replicas)
+# text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (orchestrator.replicas)
 LOAD_PARAMETER = "epd_load"
 
 

@@ -145,7 +145,7 @@ class RoutingSettings:
     # before encoding, ask the consumer which items it already holds (backend.transfer.held) and send those as its
     # copies: no encode, no transfer (a request's epd_demand_aware parameter overrides it)
     demand_aware: bool = False
-    # between health checks of the replicas of stages on other servers or on several (ensemble.replicas)
+    # between health checks of the replicas of stages on other servers or on several (orchestrator.replicas)
     health_check_seconds: float = 2.0
 
     def targets(self) -> dict[Stage, tuple[str, str]]:

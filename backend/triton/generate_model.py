@@ -36,7 +36,7 @@ from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.request.naive_media import process_original_media
 from backend.transfer.agent import POLL_DELAY_ENV
 from backend.transfer.announce import ProducerWatcher, directory
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
@@ -139,7 +139,7 @@ class GenerateModel:
             tag = bool(params.get(ERROR_CODES_PARAMETER))
             if in_band_cancel(sender, params, self.cancels, tag) or self.answer_lookup(sender, params, tag):
                 continue
-            if params.get(LOAD_PARAMETER):  # a router's health and load probe (ensemble.replicas)
+            if params.get(LOAD_PARAMETER):  # a router's health and load probe (orchestrator.replicas)
                 answer_json(sender, {"kv_cache_usage": self.engine_metrics.kv_cache_usage})
                 continue
             try:

@@ -9,9 +9,9 @@ import pytest
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
-from ensemble.local_stages import LocalStages
 from backend.protocol.stages import Disaggregation, Stage
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
+from orchestrator.local_stages import LocalStages
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')

@@ -14,8 +14,8 @@ import pytest
 from backend.engine.logprobs import FLOOR, token_entries
 from backend.engine.serving import stream_generation
 from backend.request.generate import GenerateRequest, RawGenerateInputs, RequestLimits
-from ensemble.orchestrator import Identity, Orchestrator
 from frontend.openai import logprobs as shapes
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeEngine, FakeSink, FakeStages
 
 VOCAB = ["a", " b", "c", "é", " dog", "!", "x", "y"]

@@ -5,7 +5,7 @@ import json
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
@@ -177,7 +177,7 @@ def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
 
 
 def test_consumers_media_time_adds_up_over_prefill_and_decode():
-    from ensemble.orchestrator import _merge
+    from orchestrator.core import _merge
 
     timings = {"items": 1}
     _merge(timings, {"media_ms": 1.5, "transfer_ms": 2.0})

@@ -209,7 +209,7 @@ def test_the_encoder_service_publishes_video_layouts_and_fails_only_a_bad_video_
 def test_the_orchestrator_sends_each_modality_s_layouts_and_names_the_encoder_s_modality():
     import asyncio
 
-    from ensemble.orchestrator import Identity, Orchestrator
+    from orchestrator.core import Identity, Orchestrator
     from tests.fakes import FakeSink, FakeStages
 
     class Stages(FakeStages):

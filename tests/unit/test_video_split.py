@@ -209,7 +209,7 @@ def test_parts_that_do_not_make_up_their_video_are_refused_naming_the_part(layou
 
 
 def _run(stages, raw, split=2, **kw):
-    from ensemble.orchestrator import Identity, Orchestrator
+    from orchestrator.core import Identity, Orchestrator
     from tests.fakes import FakeSink
 
     sink = FakeSink()

@@ -2,7 +2,7 @@
 
 Topology ``stages.pd.orchestrator: colocated`` (E+PD, model ``epd``) or ``stages.prefill.orchestrator: colocated``
 (E/P/D, model ``epd``, or ``epd_disagg`` beside E+PD). One model, one stub per instance: the orchestrator
-(``ensemble.orchestrator``) and a vLLM engine fed metadata-only requests, hosted as the stage's own model hosts
+(``orchestrator.core``) and a vLLM engine fed metadata-only requests, hosted as the stage's own model hosts
 it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, the ``prepare`` step):
 
 - E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
@@ -11,11 +11,11 @@ it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, t
   endpoint (``triton_stages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
   with prefill's ``kv_transfer_params``; its stream is relayed to the client.
 
-Same Triton interface as ``llm`` and the proxy ``epd``. Media go to the ``encoder`` model over BLS, the host
-stage runs in process (``ensemble.local_stages.LocalStages``): one stub hop and one gRPC round trip fewer per
-response of that stage than the proxy. The orchestrator runs on the engine's event loop.
+Same Triton interface as ``llm`` and the proxy orchestrator ``epd``. Media go to the ``encoder`` model over BLS,
+the host stage runs in process (``orchestrator.local_stages.LocalStages``): one stub hop and one gRPC round trip
+fewer per response of that stage than the proxy orchestrator. The orchestrator runs on the engine's event loop.
 
-Adapter only: the logic is ``ensemble.orchestrator`` and ``ensemble.local_stages``.
+Adapter only: the logic is ``orchestrator.core`` and ``orchestrator.local_stages``.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from backend.protocol.stages import Disaggregation
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.deploy.server_address import EndpointError
 from backend.triton.io import orchestrate
-from ensemble.local_stages import LocalStages
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
+from orchestrator.local_stages import LocalStages
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
 
 

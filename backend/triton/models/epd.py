@@ -2,7 +2,7 @@
 ``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
 ``decode`` (topology E/P/D), whose stream comes back to the client. Model parameters:
 ``backend.protocol.settings.ProxySettings``.
-Adapter only: the logic is ``ensemble.orchestrator``.
+Adapter only: the logic is ``orchestrator.core``.
 """
 import json
 from pathlib import Path
@@ -16,11 +16,11 @@ from backend.protocol.modality import modalities
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
 from backend.protocol.settings import ProxySettings
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
 

@@ -7,7 +7,7 @@ import pytest
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import Cancelled, InvalidInput, Unavailable
 from backend.triton import io
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from tests.unit.triton.inputs import generate_request, only_error, outputs
 
 FINAL = 1
