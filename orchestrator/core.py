@@ -1,7 +1,7 @@
 """The ``epd`` orchestration: validate, encode every media item concurrently, rewrite the request to
 metadata-only, stream the generator's output back.
 
-Deployment modes (``backend.protocol.stages.Disaggregation``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
+The disaggregation (``backend.protocol.stages.Disaggregation``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
 to ``prefill`` with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then to
 ``decode`` with the ``kv_transfer_params`` prefill returned (decode pulls the KV through NIXL and needs
 only the media layouts), and streams decode's output.
@@ -92,16 +92,17 @@ class Orchestrator:
     _lookup_failed = False  # one warning per orchestrator
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 mode: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0, metadata_only: bool = True,
-                 stages_take_media: bool = False, video_split: int = 1, demand_aware: bool = False):
-        """``mode``: which generator stages a request goes through (``mode.generators``, the last streams to the
-        client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
+                 disaggregation: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0,
+                 metadata_only: bool = True, stages_take_media: bool = False, video_split: int = 1,
+                 demand_aware: bool = False):
+        """``disaggregation``: which generator stages a request goes through (``disaggregation.generators``, the
+        last streams to the client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
         decode models), so a request may skip the encoders (``run(encode=False)``: P/D). ``video_split``: each video
         of a metadata-only request is encoded in that many parts at once (their layouts go on in order; a video of
         fewer temporal patches has that many parts, the encoders answer the others with nothing). ``demand_aware``:
         before encoding, ask the consumer stage which items it holds (``StageClient.held``) and encode only the
         others."""
-        self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
+        self.stages, self.identity, self.limits, self.disaggregation = stages, identity, limits, disaggregation
         self.video_split, self.demand_aware = video_split, demand_aware
         self._sent: collections.OrderedDict[str, None] = collections.OrderedDict()  # demand-aware: keys sent
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
@@ -174,12 +175,12 @@ class Orchestrator:
 
     async def _generate(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
-        if Stage.PREFILL in self.mode.generators:
+        if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
             rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
         generate_started = time.perf_counter()
-        stream = self.stages.generate(rewritten, self.mode.streamer)
+        stream = self.stages.generate(rewritten, self.disaggregation.streamer)
         try:
             async for chunk in stream:
                 if sink.is_cancelled():
@@ -264,12 +265,12 @@ class Orchestrator:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.LOOKUP_SECONDS):
-                found = await lookup(asked, session, self.mode.generators[0])
+                found = await lookup(asked, session, self.disaggregation.generators[0])
         except Exception as exc:  # noqa: BLE001 - an optimisation only
             if not self._lookup_failed:
                 self._lookup_failed = True
                 log.warning("demand-aware lookup at %s failed (%s); encoding as without it (logged once)",
-                            self.mode.generators[0].value, exc)
+                            self.disaggregation.generators[0].value, exc)
             found = {}
         found = {key: text for key, text in found.items() if key in asked and isinstance(text, str)}
         state.timings.update(held=len(found), lookup_ms=_ms(started))

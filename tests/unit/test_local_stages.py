@@ -27,8 +27,8 @@ def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.P
 
 def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    topology = Disaggregation.E_P_D if stages.local is Stage.PREFILL else Disaggregation.E_PD
-    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), topology, deadline=deadline)
+    disaggregation = Disaggregation.E_P_D if stages.local is Stage.PREFILL else Disaggregation.E_PD
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), disaggregation, deadline=deadline)
     outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
 

@@ -164,11 +164,11 @@ def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
     url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}]
     raw = RawGenerateInputs(messages=json.dumps(messages), images=(b"TENSOR",))
-    for topology, consumers in ((Disaggregation.E_PD, 1), (Disaggregation.E_P_D, 2)):
+    for disaggregation, consumers in ((Disaggregation.E_PD, 1), (Disaggregation.E_P_D, 2)):
         for model_setting, request_setting, naive in ((True, None, False), (False, None, True), (True, False, True),
                                                       (False, True, False)):
             stages = FakeStages()
-            orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), topology, metadata_only=model_setting)
+            orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), disaggregation, metadata_only=model_setting)
             assert asyncio.run(orchestrator.run(raw, FakeSink(), metadata_only=request_setting)) is Outcome.OK
             assert len(stages.generated) == consumers and len(stages.encoded) == 2  # encoders run either way
             for sent in stages.generated:
@@ -203,9 +203,9 @@ def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
     assert json.loads(stages.generated[1].kv_transfer_params)["remote_block_ids"] == [[1]]
     assert sink.chunks[-1][0].timings["items"] == 0
 
-    for topology, take_media in ((Disaggregation.E_PD, False), (Disaggregation.E_P_D, False)):
+    for disaggregation, take_media in ((Disaggregation.E_PD, False), (Disaggregation.E_P_D, False)):
         stages, sink = FakeStages(), FakeSink()
-        outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), topology, stages_take_media=take_media)
+        outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), disaggregation, stages_take_media=take_media)
                               .run(raw, sink, encode=False))
         assert outcome is Outcome.ERROR and stages.generated == [] and stages.encoded == []
         assert [type(e) for e in sink.errors] == [InvalidInput] and sink.errors[0].field == "parameters.epd_encode"

@@ -41,8 +41,8 @@ class TritonPythonModel(MetadataOnlyModel):
     def initialize(self, args):
         self.watch = None
         super().initialize(args)  # the engine (the host stage's, role_spec), the consumer, the metrics, self.limits
-        settings, mode = self.settings, self.settings.topology
-        if mode is Disaggregation.E_PD and self.encoders is None:
+        settings, disaggregation = self.settings, self.settings.disaggregation
+        if disaggregation is Disaggregation.E_PD and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
         else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
             remote = triton_stages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
@@ -50,17 +50,17 @@ class TritonPythonModel(MetadataOnlyModel):
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
-                                  interval=self.stream_interval, local=mode.host,
+                                  interval=self.stream_interval, local=disaggregation.host,
                                   held=self.held.lookup if self.held is not None else None)
         self.orchestrator = Orchestrator(
-            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
-            deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
+            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits,
+            disaggregation, deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
             video_split=settings.video_split, demand_aware=settings.demand_aware)
         self.serve_openai(self.orchestrator.answerer(self.metrics))
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
-            self.urls = stage_urls(self.settings.targets(), self.settings.topology.generators[1:])
+            self.urls = stage_urls(self.settings.targets(), self.settings.disaggregation.generators[1:])
             self.encoders = encoder_urls(self.settings.encoder_model, self.settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
@@ -68,7 +68,7 @@ class TritonPythonModel(MetadataOnlyModel):
     def role_spec(self):
         """The host stage's engine (pd's, or prefill's: a KV producer that pulls the embeddings), given layouts
         only: the orchestrator in this process always encodes the media first."""
-        return replace(self.settings.topology.host.spec, takes_media=False)
+        return replace(self.settings.disaggregation.host.spec, takes_media=False)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.host.submit, self.cancels)

@@ -37,18 +37,18 @@ class TritonPythonModel:
             media=MediaLimits(**media_limits(settings),
                               allowed_local_media_path=settings.allowed_local_media_path,
                               allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)))
-        mode = settings.topology
+        disaggregation = settings.disaggregation
         try:
-            urls = stage_urls(settings.targets(), mode.generators)
+            urls = stage_urls(settings.targets(), disaggregation.generators)
             encoders = encoder_urls(settings.encoder_model, settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
         self.stages = triton_stages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
                                     settings.decode_model, encoders, settings.health_seconds())
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
-                                         limits, mode, deadline=settings.request_timeout_seconds,
-                                         metadata_only=settings.metadata_only,
-                                         stages_take_media=mode.generators_take_media,
+                                         limits, disaggregation, metadata_only=settings.metadata_only,
+                                         deadline=settings.request_timeout_seconds,
+                                         stages_take_media=disaggregation.generators_take_media,
                                          video_split=settings.video_split, demand_aware=settings.demand_aware)
         self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.loop = LoopThread("epd-loop")
