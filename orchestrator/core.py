@@ -207,10 +207,10 @@ class Orchestrator:
     async def _prefill(self, rewritten: RawGenerateInputs, timings: dict) -> RawGenerateInputs:
         """Run prefill for one token; return the request for decode, carrying prefill's KV handle."""
         started = time.perf_counter()
-        sampling = json.loads(rewritten.sampling_parameters) if rewritten.sampling_parameters else {}
+        sampling = json.loads(rewritten.sampling) if rewritten.sampling else {}
         sampling = {k: v for k, v in sampling.items() if k not in ("min_tokens",)}
         prefill_inputs = replace(
-            rewritten, stream=False, sampling_parameters=json.dumps({**sampling, "max_tokens": 1}),
+            rewritten, stream=False, sampling=json.dumps({**sampling, "max_tokens": 1}),
             kv_transfer_params=json.dumps({"do_remote_decode": True}), exclude_input_in_output=True,
             return_num_input_tokens=False, return_num_output_tokens=False)
         params = None

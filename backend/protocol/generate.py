@@ -106,9 +106,10 @@ class Tensor:
     optional: bool = True  # an input a request may leave out; an output a response may leave out
 
 
-_PROMPT = (Tensor("text_input", STRING, 1, "text_input", Form.TEXT), Tensor("messages", STRING, 1, "messages", Form.TEXT))
+# wire names as Triton's vLLM backend has them (text_input, sampling_parameters); the Python fields: prompt, sampling
+_PROMPT = (Tensor("text_input", STRING, 1, "prompt", Form.TEXT), Tensor("messages", STRING, 1, "messages", Form.TEXT))
 _OPTIONS = (Tensor("stream", BOOL, 1, "stream", Form.BOOL),
-            Tensor("sampling_parameters", STRING, 1, "sampling_parameters", Form.TEXT),
+            Tensor("sampling_parameters", STRING, 1, "sampling", Form.TEXT),
             *(Tensor(name, BOOL, 1, name, Form.BOOL)
               for name in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")))
 _ORIGINAL_MEDIA = Tensor("original_media", STRING, -1, "original_media", Form.BYTES, _CONSUMERS)  # metadata-only off
@@ -228,8 +229,8 @@ class GenerateInputs:
     def as_values(self) -> dict[str, Any]:
         """Input name -> value for the shared interface (``input_values``); absent inputs are left out."""
         fields = {name: getattr(self, name, ()) for m in modalities() for name in (m.media_field, m.layout_field)}
-        fields.update(text_input=self.prompt, messages=_json_text(self.messages), stream=self.stream,
-                      sampling_parameters=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
+        fields.update(prompt=self.prompt, messages=_json_text(self.messages), stream=self.stream,
+                      sampling=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
                       return_num_input_tokens=self.return_counts, return_num_output_tokens=self.return_counts,
                       kv_transfer_params=None if self.kv_transfer_params is None else json.dumps(self.kv_transfer_params))
         return input_values(fields)

@@ -36,7 +36,7 @@ from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import Modality, content_part, modalities
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' MediaHandlers
 from backend.request.media import MediaLimits, check_encoded, handler
-from backend.request.sampling import parse_sampling_parameters
+from backend.request.sampling import parse_sampling
 
 ROLES = ("system", "user", "assistant")
 
@@ -63,10 +63,11 @@ class RequestLimits:
 @dataclass(frozen=True)
 class RawGenerateInputs:
     """The request's inputs as plain Python values; ``None`` where the client sent nothing. Its fields are the
-    generate interface's inputs (``backend.protocol.generate``); each modality has two (``Modality.media_field``,
-    ``Modality.layout_field``)."""
+    generate interface's inputs (``backend.protocol.generate``), named by ``Tensor.field``: ``prompt`` and
+    ``sampling`` for the tensors ``text_input`` and ``sampling_parameters``; each modality has two
+    (``Modality.media_field``, ``Modality.layout_field``)."""
 
-    text_input: str | None = None
+    prompt: str | None = None                  # the text_input tensor
     messages: str | None = None
     images: tuple[bytes, ...] = ()
     image_layouts: tuple[str, ...] = ()
@@ -75,7 +76,7 @@ class RawGenerateInputs:
     audios: tuple[bytes, ...] = ()
     audio_layouts: tuple[str, ...] = ()
     stream: bool = False
-    sampling_parameters: str | None = None
+    sampling: str | None = None                # the sampling_parameters tensor (JSON text)
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -236,14 +237,14 @@ def layouts_of(raw: RawGenerateInputs, m: Modality) -> tuple[str, ...]:
 
 def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limits: RequestLimits = RequestLimits(),
                            fmt: PromptFormat = PromptFormat()) -> GenerateRequest:
-    has_text, has_messages = raw.text_input is not None, raw.messages is not None
+    has_text, has_messages = raw.prompt is not None, raw.messages is not None
     if has_text == has_messages:
         raise InvalidInput("text_input", "give exactly one of text_input and messages" +
                            (", not both" if has_text else ", got neither"))
     _check_media(raw, limits)
     if raw.media_io:
         resolver = resolver.with_options(raw.media_io)
-    sampling = parse_sampling_parameters(raw.sampling_parameters)
+    sampling = parse_sampling(raw.sampling)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
     given = {m.name: [resolver.from_tensor(data, f"{m.media_tensor}[{i}]", m) for i, data in enumerate(media_of(raw, m))] +
              _grouped([resolver.from_layout(text, f"{m.layout_tensor}[{i}]", m) for i, text in enumerate(layouts_of(raw, m))])
@@ -318,7 +319,7 @@ def _kv_transfer_params(text: str | None) -> dict | None:
 def _text_prompt(raw: RawGenerateInputs, counts: dict[Modality, int], fmt: PromptFormat) -> str:
     """``text_input`` with every item's placeholder: those it names (per modality, as many as items given), or,
     naming none, one per item in front."""
-    text = raw.text_input
+    text = raw.prompt
     if not text.strip():
         raise InvalidInput("text_input", "empty prompt")
     found = {m: text.count(fmt.of(m)[0]) for m in counts}

@@ -124,10 +124,10 @@ def test_bad_audio_parts_name_the_field(part, field, fragment):
 
 def test_the_audio_limit_is_checked_before_decoding_and_placeholders_fill_a_prompt():
     with pytest.raises(InvalidInput, match="3 audios, over the per-request limit of 2") as info:
-        parse_generate_request(RawGenerateInputs(text_input="x", audios=(b"a", b"b", b"c")), EncodedMedia(LIMITS),
+        parse_generate_request(RawGenerateInputs(prompt="x", audios=(b"a", b"b", b"c")), EncodedMedia(LIMITS),
                                RequestLimits(max_audios=2))
     assert info.value.field == "audio"
-    request = parse_generate_request(RawGenerateInputs(text_input="Hear.", audios=(b"RIFF",)), EncodedMedia(LIMITS))
+    request = parse_generate_request(RawGenerateInputs(prompt="Hear.", audios=(b"RIFF",)), EncodedMedia(LIMITS))
     assert request.prompt == "<|audio_bos|><|AUDIO|><|audio_eos|>Hear."
 
 

@@ -56,7 +56,7 @@ def test_each_kind_takes_its_media_form():
 
 
 def test_values_and_fields_round_trip():
-    raw = RawGenerateInputs(text_input="hi", image_layouts=('{"a": 1}',), stream=True, kv_transfer_params='{"k": 1}')
+    raw = RawGenerateInputs(prompt="hi", image_layouts=('{"a": 1}',), stream=True, kv_transfer_params='{"k": 1}')
     values = generate.input_values(vars(raw))
     assert values == {"text_input": "hi", "image_layouts": ['{"a": 1}'], "stream": True, "exclude_input_in_output": False,
                       "return_num_input_tokens": False, "return_num_output_tokens": False, "kv_transfer_params": '{"k": 1}'}

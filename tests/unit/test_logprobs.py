@@ -135,12 +135,12 @@ def test_e_p_d_relays_decode_s_entries_and_not_prefill_s_token():
     from backend.protocol.stages import Disaggregation
 
     stages, sink = FakeStages(pieces=("a", "b", "c")), FakeSink()
-    raw = RawGenerateInputs(text_input="x", images=(b"A",), stream=True,
-                            sampling_parameters='{"max_tokens": 3, "temperature": 0, "logprobs": 3}')
+    raw = RawGenerateInputs(prompt="x", images=(b"A",), stream=True,
+                            sampling='{"max_tokens": 3, "temperature": 0, "logprobs": 3}')
     asyncio.run(Orchestrator(stages, Identity("m", "{}"), RequestLimits(), Disaggregation.E_P_D).run(raw, sink))
     prefill, decode = stages.generated
-    assert json.loads(prefill.sampling_parameters)["logprobs"] == 3  # prefill's engine checks the value first
-    assert decode.sampling_parameters == raw.sampling_parameters
+    assert json.loads(prefill.sampling)["logprobs"] == 3  # prefill's engine checks the value first
+    assert decode.sampling == raw.sampling
     entries = [e for chunk, _ in sink.chunks for e in chunk.logprobs]
     assert entries == [{"token": t, "stage": "decode"} for t in "abc"]
 

@@ -73,7 +73,7 @@ def test_fps_samples_the_video_as_vllm_s_loader_does():
 
 
 def _request(options: dict | None, resolver):
-    raw = RawGenerateInputs(text_input="<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|image_pad|>"
+    raw = RawGenerateInputs(prompt="<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|image_pad|>"
                                        "<|vision_end|>Describe.",
                             videos=(make_video(96, 64, frames=60, fps=10),), images=(image_bytes(64, 48),),
                             media_io=MediaOptions.parse(options))

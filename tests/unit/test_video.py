@@ -108,17 +108,17 @@ def test_epd_keeps_video_bytes_and_counts_them_against_max_videos():
     [item] = request.items
     assert item.data == video and item.modality == "video" and item.field == "video[0]"
     with pytest.raises(InvalidInput, match="3 videos, over the per-request limit of 2") as info:
-        parse_generate_request(RawGenerateInputs(text_input="x", videos=(video,) * 3), EncodedMedia(LIMITS),
+        parse_generate_request(RawGenerateInputs(prompt="x", videos=(video,) * 3), EncodedMedia(LIMITS),
                                RequestLimits(max_videos=2))
     assert info.value.field == "video"
 
 
 def test_a_text_prompt_gets_one_video_placeholder_per_video():
-    request = parse_generate_request(RawGenerateInputs(text_input="describe", videos=(make_video(frames=4),)),
+    request = parse_generate_request(RawGenerateInputs(prompt="describe", videos=(make_video(frames=4),)),
                                      EncodedMedia(LIMITS))
     assert request.prompt == "<|vision_start|><|video_pad|><|vision_end|>describe"
     with pytest.raises(InvalidInput, match=r"prompt has 1 video placeholder\(s\) \(<\|video_pad\|>\) but 2 video"):
-        parse_generate_request(RawGenerateInputs(text_input="<|video_pad|>", videos=(b"x", b"y")), EncodedMedia(LIMITS))
+        parse_generate_request(RawGenerateInputs(prompt="<|video_pad|>", videos=(b"x", b"y")), EncodedMedia(LIMITS))
 
 
 def _layout(media) -> LayoutMetadata:
