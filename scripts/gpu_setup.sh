@@ -22,7 +22,10 @@ plugin_entry_point() {
     local info="$SITE/triton_epd_gpu-0.0.dist-info"
     mkdir -p "$info"
     printf 'Metadata-Version: 2.1\nName: triton-epd-gpu\nVersion: 0.0\n' > "$info/METADATA"
-    printf '[vllm.general_plugins]\nepd_patches = backend.engine.patches:register\n' > "$info/entry_points.txt"
+    # and the server's in-process OpenAI endpoint (pyproject's triton_epd.endpoints; without it a topology with
+    # openai_port fails to load: "no in-process endpoint 'openai' is installed", H200 2026-12-05)
+    printf '[vllm.general_plugins]\nepd_patches = backend.engine.patches:register\n\n[triton_epd.endpoints]\nopenai = frontend.openai.in_process:serve_for\n' \
+        > "$info/entry_points.txt"
     : > "$info/RECORD"
 }
 

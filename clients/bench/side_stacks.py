@@ -92,6 +92,12 @@ def ec_config(role: str, directory: Path, device: str = "cpu") -> str:
                        "ec_connector_extra_config": {"shared_storage_path": str(directory)}})
 
 
+# an ec_producer runs without prefix caching, as vLLM's own EPD examples start their encoders: vLLM 0.26's encoder
+# server on the H200 otherwise fails at start ("HybridKVCacheCoordinator requires at least two attention groups",
+# 2026-12-05; vLLM 0.32 on the CPU started either way)
+ENCODER_FLAGS = ("--no-enable-prefix-caching",)
+
+
 def kv_config(role: str, device: str = "cpu") -> str:
     """``--kv-transfer-config`` of a NixlConnector ``kv_producer`` or ``kv_consumer``, its buffers in host memory
     (``cpu``) or in VRAM (``cuda``)."""
@@ -124,7 +130,7 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
                        ports[0])]
     if kind == "vllm-e-pd":
         settings, dev = engine_settings(topology, "E+PD", "pd"), buffer_device(topology, "pd")
-        return [Server("encoder", api_server_argv(ckpt, ports[0], settings, "--ec-transfer-config",
+        return [Server("encoder", api_server_argv(ckpt, ports[0], settings, *ENCODER_FLAGS, "--ec-transfer-config",
                                                   ec_config("ec_producer", ec_dir, dev)), ports[0]),
                 Server("pd", api_server_argv(ckpt, ports[1], metadata_only_engine_args(settings), "--ec-transfer-config",
                                              ec_config("ec_consumer", ec_dir, dev)), ports[1]),
@@ -136,7 +142,7 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
     decode = metadata_only_engine_args(engine_settings(topology, "E/P/D", "decode"))
     p_dev, d_dev = buffer_device(topology, "prefill"), buffer_device(topology, "decode")
     encoder = engine_settings(topology, "E/P/D", "prefill")
-    return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, "--ec-transfer-config",
+    return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, *ENCODER_FLAGS, "--ec-transfer-config",
                                               ec_config("ec_producer", ec_dir, p_dev)), ports[0]),
             Server("prefill", api_server_argv(ckpt, ports[1], prefill, "--ec-transfer-config",
                                               ec_config("ec_consumer", ec_dir, p_dev), "--kv-transfer-config",
