@@ -38,7 +38,14 @@ class MediaSettings:
 
 
 @dataclass(frozen=True)
-class EngineSettings(MediaSettings):
+class PrioritySettings:
+    """Every model that takes generate requests: a request's ``priority`` is 0 .. ``priority_levels`` - 1 (0 first)."""
+
+    priority_levels: int = 4
+
+
+@dataclass(frozen=True)
+class EngineSettings(PrioritySettings, MediaSettings):
     """A model hosting a vLLM engine (``llm``, ``pd``)."""
 
     engine_args: str = "model.json"  # the engine arguments' file, in the model's directory
@@ -129,8 +136,20 @@ class EncoderSettings(MediaSettings):
 
 
 @dataclass(frozen=True)
-class RoutingSettings:
-    """What every orchestrator reads: the split, the stages it asks, the request's deadline."""
+class AdmissionBudgets:
+    """An orchestrator's admission (``ensemble.admission``): what may be in flight at each stage at once (0: no bound)
+    and the longest a request waits for one (0: until its deadline)."""
+
+    encoder_items_in_flight: int = 0
+    encoder_bytes_in_flight: int = 0
+    generator_requests_in_flight: int = 0  # pd (E+PD) or prefill (E/P/D)
+    decode_requests_in_flight: int = 0
+    max_queue_ms: float = 0
+
+
+@dataclass(frozen=True)
+class RoutingSettings(AdmissionBudgets, PrioritySettings):
+    """What every orchestrator reads: the split, the stages it asks, the request's deadline, admission."""
 
     topology: Disaggregation = Disaggregation.E_PD
     encoder_model: str = "encoder"
