@@ -142,7 +142,7 @@ class Orchestrator:
                 await self._run(raw, sink, state, started)
         except TimeoutError:
             state.outcome = Outcome.EXPIRED
-            sink.send_error(DeadlineExceeded(f"deadline of {round(state.deadline - now, 3):g} s exceeded while "
+            sink.send_error(DeadlineExceeded(f"deadline of {max(0.0, round(state.deadline - now, 3)):g} s exceeded while "
                                              f"{state.phase}", "request"))
         except (DeadlineExceeded, Overloaded) as exc:
             state.outcome = Outcome.EXPIRED if isinstance(exc, DeadlineExceeded) else Outcome.SHED
@@ -193,7 +193,7 @@ class Orchestrator:
                 await self._generate(rewritten, sink, state, started)
                 return
             except Unavailable as exc:
-                if state.sent or state.request_retries >= self.RETRIES:
+                if not exc.retryable or state.sent or state.request_retries >= self.RETRIES:  # shed, or past its deadline
                     raise _in_client_terms(exc, owners) from None
                 state.retried("request")  # nothing reached the client: encode again, ask the stages again
 

@@ -51,8 +51,10 @@ HELD_PARAMETER = "epd_held"
 # text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (ensemble.replicas)
 LOAD_PARAMETER = "epd_load"
 # (int >= 0) the request's priority class, as vLLM's ``priority``: lower is served first, 0 the highest; the
-# topology's ``priority_levels`` bounds it (``RequestLimits.priority_levels``). Orchestrators pass it on to their stages
-PRIORITY_PARAMETER = "priority"
+# topology's ``priority_levels`` bounds it (``RequestLimits.priority_levels``). Orchestrators pass it on to their stages.
+# Not ``priority``: Triton reserves that parameter name for its own request priority ("Parameter "priority" is a
+# reserved parameter and cannot be specified", measured on 2.51), which its Python backend cannot read
+PRIORITY_PARAMETER = "epd_priority"
 # (number of ms > 0) the request's deadline, counted from when the server received it (the topology's
 # ``request_timeout_seconds`` bounds it too): past it the request is answered UNAVAILABLE and its work stops at every stage
 DEADLINE_PARAMETER = "deadline_ms"

@@ -173,12 +173,12 @@ def test_a_priority_out_of_the_deployment_s_range_is_invalid_naming_it():
                         RawGenerateInputs(text_input="x", priority=2))
     assert outcome is Outcome.ERROR and stages.generated == []
     [error] = sink.errors
-    assert isinstance(error, InvalidInput) and error.field == "parameters.priority" and "0 .. 1" in str(error)
+    assert isinstance(error, InvalidInput) and error.field == "parameters.epd_priority" and "0 .. 1" in str(error)
 
 
 @pytest.mark.parametrize("value", ["1", -1, 1.5, True, [0]])
 def test_a_priority_that_is_no_integer_from_zero_is_invalid(value):
-    with pytest.raises(InvalidInput, match=r"^parameters\.priority: expected an integer >= 0"):
+    with pytest.raises(InvalidInput, match=r"^parameters\.epd_priority: expected an integer >= 0"):
         parse_priority(value)
 
 
@@ -193,7 +193,7 @@ def test_deadlines_parse_as_absolute_times():
     assert parse_deadline({"deadline_ms": "250"}, 100.0) == 100.25  # clients that send strings only
     assert parse_deadline({"epd_deadline": "123.5", "deadline_ms": 1}, 100.0) == 123.5  # an orchestrator's wins
     assert parse_deadline({}, 100.0) is None
-    assert Urgency(1, 123.5).parameters() == {"priority": 1, "epd_deadline": "123.500"}
+    assert Urgency(1, 123.5).parameters() == {"epd_priority": 1, "epd_deadline": "123.500"}
     assert Urgency().parameters() == {}
 
 
