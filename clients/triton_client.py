@@ -69,7 +69,7 @@ def generate_grpc(url: str, model: str, inputs: GenerateInputs, on_text: Callabl
     """One request over a gRPC bidirectional stream. With ``cancel_after_chunks`` the client cancels
     the request once that many text chunks have arrived: ``cancel_via="grpc"`` cancels the stream (as a user
     closing it would), ``"request"`` sends an in-band cancel on the same stream (a request whose parameter
-    ``epd_cancel`` is the request's id, ``ensemble.cancel_board``) and reads on to the request's final
+    ``epd_cancel`` is the request's id, ``orchestrator.cancel_board``) and reads on to the request's final
     response, which the model sends once it has stopped."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException

@@ -140,7 +140,7 @@ class FakeStages:
         self.stages_called.append(stage)
         failing = self.generate_error is not None and len(self.generated) <= self.generate_failures
         # asked for logprobs: each chunk carries one entry per piece, naming the stage that made it
-        asked = "logprobs" in json.loads(inputs.sampling_parameters or "{}")
+        asked = "logprobs" in json.loads(inputs.sampling or "{}")
         if stage is Stage.PREFILL:
             yield ResponseChunk("", "length", kv_transfer_params={"remote_block_ids": [[1]], "do_remote_prefill": True},
                                 timings={"transfer_ms": 1.0},
@@ -191,5 +191,5 @@ class FakePull:
         self.seen.append(request)
         if self.error is not None and len(self.seen) <= self.failures:
             raise self.error
-        return replace(request, images=(), media_embeds={"image": ("embeds", len(request.images))},
-                       timings={"transfer_ms": 0.5, "transfer_bytes": 64 * len(request.images)})
+        return replace(request, items=(), media_embeds={"image": ("embeds", len(request.items))},
+                       timings={"transfer_ms": 0.5, "transfer_bytes": 64 * len(request.items)})

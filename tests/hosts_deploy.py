@@ -25,7 +25,7 @@ from backend.deploy.topology import load
 from backend.protocol.generate import GenerateInputs
 from backend.protocol.settings import RoutingSettings
 from clients.triton_client import GenerateError, GenerateResult, generate
-from ensemble.replicas import PROBE_SECONDS
+from orchestrator.replicas import PROBE_SECONDS
 from tests.netns import Network
 
 CLIENT = "client"
@@ -105,7 +105,7 @@ class HostsDeployment:
                 for future in [starting.submit(self.start, name) for name in self.plans]:
                     future.result()
             # an orchestrator whose health checks began while another host was still loading routes around that
-            # host until its next check finds it (ensemble.replicas): give them that check
+            # host until its next check finds it (orchestrator.replicas): give them that check
             time.sleep(SETTLE_SECONDS)
         except BaseException:
             self.close()

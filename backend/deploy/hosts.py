@@ -143,7 +143,7 @@ def _stages(value: Any, where: str, topology: Topology) -> tuple[str, ...]:
     for stage in value:
         if stage in topology.stages:
             continue
-        hosted = [HOSTS[mode] for mode in topology.colocated]
+        hosted = [HOSTS[deployment] for deployment in topology.colocated]
         if stage == Stage.ORCHESTRATOR.value and hosted:
             raise TopologyError(f"{where}: {stage}: the orchestrator runs inside the {' and '.join(hosted)} instances "
                                 f"(orchestrator: colocated); place {' and '.join(hosted)} instead")

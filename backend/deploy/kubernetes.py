@@ -50,7 +50,7 @@ KUBERNETES_VERSION = "1.37"  # the API the manifests are validated against (kube
 STAGE_ORDER = tuple(stage.value for stage in Stage)
 # stage -> (a metric per pod, its target): engines on their KV cache's use (epd_vllm_kv_cache_usage, a fraction), the
 # encoders on their embedding pool's bytes held (epd_pool_used_bytes; the target: half of transfer.pool_bytes), the
-# proxy orchestrators on their finished requests per second (the rate of epd_requests_total; a proxy did 66-80 req/s
+# proxy orchestrators on their finished requests per second (the rate of epd_requests_total; one did 66-80 req/s
 # on 2 cores, docs/results/epd.md). Per pod the adapter averages the pod's instances (docs/operations.md).
 SCALE_ON = {**{stage: ("epd_vllm_kv_cache_usage", "700m") for stage in ENGINE_STAGES},
             Stage.ENCODER.value: ("epd_pool_used_bytes", None), Stage.ORCHESTRATOR.value: ("epd_requests_per_second", "50")}

@@ -370,7 +370,7 @@ class TritonServer:
         # A stub that died (killed while serving, or by the server at its exit timeout: a model that never
         # finished unloading) leaves its shared-memory region behind; record it (tests assert what they
         # expect) and remove it.
-        # The same for the in-band cancel boards of its models (ensemble.cancel_board) and its encoders'
+        # The same for the in-band cancel boards of its models (orchestrator.cancel_board) and its encoders'
         # announcements (backend.transfer.announce), which unload removes.
         server = self.server_pid or self.proc.pid
         boards = [p.name for pattern in (f"epd-cancel-{server}-*", f"epd-producers-{server}")

@@ -123,12 +123,12 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         return header + body + _params({"model": checkpoint, **engine_dtype, **decoder, **transfer, **limits, **tier})
     body += "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n\n"
     if kind.colocated:
-        mode = kind.mode.value
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
-        params = {"engine_args": "model.json", **limits, "topology": mode, "orchestrator": "colocated",
-                  "encoder_model": "encoder", "encoder_endpoint": topology.stages["encoder"].endpoint,
+        params = {"engine_args": "model.json", **limits, "topology": kind.disaggregation.value,
+                  "orchestrator": "colocated", "encoder_model": "encoder", "encoder_endpoint": topology.stages["encoder"].endpoint,
                   "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
-        if kind.mode is Disaggregation.E_P_D:  # decode over gRPC; this model's engine is prefill's (a KV producer)
+        # decode over gRPC; this model's engine is prefill's (a KV producer)
+        if kind.disaggregation is Disaggregation.E_P_D:
             params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
@@ -138,12 +138,11 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
         return header + body + _params({**params, **_admission(topology), **_openai(topology)})
     if kind.role is Stage.ORCHESTRATOR:
-        mode = kind.mode.value
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
-        names = {"model": checkpoint, "topology": mode, "encoder_model": "encoder",
+        names = {"model": checkpoint, "topology": kind.disaggregation.value, "encoder_model": "encoder",
                  "encoder_endpoint": topology.stages["encoder"].endpoint}
         names.update({"generator_model": "pd", "generator_endpoint": topology.stages["pd"].endpoint}
-                     if kind.mode is Disaggregation.E_PD else
+                     if kind.disaggregation is Disaggregation.E_PD else
                      {"prefill_model": "prefill", "prefill_endpoint": topology.stages["prefill"].endpoint,
                       "decode_model": "decode", "decode_endpoint": topology.stages["decode"].endpoint})
         if topology.engine_args.get("allowed_media_domains"):  # vLLM's engine argument applies to epd too

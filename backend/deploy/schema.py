@@ -15,7 +15,7 @@ from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
 # deployment -> the stages it runs (topology keys: the roles' names, backend.protocol.stages)
-DEPLOYMENTS = {"baseline": (Stage.LLM.value,), **{mode.value: tuple(s.value for s in mode.stages) for mode in Disaggregation}}
+DEPLOYMENTS = {"baseline": (Stage.LLM.value,), **{d.value: tuple(s.value for s in d.stages) for d in Disaggregation}}
 ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
@@ -23,10 +23,10 @@ TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", 
             "video_split", "tier", "reuse", "hosts", "admission"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
 # reached by an orchestrator over gRPC: they take an endpoint
-REMOTE_STAGES = tuple(stage.value for mode in Disaggregation for stage in mode.generators)
+REMOTE_STAGES = tuple(stage.value for d in Disaggregation for stage in d.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
-HOSTS = {mode.value: mode.host.value for mode in Disaggregation}  # deployment -> the stage that can host its orchestrator
+HOSTS = {d.value: d.host.value for d in Disaggregation}  # deployment -> the stage that can host its orchestrator
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
 TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
                      **defaults(KvEngineSettings, "nixl_poll_delay_us")}
@@ -57,14 +57,16 @@ class TopologyError(ValueError):
 
 
 class ModelKind(enum.StrEnum):
-    """What a rendered model is: its ``role`` (``backend.protocol.stages.Stage``), for an orchestrator the ``mode`` it
-    orchestrates, and ``engine``: the stage whose vLLM engine, instances and device it has (None: none; an orchestrator
-    with an engine is colocated with that stage). Its value is the kind's name (``epd:E+PD:colocated``)."""
+    """What a rendered model is: its ``role`` (``backend.protocol.stages.Stage``), for an orchestrator the
+    ``disaggregation`` it orchestrates, and ``engine``: the stage whose vLLM engine, instances and device it has
+    (None: none; an orchestrator with an engine is colocated with that stage). Its value is the kind's name
+    (``epd:E+PD:colocated``)."""
 
-    def __new__(cls, value: str, role: Stage, mode: Disaggregation | None = None, engine: Stage | None = None):
+    def __new__(cls, value: str, role: Stage, disaggregation: Disaggregation | None = None,
+                engine: Stage | None = None):
         kind = str.__new__(cls, value)
         kind._value_ = value
-        kind.role, kind.mode, kind.engine = role, mode, engine
+        kind.role, kind.disaggregation, kind.engine = role, disaggregation, engine
         return kind
 
     LLM = "llm", Stage.LLM, None, Stage.LLM
@@ -78,8 +80,8 @@ class ModelKind(enum.StrEnum):
     COLOCATED_PREFILL = "epd:E/P/D:colocated", Stage.ORCHESTRATOR, Disaggregation.E_P_D, Stage.PREFILL
 
     @classmethod
-    def orchestrator(cls, mode: Disaggregation, colocated: bool) -> "ModelKind":
-        return next(kind for kind in cls if kind.role is Stage.ORCHESTRATOR and kind.mode is mode
+    def orchestrator(cls, disaggregation: Disaggregation, colocated: bool) -> "ModelKind":
+        return next(kind for kind in cls if kind.role is Stage.ORCHESTRATOR and kind.disaggregation is disaggregation
                     and (kind.engine is not None) == colocated)
 
     @property
@@ -131,25 +133,27 @@ class Topology:
     hosts: dict[str, Any] = field(default_factory=dict)  # host name -> backend.deploy.hosts.HostSpec; {}: one server
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 
-    def only(self, mode: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
-        """This topology serving ``mode`` (a deployment, or several side by side) alone (their stages only; its hosts
+    def only(self, deployment: str | tuple[str, ...], engine_args: dict[str, Any] | None = None, **changes) -> "Topology":
+        """This topology serving ``deployment`` (one, or several side by side) alone (their stages only; its hosts
         keep those, a host left with none is dropped), with ``engine_args`` laid over its own and other fields replaced
         by ``changes``."""
-        modes = (mode,) if isinstance(mode, str) else tuple(mode)
-        if len(modes) > 1 and changes.get("openai_port", self.openai_port):
+        deployments = (deployment,) if isinstance(deployment, str) else tuple(deployment)
+        if len(deployments) > 1 and changes.get("openai_port", self.openai_port):
             raise TopologyError(f"{self.name}: openai_port: the endpoint in a model's process serves that model alone, "
-                                f"not {' + '.join(modes)}")
-        unknown = [m for m in modes if m not in DEPLOYMENTS]
-        if unknown or not modes:
+                                f"not {' + '.join(deployments)}")
+        unknown = [m for m in deployments if m not in DEPLOYMENTS]
+        if unknown or not deployments:
             raise TopologyError(f"unknown deployment {', '.join(map(repr, unknown))}; known: {', '.join(DEPLOYMENTS)}")
         colocated = self.colocated
-        stages = [stage for m in modes for stage in deployment_stages(m, colocated)]
+        stages = [stage for m in deployments for stage in deployment_stages(m, colocated)]
         missing = sorted({stage for stage in stages if stage not in self.stages})
         if missing:
-            raise TopologyError(f"{self.name}: cannot serve {' + '.join(modes)} alone, no settings for {', '.join(missing)}")
+            raise TopologyError(f"{self.name}: cannot serve {' + '.join(deployments)} alone, "
+                                f"no settings for {', '.join(missing)}")
         kept = {name: replace(host, stages=tuple(s for s in host.stages if s in stages))
                 for name, host in self.hosts.items()}
-        return replace(self, name=f"{self.name}-{'-'.join(modes)}", serve=modes, checkpoint=self.checkpoint.resolve(),
+        return replace(self, name=f"{self.name}-{'-'.join(deployments)}", serve=deployments,
+                       checkpoint=self.checkpoint.resolve(),
                        stages={s: self.stages[s] for s in stages}, hosts={n: h for n, h in kept.items() if h.stages},
                        engine_args={**self.engine_args, **(engine_args or {})}, **changes)
 
@@ -157,21 +161,21 @@ class Topology:
     def colocated(self) -> tuple[str, ...]:
         """The served deployments whose orchestrator runs inside their host stage's instances
         (``stages.pd.orchestrator`` / ``stages.prefill.orchestrator: colocated``)."""
-        return tuple(mode for mode in self.serve if mode in HOSTS and HOSTS[mode] in self.stages
-                     and self.stages[HOSTS[mode]].orchestrator == "colocated")
+        return tuple(served for served in self.serve if served in HOSTS and HOSTS[served] in self.stages
+                     and self.stages[HOSTS[served]].orchestrator == "colocated")
 
-    def with_orchestrator(self, where: str, mode: str = "E+PD") -> "Topology":
-        """This topology with ``mode``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
-        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy without one gets the defaults,
-        as in a file)."""
+    def with_orchestrator(self, where: str, deployment: str = "E+PD") -> "Topology":
+        """This topology with ``deployment``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
+        deployments then use (an ``epd`` stage nothing uses is dropped; a proxy orchestrator without one gets the
+        defaults, as in a file)."""
         if self.hosts:
             raise TopologyError(f"{self.name}: orchestrator {where}: its hosts block places the stages; edit the file")
         if where not in ORCHESTRATORS:
             raise TopologyError(f"{self.name}: orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {where!r}")
-        if mode not in HOSTS or mode not in self.serve:
-            raise TopologyError(f"{self.name}: orchestrator {where}: {mode} has no orchestrator to place here "
+        if deployment not in HOSTS or deployment not in self.serve:
+            raise TopologyError(f"{self.name}: orchestrator {where}: {deployment} has no orchestrator to place here "
                                 f"(served: {', '.join(self.serve)}; orchestrators: {', '.join(HOSTS)})")
-        host = HOSTS[mode]
+        host = HOSTS[deployment]
         stages = {"epd": StageSpec(), **self.stages, host: replace(self.stages[host], orchestrator=where)}
         colocated = tuple(m for m in HOSTS if stages.get(HOSTS[m], StageSpec()).orchestrator == "colocated")
         needed = {stage for m in self.serve for stage in deployment_stages(m, colocated)}
@@ -182,22 +186,22 @@ class Topology:
         engine, in place of that stage's model)."""
         out: dict[str, ModelKind] = {}
         colocated = self.colocated
-        for mode in self.serve:
-            for stage in DEPLOYMENTS[mode]:
+        for deployment in self.serve:
+            for stage in DEPLOYMENTS[deployment]:
                 if stage == Stage.ORCHESTRATOR.value:
                     name = "epd" if "epd" not in out else "epd_disagg"
-                    out[name] = ModelKind.orchestrator(Disaggregation(mode), mode in colocated)
-                elif not (mode in colocated and stage == HOSTS[mode]):
+                    out[name] = ModelKind.orchestrator(Disaggregation(deployment), deployment in colocated)
+                elif not (deployment in colocated and stage == HOSTS[deployment]):
                     out[stage] = ModelKind(stage)
         return out
 
 
-def deployment_stages(mode: str, colocated: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The stages whose settings ``mode`` uses: a deployment in ``colocated`` has no ``epd`` stage of its own
+def deployment_stages(deployment: str, colocated: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The stages whose settings ``deployment`` uses: a deployment in ``colocated`` has no ``epd`` stage of its own
     (its orchestrator runs in the instances of its host stage, ``HOSTS``)."""
-    if mode in colocated:
-        return tuple(stage for stage in DEPLOYMENTS[mode] if stage != "epd")
-    return DEPLOYMENTS[mode]
+    if deployment in colocated:
+        return tuple(stage for stage in DEPLOYMENTS[deployment] if stage != "epd")
+    return DEPLOYMENTS[deployment]
 
 
 def check_keys(doc: dict, allowed: set[str], where: str) -> None:

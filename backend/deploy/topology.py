@@ -80,7 +80,7 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     check_keys(doc, TOP_KEYS, str(path))
     machine = machine or ("gpu" if Path("/dev/nvidia0").exists() else "cpu")
     serve = doc.get("serve")
-    if not isinstance(serve, list) or not serve or any(mode not in DEPLOYMENTS for mode in serve) or len(set(serve)) != len(serve):
+    if not isinstance(serve, list) or not serve or any(d not in DEPLOYMENTS for d in serve) or len(set(serve)) != len(serve):
         raise TopologyError(f"{path}: serve must list distinct deployments out of {', '.join(DEPLOYMENTS)}; got {serve!r}")
     checkpoint = doc.get("checkpoint")
     if not isinstance(checkpoint, str) or not checkpoint:
@@ -88,13 +88,13 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     stages_doc = doc.get("stages") or {}
     if not isinstance(stages_doc, dict):
         raise TopologyError(f"{path}: stages: expected a mapping of stage -> settings")
-    colocated = tuple(mode for mode, host in HOSTS.items() if mode in serve and isinstance(stages_doc.get(host), dict)
+    colocated = tuple(d for d, host in HOSTS.items() if d in serve and isinstance(stages_doc.get(host), dict)
                       and stages_doc[host].get("orchestrator") == "colocated")
-    needed = {stage for mode in serve for stage in deployment_stages(mode, colocated)}
+    needed = {stage for deployment in serve for stage in deployment_stages(deployment, colocated)}
     unused = sorted(set(stages_doc) - needed)
     if unused:
-        why = "".join(f" ({HOSTS[mode]}.orchestrator is colocated: {mode}'s orchestrator runs in the {HOSTS[mode]} instances)"
-                      for mode in colocated if "epd" in unused)
+        why = "".join(f" ({HOSTS[d]}.orchestrator is colocated: {d}'s orchestrator runs in the {HOSTS[d]} instances)"
+                      for d in colocated if "epd" in unused)
         raise TopologyError(f"{path}: stages: {', '.join(unused)} not used by serve {serve} "
                             f"(uses {', '.join(sorted(needed))}){why}")
     stages = {stage: _stage(stages_doc.get(stage) or {}, f"{path}: stages.{stage}", stage, machine) for stage in sorted(needed)}
@@ -173,13 +173,13 @@ def _reuse(doc, where: str, stages: dict[str, "StageSpec"], serve) -> dict[str, 
                                 f"got {value!r}")
     if reuse["demand_aware"] and not (reuse["held_bytes"] or reuse["session_bytes"]):
         raise TopologyError(f"{where}.demand_aware: the consumers keep no copies to find (held_bytes, session_bytes: 0)")
-    for mode in serve:
-        if mode not in HOSTS:
+    for deployment in serve:
+        if deployment not in HOSTS:
             continue
-        host = stages[HOSTS[mode]]
+        host = stages[HOSTS[deployment]]
         if reuse["demand_aware"] and host.orchestrator != "colocated" and host.instances > 1:
-            raise TopologyError(f"{where}.demand_aware: {mode}'s proxy orchestrator cannot know which of stages."
-                                f"{HOSTS[mode]}'s {host.instances} instances Triton gives a request; use one instance, "
+            raise TopologyError(f"{where}.demand_aware: {deployment}'s proxy orchestrator cannot know which of stages."
+                                f"{HOSTS[deployment]}'s {host.instances} instances Triton gives a request; use one instance, "
                                 f"or orchestrator: colocated")
     return reuse
 

@@ -209,7 +209,7 @@ def multi_modal_data(request: GenerateRequest) -> dict[str, Any]:
             data[m.data_key] = fields if embeds is None else {m.embeds_key: embeds, **fields}
         return data
     data: dict[str, list] = {}
-    for item in request.images:
+    for item in request.items:
         engine_item = getattr(item, "engine_item", None)
         data.setdefault(modality(modality_of(item)).data_key, []).append(engine_item() if engine_item else item)
     return data

@@ -28,7 +28,7 @@ from backend.protocol.stages import Stage
 # the error envelope in error messages (backend.protocol.errors): Triton 2.51 turns every BLS error into INTERNAL and
 # its gRPC stream errors carry no code, so orchestrators ask their stages for it; clients may ask too
 ERROR_CODES_PARAMETER = "epd_error_codes"
-# an in-band cancel: the id of the request to cancel (ensemble.cancel_board)
+# an in-band cancel: the id of the request to cancel (orchestrator.cancel_board)
 CANCEL_PARAMETER = "epd_cancel"
 # (bool) this request's metadata-only setting, over the orchestrator's `metadata_only` parameter
 METADATA_ONLY_PARAMETER = "epd_metadata_only"
@@ -48,7 +48,7 @@ DEMAND_AWARE_PARAMETER = "epd_demand_aware"
 # one response whose text_output is the JSON object {content key: layout document} of the keys it holds
 HELD_PARAMETER = "epd_held"
 # (bool) a health and load probe, answered by every engine stage (llm, pd, prefill, decode): one response whose
-# text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (ensemble.replicas)
+# text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (orchestrator.replicas)
 LOAD_PARAMETER = "epd_load"
 # (int >= 0) the request's priority class, as vLLM's ``priority``: lower is served first, 0 the highest; the
 # topology's ``priority_levels`` bounds it (``RequestLimits.priority_levels``). Orchestrators pass it on to their stages.
@@ -153,9 +153,10 @@ class Tensor:
     optional: bool = True  # an input a request may leave out; an output a response may leave out
 
 
-_PROMPT = (Tensor("text_input", STRING, 1, "text_input", Form.TEXT), Tensor("messages", STRING, 1, "messages", Form.TEXT))
+# wire names as Triton's vLLM backend has them (text_input, sampling_parameters); the Python fields: prompt, sampling
+_PROMPT = (Tensor("text_input", STRING, 1, "prompt", Form.TEXT), Tensor("messages", STRING, 1, "messages", Form.TEXT))
 _OPTIONS = (Tensor("stream", BOOL, 1, "stream", Form.BOOL),
-            Tensor("sampling_parameters", STRING, 1, "sampling_parameters", Form.TEXT),
+            Tensor("sampling_parameters", STRING, 1, "sampling", Form.TEXT),
             *(Tensor(name, BOOL, 1, name, Form.BOOL)
               for name in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")))
 _ORIGINAL_MEDIA = Tensor("original_media", STRING, -1, "original_media", Form.BYTES, _CONSUMERS)  # metadata-only off
@@ -275,8 +276,8 @@ class GenerateInputs:
     def as_values(self) -> dict[str, Any]:
         """Input name -> value for the shared interface (``input_values``); absent inputs are left out."""
         fields = {name: getattr(self, name, ()) for m in modalities() for name in (m.media_field, m.layout_field)}
-        fields.update(text_input=self.prompt, messages=_json_text(self.messages), stream=self.stream,
-                      sampling_parameters=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
+        fields.update(prompt=self.prompt, messages=_json_text(self.messages), stream=self.stream,
+                      sampling=_json_text(self.sampling), exclude_input_in_output=self.exclude_input_in_output,
                       return_num_input_tokens=self.return_counts, return_num_output_tokens=self.return_counts,
                       kv_transfer_params=None if self.kv_transfer_params is None else json.dumps(self.kv_transfer_params))
         return input_values(fields)

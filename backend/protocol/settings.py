@@ -5,7 +5,8 @@ their defaults written here only (the topology renderer, ``backend.deploy``, tak
 ``bool`` is ``true`` or ``false``; ``int`` / ``float`` as Python parses them; ``X | None`` is None when empty;
 ``tuple[str, ...]`` is comma-separated (blanks dropped); an enum by its value. An unknown (misspelled) parameter or
 a value of the wrong type is a ``ConfigError`` naming the model and the parameter, so the model fails to load
-instead of running with a default nobody asked for.
+instead of running with a default nobody asked for. A parameter is named as its field, except where the field's
+``PARAMETER`` metadata keeps an older wire name (``disaggregation`` is written ``topology`` in config.pbtxt).
 
 Which kind reads which class: ``llm``: ``LlmSettings``; ``pd``: ``PdSettings``; ``prefill``, ``decode``: ``KvEngineSettings``;
 ``encoder``: ``EncoderSettings``; the ``epd`` proxy orchestrator: ``ProxySettings``; an orchestrator colocated with
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import enum
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from backend.protocol.stages import Disaggregation, Stage
 
 LOCAL = "local"  # a stage endpoint: the server the orchestrator runs in (backend.deploy.server_address.LOCAL)
+PARAMETER = "parameter"  # a field's metadata key: its config.pbtxt parameter's name, where that is not the field's
 
 
 class ConfigError(ValueError):
@@ -151,7 +153,8 @@ class AdmissionBudgets:
 class RoutingSettings(AdmissionBudgets, PrioritySettings):
     """What every orchestrator reads: the split, the stages it asks, the request's deadline, admission."""
 
-    topology: Disaggregation = Disaggregation.E_PD
+    # the deployment's split; its config.pbtxt parameter is "topology", the name existing model repositories use
+    disaggregation: Disaggregation = field(default=Disaggregation.E_PD, metadata={PARAMETER: "topology"})
     encoder_model: str = "encoder"
     encoder_endpoint: str = LOCAL
     decode_model: str = "decode"
@@ -164,7 +167,7 @@ class RoutingSettings(AdmissionBudgets, PrioritySettings):
     # before encoding, ask the consumer which items it already holds (backend.transfer.held) and send those as its
     # copies: no encode, no transfer (a request's epd_demand_aware parameter overrides it)
     demand_aware: bool = False
-    # between health checks of the replicas of stages on other servers or on several (ensemble.replicas)
+    # between health checks of the replicas of stages on other servers or on several (orchestrator.replicas)
     health_check_seconds: float = 2.0
 
     def targets(self) -> dict[Stage, tuple[str, str]]:
@@ -199,7 +202,8 @@ class ProxySettings(OpenAISettings, RoutingSettings, MediaSettings):
 
 @dataclass(frozen=True)
 class ColocatedSettings(OpenAISettings, RoutingSettings, HeldSettings, KvEngineSettings):
-    """An orchestrator in the instances of its host stage (``topology``'s host: pd or prefill), beside its engine."""
+    """An orchestrator in the instances of its host stage (``disaggregation``'s host: pd or prefill), beside its
+    engine."""
 
     orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt
 
@@ -210,14 +214,19 @@ S = typing.TypeVar("S")
 def parse_settings(cls: type[S], model: str, config: dict) -> S:
     """``cls`` made of the ``parameters`` of ``model``'s config (Triton's JSON form of config.pbtxt)."""
     hints = typing.get_type_hints(cls)
-    known = {f.name: hints[f.name] for f in fields(cls)}
+    known = parameter_fields(cls)
     values = {}
     for key, entry in (config.get("parameters") or {}).items():
         if key not in known:
             raise ConfigError(f"{model}: unknown parameter {key!r} in config.pbtxt (known: {', '.join(sorted(known))})")
         text = entry.get("string_value", "") if isinstance(entry, dict) else str(entry)
-        values[key] = _convert(known[key], text, f"{model}: parameter {key!r} in config.pbtxt")
+        values[known[key]] = _convert(hints[known[key]], text, f"{model}: parameter {key!r} in config.pbtxt")
     return cls(**values)
+
+
+def parameter_fields(cls: type) -> dict[str, str]:
+    """config.pbtxt parameter name -> ``cls``' field it sets (the field's own name, or its ``PARAMETER`` metadata)."""
+    return {f.metadata.get(PARAMETER, f.name): f.name for f in fields(cls)}
 
 
 def defaults(cls: type, *names: str) -> dict[str, typing.Any]:
@@ -252,4 +261,4 @@ def _convert(hint, text: str, where: str):
 
 
 __all__ = ["ColocatedSettings", "ConfigError", "EncoderSettings", "EngineSettings", "KvEngineSettings",
-           "MediaSettings", "ProxySettings", "RoutingSettings", "defaults", "parse_settings"]
+           "MediaSettings", "ProxySettings", "RoutingSettings", "defaults", "parameter_fields", "parse_settings"]

@@ -38,7 +38,7 @@ from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import Modality, content_part, modalities
 from backend.request import audio, image, video  # noqa: F401 - register the modalities' MediaHandlers
 from backend.request.media import MediaLimits, check_encoded, handler
-from backend.request.sampling import parse_sampling_parameters
+from backend.request.sampling import parse_sampling
 
 ROLES = ("system", "user", "assistant")
 
@@ -66,10 +66,11 @@ class RequestLimits:
 @dataclass(frozen=True)
 class RawGenerateInputs:
     """The request's inputs as plain Python values; ``None`` where the client sent nothing. Its fields are the
-    generate interface's inputs (``backend.protocol.generate``); each modality has two (``Modality.media_field``,
-    ``Modality.layout_field``)."""
+    generate interface's inputs (``backend.protocol.generate``), named by ``Tensor.field``: ``prompt`` and
+    ``sampling`` for the tensors ``text_input`` and ``sampling_parameters``; each modality has two
+    (``Modality.media_field``, ``Modality.layout_field``)."""
 
-    text_input: str | None = None
+    prompt: str | None = None                  # the text_input tensor
     messages: str | None = None
     images: tuple[bytes, ...] = ()
     image_layouts: tuple[str, ...] = ()
@@ -78,7 +79,7 @@ class RawGenerateInputs:
     audios: tuple[bytes, ...] = ()
     audio_layouts: tuple[str, ...] = ()
     stream: bool = False
-    sampling_parameters: str | None = None
+    sampling: str | None = None                # the sampling_parameters tensor (JSON text)
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -114,7 +115,7 @@ def parameter_inputs(parameters: Mapping[str, Any]) -> dict[str, Any]:
 class GenerateRequest:
     prompt: str | None                          # text_input (placeholders complete), or None for chat
     conversation: list[dict[str, Any]] | None   # parsed messages, media parts as {"type": Modality.item_part}
-    images: tuple[Any, ...]                     # per media item (every modality), in prompt order: what the resolver made
+    items: tuple[Any, ...]                      # per media item (every modality), in prompt order: what the resolver made
     sampling: dict[str, Any]
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -245,14 +246,14 @@ def layouts_of(raw: RawGenerateInputs, m: Modality) -> tuple[str, ...]:
 
 def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limits: RequestLimits = RequestLimits(),
                            fmt: PromptFormat = PromptFormat()) -> GenerateRequest:
-    has_text, has_messages = raw.text_input is not None, raw.messages is not None
+    has_text, has_messages = raw.prompt is not None, raw.messages is not None
     if has_text == has_messages:
         raise InvalidInput("text_input", "give exactly one of text_input and messages" +
                            (", not both" if has_text else ", got neither"))
     _check_media(raw, limits)
     if raw.media_io:
         resolver = resolver.with_options(raw.media_io)
-    sampling = parse_sampling_parameters(raw.sampling_parameters)
+    sampling = parse_sampling(raw.sampling)
     kv_params = _kv_transfer_params(raw.kv_transfer_params)
     given = {m.name: [resolver.from_tensor(data, f"{m.media_tensor}[{i}]", m) for i, data in enumerate(media_of(raw, m))] +
              _grouped([resolver.from_layout(text, f"{m.layout_tensor}[{i}]", m) for i, text in enumerate(layouts_of(raw, m))])
@@ -267,7 +268,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         conversation, items = _parse_messages(raw.messages, given, resolver, limits)
     return GenerateRequest(
         prompt=prompt, conversation=conversation,
-        images=tuple(layout for item in items for layout in (item if isinstance(item, VideoParts) else (item,))), sampling=sampling, stream=raw.stream,
+        items=tuple(layout for item in items for layout in (item if isinstance(item, VideoParts) else (item,))), sampling=sampling, stream=raw.stream,
         exclude_input_in_output=raw.exclude_input_in_output,
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
@@ -305,12 +306,12 @@ def _check_count(m: Modality, count: int, limits: RequestLimits) -> None:
 
 
 class VideoParts(tuple):
-    """The layouts of one video's parts, in order: one item of a request until ``GenerateRequest.images``."""
+    """The layouts of one video's parts, in order: one item of a request until ``GenerateRequest.items``."""
 
 
 def _grouped(layouts: list) -> list:
     """Consecutive parts of one video (``VideoLayout.part``: those past its first join the one before) as one item,
-    ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.images`` has them flat
+    ``VideoParts``: one placeholder, one item against the limits. ``GenerateRequest.items`` has them flat
     again, in order; ``backend.transfer.engine_inputs.media_grids`` checks that they make up their video."""
     out: list = []
     for layout in layouts:
@@ -337,7 +338,7 @@ def _kv_transfer_params(text: str | None) -> dict | None:
 def _text_prompt(raw: RawGenerateInputs, counts: dict[Modality, int], fmt: PromptFormat) -> str:
     """``text_input`` with every item's placeholder: those it names (per modality, as many as items given), or,
     naming none, one per item in front."""
-    text = raw.text_input
+    text = raw.prompt
     if not text.strip():
         raise InvalidInput("text_input", "empty prompt")
     found = {m: text.count(fmt.of(m)[0]) for m in counts}

@@ -88,7 +88,7 @@ _SPEC: dict[str, Callable[[str, Any], Any]] = {
 SUPPORTED_KEYS = tuple(sorted(_SPEC))
 
 
-def parse_sampling_parameters(text: str | None) -> dict[str, Any]:
+def parse_sampling(text: str | None) -> dict[str, Any]:
     """Parse and validate the JSON text; returns keyword arguments for ``vllm.SamplingParams``."""
     if text is None or not text.strip():
         return {}

@@ -36,7 +36,7 @@ from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.request.naive_media import process_original_media
 from backend.transfer.agent import POLL_DELAY_ENV
 from backend.transfer.announce import ProducerWatcher, directory
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
@@ -140,7 +140,7 @@ class GenerateModel:
             tag = bool(params.get(ERROR_CODES_PARAMETER))
             if in_band_cancel(sender, params, self.cancels, tag) or self.answer_lookup(sender, params, tag):
                 continue
-            if params.get(LOAD_PARAMETER):  # a router's health and load probe (ensemble.replicas)
+            if params.get(LOAD_PARAMETER):  # a router's health and load probe (orchestrator.replicas)
                 answer_json(sender, {"kv_cache_usage": self.engine_metrics.kv_cache_usage})
                 continue
             try:
@@ -222,17 +222,17 @@ class MetadataOnlyModel(GenerateModel):
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        layouts = sum(isinstance(item, LayoutMetadata) for item in request.images)
-        if layouts < len(request.images):  # media decoded here (takes_media): the engine processes them
+        layouts = sum(isinstance(item, LayoutMetadata) for item in request.items)
+        if layouts < len(request.items):  # media decoded here (takes_media): the engine processes them
             if layouts:
                 raise InvalidInput("messages", "give media either as media or as layouts (image_layouts, "
                                                "video_layouts, audio_layouts), not both")
             return request
-        if not request.images:
+        if not request.items:
             return request
         timings = {}
         if request.original_media:  # metadata-only off: do the media work a naive EPD consumer does
-            seconds = process_original_media(request.original_media, request.images, self.image_processor(),
+            seconds = process_original_media(request.original_media, request.items, self.image_processor(),
                                              self.limits.media, self.video_processor(), self.feature_extractor(),
                                              request.media_io)
             self.metrics.media_decodes(decode_counter.count)
@@ -242,29 +242,29 @@ class MetadataOnlyModel(GenerateModel):
         if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
             from backend.transfer.engine_inputs import placeholder_media_embeds
 
-            zeros = {} if takes_layout_only() else placeholder_media_embeds(request.images)
-            grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.images).items()}
-            return replace(request, images=(), media_embeds=grids, media_kwargs=media_kwargs(request.images),
-                           media_uuids=media_uuids(request.images), timings=timings or None)
+            zeros = {} if takes_layout_only() else placeholder_media_embeds(request.items)
+            grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.items).items()}
+            return replace(request, items=(), media_embeds=grids, media_kwargs=media_kwargs(request.items),
+                           media_uuids=media_uuids(request.items), timings=timings or None)
 
         started = time.perf_counter()
         embeds, taken = await asyncio.get_running_loop().run_in_executor(self.pulls, self._pull, request)
         seconds = time.perf_counter() - started
-        pulled = [layout for layout, held in zip(request.images, taken) if not held]
+        pulled = [layout for layout, held in zip(request.items, taken) if not held]
         timings.update(transfer_ms=round(seconds * 1000, 3), transfer_bytes=sum(layout.handle.nbytes for layout in pulled))
         self.metrics.transferred(timings["transfer_bytes"], seconds, dict(self.consumer.paths))
         if self.held is not None:
             timings["held_taken"] = sum(taken)
             self.metrics.held(sum(taken), self.held.nbytes)
-        return replace(request, images=(), media_embeds=embeds, media_kwargs=media_kwargs(request.images),
-                       media_uuids=media_uuids(request.images), timings=timings)
+        return replace(request, items=(), media_embeds=embeds, media_kwargs=media_kwargs(request.items),
+                       media_uuids=media_uuids(request.items), timings=timings)
 
     def _pull(self, request: GenerateRequest):
         """On the pulls' thread: the request's embeddings (its items this consumer holds taken from its copies,
         ``backend.transfer.held``) and, per item, whether it was taken so."""
         from backend.transfer.engine_inputs import pull_media_embeds  # torch, as initialize's
 
-        layouts, held, session = request.images, self.held, request.session_id
+        layouts, held, session = request.items, self.held, request.session_id
         copies = [held.take(layout, session) for layout in layouts] if held is not None else [None] * len(layouts)
         return pull_media_embeds(self.consumer, layouts, copies, held, session), [c is not None for c in copies]
 

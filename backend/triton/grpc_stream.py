@@ -99,7 +99,7 @@ async def cancel_in_band(client, model: str, request_id: str, parameters: dict |
                          timeout: float = END_OF_STREAM_SECONDS) -> None:
     """Cancel the request ``request_id`` of ``model`` (one of this project's) in band: a second request, on
     its own stream of ``client`` (``tritonclient.grpc.aio``), whose parameter ``epd_cancel`` names it
-    (``ensemble.cancel_board``). Raises the server's error, or TimeoutError."""
+    (``orchestrator.cancel_board``). Raises the server's error, or TimeoutError."""
     async def one_request():  # then the request side closes, so the stream ends once the server answered
         yield {"model_name": model, "inputs": [], "parameters": {**(parameters or {}), CANCEL_PARAMETER: request_id}}
 

@@ -19,11 +19,11 @@ from backend.protocol.generate import (CANCEL_PARAMETER, ERROR_CODES_PARAMETER, 
                                        output_tensors, parse_session)
 from backend.request.generate import RawGenerateInputs, parameter_inputs
 from backend.engine.serving import ResponseChunk
-from ensemble.orchestrator import run_options
+from orchestrator.core import run_options
 
 if TYPE_CHECKING:
     from backend.triton.metrics import RequestMetrics
-    from ensemble.orchestrator import Orchestrator
+    from orchestrator.core import Orchestrator
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ endpoint (tritonclient's asyncio client, on the model's event loop), not through
 decoupled BLS deadlocks and crashes the calling stub under load (a lock-order inversion between the response
 iterator, its map and the GIL; heap corruption fixed upstream only in python_backend r25.01; docs/results/epd.md,
 "Limits found"). A gRPC stream has neither problem and keeps the stage's error codes. It is never cancelled, though: cancelling a decoupled stream while
-the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``ensemble.cancel_board``). A
+the stage sends on it can deadlock (or crash) Triton 2.51's gRPC frontend (``orchestrator.cancel_board``). A
 stage request the orchestrator gives up on (its client cancelled, the deadline passed) is cancelled in band,
 by a second request naming its request id; the stage aborts its engine request and ends the stream.
 
 ``BlsEncoders`` is the encoder half alone: the colocated E+PD model (``backend.triton.models.colocated``) pairs it
-with its in-process generator (``ensemble.local_stages``).
+with its in-process generator (``orchestrator.local_stages``).
 
 Each generator stage's gRPC address comes from the topology (its ``endpoint``, rendered as the orchestrator's
 ``<role>_endpoint`` parameter): ``local`` is this server's own gRPC endpoint, read from its command line at load
@@ -24,8 +24,8 @@ Each generator stage's gRPC address comes from the topology (its ``endpoint``, r
 deployment whose stages cannot be reached says so before a request fails.
 
 Several replicas, remote encoders (``encoder_endpoint``: a list of addresses; each item is then one gRPC ``infer``
-with a deadline, ``STAGE_CALL_SECONDS``, instead of BLS), health checks: ``ensemble.routing.RoutedStages`` chooses the
-replica of each call and ``ensemble.health`` checks them; ``GrpcStageCalls`` here makes the calls to one replica
+with a deadline, ``STAGE_CALL_SECONDS``, instead of BLS), health checks: ``orchestrator.routing.RoutedStages`` chooses the
+replica of each call and ``orchestrator.health`` checks them; ``GrpcStageCalls`` here makes the calls to one replica
 (the channels, ``CHANNEL_ARGS``), and ``triton_stages`` puts the two together for the orchestrator models.
 """
 from __future__ import annotations
@@ -50,10 +50,10 @@ from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
-from ensemble.admission import URGENCY, Urgency
-from ensemble.health import Lost, Unreachable, unless
-from ensemble.replicas import PROBE_SECONDS, Replica
-from ensemble.routing import RoutedStages
+from orchestrator.admission import URGENCY, Urgency
+from orchestrator.health import Lost, Unreachable, unless
+from orchestrator.replicas import PROBE_SECONDS, Replica
+from orchestrator.routing import RoutedStages
 
 # What the orchestrator asks of a stage's responses: pd's outputs (decode's too: its kv_transfer_params are not relayed),
 # prefill's with the kv_transfer_params decode needs.
@@ -85,7 +85,7 @@ def _chunk(result) -> ResponseChunk:
 async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asyncio.Event | None = None):
     """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
     lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above), and so is ``lost`` set
-    while waiting (the replica stopped answering health checks: ``ensemble.replicas``)."""
+    while waiting (the replica stopped answering health checks: ``orchestrator.replicas``)."""
     import grpc
 
     iterator = stream.__aiter__()
@@ -125,7 +125,7 @@ def encoder_urls(model: str, endpoint: str) -> list[str] | None:
 
 def encode_parameters(item: MediaBytes, part: tuple[int, int] | None) -> dict:
     """An encoder request's parameters: the part of a video, the item's media options (its modality's), the urgency
-    of the request it is for (``ensemble.admission.URGENCY``: the encoder checks the deadline before it starts)."""
+    of the request it is for (``orchestrator.admission.URGENCY``: the encoder checks the deadline before it starts)."""
     parameters = {**_TAGGED, **URGENCY.get().parameters()}
     if part:
         parameters[PART_PARAMETER] = f"{part[0]}/{part[1]}"
@@ -157,7 +157,7 @@ class BlsEncoders:
 
 
 class TritonLogger:
-    """``ensemble.routing.RoutedStages``' logger: the Triton server's log."""
+    """``orchestrator.routing.RoutedStages``' logger: the Triton server's log."""
 
     @staticmethod
     def info(message: str) -> None:
@@ -180,7 +180,7 @@ def triton_stages(urls: dict[Stage, list[str]], encoder_model: str = "encoder", 
 
 
 class GrpcStageCalls:
-    """``ensemble.routing.StageCalls`` over Triton's gRPC endpoint: one channel per address (made on the event
+    """``orchestrator.routing.StageCalls`` over Triton's gRPC endpoint: one channel per address (made on the event
     loop), kept streams for generate calls (``StreamPool``), the in-band cancel, the health probes."""
 
     def __init__(self):
@@ -325,7 +325,7 @@ class GrpcStageCalls:
         self._loads[replica.address] = asyncio.get_running_loop().create_task(read())
 
     async def _cancel(self, client, model: str, request_id: str) -> None:
-        """Cancel a stage request in band (``ensemble.cancel_board``: cancelling the gRPC stream can deadlock
+        """Cancel a stage request in band (``orchestrator.cancel_board``: cancelling the gRPC stream can deadlock
         Triton 2.51's gRPC frontend). Should this fail, the stream is still read to its end, and cancelled
         after ``backend.triton.grpc_stream.END_OF_STREAM_SECONDS`` (``read_to_end``)."""
         try:

@@ -5,7 +5,7 @@ Each deployment starts fresh (``tests.hosts_deploy.HostsDeployment``: every topo
 own tritonserver, the orchestrator ``epd`` on host ``front``, the encoder on ``encode-1``); the client sends HTTP
 generate requests from a client host of its own, ``--concurrency`` in flight at a time (closed loop), after
 ``--warmup`` requests that are not counted. Printed per deployment: requests/s, TTFT and total latency p50/p90,
-errors, how the requests split over the pd replicas (the ``pd_replica`` each answer names, ensemble.replicas),
+errors, how the requests split over the pd replicas (the ``pd_replica`` each answer names, orchestrator.replicas),
 the CPU seconds each host's processes and the client used over the measured requests, and the cores busy on the
 whole machine (its cores are shared by every host: the figures that say whether a second replica had cores of its
 own). Every answer must equal the first

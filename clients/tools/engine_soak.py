@@ -45,10 +45,10 @@ def make_request(rng: random.Random, seed: int, mode: str, hidden: int):
     prompt = "<|vision_start|><|image_pad|><|vision_end|>" * count + f"Request {seed}: describe."
     sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
     if not count or mode == "text":
-        return GenerateRequest(prompt=f"Request {seed}: describe.", conversation=None, images=(), sampling=sampling)
+        return GenerateRequest(prompt=f"Request {seed}: describe.", conversation=None, items=(), sampling=sampling)
     if mode == "images":
         images = tuple(Image.new("RGB", size, color=(seed % 255, 7 * i % 255, 99)) for i, size in enumerate(sizes))
-        return GenerateRequest(prompt=prompt, conversation=None, images=images, sampling=sampling)
+        return GenerateRequest(prompt=prompt, conversation=None, items=images, sampling=sampling)
     grids = []
     for w, h in sizes:  # the tiny checkpoint's processor: sides to multiples of 28 within 28^2..112^2 pixels
         scale = min(1.0, (112 * 112 / (w * h)) ** 0.5)
@@ -56,7 +56,7 @@ def make_request(rng: random.Random, seed: int, mode: str, hidden: int):
         grids.append([1, gh, gw])
     tokens = sum(t * h * w // 4 for t, h, w in grids)
     embeds = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
-    return GenerateRequest(prompt=prompt, conversation=None, images=(), sampling=sampling,
+    return GenerateRequest(prompt=prompt, conversation=None, items=(), sampling=sampling,
                            media_embeds={"image": (embeds, torch.tensor(grids, dtype=torch.int64))})
 
 

@@ -221,7 +221,7 @@ def test_engine_host_image_embeds_match_pixels(model, monkeypatch):
     def run(prompt=None, **fields) -> tuple[str, int]:
         request = GenerateRequest(prompt=prompt, conversation=None if prompt else conversation,
                                   sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
-                                  images=fields.pop("images", ()), **fields)
+                                  items=fields.pop("images", ()), **fields)
 
         async def collect():
             text, produced = "", 0

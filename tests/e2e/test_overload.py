@@ -9,7 +9,6 @@ and admission"):
 - a priority or deadline that is not a number in range is INVALID_ARG naming the parameter."""
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 

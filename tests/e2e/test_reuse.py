@@ -1,5 +1,5 @@
 """E2E: demand-aware encoding and conversations kept across turns (docs/reuse.md) in a real tritonserver on
-``topologies/cpu-reuse.yaml``: E+PD through the proxy ``epd`` (it asks ``pd`` over gRPC which items it holds), E/P/D
+``topologies/cpu-reuse.yaml``: E+PD through the proxy orchestrator ``epd`` (it asks ``pd`` over gRPC which items it holds), E/P/D
 through ``epd_disagg`` colocated with prefill (it asks its own engine's copies in process), the ``llm`` baseline.
 
 The recent-items budget is cut to a few items here (``held_bytes``), so other traffic evicts what no conversation

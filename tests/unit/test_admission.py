@@ -1,4 +1,4 @@
-"""Admission by budget (ensemble.admission), priorities and deadlines through the orchestrator and an engine stage."""
+"""Admission by budget (orchestrator.admission), priorities and deadlines through the orchestrator and an engine stage."""
 import asyncio
 import time
 
@@ -9,8 +9,8 @@ from backend.protocol.errors import DeadlineExceeded, InvalidInput, Overloaded, 
 from backend.protocol.generate import parse_deadline, parse_priority
 from backend.protocol.settings import AdmissionBudgets
 from backend.request.generate import GenerateRequest, RawGenerateInputs, RequestLimits, parse_generate_request
-from ensemble.admission import URGENCY, Admission, Budget, Cost, Gate, Urgency
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.admission import URGENCY, Admission, Budget, Cost, Gate, Urgency
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("m", "p")
@@ -152,7 +152,7 @@ def test_the_orchestrator_sends_priority_and_deadline_to_its_stages():
 
     orchestrator = Orchestrator(Stages(), IDENTITY, RequestLimits(), deadline=10)
     before = time.time()
-    outcome, sink = run(orchestrator, RawGenerateInputs(text_input="x", images=(b"a",), priority=2,
+    outcome, sink = run(orchestrator, RawGenerateInputs(prompt="x", images=(b"a",), priority=2,
                                                          deadline=before + 5))
     assert outcome is Outcome.OK
     assert [what for what, _ in seen] == ["encode", "generate"]
@@ -162,7 +162,7 @@ def test_the_orchestrator_sends_priority_and_deadline_to_its_stages():
 def test_a_request_past_its_deadline_costs_no_stage_any_work():
     stages = FakeStages()
     outcome, sink = run(Orchestrator(stages, IDENTITY, RequestLimits()),
-                        RawGenerateInputs(text_input="x", images=(b"a",), deadline=time.time() - 0.001))
+                        RawGenerateInputs(prompt="x", images=(b"a",), deadline=time.time() - 0.001))
     assert outcome is Outcome.EXPIRED and stages.encoded == [] and stages.generated == []
     assert isinstance(sink.errors[0], DeadlineExceeded)
 
@@ -170,7 +170,7 @@ def test_a_request_past_its_deadline_costs_no_stage_any_work():
 def test_a_priority_out_of_the_deployment_s_range_is_invalid_naming_it():
     stages = FakeStages()
     outcome, sink = run(Orchestrator(stages, IDENTITY, RequestLimits(priority_levels=2)),
-                        RawGenerateInputs(text_input="x", priority=2))
+                        RawGenerateInputs(prompt="x", priority=2))
     assert outcome is Outcome.ERROR and stages.generated == []
     [error] = sink.errors
     assert isinstance(error, InvalidInput) and error.field == "parameters.epd_priority" and "0 .. 1" in str(error)
@@ -207,7 +207,7 @@ def test_the_budgets_of_an_orchestrator_come_from_its_settings():
 
 
 def engine_request(**kwargs) -> GenerateRequest:
-    defaults = dict(prompt="Q: ", conversation=None, images=(), sampling={}, stream=True)
+    defaults = dict(prompt="Q: ", conversation=None, items=(), sampling={}, stream=True)
     return GenerateRequest(**{**defaults, **kwargs})
 
 
@@ -230,7 +230,7 @@ def test_an_engine_stage_refuses_a_request_whose_deadline_passed_before_it_start
 
 
 def test_parsed_requests_carry_their_priority_and_deadline():
-    raw = RawGenerateInputs(text_input="x", priority=1, deadline=123.0)
+    raw = RawGenerateInputs(prompt="x", priority=1, deadline=123.0)
     parsed = parse_generate_request(raw, FakeLayoutResolver(), RequestLimits())
     assert (parsed.priority, parsed.deadline) == (1, 123.0)
-    assert parse_generate_request(RawGenerateInputs(text_input="x"), FakeLayoutResolver()).priority == 0
+    assert parse_generate_request(RawGenerateInputs(prompt="x"), FakeLayoutResolver()).priority == 0

@@ -90,11 +90,11 @@ def test_chat_parts_of_audio_tensors_data_and_urls():
     raw = RawGenerateInputs(messages=_chat({"type": "audio"}, data_part, url_part), audios=(clip,))
     request = parse_generate_request(raw, EncodedMedia(LIMITS))
     assert request.conversation[0]["content"][:3] == [{"type": "audio"}] * 3
-    assert request.images == (MediaBytes(clip, "audio[0]", "audio"),
+    assert request.items == (MediaBytes(clip, "audio[0]", "audio"),
                               MediaBytes(clip, "messages[0].content[1].input_audio.data", "audio"),
                               MediaBytes(clip, "messages[0].content[2].audio_url", "audio"))
     decoded = parse_generate_request(raw, DecodeMedia(LIMITS))
-    assert all(isinstance(item, DecodedAudio) for item in decoded.images)
+    assert all(isinstance(item, DecodedAudio) for item in decoded.items)
 
 
 def test_known_audio_formats_in_any_case_and_none_are_taken():
@@ -102,7 +102,7 @@ def test_known_audio_formats_in_any_case_and_none_are_taken():
     for fmt in ("wav", "WAV", "mp3", "flac", None):
         ref = {"data": clip} if fmt is None else {"data": clip, "format": fmt}
         raw = RawGenerateInputs(messages=_chat({"type": "input_audio", "input_audio": ref}))
-        assert len(parse_generate_request(raw, EncodedMedia(LIMITS)).images) == 1
+        assert len(parse_generate_request(raw, EncodedMedia(LIMITS)).items) == 1
 
 
 @pytest.mark.parametrize("part, field, fragment", [
@@ -124,10 +124,10 @@ def test_bad_audio_parts_name_the_field(part, field, fragment):
 
 def test_the_audio_limit_is_checked_before_decoding_and_placeholders_fill_a_prompt():
     with pytest.raises(InvalidInput, match="3 audios, over the per-request limit of 2") as info:
-        parse_generate_request(RawGenerateInputs(text_input="x", audios=(b"a", b"b", b"c")), EncodedMedia(LIMITS),
+        parse_generate_request(RawGenerateInputs(prompt="x", audios=(b"a", b"b", b"c")), EncodedMedia(LIMITS),
                                RequestLimits(max_audios=2))
     assert info.value.field == "audio"
-    request = parse_generate_request(RawGenerateInputs(text_input="Hear.", audios=(b"RIFF",)), EncodedMedia(LIMITS))
+    request = parse_generate_request(RawGenerateInputs(prompt="Hear.", audios=(b"RIFF",)), EncodedMedia(LIMITS))
     assert request.prompt == "<|audio_bos|><|AUDIO|><|audio_eos|>Hear."
 
 
@@ -159,10 +159,10 @@ def test_consumers_give_vllm_audio_item_by_item_with_token_counts():
     zeros = placeholder_media_embeds(layouts)
     assert [tuple(t.shape) for t in zeros["audio"]] == [(5, 128), (7, 128)] and zeros["image"].shape == (3, 128)
     embeds = [torch.ones(5, 128), torch.ones(7, 128)]
-    request = GenerateRequest(prompt="p", conversation=None, images=(), sampling={},
+    request = GenerateRequest(prompt="p", conversation=None, items=(), sampling={},
                               media_embeds={"audio": (embeds, grids["audio"])})
     assert multi_modal_data(request) == {"audio": {"audio_embeds": embeds, "audio_num_tokens": grids["audio"]}}
-    request = GenerateRequest(prompt="p", conversation=None, images=(), sampling={},
+    request = GenerateRequest(prompt="p", conversation=None, items=(), sampling={},
                               media_embeds={"audio": (None, grids["audio"])})
     assert multi_modal_data(request) == {"audio": {"audio_num_tokens": grids["audio"]}}  # a KV consumer: layout only
 

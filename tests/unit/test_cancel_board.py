@@ -1,11 +1,11 @@
-"""ensemble.cancel_board: in-band cancels, within one instance and across the instances of a model."""
+"""orchestrator.cancel_board: in-band cancels, within one instance and across the instances of a model."""
 import asyncio
 import os
 import time
 
 import pytest
 
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 
 
 def test_a_cancel_reaches_a_request_running_here_without_touching_the_board(tmp_path):

@@ -32,7 +32,7 @@ def test_vllm_errors_map_to_domain_errors():
     from backend.protocol.errors import ErrorCode
     from backend.request.generate import GenerateRequest
 
-    req = GenerateRequest(prompt=None, conversation=[{"role": "user", "content": "p"}], images=(), sampling={})
+    req = GenerateRequest(prompt=None, conversation=[{"role": "user", "content": "p"}], items=(), sampling={})
     too_long = _domain_error(VLLMValidationError("too long", parameter="input_tokens", value=5000), req)
     assert too_long.code is ErrorCode.INVALID_ARG and too_long.field == "messages"
     bad_param = _domain_error(VLLMValidationError("bad", parameter="max_tokens", value=-1), req)

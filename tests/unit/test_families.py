@@ -156,10 +156,10 @@ def test_media_kwargs_give_vllm_the_timing_per_item_parts_joined():
 
 def test_the_engine_gets_the_timing_beside_the_embeddings_and_the_grid():
     grid = torch.tensor([[2, 2, 2]])
-    request = GenerateRequest(prompt="p", conversation=None, images=(), sampling={},
+    request = GenerateRequest(prompt="p", conversation=None, items=(), sampling={},
                               media_embeds={"video": ("E", grid)}, media_kwargs={"video": {"timestamps": [[0.5, 1.5]]}})
     assert multi_modal_data(request) == {"video": {"video_embeds": "E", "video_grid_thw": grid,
                                                    "timestamps": [[0.5, 1.5]]}}
-    layout_only = GenerateRequest(prompt="p", conversation=None, images=(), sampling={},
+    layout_only = GenerateRequest(prompt="p", conversation=None, items=(), sampling={},
                                   media_embeds={"video": (None, grid)}, media_kwargs={"video": {"timestamps": [[0.5]]}})
     assert multi_modal_data(layout_only) == {"video": {"video_grid_thw": grid, "timestamps": [[0.5]]}}

@@ -10,7 +10,7 @@ from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import LayoutMetadata
 from backend.request.media import MediaLimits
 from backend.request.generate import EncodedMedia, LayoutMedia, RawGenerateInputs, RequestLimits, parse_generate_request
-from backend.request.sampling import parse_sampling_parameters
+from backend.request.sampling import parse_sampling
 from tests.unit.test_layout import layout
 
 FUZZ = settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +48,7 @@ def _parses_or_names_a_field(call):
        images=st.lists(st.binary(max_size=64), max_size=5), sampling=_json_or_text(sampling_docs),
        kv=_json_or_text(json_values), stream=st.booleans())
 def test_request_parser_with_media(text, msgs, images, sampling, kv, stream):
-    raw = RawGenerateInputs(text_input=text, messages=msgs, images=tuple(images), sampling_parameters=sampling,
+    raw = RawGenerateInputs(prompt=text, messages=msgs, images=tuple(images), sampling=sampling,
                             kv_transfer_params=kv, stream=stream)
     resolver = EncodedMedia(MediaLimits(max_item_bytes=48, allowed_local_media_path=""))
     _parses_or_names_a_field(lambda: parse_generate_request(raw, resolver, RequestLimits(max_images=4)))
@@ -57,14 +57,14 @@ def test_request_parser_with_media(text, msgs, images, sampling, kv, stream):
 @FUZZ
 @given(text=st.none() | st.text(max_size=40), layouts=st.lists(_json_or_text(json_values).map(lambda v: v or ""), max_size=3))
 def test_request_parser_with_layouts(text, layouts):
-    raw = RawGenerateInputs(text_input=text, image_layouts=tuple(layouts))
+    raw = RawGenerateInputs(prompt=text, image_layouts=tuple(layouts))
     _parses_or_names_a_field(lambda: parse_generate_request(raw, LayoutMedia(MODEL), RequestLimits(max_images=4)))
 
 
 @FUZZ
 @given(doc=_json_or_text(sampling_docs))
 def test_sampling_parameters(doc):
-    _parses_or_names_a_field(lambda: parse_sampling_parameters(doc))
+    _parses_or_names_a_field(lambda: parse_sampling(doc))
 
 
 @FUZZ

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("backend", "ensemble", "frontend", "clients", "devtools", "tests")
+PACKAGES = ("backend", "orchestrator", "frontend", "clients", "devtools", "tests")
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -37,13 +37,13 @@ def test_the_contracts_see_a_violation(tmp_path):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=_python_only)
     (tmp_path / "backend" / "protocol" / "bad.py").write_text("import triton_python_backend_utils as pb_utils\n"
                                                              "from backend.engine.serving import ResponseChunk\n")
-    (tmp_path / "ensemble" / "bad.py").write_text("from clients.triton_client import generate\n")
+    (tmp_path / "orchestrator" / "bad.py").write_text("from clients.triton_client import generate\n")
     (tmp_path / "backend" / "request" / "media_back.py").write_text("from backend.request import generate\n")
     (tmp_path / "backend" / "request" / "media.py").write_text(
         (ROOT / "backend" / "request" / "media.py").read_text() + "\nfrom backend.request import media_back\n")
     done = lint_imports(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    for chain in ("backend.protocol.bad -> backend.engine.serving", "ensemble.bad -> clients.triton_client",
+    for chain in ("backend.protocol.bad -> backend.engine.serving", "orchestrator.bad -> clients.triton_client",
                   "backend.protocol.bad -> triton_python_backend_utils", "No cycles are allowed in backend.request"):
         assert chain in done.stdout, done.stdout
 

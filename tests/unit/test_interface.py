@@ -56,7 +56,7 @@ def test_each_kind_takes_its_media_form():
 
 
 def test_values_and_fields_round_trip():
-    raw = RawGenerateInputs(text_input="hi", image_layouts=('{"a": 1}',), stream=True, kv_transfer_params='{"k": 1}')
+    raw = RawGenerateInputs(prompt="hi", image_layouts=('{"a": 1}',), stream=True, kv_transfer_params='{"k": 1}')
     values = generate.input_values(vars(raw))
     assert values == {"text_input": "hi", "image_layouts": ['{"a": 1}'], "stream": True, "exclude_input_in_output": False,
                       "return_num_input_tokens": False, "return_num_output_tokens": False, "kv_transfer_params": '{"k": 1}'}
@@ -90,7 +90,7 @@ def test_a_registered_modality_s_content_parts_are_parsed(fake_modality):
                                                        image_layouts=("I",)), UrlResolver())
     assert request.conversation == [{"role": "user", "content": [{"type": "fake"}, {"type": "image"},
                                                                   {"type": "text", "text": "?"}]}]
-    assert request.images == (("data:fake/x;base64,Zg==", "messages[0].content[0].fake_url", "fake"), "I")
+    assert request.items == (("data:fake/x;base64,Zg==", "messages[0].content[0].fake_url", "fake"), "I")
     with pytest.raises(InvalidInput, match="use text, image_url, image, video_url, video, audio_url, input_audio, audio, "
                                            "fake_url or fake"):
         parse_generate_request(RawGenerateInputs(messages=json.dumps([{"role": "user", "content": [{"type": "speech"}]}])),

@@ -9,9 +9,9 @@ import pytest
 from backend.protocol.errors import InvalidInput, Unavailable
 from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
-from ensemble.local_stages import LocalStages
 from backend.protocol.stages import Disaggregation, Stage
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
+from orchestrator.local_stages import LocalStages
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
@@ -27,8 +27,8 @@ def colocated(engine=None, pull=None, encoders=None, interval=0.0, local=Stage.P
 
 def run(stages, raw, sink=None, observer=None, deadline=0.0):
     sink = sink or FakeSink()
-    topology = Disaggregation.E_P_D if stages.local is Stage.PREFILL else Disaggregation.E_PD
-    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), topology, deadline=deadline)
+    disaggregation = Disaggregation.E_P_D if stages.local is Stage.PREFILL else Disaggregation.E_PD
+    orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4), disaggregation, deadline=deadline)
     outcome = asyncio.run(orchestrator.run(raw, sink, observer))
     return outcome, sink
 
@@ -36,12 +36,12 @@ def run(stages, raw, sink=None, observer=None, deadline=0.0):
 def test_the_engine_gets_the_metadata_only_request_and_its_stream_reaches_the_client():
     pull, observer = FakePull(), RecordingObserver()
     stages, encoders = colocated(pull=pull)
-    raw = RawGenerateInputs(text_input=f"{PH}{PH}Compare.", images=(b"A", b"B"), stream=True,
+    raw = RawGenerateInputs(prompt=f"{PH}{PH}Compare.", images=(b"A", b"B"), stream=True,
                             return_num_input_tokens=True, return_num_output_tokens=True)
     outcome, sink = run(stages, raw, observer=observer)
     assert outcome is Outcome.OK and len(encoders.encoded) == 2
     [request] = pull.seen  # what the engine side parsed: the encoders' layouts, no media
-    assert request.images == ('{"layout": 0}', '{"layout": 1}') and request.original_media == ()
+    assert request.items == ('{"layout": 0}', '{"layout": 1}') and request.original_media == ()
     assert request.prompt == f"{PH}{PH}Compare." and request.stream
     assert [(c.text_output, final) for c, final in sink.chunks] == [("Hel", False), ("lo", False), ("!", True)]
     last = sink.chunks[-1][0]
@@ -55,13 +55,13 @@ def test_the_engine_gets_the_metadata_only_request_and_its_stream_reaches_the_cl
 @pytest.mark.parametrize("exclude, expected", [(False, "Q: Hello!"), (True, "Hello!")])
 def test_non_streaming_sends_one_response(exclude, expected):
     stages, _ = colocated()
-    _, sink = run(stages, RawGenerateInputs(text_input="Q: ", exclude_input_in_output=exclude))
+    _, sink = run(stages, RawGenerateInputs(prompt="Q: ", exclude_input_in_output=exclude))
     assert [(c.text_output, final) for c, final in sink.chunks] == [(expected, True)]
 
 
 def test_stream_interval_merges_steps():
     stages, _ = colocated(engine=FakeEngine(pieces=list("abcdef"), step_delay=0.01), interval=0.025)
-    _, sink = run(stages, RawGenerateInputs(text_input="x", stream=True))
+    _, sink = run(stages, RawGenerateInputs(prompt="x", stream=True))
     texts = [c.text_output for c, _ in sink.chunks]
     assert texts[0] == "a" and "".join(texts) == "abcdef" and 2 <= len(texts) < 6
 
@@ -69,14 +69,14 @@ def test_stream_interval_merges_steps():
 def test_text_only_skips_encoders_and_pull_sees_no_items():
     pull = FakePull()
     stages, encoders = colocated(pull=pull)
-    outcome, _ = run(stages, RawGenerateInputs(text_input="hello"))
-    assert outcome is Outcome.OK and encoders.encoded == [] and pull.seen[0].images == ()
+    outcome, _ = run(stages, RawGenerateInputs(prompt="hello"))
+    assert outcome is Outcome.OK and encoders.encoded == [] and pull.seen[0].items == ()
 
 
 def test_client_cancel_aborts_the_engine_request():
     engine = FakeEngine(pieces=["t"] * 50)
     stages, _ = colocated(engine=engine)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), FakeSink(cancel_after=2))
     assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
     assert len(engine.aborted) == 1 and engine.steps_run < 50
 
@@ -84,7 +84,7 @@ def test_client_cancel_aborts_the_engine_request():
 def test_finished_requests_are_not_aborted():
     engine = FakeEngine()
     stages, _ = colocated(engine=engine)
-    run(stages, RawGenerateInputs(text_input="x", stream=True))
+    run(stages, RawGenerateInputs(prompt="x", stream=True))
     assert engine.aborted == []
 
 
@@ -92,7 +92,7 @@ def test_a_lost_embedding_is_encoded_again_and_nothing_reaches_the_engine_before
     pull, engine = FakePull(Unavailable("embedding lease 1a expired before it was read", "image_layouts[0]"), 1), FakeEngine()
     stages, encoders = colocated(engine=engine, pull=pull)
     observer = RecordingObserver()
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), observer=observer)
     assert outcome is Outcome.OK and observer.retried == ["request"] and len(encoders.encoded) == 2
     assert engine.steps_run == 3 and engine.aborted == []  # one generation: the retry's
     assert sink.chunks[-1][0].timings["retries"] == 1
@@ -101,7 +101,7 @@ def test_a_lost_embedding_is_encoded_again_and_nothing_reaches_the_engine_before
 def test_a_lost_embedding_twice_fails_naming_the_clients_item():
     pull = FakePull(Unavailable("embedding lease 2b expired before it was read", "image_layouts[1]"), 2)
     stages, _ = colocated(pull=pull)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a", b"b")))
     assert outcome is Outcome.ERROR
     [error] = sink.errors
     assert isinstance(error, Unavailable) and str(error) == "image[1]: embedding lease 2b expired before it was read"
@@ -111,7 +111,7 @@ def test_an_encoder_error_fails_the_request_under_the_clients_field():
     encoders = FakeStages(encode_error=InvalidInput("image", "cannot decode image"), fail_item=0)
     engine = FakeEngine()
     stages, _ = colocated(engine=engine, encoders=encoders)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"bad",)))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"bad",)))
     assert outcome is Outcome.ERROR and str(sink.errors[0]) == "image[0]: cannot decode image"
     assert engine.steps_run == 0
 
@@ -119,7 +119,7 @@ def test_an_encoder_error_fails_the_request_under_the_clients_field():
 def test_an_engine_error_mid_stream_fails_the_request_and_aborts():
     engine = FakeEngine(fail_with=RuntimeError("engine broke"), fail_after=1)
     stages, _ = colocated(engine=engine)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True))
     assert outcome is Outcome.ERROR and "engine broke" in str(sink.errors[0]) and len(engine.aborted) == 1
     assert sink.finals == 1
 
@@ -127,7 +127,7 @@ def test_an_engine_error_mid_stream_fails_the_request_and_aborts():
 def test_deadline_while_generating_aborts_the_engine_request():
     engine = FakeEngine(pieces=["t"] * 100, step_delay=0.01)
     stages, _ = colocated(engine=engine)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), deadline=0.1)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), deadline=0.1)
     assert outcome is Outcome.EXPIRED and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
     assert len(engine.aborted) == 1 and engine.steps_run < 100
 
@@ -136,7 +136,7 @@ def test_media_given_to_the_generator_are_refused():
     stages, _ = colocated()
 
     async def first_chunk():
-        async for chunk in stages.generate(RawGenerateInputs(text_input="x", images=(b"raw",))):
+        async for chunk in stages.generate(RawGenerateInputs(prompt="x", images=(b"raw",))):
             return chunk
 
     with pytest.raises(InvalidInput, match="metadata-only"):
@@ -154,7 +154,7 @@ def test_a_stage_neither_here_nor_remote_is_refused():
     stages, _ = colocated(encoders=EncodersOnly())
 
     async def first_chunk():
-        async for chunk in stages.generate(RawGenerateInputs(text_input="x"), Stage.PREFILL):
+        async for chunk in stages.generate(RawGenerateInputs(prompt="x"), Stage.PREFILL):
             return chunk
 
     with pytest.raises(ValueError, match="serves the pd stage; no client for the prefill stage"):
@@ -174,16 +174,16 @@ def prefill_engine(**kwargs):
 def test_e_p_d_prefill_runs_here_and_decode_goes_remote_with_prefill_s_kv_handle():
     pull, engine, observer = FakePull(), prefill_engine(), RecordingObserver()
     stages, remote = colocated(engine=engine, pull=pull, local=Stage.PREFILL)
-    raw = RawGenerateInputs(text_input=f"{PH}Describe.", images=(b"A",), stream=True, sampling_parameters='{"max_tokens": 5, "min_tokens": 2}',
+    raw = RawGenerateInputs(prompt=f"{PH}Describe.", images=(b"A",), stream=True, sampling='{"max_tokens": 5, "min_tokens": 2}',
                             return_num_output_tokens=True)
     outcome, sink = run(stages, raw, observer=observer)
     assert outcome is Outcome.OK and remote.stages_called == [Stage.DECODE]  # only decode left the process
     [prefill] = pull.seen  # what the in-process prefill parsed: layouts, one token, do_remote_decode
-    assert prefill.images == ('{"layout": 0}',) and not prefill.stream and prefill.sampling == {"max_tokens": 1}
+    assert prefill.items == ('{"layout": 0}',) and not prefill.stream and prefill.sampling == {"max_tokens": 1}
     assert prefill.kv_transfer_params == {"do_remote_decode": True}
     [decode] = remote.generated  # the client's settings, the layouts and prefill's handle
     assert decode.image_layouts == ('{"layout": 0}',) and decode.images == () and decode.stream
-    assert json.loads(decode.sampling_parameters) == {"max_tokens": 5, "min_tokens": 2}
+    assert json.loads(decode.sampling) == {"max_tokens": 5, "min_tokens": 2}
     assert json.loads(decode.kv_transfer_params) == HANDLE
     assert [(c.text_output, final) for c, final in sink.chunks] == [("a", False), ("b", True)]
     timings = sink.chunks[-1][0].timings
@@ -195,7 +195,7 @@ def test_e_p_d_prefill_runs_here_and_decode_goes_remote_with_prefill_s_kv_handle
 def test_e_p_d_client_cancel_during_decode_aborts_the_remote_stage():
     remote = FakeStages(pieces=["t"] * 50)
     stages, _ = colocated(engine=prefill_engine(), encoders=remote, local=Stage.PREFILL)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), FakeSink(cancel_after=2))
     assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
     assert remote.aborted == 1 and remote.stages_called == [Stage.DECODE]
 
@@ -207,7 +207,7 @@ def test_e_p_d_decode_unavailable_before_its_first_token_is_retried_from_the_enc
     engine = prefill_engine()
     stages, _ = colocated(engine=engine, encoders=remote, local=Stage.PREFILL)
     observer = RecordingObserver()
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), observer=observer)
     assert outcome is Outcome.OK and observer.retried == ["request"]
     assert remote.stages_called == [Stage.DECODE, Stage.DECODE] and len(remote.encoded) == 2
     assert engine.requests == 2 and sink.chunks[-1][0].timings["retries"] == 1
@@ -216,7 +216,7 @@ def test_e_p_d_decode_unavailable_before_its_first_token_is_retried_from_the_enc
 def test_e_p_d_prefill_error_fails_before_decode_runs():
     engine = prefill_engine(fail_with=InvalidInput("text_input", "prompt too long for prefill"))
     stages, remote = colocated(engine=engine, local=Stage.PREFILL)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x"))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x"))
     assert outcome is Outcome.ERROR and str(sink.errors[0]) == "text_input: prompt too long for prefill"
     assert remote.stages_called == []
 
@@ -231,7 +231,7 @@ def test_e_p_d_deadline_while_decoding_cancels_the_remote_stage():
 
     stages, _ = colocated(engine=prefill_engine(), encoders=remote, local=Stage.PREFILL)
     stages.remote.generate = slow
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), deadline=0.1)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), deadline=0.1)
     assert outcome is Outcome.EXPIRED and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
     assert remote.aborted == 1
 
@@ -241,6 +241,6 @@ def test_e_p_d_asking_the_local_stage_for_e_pd_s_generate_goes_remote():
     stages, remote = colocated(local=Stage.PREFILL)
 
     async def chunks():
-        return [c.text_output async for c in stages.generate(RawGenerateInputs(text_input="x"), Stage.PD)]
+        return [c.text_output async for c in stages.generate(RawGenerateInputs(prompt="x"), Stage.PD)]
 
     assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.PD]

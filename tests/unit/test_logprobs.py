@@ -14,8 +14,8 @@ import pytest
 from backend.engine.logprobs import FLOOR, token_entries
 from backend.engine.serving import stream_generation
 from backend.request.generate import GenerateRequest, RawGenerateInputs, RequestLimits
-from ensemble.orchestrator import Identity, Orchestrator
 from frontend.openai import logprobs as shapes
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeEngine, FakeSink, FakeStages
 
 VOCAB = ["a", " b", "c", "é", " dog", "!", "x", "y"]
@@ -101,7 +101,7 @@ def test_completion_logprobs_are_what_vllms_server_answers(case):
 
 
 def _request(stream: bool, logprobs: bool, exclude: bool = True) -> GenerateRequest:
-    return GenerateRequest(prompt="Q: ", conversation=None, images=(), sampling={"logprobs": 2} if logprobs else {},
+    return GenerateRequest(prompt="Q: ", conversation=None, items=(), sampling={"logprobs": 2} if logprobs else {},
                            stream=stream, exclude_input_in_output=exclude)
 
 
@@ -135,12 +135,12 @@ def test_e_p_d_relays_decode_s_entries_and_not_prefill_s_token():
     from backend.protocol.stages import Disaggregation
 
     stages, sink = FakeStages(pieces=("a", "b", "c")), FakeSink()
-    raw = RawGenerateInputs(text_input="x", images=(b"A",), stream=True,
-                            sampling_parameters='{"max_tokens": 3, "temperature": 0, "logprobs": 3}')
+    raw = RawGenerateInputs(prompt="x", images=(b"A",), stream=True,
+                            sampling='{"max_tokens": 3, "temperature": 0, "logprobs": 3}')
     asyncio.run(Orchestrator(stages, Identity("m", "{}"), RequestLimits(), Disaggregation.E_P_D).run(raw, sink))
     prefill, decode = stages.generated
-    assert json.loads(prefill.sampling_parameters)["logprobs"] == 3  # prefill's engine checks the value first
-    assert decode.sampling_parameters == raw.sampling_parameters
+    assert json.loads(prefill.sampling)["logprobs"] == 3  # prefill's engine checks the value first
+    assert decode.sampling == raw.sampling
     entries = [e for chunk, _ in sink.chunks for e in chunk.logprobs]
     assert entries == [{"token": t, "stage": "decode"} for t in "abc"]
 

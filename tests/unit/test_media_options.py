@@ -73,7 +73,7 @@ def test_fps_samples_the_video_as_vllm_s_loader_does():
 
 
 def _request(options: dict | None, resolver):
-    raw = RawGenerateInputs(text_input="<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|image_pad|>"
+    raw = RawGenerateInputs(prompt="<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|image_pad|>"
                                        "<|vision_end|>Describe.",
                             videos=(make_video(96, 64, frames=60, fps=10),), images=(image_bytes(64, 48),),
                             media_io=MediaOptions.parse(options))
@@ -82,11 +82,11 @@ def _request(options: dict | None, resolver):
 
 def test_the_request_s_options_reach_each_video_and_no_image():
     encoded = _request({"video": {"fps": 1}}, EncodedMedia(LIMITS))
-    image, video = sorted(encoded.images, key=lambda item: item.modality)
+    image, video = sorted(encoded.items, key=lambda item: item.modality)
     assert json.loads(video.options) == {"fps": 1.0} and image.options == ""
-    assert [item.options for item in _request(None, EncodedMedia(LIMITS)).images] == ["", ""]
+    assert [item.options for item in _request(None, EncodedMedia(LIMITS)).items] == ["", ""]
     decoded = _request({"video": {"fps": 1}}, DecodeMedia(LIMITS))
-    frames = [len(item.frames) for item in decoded.images if hasattr(item, "frames")]
+    frames = [len(item.frames) for item in decoded.items if hasattr(item, "frames")]
     assert frames == [6]  # the llm engine samples it as the encoder will
 
 
@@ -94,5 +94,5 @@ def test_a_resolver_is_not_changed_by_one_request_s_options():
     shared = DecodeMedia(LIMITS)
     _request({"video": {"fps": 1}}, shared)
     assert not shared.options
-    frames = [len(item.frames) for item in _request(None, shared).images if hasattr(item, "frames")]
+    frames = [len(item.frames) for item in _request(None, shared).items if hasattr(item, "frames")]
     assert frames == [12]

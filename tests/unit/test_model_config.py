@@ -14,7 +14,7 @@ from backend.deploy.schema import LIMIT_DEFAULTS, ModelKind, TRANSFER_DEFAULTS
 from backend.deploy.topology import load
 from backend.protocol.settings import (LOCAL, ColocatedSettings, ConfigError, EncoderSettings, EngineSettings, LlmSettings,
                                        PdSettings, PrefillSettings,
-                                       KvEngineSettings, ProxySettings, parse_settings)
+                                       KvEngineSettings, ProxySettings, parameter_fields, parse_settings)
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_every_rendered_config_parses_into_its_kind_s_settings(name, tmp_path):
         settings = parse_settings(kind.settings, model, config)
         assert config["parameters"], model
         for key, entry in config["parameters"].items():  # each written parameter is read as written
-            value, text = getattr(settings, key), entry["string_value"]
+            value, text = getattr(settings, parameter_fields(kind.settings)[key]), entry["string_value"]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 assert value == float(text), (model, key)
             else:
@@ -66,11 +66,13 @@ def test_the_kinds_read_the_settings_of_their_role():
 def test_rendered_values_reach_the_settings_typed(tmp_path):
     models = {model: parse_settings(kind.settings, model, config) for model, kind, config in rendered("default", tmp_path)}
     assert models["encoder"].pool_bytes == 64 << 20 and models["encoder"].lease_seconds == 30.0
-    assert models["epd"].topology is Disaggregation.E_PD and models["epd_disagg"].topology is Disaggregation.E_P_D
+    assert models["epd"].disaggregation is Disaggregation.E_PD and models["epd_disagg"].disaggregation is Disaggregation.E_P_D
     assert models["epd"].max_images == 4 and models["epd"].request_timeout_seconds == 300.0
     assert models["prefill"].nixl_side_channel_port is None and models["decode"].nixl_poll_delay_us == 5000
     colocated = dict((m, parse_settings(k.settings, m, c)) for m, k, c in rendered("cpu-e-p-d-colocated", tmp_path))
-    assert colocated["epd"].topology is Disaggregation.E_P_D and colocated["epd"].targets() == {Stage.DECODE: ("decode", LOCAL)}
+    assert colocated["epd"].disaggregation is Disaggregation.E_P_D and colocated["epd"].targets() == {Stage.DECODE: ("decode", LOCAL)}
+    # the field is disaggregation; its config.pbtxt parameter keeps the name model repositories already use
+    assert parameter_fields(ProxySettings)["topology"] == "disaggregation" and "disaggregation" not in parameter_fields(ProxySettings)
 
 
 def test_an_unknown_parameter_fails_naming_it():

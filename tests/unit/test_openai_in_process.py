@@ -69,7 +69,7 @@ def test_a_whole_answer_and_a_streamed_one():
     assert streamed.text.endswith("data: [DONE]\n\n")
     raw, params = script.given[-1]
     assert json.loads(raw.messages) == BODY["messages"] and raw.stream and raw.return_num_input_tokens
-    assert json.loads(raw.sampling_parameters)["max_tokens"] == 3
+    assert json.loads(raw.sampling)["max_tokens"] == 3
 
 
 def test_the_requests_error_is_its_openai_error():
@@ -104,7 +104,7 @@ def test_values_become_the_inputs_a_triton_request_carries():
                             stream=True).as_values()
     raw = raw_inputs(values, {"session_id": "s1"})
     assert raw.images == (b"png",) and raw.stream and raw.return_num_output_tokens and raw.session_id == "s1"
-    assert json.loads(raw.sampling_parameters) == {"max_tokens": 2}
+    assert json.loads(raw.sampling) == {"max_tokens": 2}
     with pytest.raises(InvalidInput):
         raw_inputs(values, {"session_id": 7})
 

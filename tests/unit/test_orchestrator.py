@@ -5,7 +5,7 @@ import json
 from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
 from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
@@ -20,12 +20,12 @@ def run(stages, raw, sink=None, observer=None, deadline=0.0):
 
 def test_media_are_encoded_concurrently_and_replaced_by_layouts():
     stages = FakeStages(encode_delay=0.05)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="<|image_pad|> and <|image_pad|>?", images=(b"A", b"B"),
-                                                  sampling_parameters='{"max_tokens": 3}', stream=True))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="<|image_pad|> and <|image_pad|>?", images=(b"A", b"B"),
+                                                  sampling='{"max_tokens": 3}', stream=True))
     assert outcome is Outcome.OK and stages.peak == 2
     [sent] = stages.generated
     assert sent.images == () and sent.image_layouts == ('{"layout": 0}', '{"layout": 1}')
-    assert sent.text_input == "<|image_pad|> and <|image_pad|>?" and sent.sampling_parameters == '{"max_tokens": 3}'
+    assert sent.prompt == "<|image_pad|> and <|image_pad|>?" and sent.sampling == '{"max_tokens": 3}'
     keys = [key for _, key in stages.encoded]
     assert len(set(keys)) == 2  # content keys differ with the bytes
     assert [(c.text_output, final) for c, final in sink.chunks] == [("a", False), ("b", True)]
@@ -37,7 +37,7 @@ def test_content_key_depends_on_bytes_processing_and_model():
     for identity in (IDENTITY, Identity("qwen2_vl:other", IDENTITY.processing), Identity(IDENTITY.model, "{}")):
         stages = FakeStages()
         asyncio.run(Orchestrator(stages, identity, RequestLimits()).run(
-            RawGenerateInputs(text_input="x", images=(b"same",)), FakeSink()))
+            RawGenerateInputs(prompt="x", images=(b"same",)), FakeSink()))
         keys.append(stages.encoded[0][1])
     assert len(set(keys)) == 3
 
@@ -57,14 +57,14 @@ def test_messages_are_rewritten_metadata_only():
 
 def test_text_only_skips_the_encoder():
     stages = FakeStages()
-    outcome, _ = run(stages, RawGenerateInputs(text_input="hello"))
+    outcome, _ = run(stages, RawGenerateInputs(prompt="hello"))
     assert outcome is Outcome.OK and stages.encoded == [] and stages.generated[0].image_layouts == ()
 
 
 def test_encoder_invalid_input_is_reported_under_the_clients_field():
     stages = FakeStages(encode_error=InvalidInput("image", "cannot decode image"), fail_item=1)
     observer = RecordingObserver()
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"ok", b"bad")), observer=observer)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"ok", b"bad")), observer=observer)
     assert outcome is Outcome.ERROR and stages.generated == []
     [error] = sink.errors
     assert isinstance(error, InvalidInput) and str(error) == "image[1]: cannot decode image"
@@ -73,14 +73,14 @@ def test_encoder_invalid_input_is_reported_under_the_clients_field():
 
 def test_unavailable_encoder_fails_the_request_unavailable_after_one_retry():
     stages, observer = FakeStages(encode_error=Unavailable("embedding pool full"), fail_item={0, 1}), RecordingObserver()
-    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    _, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), observer=observer)
     assert isinstance(sink.errors[0], Unavailable) and stages.generated == []
     assert len(stages.encoded) == 2 and observer.retried == ["encode"]
 
 
 def test_an_overloaded_encoder_is_not_retried_and_the_item_is_named():
     stages, observer = FakeStages(encode_error=Overloaded("embedding pool full"), fail_item={0, 1}), RecordingObserver()
-    _, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")), observer=observer)
+    _, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a", b"b")), observer=observer)
     [error] = sink.errors
     assert isinstance(error, Unavailable) and str(error).startswith("image[") and "overloaded: embedding pool full" in str(error)
     assert len(stages.encoded) <= 2 and observer.retried == [] and stages.generated == []
@@ -88,7 +88,7 @@ def test_an_overloaded_encoder_is_not_retried_and_the_item_is_named():
 
 def test_a_failed_encode_is_retried_once_and_recovers():
     stages, observer = FakeStages(encode_error=Unavailable("encoder instance died"), fail_item=0), RecordingObserver()
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), observer=observer)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), observer=observer)
     assert outcome is Outcome.OK and len(stages.encoded) == 2 and observer.retried == ["encode"]
     assert sink.chunks[-1][0].timings["retries"] == 1
 
@@ -96,7 +96,7 @@ def test_a_failed_encode_is_retried_once_and_recovers():
 def test_a_lost_embedding_is_encoded_again_and_the_request_retried():
     stages = FakeStages(generate_error=Unavailable("lease expired", "image_layouts[0]"), generate_failures=1)
     observer = RecordingObserver()
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True), observer=observer)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",), stream=True), observer=observer)
     assert outcome is Outcome.OK and observer.retried == ["request"]
     assert len(stages.encoded) == 2 and len(stages.generated) == 2  # fresh leases for the second attempt
     assert [c.text_output for c, _ in sink.chunks] == ["a", "b"] and sink.chunks[-1][0].timings["retries"] == 1
@@ -104,17 +104,17 @@ def test_a_lost_embedding_is_encoded_again_and_the_request_retried():
 
 def test_no_retry_once_the_client_got_text_or_after_the_second_failure():
     stages = FakeStages(generate_error=Unavailable("decode went away"), generate_failures=1, fail_after_chunks=1)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",), stream=True))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",), stream=True))
     assert outcome is Outcome.ERROR and len(stages.generated) == 1 and isinstance(sink.errors[0], Unavailable)
     stages = FakeStages(generate_error=Unavailable("lease expired", "image_layouts[1]"), generate_failures=2)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a", b"b")))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a", b"b")))
     assert outcome is Outcome.ERROR and len(stages.generated) == 2
     assert str(sink.errors[0]) == "image[1]: lease expired"  # named as the client sent it
 
 
 def test_deadline_fails_the_request_naming_the_phase():
     stages = FakeStages(encode_delay=1.0)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"a",)), deadline=0.1)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), deadline=0.1)
     assert outcome is Outcome.EXPIRED and stages.generated == []
     [error] = sink.errors
     assert isinstance(error, Unavailable) and "deadline of 0.1 s exceeded while encoding" in str(error)
@@ -122,20 +122,20 @@ def test_deadline_fails_the_request_naming_the_phase():
 
 def test_validation_errors_happen_before_any_stage_is_called():
     stages = FakeStages()
-    _, sink = run(stages, RawGenerateInputs(text_input="x", sampling_parameters='{"max_tokens": -1}', images=(b"a",)))
+    _, sink = run(stages, RawGenerateInputs(prompt="x", sampling='{"max_tokens": -1}', images=(b"a",)))
     assert sink.errors[0].field == "sampling_parameters.max_tokens" and stages.encoded == []
 
 
 def test_client_cancel_stops_forwarding():
     stages = FakeStages(pieces=["t"] * 10)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", stream=True), FakeSink(cancel_after=2))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), FakeSink(cancel_after=2))
     assert outcome is Outcome.CANCELLED and sink.closed == 1 and len(sink.chunks) == 2
     assert stages.aborted == 1  # the stage was told to stop
 
 
 def test_finished_streams_are_not_aborted():
     stages = FakeStages()
-    run(stages, RawGenerateInputs(text_input="x"))
+    run(stages, RawGenerateInputs(prompt="x"))
     assert stages.aborted == 0
 
 
@@ -143,15 +143,15 @@ def test_e_p_d_prefills_one_token_then_decodes_with_the_kv_handle():
     from backend.protocol.stages import Disaggregation, Stage
 
     stages = FakeStages()
-    raw = RawGenerateInputs(text_input="x", images=(b"A",), stream=True,
-                            sampling_parameters='{"max_tokens": 9, "min_tokens": 2, "temperature": 0}')
+    raw = RawGenerateInputs(prompt="x", images=(b"A",), stream=True,
+                            sampling='{"max_tokens": 9, "min_tokens": 2, "temperature": 0}')
     sink = FakeSink()
     outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), Disaggregation.E_P_D).run(raw, sink))
     assert outcome is Outcome.OK and stages.stages_called == [Stage.PREFILL, Stage.DECODE]
     prefill, decode = stages.generated
-    assert json.loads(prefill.sampling_parameters) == {"max_tokens": 1, "temperature": 0}
+    assert json.loads(prefill.sampling) == {"max_tokens": 1, "temperature": 0}
     assert json.loads(prefill.kv_transfer_params) == {"do_remote_decode": True} and prefill.stream is False
-    assert decode.sampling_parameters == raw.sampling_parameters and decode.stream  # the client's own settings
+    assert decode.sampling == raw.sampling and decode.stream  # the client's own settings
     assert json.loads(decode.kv_transfer_params)["remote_block_ids"] == [[1]]
     assert prefill.image_layouts == decode.image_layouts == ('{"layout": 0}',)
     timings = sink.chunks[-1][0].timings
@@ -164,11 +164,11 @@ def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
     url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}]
     raw = RawGenerateInputs(messages=json.dumps(messages), images=(b"TENSOR",))
-    for topology, consumers in ((Disaggregation.E_PD, 1), (Disaggregation.E_P_D, 2)):
+    for disaggregation, consumers in ((Disaggregation.E_PD, 1), (Disaggregation.E_P_D, 2)):
         for model_setting, request_setting, naive in ((True, None, False), (False, None, True), (True, False, True),
                                                       (False, True, False)):
             stages = FakeStages()
-            orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), topology, metadata_only=model_setting)
+            orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), disaggregation, metadata_only=model_setting)
             assert asyncio.run(orchestrator.run(raw, FakeSink(), metadata_only=request_setting)) is Outcome.OK
             assert len(stages.generated) == consumers and len(stages.encoded) == 2  # encoders run either way
             for sent in stages.generated:
@@ -177,7 +177,7 @@ def test_metadata_only_off_forwards_the_original_media_to_every_consumer():
 
 
 def test_consumers_media_time_adds_up_over_prefill_and_decode():
-    from ensemble.orchestrator import _merge
+    from orchestrator.core import _merge
 
     timings = {"items": 1}
     _merge(timings, {"media_ms": 1.5, "transfer_ms": 2.0})
@@ -193,7 +193,7 @@ def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
 
     url = "data:image/png;base64," + base64.b64encode(b"PNGDATA").decode()
     messages = json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"}]}])
-    raw = RawGenerateInputs(messages=messages, images=(b"TENSOR",), sampling_parameters='{"max_tokens": 5}')
+    raw = RawGenerateInputs(messages=messages, images=(b"TENSOR",), sampling='{"max_tokens": 5}')
     stages, sink = FakeStages(), FakeSink()
     orchestrator = Orchestrator(stages, IDENTITY, RequestLimits(), Disaggregation.E_P_D, stages_take_media=True)
     assert asyncio.run(orchestrator.run(raw, sink, encode=False)) is Outcome.OK
@@ -203,9 +203,9 @@ def test_p_d_skips_the_encoders_and_sends_the_request_as_it_came():
     assert json.loads(stages.generated[1].kv_transfer_params)["remote_block_ids"] == [[1]]
     assert sink.chunks[-1][0].timings["items"] == 0
 
-    for topology, take_media in ((Disaggregation.E_PD, False), (Disaggregation.E_P_D, False)):
+    for disaggregation, take_media in ((Disaggregation.E_PD, False), (Disaggregation.E_P_D, False)):
         stages, sink = FakeStages(), FakeSink()
-        outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), topology, stages_take_media=take_media)
+        outcome = asyncio.run(Orchestrator(stages, IDENTITY, RequestLimits(), disaggregation, stages_take_media=take_media)
                               .run(raw, sink, encode=False))
         assert outcome is Outcome.ERROR and stages.generated == [] and stages.encoded == []
         assert [type(e) for e in sink.errors] == [InvalidInput] and sink.errors[0].field == "parameters.epd_encode"
@@ -226,14 +226,14 @@ class ProducerStages(FakeStages):
 
 def test_the_encoders_that_served_the_items_are_read_from_their_layouts_once():
     stages = ProducerStages(["enc-b", "enc-a", "enc-b"])
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"A", b"B", b"C")))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"A", b"B", b"C")))
     assert outcome is Outcome.OK and sink.chunks[-1][0].timings["encoders"] == ["enc-a", "enc-b"]
     assert [json.loads(text)["handle"]["agent_name"] for text in stages.generated[0].image_layouts] == ["enc-b", "enc-a", "enc-b"]
 
 
 def test_a_layout_that_is_not_json_fails_the_item_unavailable_after_one_retry():
     stages = ProducerStages([], broken=True)
-    outcome, sink = run(stages, RawGenerateInputs(text_input="x", images=(b"A",)))
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"A",)))
     assert outcome is Outcome.ERROR and isinstance(sink.errors[0], Unavailable) and sink.errors[0].field == "image[0]"
     assert len(stages.encoded) == 2 and stages.generated == []
 
@@ -254,7 +254,7 @@ class HoldingStages(FakeStages):
         return {key: text for key, text in self.holding.items() if key in keys}
 
 
-ONE_IMAGE = RawGenerateInputs(text_input="<|image_pad|>", images=(b"A",), session_id="conv-1")
+ONE_IMAGE = RawGenerateInputs(prompt="<|image_pad|>", images=(b"A",), session_id="conv-1")
 
 
 def demand_run(stages, raw, demand_aware=True, before=(ONE_IMAGE,)):
@@ -271,7 +271,7 @@ def demand_run(stages, raw, demand_aware=True, before=(ONE_IMAGE,)):
     return asyncio.run(turns())
 
 
-TWO_IMAGES = RawGenerateInputs(text_input="<|image_pad|> <|image_pad|>", images=(b"A", b"B"), session_id="conv-1")
+TWO_IMAGES = RawGenerateInputs(prompt="<|image_pad|> <|image_pad|>", images=(b"A", b"B"), session_id="conv-1")
 
 
 def key_of(data):
@@ -349,7 +349,7 @@ def test_a_video_s_options_make_its_content_key_and_go_on_to_the_consumer():
     keys = []
     for options in (None, {"video": {"fps": 1}}, {"video": {"fps": 3}}, {"video": {"fps": 1.0}}):
         stages = FakeStages()
-        raw = RawGenerateInputs(text_input="<|video_pad|>?", videos=(video,), media_io=MediaOptions.parse(options))
+        raw = RawGenerateInputs(prompt="<|video_pad|>?", videos=(video,), media_io=MediaOptions.parse(options))
         outcome, _ = run(stages, raw)
         assert outcome is Outcome.OK
         keys.append(stages.encoded[0][1])
@@ -361,9 +361,9 @@ def test_the_answerer_checks_the_run_options_and_runs_the_request():
     stages = FakeStages()
     answer = Orchestrator(stages, IDENTITY, RequestLimits(max_images=4)).answerer()
     bad = FakeSink()
-    asyncio.run(answer(RawGenerateInputs(text_input="hi"), {"epd_metadata_only": "yes"}, bad))
+    asyncio.run(answer(RawGenerateInputs(prompt="hi"), {"epd_metadata_only": "yes"}, bad))
     assert [str(e) for e in bad.errors] == ["parameters.epd_metadata_only: expected a bool, got 'yes'"]
     assert stages.generated == [] and bad.chunks == []
     good = FakeSink()
-    asyncio.run(answer(RawGenerateInputs(text_input="hi"), {"epd_encode": True}, good))
+    asyncio.run(answer(RawGenerateInputs(prompt="hi"), {"epd_encode": True}, good))
     assert good.errors == [] and good.chunks[-1][1] is True

@@ -1,9 +1,9 @@
-"""Routing across a stage's replicas (ensemble.replicas): least loaded, healthy, preferred, lost."""
+"""Routing across a stage's replicas (orchestrator.replicas): least loaded, healthy, preferred, lost."""
 import asyncio
 
 import pytest
 
-from ensemble.replicas import LOST_AFTER, PREFER_SLACK, ReplicaSet, expand
+from orchestrator.replicas import LOST_AFTER, PREFER_SLACK, ReplicaSet, expand
 
 
 def test_the_least_loaded_replica_is_picked_and_ties_go_to_the_one_that_served_fewest():
@@ -100,7 +100,7 @@ def test_a_refresh_adds_new_addresses_and_drops_gone_ones_once_idle(monkeypatch)
     async def fake_expand(entry):
         return answers[entry]
 
-    monkeypatch.setattr("ensemble.replicas.expand", fake_expand)
+    monkeypatch.setattr("orchestrator.replicas.expand", fake_expand)
     replicas = ReplicaSet("pd", ["pods:8001"])
     asyncio.run(replicas.refresh())
     assert [r.address for r in replicas.replicas] == ["10.0.0.1:8001", "10.0.0.2:8001"]

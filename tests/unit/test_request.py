@@ -18,33 +18,33 @@ def parse(resolver=None, **kwargs):
 
 
 def test_text_prompt_with_placeholders_and_images():
-    req = parse(text_input=f"{PH}{PH} compare", images=(image_bytes(8, 8, 1), image_bytes(16, 8, 2)),
-                sampling_parameters='{"max_tokens": 4}', stream=True, return_num_output_tokens=True)
+    req = parse(prompt=f"{PH}{PH} compare", images=(image_bytes(8, 8, 1), image_bytes(16, 8, 2)),
+                sampling='{"max_tokens": 4}', stream=True, return_num_output_tokens=True)
     assert req.prompt == f"{PH}{PH} compare"
-    assert [im.size for im in req.images] == [(8, 8), (16, 8)]
+    assert [im.size for im in req.items] == [(8, 8), (16, 8)]
     assert req.sampling == {"max_tokens": 4} and req.stream and req.return_num_output_tokens
 
 
 def test_placeholders_are_added_when_the_prompt_has_none():
-    req = parse(text_input="what is this?", images=(image_bytes(8, 8), image_bytes(8, 8, 1)))
+    req = parse(prompt="what is this?", images=(image_bytes(8, 8), image_bytes(8, 8, 1)))
     assert req.prompt == PH + PH + "what is this?"
 
 
 def test_text_only_request_has_no_images():
-    req = parse(text_input="hello")
-    assert req.prompt == "hello" and req.images == ()
+    req = parse(prompt="hello")
+    assert req.prompt == "hello" and req.items == ()
 
 
 @pytest.mark.parametrize("kwargs, field, fragment", [
     (dict(), "text_input", "got neither"),
-    (dict(text_input="a", messages="[]"), "text_input", "not both"),
-    (dict(text_input="  "), "text_input", "empty prompt"),
-    (dict(text_input=f"{PH}{PH}x", images=(image_bytes(8, 8),)), "image", "2 image placeholder(s)"),
-    (dict(text_input=f"{PH}x"), "text_input", "but 0 image(s)"),
-    (dict(text_input="x", images=(image_bytes(8, 8),) * 4), "image", "per-request limit of 3"),
-    (dict(text_input="x", images=(image_bytes(8, 8),), image_layouts=("{}",)), "image_layouts", "not both"),
-    (dict(text_input="x", images=(b"\x89PNG broken",)), "image[0]", "cannot decode"),
-    (dict(text_input="x", sampling_parameters="{"), "sampling_parameters", "not valid JSON"),
+    (dict(prompt="a", messages="[]"), "text_input", "not both"),
+    (dict(prompt="  "), "text_input", "empty prompt"),
+    (dict(prompt=f"{PH}{PH}x", images=(image_bytes(8, 8),)), "image", "2 image placeholder(s)"),
+    (dict(prompt=f"{PH}x"), "text_input", "but 0 image(s)"),
+    (dict(prompt="x", images=(image_bytes(8, 8),) * 4), "image", "per-request limit of 3"),
+    (dict(prompt="x", images=(image_bytes(8, 8),), image_layouts=("{}",)), "image_layouts", "not both"),
+    (dict(prompt="x", images=(b"\x89PNG broken",)), "image[0]", "cannot decode"),
+    (dict(prompt="x", sampling="{"), "sampling_parameters", "not valid JSON"),
 ])
 def test_text_prompt_errors(kwargs, field, fragment):
     with pytest.raises(InvalidInput) as info:
@@ -66,7 +66,7 @@ def test_messages_with_data_url_and_tensor_images():
     assert req.prompt is None and req.prompt_field == "messages"
     assert render_chat(req.conversation) == ("system: be brief\nuser: <image>and<image>\nassistant: two pictures\n"
                                              "user: which is larger?\nassistant: ")
-    assert [im.size for im in req.images] == [(12, 8), (20, 10)]
+    assert [im.size for im in req.items] == [(12, 8), (20, 10)]
 
 
 @pytest.mark.parametrize("messages, images, field, fragment", [
@@ -95,7 +95,7 @@ def test_encoded_media_keeps_bytes_and_rewrites_image_parts():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "image"},
                                              {"type": "text", "text": "same?"}]}]
     req = parse(EncodedMedia(), messages=json.dumps(messages), images=(b"tensor-bytes",))
-    assert [(m.data, m.field) for m in req.images] == [  # prompt order; nothing decoded
+    assert [(m.data, m.field) for m in req.items] == [  # prompt order; nothing decoded
         (png, "messages[0].content[0].image_url"), (b"tensor-bytes", "image[0]")]
     assert req.conversation == [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                               {"type": "text", "text": "same?"}]}]
@@ -104,11 +104,11 @@ def test_encoded_media_keeps_bytes_and_rewrites_image_parts():
 def test_layout_media_refuses_media_and_checks_layouts():
     resolver = LayoutMedia("qwen2_vl:abc")
     with pytest.raises(InvalidInput, match="metadata-only") as info:
-        parse(resolver, text_input="x", images=(image_bytes(8, 8),))
+        parse(resolver, prompt="x", images=(image_bytes(8, 8),))
     assert info.value.field == "image[0]"
     url = "data:image/png;base64," + base64.b64encode(image_bytes(8, 8)).decode()
     with pytest.raises(InvalidInput, match="metadata-only"):
         parse(resolver, messages=json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": url}]}]))
     with pytest.raises(InvalidInput) as info:
-        parse(resolver, text_input="x", image_layouts=('{"version": 99}',))
+        parse(resolver, prompt="x", image_layouts=('{"version": 99}',))
     assert info.value.field == "image_layouts[0].version"

@@ -1,4 +1,4 @@
-"""ensemble.routing.RoutedStages over a fake transport: which replica takes each call, what a failed call does, the
+"""orchestrator.routing.RoutedStages over a fake transport: which replica takes each call, what a failed call does, the
 demand-aware pin, the replica named in the final timings, early close reaching the transport, and the health watch."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import InvalidInput
 from backend.protocol.stages import Stage
 from backend.request.generate import MediaBytes, RawGenerateInputs
-from ensemble.health import Unreachable
-from ensemble.routing import RoutedStages
+from orchestrator.health import Unreachable
+from orchestrator.routing import RoutedStages
 
 A, B = "10.0.0.1:8001", "10.0.0.2:8001"
 MODELS = {Stage.PD: "pd", Stage.PREFILL: "prefill", Stage.DECODE: "decode"}

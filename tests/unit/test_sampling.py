@@ -3,11 +3,11 @@ import json
 import pytest
 
 from backend.protocol.errors import ErrorCode, InvalidInput
-from backend.request.sampling import parse_sampling_parameters
+from backend.request.sampling import parse_sampling
 
 
 def test_valid_parameters_are_typed():
-    out = parse_sampling_parameters('{"temperature": "0.5", "max_tokens": "16", "top_p": 0.9, "seed": 3,'
+    out = parse_sampling('{"temperature": "0.5", "max_tokens": "16", "top_p": 0.9, "seed": 3,'
                                     ' "ignore_eos": "true", "stop": "x", "stop_token_ids": [2]}')
     assert out == {"temperature": 0.5, "max_tokens": 16, "top_p": 0.9, "seed": 3, "ignore_eos": True,
                    "stop": ["x"], "stop_token_ids": [2]}
@@ -17,12 +17,12 @@ def test_valid_parameters_are_typed():
 def test_logprobs_are_a_count_of_top_tokens_or_minus_one(value, count):
     """vLLM's range: >= 0 or -1 (the whole vocabulary); the engine's max_logprobs bounds it above (it answers more
     with INVALID_ARG naming the key: tests/e2e/test_openai.py)."""
-    assert parse_sampling_parameters(json.dumps({"logprobs": value})) == {"logprobs": count}
+    assert parse_sampling(json.dumps({"logprobs": value})) == {"logprobs": count}
 
 
 @pytest.mark.parametrize("text", [None, "", "   "])
 def test_absent_parameters_mean_engine_defaults(text):
-    assert parse_sampling_parameters(text) == {}
+    assert parse_sampling(text) == {}
 
 
 @pytest.mark.parametrize("text, field, fragment", [
@@ -47,7 +47,7 @@ def test_absent_parameters_mean_engine_defaults(text):
 ])
 def test_bad_parameters_name_the_field(text, field, fragment):
     with pytest.raises(InvalidInput) as info:
-        parse_sampling_parameters(text)
+        parse_sampling(text)
     assert info.value.field == field
     assert fragment in str(info.value)
     assert info.value.code is ErrorCode.INVALID_ARG

@@ -9,7 +9,7 @@ from tests.fakes import FakeEngine, FakeSink, RecordingObserver
 
 
 def request(**kwargs) -> GenerateRequest:
-    defaults = dict(prompt="Q: ", conversation=None, images=(), sampling={}, return_num_input_tokens=True, return_num_output_tokens=True)
+    defaults = dict(prompt="Q: ", conversation=None, items=(), sampling={}, return_num_input_tokens=True, return_num_output_tokens=True)
     return GenerateRequest(**{**defaults, **kwargs})
 
 

@@ -39,7 +39,7 @@ def test_the_deployment_tables_are_the_roles():
 
 def test_model_kinds_say_what_they_are():
     assert ModelKind.COLOCATED_PREFILL == "epd:E/P/D:colocated" and str(ModelKind.EPD) == "epd:E+PD"
-    assert ModelKind.COLOCATED_PREFILL.mode is Disaggregation.E_P_D and ModelKind.COLOCATED_PREFILL.engine is Stage.PREFILL
+    assert ModelKind.COLOCATED_PREFILL.disaggregation is Disaggregation.E_P_D and ModelKind.COLOCATED_PREFILL.engine is Stage.PREFILL
     assert ModelKind.COLOCATED.colocated and not ModelKind.EPD.colocated and not ModelKind.PD.colocated
     assert [k.stage for k in (ModelKind.EPD, ModelKind.COLOCATED, ModelKind.ENCODER)] == ["epd", "pd", "encoder"]
     assert ModelKind.orchestrator(Disaggregation.E_P_D, colocated=False) is ModelKind.EPD_DISAGG

@@ -94,7 +94,7 @@ def test_chat_video_parts_and_the_video_tensor_decode_for_llm():
                             images=(image_bytes(64, 64, 1),), videos=(make_video(seed=2),))
     request = parse_generate_request(raw, DecodeMedia(LIMITS))
     assert [part["type"] for part in request.conversation[0]["content"]] == ["image", "video", "video", "text"]
-    kinds = [type(item).__name__ for item in request.images]
+    kinds = [type(item).__name__ for item in request.items]
     assert kinds == ["Image", "DecodedVideo", "DecodedVideo"]
     data = multi_modal_data(request)
     assert list(data) == ["image", "video"] and len(data["image"]) == 1 and len(data["video"]) == 2
@@ -105,20 +105,20 @@ def test_epd_keeps_video_bytes_and_counts_them_against_max_videos():
     video = make_video(frames=4)
     request = parse_generate_request(RawGenerateInputs(messages=_messages({"type": "video"}), videos=(video,)),
                                      EncodedMedia(LIMITS))
-    [item] = request.images
+    [item] = request.items
     assert item.data == video and item.modality == "video" and item.field == "video[0]"
     with pytest.raises(InvalidInput, match="3 videos, over the per-request limit of 2") as info:
-        parse_generate_request(RawGenerateInputs(text_input="x", videos=(video,) * 3), EncodedMedia(LIMITS),
+        parse_generate_request(RawGenerateInputs(prompt="x", videos=(video,) * 3), EncodedMedia(LIMITS),
                                RequestLimits(max_videos=2))
     assert info.value.field == "video"
 
 
 def test_a_text_prompt_gets_one_video_placeholder_per_video():
-    request = parse_generate_request(RawGenerateInputs(text_input="describe", videos=(make_video(frames=4),)),
+    request = parse_generate_request(RawGenerateInputs(prompt="describe", videos=(make_video(frames=4),)),
                                      EncodedMedia(LIMITS))
     assert request.prompt == "<|vision_start|><|video_pad|><|vision_end|>describe"
     with pytest.raises(InvalidInput, match=r"prompt has 1 video placeholder\(s\) \(<\|video_pad\|>\) but 2 video"):
-        parse_generate_request(RawGenerateInputs(text_input="<|video_pad|>", videos=(b"x", b"y")), EncodedMedia(LIMITS))
+        parse_generate_request(RawGenerateInputs(prompt="<|video_pad|>", videos=(b"x", b"y")), EncodedMedia(LIMITS))
 
 
 def _layout(media) -> LayoutMetadata:
@@ -144,7 +144,7 @@ def test_consumers_group_grids_and_name_items_per_modality():
     grids = media_grids(layouts)
     assert list(grids) == ["video", "image"]
     assert grids["video"].tolist() == [[2, 4, 4], [3, 4, 4]] and grids["image"].tolist() == [[1, 2, 6]]
-    request = GenerateRequest(prompt="p", conversation=None, images=(), sampling={},
+    request = GenerateRequest(prompt="p", conversation=None, items=(), sampling={},
                               media_embeds={"video": ("E", grids["video"]), "image": (None, grids["image"])})
     assert multi_modal_data(request) == {"video": {"video_embeds": "E", "video_grid_thw": grids["video"]},
                                          "image": {"image_grid_thw": grids["image"]}}
@@ -209,7 +209,7 @@ def test_the_encoder_service_publishes_video_layouts_and_fails_only_a_bad_video_
 def test_the_orchestrator_sends_each_modality_s_layouts_and_names_the_encoder_s_modality():
     import asyncio
 
-    from ensemble.orchestrator import Identity, Orchestrator
+    from orchestrator.core import Identity, Orchestrator
     from tests.fakes import FakeSink, FakeStages
 
     class Stages(FakeStages):

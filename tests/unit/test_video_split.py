@@ -181,10 +181,10 @@ def test_consecutive_parts_are_one_grid_row_and_one_item_of_the_request():
     layouts = [_layout((2, 4, 4), (0, 5)), _layout((3, 4, 4), (2, 5)), _layout((1, 6, 6)), _layout((1, 2, 2), (0, 2)),
                _layout((1, 2, 2), (1, 2))]
     assert media_grids(layouts)["video"].tolist() == [[5, 4, 4], [1, 6, 6], [2, 2, 2]]
-    raw = RawGenerateInputs(text_input="<|video_pad|> <|video_pad|> <|video_pad|>",
+    raw = RawGenerateInputs(prompt="<|video_pad|> <|video_pad|> <|video_pad|>",
                             video_layouts=tuple(layout.to_json() for layout in layouts))
     request = parse_generate_request(raw, LayoutMedia("m"), RequestLimits(max_videos=3))
-    assert request.images == tuple(layouts)  # flat again, in order
+    assert request.items == tuple(layouts)  # flat again, in order
     with pytest.raises(InvalidInput, match="4 videos, over the per-request limit of 3"):
         parse_generate_request(replace_layouts(raw, layouts + [_layout((1, 6, 6))]), LayoutMedia("m"),
                                RequestLimits(max_videos=3))
@@ -209,7 +209,7 @@ def test_parts_that_do_not_make_up_their_video_are_refused_naming_the_part(layou
 
 
 def _run(stages, raw, split=2, **kw):
-    from ensemble.orchestrator import Identity, Orchestrator
+    from orchestrator.core import Identity, Orchestrator
     from tests.fakes import FakeSink
 
     sink = FakeSink()
@@ -220,7 +220,7 @@ def _run(stages, raw, split=2, **kw):
 def test_the_orchestrator_asks_for_every_part_at_once_and_sends_them_in_order():
     from tests.fakes import FakeStages
 
-    raw = RawGenerateInputs(text_input="x", videos=(b"V1", b"V2"), images=(b"I",))
+    raw = RawGenerateInputs(prompt="x", videos=(b"V1", b"V2"), images=(b"I",))
     stages = FakeStages(encode_delay=0.05)
     sink = _run(stages, raw, split=3)
     assert stages.peak == 7 and sorted(map(str, stages.parts)) == sorted(map(str, [None] + [(i, 3) for i in range(3)] * 2))
@@ -244,10 +244,10 @@ def test_empty_parts_are_left_out_and_metadata_only_off_does_not_split():
             return "" if part == (0, 2) else text  # a video of one temporal patch: part 0 of 2 is empty
 
     stages = Short(encode_delay=0)
-    _run(stages, RawGenerateInputs(text_input="x", videos=(b"V",)))
+    _run(stages, RawGenerateInputs(prompt="x", videos=(b"V",)))
     assert stages.generated[0].video_layouts == ('{"layout": 1}',)
     stages = FakeStages(encode_delay=0)
-    _run(stages, RawGenerateInputs(text_input="x", videos=(b"V",)), metadata_only=False)
+    _run(stages, RawGenerateInputs(prompt="x", videos=(b"V",)), metadata_only=False)
     assert stages.parts == [None]
 
 

@@ -2,7 +2,7 @@
 
 Topology ``stages.pd.orchestrator: colocated`` (E+PD, model ``epd``) or ``stages.prefill.orchestrator: colocated``
 (E/P/D, model ``epd``, or ``epd_disagg`` beside E+PD). One model, one stub per instance: the orchestrator
-(``ensemble.orchestrator``) and a vLLM engine fed metadata-only requests, hosted as the stage's own model hosts
+(``orchestrator.core``) and a vLLM engine fed metadata-only requests, hosted as the stage's own model hosts
 it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, the ``prepare`` step):
 
 - E+PD: pd's engine (prefill + decode); ``prepare`` pulls the embeddings by handle (the consumer lives here);
@@ -11,11 +11,11 @@ it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, t
   endpoint (``triton_stages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
   with prefill's ``kv_transfer_params``; its stream is relayed to the client.
 
-Same Triton interface as ``llm`` and the proxy ``epd``. Media go to the ``encoder`` model over BLS, the host
-stage runs in process (``ensemble.local_stages.LocalStages``): one stub hop and one gRPC round trip fewer per
-response of that stage than the proxy. The orchestrator runs on the engine's event loop.
+Same Triton interface as ``llm`` and the proxy orchestrator ``epd``. Media go to the ``encoder`` model over BLS,
+the host stage runs in process (``orchestrator.local_stages.LocalStages``): one stub hop and one gRPC round trip
+fewer per response of that stage than the proxy orchestrator. The orchestrator runs on the engine's event loop.
 
-Adapter only: the logic is ``ensemble.orchestrator`` and ``ensemble.local_stages``.
+Adapter only: the logic is ``orchestrator.core`` and ``orchestrator.local_stages``.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from backend.protocol.stages import Disaggregation
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.deploy.server_address import EndpointError
 from backend.triton.io import orchestrate
-from ensemble.local_stages import LocalStages
-from ensemble.admission import Admission
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.admission import Admission
+from orchestrator.core import Identity, Orchestrator
+from orchestrator.local_stages import LocalStages
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
 
 
@@ -42,8 +42,8 @@ class TritonPythonModel(MetadataOnlyModel):
     def initialize(self, args):
         self.watch = None
         super().initialize(args)  # the engine (the host stage's, role_spec), the consumer, the metrics, self.limits
-        settings, mode = self.settings, self.settings.topology
-        if mode is Disaggregation.E_PD and self.encoders is None:
+        settings, disaggregation = self.settings, self.settings.disaggregation
+        if disaggregation is Disaggregation.E_PD and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
         else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
             remote = triton_stages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
@@ -51,18 +51,18 @@ class TritonPythonModel(MetadataOnlyModel):
             self.watch = self.host.submit(remote.watch())
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
-                                  interval=self.stream_interval, local=mode.host,
+                                  interval=self.stream_interval, local=disaggregation.host,
                                   held=self.held.lookup if self.held is not None else None)
         self.orchestrator = Orchestrator(
-            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits, mode,
-            deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
+            self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits,
+            disaggregation, deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
             video_split=settings.video_split, demand_aware=settings.demand_aware,
             admission=Admission(settings, self.metrics))
         self.serve_openai(self.orchestrator.answerer(self.metrics))
 
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
-            self.urls = stage_urls(self.settings.targets(), self.settings.topology.generators[1:])
+            self.urls = stage_urls(self.settings.targets(), self.settings.disaggregation.generators[1:])
             self.encoders = encoder_urls(self.settings.encoder_model, self.settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
@@ -70,7 +70,7 @@ class TritonPythonModel(MetadataOnlyModel):
     def role_spec(self):
         """The host stage's engine (pd's, or prefill's: a KV producer that pulls the embeddings), given layouts
         only: the orchestrator in this process always encodes the media first."""
-        return replace(self.settings.topology.host.spec, takes_media=False)
+        return replace(self.settings.disaggregation.host.spec, takes_media=False)
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.host.submit, self.cancels)

@@ -128,8 +128,8 @@ class TritonPythonModel:
     def execute(self, requests):
         jobs, shapes, refused = [], [], {}
         for index, request in enumerate(requests):
-            images = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()
-            shapes.append(images.shape)
+            items = pb_utils.get_input_tensor_by_name(request, ENCODER_ITEM.name).as_numpy()  # of any modality
+            shapes.append(items.shape)
             try:
                 params = request_parameters(request)
                 part = parse_part(params[PART_PARAMETER]) if PART_PARAMETER in params else None
@@ -142,11 +142,11 @@ class TritonPythonModel:
                 refused[index] = exc
                 continue
             keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
-            keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * images.shape[0]
+            keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * items.shape[0]
             kinds = pb_utils.get_input_tensor_by_name(request, ENCODER_MODALITY.name)
             kinds = [k.decode() if k else IMAGE.name for k in kinds.as_numpy().reshape(-1)] if kinds is not None else \
-                [IMAGE.name] * images.shape[0]
-            for data, key, kind in zip(images.reshape(-1), keys, kinds):
+                [IMAGE.name] * items.shape[0]
+            for data, key, kind in zip(items.reshape(-1), keys, kinds):
                 data, how = bytes(data), options.key(kind)
                 if isinstance(key, bytes) and key:
                     jobs.append(EncodeJob(index, data, key.decode(), modality=kind, part=part, options=how))

@@ -2,7 +2,7 @@
 ``encoder`` model, the metadata-only request goes to ``pd`` (topology E+PD) or to ``prefill`` then
 ``decode`` (topology E/P/D), whose stream comes back to the client. Model parameters:
 ``backend.protocol.settings.ProxySettings``.
-Adapter only: the logic is ``ensemble.orchestrator``.
+Adapter only: the logic is ``orchestrator.core``.
 """
 import json
 from pathlib import Path
@@ -16,12 +16,12 @@ from backend.protocol.modality import modalities
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
 from backend.protocol.settings import ProxySettings
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
-from ensemble.admission import Admission
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.admission import Admission
+from orchestrator.core import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
 
@@ -39,9 +39,9 @@ class TritonPythonModel:
                               allowed_local_media_path=settings.allowed_local_media_path,
                               allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)),
             priority_levels=settings.priority_levels)
-        mode = settings.topology
+        disaggregation = settings.disaggregation
         try:
-            urls = stage_urls(settings.targets(), mode.generators)
+            urls = stage_urls(settings.targets(), disaggregation.generators)
             encoders = encoder_urls(settings.encoder_model, settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
@@ -49,9 +49,9 @@ class TritonPythonModel:
         self.stages = triton_stages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
                                     settings.decode_model, encoders, settings.health_seconds())
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
-                                         limits, mode, deadline=settings.request_timeout_seconds,
-                                         metadata_only=settings.metadata_only,
-                                         stages_take_media=mode.generators_take_media,
+                                         limits, disaggregation, metadata_only=settings.metadata_only,
+                                         deadline=settings.request_timeout_seconds,
+                                         stages_take_media=disaggregation.generators_take_media,
                                          video_split=settings.video_split, demand_aware=settings.demand_aware,
                                          admission=Admission(settings, self.metrics))
         self.loop = LoopThread("epd-loop")

@@ -7,7 +7,7 @@ import pytest
 from backend.engine.serving import ResponseChunk
 from backend.protocol.errors import Cancelled, InvalidInput, Unavailable
 from backend.triton import io
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from tests.unit.triton.inputs import generate_request, only_error, outputs
 
 FINAL = 1
@@ -17,8 +17,8 @@ def test_request_tensors_become_typed_inputs(pb):
     raw = io.read_generate_inputs(generate_request(
         text_input="hi <image>", image=[b"\x89PNG", b"GIF8"], stream=True, sampling_parameters={"max_tokens": 3},
         parameters={"session_id": "s1"}))
-    assert (raw.text_input, raw.images, raw.stream, raw.session_id) == ("hi <image>", (b"\x89PNG", b"GIF8"), True, "s1")
-    assert json.loads(raw.sampling_parameters) == {"max_tokens": 3}
+    assert (raw.prompt, raw.images, raw.stream, raw.session_id) == ("hi <image>", (b"\x89PNG", b"GIF8"), True, "s1")
+    assert json.loads(raw.sampling) == {"max_tokens": 3}
     assert raw.messages is None and raw.videos == () and raw.exclude_input_in_output is False
 
 

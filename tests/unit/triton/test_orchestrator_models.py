@@ -11,13 +11,13 @@ import pytest
 from backend.protocol.errors import InvalidInput
 from backend.protocol.layout import content_key
 from backend.request.generate import RequestLimits
-from ensemble.cancel_board import CancelBoard
+from orchestrator.cancel_board import CancelBoard
 from backend.triton.io import to_triton_error
 from backend.triton.metrics import RequestMetrics
 from backend.triton.models import encoder
 from backend.triton.io import orchestrate
 from backend.triton.stage_client import BlsEncoders
-from ensemble.orchestrator import Identity, Orchestrator
+from orchestrator.core import Identity, Orchestrator
 from tests.fakes import FakeStages
 from tests.unit.triton.inputs import generate_request, only_error, outputs
 

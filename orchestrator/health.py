@@ -1,10 +1,10 @@
-"""The health of a stage client's replicas: which answer, which are lost (``ensemble.routing.RoutedStages`` runs it).
+"""The health of a stage client's replicas: which answer, which are lost (``orchestrator.routing.RoutedStages`` runs it).
 
 After load, ``watch`` waits until every stage answers ready at one address at least and says so once (or warns
 while one does not); then, where any stage is remote or replicated, it probes every replica every
 ``health_seconds``: model readiness, a unary call with a deadline; an engine's KV-cache usage is read beside it
 (``HealthCalls.read_load``, in a task of its own, so a slow answer delays no check). A replica lost
-(``ensemble.replicas.LOST_AFTER``) is probed on a fresh channel each time (``fresh``). The calls themselves are a
+(``orchestrator.replicas.LOST_AFTER``) is probed on a fresh channel each time (``fresh``). The calls themselves are a
 transport's (``HealthCalls``: Triton's gRPC in ``backend.triton.stage_client``; a fake in unit tests).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from typing import Protocol
 
 from backend.protocol.errors import Unavailable
-from ensemble.replicas import PROBE_SECONDS, Replica, ReplicaSet
+from orchestrator.replicas import PROBE_SECONDS, Replica, ReplicaSet
 
 
 class Unreachable(Unavailable):
@@ -62,7 +62,7 @@ class HealthCalls(Protocol):
 
 
 def prober(calls: HealthCalls, replicas: ReplicaSet, engine: bool):
-    """The health probe of ``replicas`` (``ensemble.replicas.Probe``); engines' KV-cache usage is read beside it."""
+    """The health probe of ``replicas`` (``orchestrator.replicas.Probe``); engines' KV-cache usage is read beside it."""
     async def probe(address: str) -> tuple[bool, float | None]:
         replica = replicas.get(address)
         fresh = replica is None or replica.lost.is_set()  # a failed channel backs off for minutes

@@ -1,10 +1,10 @@
 """A ``StageClient`` over the replicas of each stage: which replica takes each call, and what a failed call does.
 
 Each generate call and each encode goes to the healthy replica with the fewest of this orchestrator's calls in
-flight (generators: then the lowest KV-cache usage; ``ensemble.replicas``); demand-aware lookups ask every healthy
+flight (generators: then the lowest KV-cache usage; ``orchestrator.replicas``); demand-aware lookups ask every healthy
 consumer replica and pin the request to the one holding most of its items, unless that one is overloaded. A call
 that fails at the connection level (``Unreachable``) routes around its replica at once; the health checks
-(``ensemble.health``) take it back once it answers again, and end the streams still open to one that is lost, so
+(``orchestrator.health``) take it back once it answers again, and end the streams still open to one that is lost, so
 nothing waits for a host that is gone. With ``health_seconds`` (any stage remote or replicated), the final response
 of each stage names the replica that served it (``timings``: ``pd_replica``, ``prefill_replica``,
 ``decode_replica``).
@@ -24,8 +24,8 @@ from typing import AsyncIterator, Protocol
 from backend.engine.serving import ResponseChunk
 from backend.protocol.stages import Stage
 from backend.request.generate import MediaBytes, RawGenerateInputs
-from ensemble.health import HealthCalls, Unreachable, watch
-from ensemble.replicas import ReplicaSet
+from orchestrator.health import HealthCalls, Unreachable, watch
+from orchestrator.replicas import ReplicaSet
 
 # the consumer replica a demand-aware lookup chose for this request (its task's context): stage -> address
 _PINNED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("epd_pinned_replica", default=None)
@@ -117,7 +117,7 @@ class RoutedStages:
         return answer if chosen is holder else dict(next((a for a, r in found if r is chosen), {}))
 
     async def watch(self) -> dict[str, str]:
-        """``ensemble.health.watch`` over every stage's replicas (until cancelled, at unload)."""
+        """``orchestrator.health.watch`` over every stage's replicas (until cancelled, at unload)."""
         sets = [*((s, True) for s in self.replicas.values()), *([(self.encoders, False)] if self.encoders else [])]
         return await watch(self.calls, sets, self.health_seconds, self.logger)
 

@@ -1,7 +1,7 @@
 """The ``epd`` orchestration: validate, encode every media item concurrently, rewrite the request to
 metadata-only, stream the generator's output back.
 
-Deployment modes (``backend.protocol.stages.Disaggregation``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
+The disaggregation (``backend.protocol.stages.Disaggregation``): E+PD sends the rewritten request to one generator (``pd``); E/P/D sends it
 to ``prefill`` with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then to
 ``decode`` with the ``kv_transfer_params`` prefill returned (decode pulls the KV through NIXL and needs
 only the media layouts), and streams decode's output.
@@ -29,7 +29,7 @@ past it the request fails with UNAVAILABLE (``DeadlineExceeded``) naming the pha
 still open are closed (their requests cancelled). The stages get the absolute deadline and the request's priority
 (``epd_deadline``, ``priority``): each checks it before it works on the request and stops there when it passes.
 
-Admission (``ensemble.admission``, with budgets set): before each stage, the request takes its share of that stage's
+Admission (``orchestrator.admission``, with budgets set): before each stage, the request takes its share of that stage's
 budget (the encoder: its items and bytes; a generator: one request) in priority order, or is refused before any
 work when it cannot start in time (``Overloaded`` with ``retry_after``).
 
@@ -66,7 +66,7 @@ from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
-from ensemble.admission import Admission, Cost, Urgency, URGENCY
+from orchestrator.admission import Admission, Cost, Urgency, URGENCY
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +100,18 @@ class Orchestrator:
     _lookup_failed = False  # one warning per orchestrator
 
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
-                 mode: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0, metadata_only: bool = True,
-                 stages_take_media: bool = False, video_split: int = 1, demand_aware: bool = False,
-                 admission: Admission | None = None):
-        """``mode``: which generator stages a request goes through (``mode.generators``, the last streams to the
-        client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
+                 disaggregation: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0,
+                 metadata_only: bool = True, stages_take_media: bool = False, video_split: int = 1,
+                 demand_aware: bool = False, admission: Admission | None = None):
+        """``disaggregation``: which generator stages a request goes through (``disaggregation.generators``, the
+        last streams to the client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
         decode models), so a request may skip the encoders (``run(encode=False)``: P/D). ``video_split``: each video
         of a metadata-only request is encoded in that many parts at once (their layouts go on in order; a video of
         fewer temporal patches has that many parts, the encoders answer the others with nothing). ``demand_aware``:
         before encoding, ask the consumer stage which items it holds (``StageClient.held``) and encode only the
         others. ``admission``: the stages' budgets (None: none)."""
         self.admission = admission or Admission()
-        self.stages, self.identity, self.limits, self.mode = stages, identity, limits, mode
+        self.stages, self.identity, self.limits, self.disaggregation = stages, identity, limits, disaggregation
         self.video_split, self.demand_aware = video_split, demand_aware
         self._sent: collections.OrderedDict[str, None] = collections.OrderedDict()  # demand-aware: keys sent
         self.deadline, self.metadata_only, self.stages_take_media = deadline, metadata_only, stages_take_media
@@ -173,18 +173,18 @@ class Orchestrator:
         state.urgency = Urgency(request.priority, state.deadline)
         URGENCY.set(state.urgency)  # this request's task (its encodes' too): the stage clients send it on
         raw = replace(raw, priority=request.priority, deadline=state.deadline)
-        owners = request.images  # the client's item of each layout the stages get
+        owners = request.items  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                cost = Cost(len(request.images), sum(len(item.data) for item in request.images))
-                async with self.admission.encoder.admit(cost, request.priority, state.deadline) if request.images \
+                cost = Cost(len(request.items), sum(len(item.data) for item in request.items))
+                async with self.admission.encoder.admit(cost, request.priority, state.deadline) if request.items \
                         else _nothing():
-                    encoded = await self._encode_all(request.images, state, raw.session_id)
+                    encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
-                timings.update(items=len(request.images), encode_ms=_ms(started),
+                timings.update(items=len(request.items), encode_ms=_ms(started),
                                encoders=sorted({layout.producer for layout in layouts if layout.producer}))
-                if len(layouts) > len(request.images):
+                if len(layouts) > len(request.items):
                     timings["parts"] = len(layouts)
                 rewritten = _metadata_only(raw, request, encoded, state.metadata_only)
             else:  # P/D: the request as it came (validated above); prefill and decode process its media
@@ -199,20 +199,20 @@ class Orchestrator:
 
     async def _generate(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
-        if Stage.PREFILL in self.mode.generators:
+        if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
             async with self.admission.generator(Stage.PREFILL.value).admit(Cost(), state.urgency.priority,
                                                                            state.deadline):
                 rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
-        async with self.admission.generator(self.mode.streamer.value).admit(Cost(), state.urgency.priority,
+        async with self.admission.generator(self.disaggregation.streamer.value).admit(Cost(), state.urgency.priority,
                                                                             state.deadline):
             await self._stream(rewritten, sink, state, started)
 
     async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
         generate_started = time.perf_counter()
-        stream = self.stages.generate(rewritten, self.mode.streamer)
+        stream = self.stages.generate(rewritten, self.disaggregation.streamer)
         try:
             async for chunk in stream:
                 if sink.is_cancelled():
@@ -239,10 +239,10 @@ class Orchestrator:
     async def _prefill(self, rewritten: RawGenerateInputs, timings: dict) -> RawGenerateInputs:
         """Run prefill for one token; return the request for decode, carrying prefill's KV handle."""
         started = time.perf_counter()
-        sampling = json.loads(rewritten.sampling_parameters) if rewritten.sampling_parameters else {}
+        sampling = json.loads(rewritten.sampling) if rewritten.sampling else {}
         sampling = {k: v for k, v in sampling.items() if k not in ("min_tokens",)}
         prefill_inputs = replace(
-            rewritten, stream=False, sampling_parameters=json.dumps({**sampling, "max_tokens": 1}),
+            rewritten, stream=False, sampling=json.dumps({**sampling, "max_tokens": 1}),
             kv_transfer_params=json.dumps({"do_remote_decode": True}), exclude_input_in_output=True,
             return_num_input_tokens=False, return_num_output_tokens=False)
         params = None
@@ -297,12 +297,12 @@ class Orchestrator:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.LOOKUP_SECONDS):
-                found = await lookup(asked, session, self.mode.generators[0])
+                found = await lookup(asked, session, self.disaggregation.generators[0])
         except Exception as exc:  # noqa: BLE001 - an optimisation only
             if not self._lookup_failed:
                 self._lookup_failed = True
                 log.warning("demand-aware lookup at %s failed (%s); encoding as without it (logged once)",
-                            self.mode.generators[0].value, exc)
+                            self.disaggregation.generators[0].value, exc)
             found = {}
         found = {key: text for key, text in found.items() if key in asked and isinstance(text, str)}
         state.timings.update(held=len(found), lookup_ms=_ms(started))
@@ -379,7 +379,7 @@ def _metadata_only(raw: RawGenerateInputs, request, layouts: list[tuple[MediaByt
         fields[m.media_field] = ()
         fields[m.layout_field] = tuple(layout.text for item, layout in layouts if item.modality == m.name)
     fields = {name: value for name, value in fields.items() if hasattr(raw, name)}
-    return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.images),
+    return replace(raw, **fields, original_media=() if metadata_only else tuple(item.data for item in request.items),
                    messages=json.dumps(request.conversation) if request.conversation is not None else None)
 
 
