@@ -5,12 +5,13 @@ items and their bytes; a generator stage: requests), and the requests waiting fo
 vLLM's ``priority``) then arrival. A request enters the gate before it asks the stage and leaves when the call is done,
 so the stage's own queue stays short and the order in which it gets work is the orchestrator's, by priority.
 
-A request is refused before any work when it cannot start in time: at arrival, the gate estimates its wait (the units
-ahead of it, of its priority or higher, beyond the budget, over the rate the stage has been letting units through:
-``budget / mean time in the stage``); if that is longer than the request may wait (until its deadline, and at most
-``max_queue_seconds``), it is answered at once: ``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate.
-A request that waits longer than that anyway is refused the same way when its bound strikes (the estimate was low);
-one whose deadline strikes while it waits gets ``DeadlineExceeded``. A gate with no budget admits everything at once.
+A request is refused before any work when it cannot start in time: at its arrival (``Admission.check``) each gate it
+will pass estimates its wait there (the units ahead of it, of its priority or higher, beyond the budget, over the rate
+the stage has been letting units through: ``budget / mean time in the stage``); if their sum is longer than the request
+may wait (until its deadline, and at most ``max_queue_seconds`` in all gates together), it is answered at once:
+``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate. A request that waits longer than that anyway is
+refused the same way when its bound strikes (the estimate was low); one whose deadline strikes while it waits gets
+``DeadlineExceeded``. A gate with no budget admits everything at once.
 
 A request that alone costs more than the budget is let in when nothing else is in flight (the request limits bound
 it already). No Triton import: unit-tested (``tests/unit/test_admission.py``).
@@ -109,14 +110,15 @@ class Gate:
         return max(0.0, beyond * self.hold_seconds / self.budget.units)
 
     @contextlib.asynccontextmanager
-    async def admit(self, cost: Cost, priority: int, deadline: float | None):
+    async def admit(self, cost: Cost, priority: int, deadline: float | None, wait_until: float | None = None):
         """Hold ``cost`` of the budget while the body runs (the stage's call); raises ``Overloaded`` or
-        ``DeadlineExceeded`` (module docstring) before any of it is held."""
+        ``DeadlineExceeded`` (module docstring) before any of it is held. ``wait_until``: the time past which the
+        request waits no more (its queue budget over every gate; None: ``max_queue_seconds`` from now)."""
         if not self.budget.bounded:
             yield
             return
         started = self.clock()
-        await self._enter(cost, priority, deadline, started)
+        await self._enter(cost, priority, deadline, started, wait_until)
         entered = time.perf_counter()
         if self.observer is not None:
             self.observer.admitted(self.stage, priority, self.clock() - started)
@@ -129,18 +131,23 @@ class Gate:
             self.units, self.bytes = self.units - cost.units, self.bytes - cost.bytes
             self._dispatch()
 
-    async def _enter(self, cost: Cost, priority: int, deadline: float | None, now: float) -> None:
+    def may_wait(self, deadline: float | None, now: float, wait_until: float | None = None) -> float:
+        """Seconds a request may wait here from ``now``: until its deadline, and ``wait_until`` (or at most
+        ``max_queue_seconds``)."""
+        bound = wait_until if wait_until is not None else (now + self.max_queue if self.max_queue else None)
+        return min((t - now for t in (deadline, bound) if t is not None), default=math.inf)
+
+    async def _enter(self, cost: Cost, priority: int, deadline: float | None, now: float,
+                     wait_until: float | None = None) -> None:
         if not self._queue and self._fits(cost):
             self._take(cost)
             return
-        may_wait = math.inf if deadline is None else deadline - now
-        if self.max_queue:
-            may_wait = min(may_wait, self.max_queue)
+        may_wait = self.may_wait(deadline, now, wait_until)
         if may_wait <= 0:
-            self._refuse(priority, "deadline", deadline)
+            self.refuse(priority, "deadline", deadline)
         estimate = self.estimate_wait(cost, priority)
         if estimate > may_wait:
-            self._refuse(priority, "budget", deadline, estimate, may_wait)
+            self.refuse(priority, "budget", deadline, estimate, may_wait)
         waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future())
         heapq.heappush(self._queue, (priority, next(self._order), waiter))
         self._dispatch()
@@ -151,7 +158,7 @@ class Gate:
             if not self._settle(waiter):  # let in as the bound struck: it goes on
                 return
             past_deadline = deadline is not None and self.clock() >= deadline
-            self._refuse(priority, "deadline" if past_deadline else "queue", deadline,
+            self.refuse(priority, "deadline" if past_deadline else "queue", deadline,
                          self.estimate_wait(cost, priority), may_wait)
         except BaseException:  # cancelled while waiting (its client went away)
             if not self._settle(waiter):
@@ -189,18 +196,18 @@ class Gate:
             self._take(waiter.cost)
             waiter.future.set_result(None)
 
-    def _refuse(self, priority: int, reason: str, deadline: float | None, estimate: float = 0.0,
-                may_wait: float = 0.0):
+    def refuse(self, priority: int, reason: str, deadline: float | None, estimate: float = 0.0,
+               may_wait: float = 0.0):
         if self.observer is not None:
             self.observer.shed(self.stage, priority, reason)
         if reason == "deadline":
             raise DeadlineExceeded(f"the deadline passed before stage {self.stage} could start it", "request")
         budget = ", ".join(f"{value} {name}" for name, value in (("in flight", self.budget.units),
                                                                    ("bytes", self.budget.bytes)) if value)
-        waited = "would wait" if reason == "budget" else "waited"
-        raise Overloaded(f"stage {self.stage} is at its budget ({budget}): the request {waited} "
-                         f"~{max(estimate, may_wait if reason == 'queue' else estimate):.2f} s, longer than it may "
-                         f"({may_wait:.2f} s)", retry_after=max(estimate, 0.001))
+        waited = (f"would wait ~{estimate:.2f} s, longer than it may ({may_wait:.2f} s)" if reason == "budget" else
+                  f"waited {may_wait:.2f} s, as long as it may")
+        raise Overloaded(f"stage {self.stage} is at its budget ({budget}): the request {waited}",
+                         retry_after=max(estimate, 0.001))
 
 
 class Admission:
@@ -208,8 +215,10 @@ class Admission:
 
     def __init__(self, budgets: AdmissionBudgets = AdmissionBudgets(), observer: AdmissionObserver | None = None,
                  clock: Callable[[], float] = time.time):
+        self.max_queue, self.clock = budgets.max_queue_ms / 1000.0, clock
+
         def gate(stage: str, budget: Budget) -> Gate:
-            return Gate(stage, budget, budgets.max_queue_ms / 1000.0, observer, clock)
+            return Gate(stage, budget, self.max_queue, observer, clock)
         self.encoder = gate("encoder", Budget(budgets.encoder_items_in_flight, budgets.encoder_bytes_in_flight))
         self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight)),
                            "prefill": gate("prefill", Budget(budgets.generator_requests_in_flight)),
@@ -217,6 +226,24 @@ class Admission:
 
     def generator(self, stage: str) -> Gate:
         return self.generators[stage]
+
+    def check(self, passes: list[tuple[Gate, Cost]], priority: int, deadline: float | None) -> float | None:
+        """At a request's arrival, before any work: the time past which it waits no more in any gate (its queue
+        budget, for ``Gate.admit``'s ``wait_until``); raises ``Overloaded`` (counted at the gate it would wait at
+        longest) when the waits estimated at the gates it ``passes`` add up to more than it may wait."""
+        now = self.clock()
+        wait_until = now + self.max_queue if self.max_queue else None
+        passes = [(gate, cost) for gate, cost in passes if gate.budget.bounded]
+        if not passes:
+            return wait_until
+        may_wait = passes[0][0].may_wait(deadline, now, wait_until)
+        if may_wait <= 0:
+            passes[0][0].refuse(priority, "deadline", deadline)
+        waits = [(gate.estimate_wait(cost, priority), gate) for gate, cost in passes]
+        total = sum(wait for wait, _ in waits)
+        if total > may_wait:
+            max(waits, key=lambda pair: pair[0])[1].refuse(priority, "budget", deadline, total, may_wait)
+        return wait_until
 
 
 __all__ = ["Admission", "AdmissionObserver", "Budget", "Cost", "Gate", "URGENCY", "Urgency"]

@@ -173,13 +173,16 @@ class Orchestrator:
         state.urgency = Urgency(request.priority, state.deadline)
         URGENCY.set(state.urgency)  # this request's task (its encodes' too): the stage clients send it on
         raw = replace(raw, priority=request.priority, deadline=state.deadline)
+        cost = Cost(len(request.items), sum(len(item.data) for item in request.items))
+        passes = [(self.admission.encoder, cost)] if state.encode and request.items else []
+        passes += [(self.admission.generator(stage.value), Cost()) for stage in self.disaggregation.generators]
+        state.wait_until = self.admission.check(passes, request.priority, state.deadline)  # before any work
         owners = request.items  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                cost = Cost(len(request.items), sum(len(item.data) for item in request.items))
-                async with self.admission.encoder.admit(cost, request.priority, state.deadline) if request.items \
-                        else _nothing():
+                async with self.admission.encoder.admit(cost, request.priority, state.deadline, state.wait_until) \
+                        if request.items else _nothing():
                     encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
                 timings.update(items=len(request.items), encode_ms=_ms(started),
@@ -202,11 +205,11 @@ class Orchestrator:
         if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
             async with self.admission.generator(Stage.PREFILL.value).admit(Cost(), state.urgency.priority,
-                                                                           state.deadline):
+                                                                           state.deadline, state.wait_until):
                 rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
-        async with self.admission.generator(self.disaggregation.streamer.value).admit(Cost(), state.urgency.priority,
-                                                                            state.deadline):
+        async with self.admission.generator(self.disaggregation.streamer.value).admit(
+                Cost(), state.urgency.priority, state.deadline, state.wait_until):
             await self._stream(rewritten, sink, state, started)
 
     async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
@@ -338,6 +341,7 @@ class _State:
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
         self.metadata_only, self.encode, self.demand_aware = True, True, False
         self.deadline: float | None = None  # Unix time
+        self.wait_until: float | None = None  # Unix time past which it waits for no stage's budget (admission)
         self.urgency = Urgency()
 
     def retried(self, what: str) -> None:

@@ -234,3 +234,20 @@ def test_parsed_requests_carry_their_priority_and_deadline():
     parsed = parse_generate_request(raw, FakeLayoutResolver(), RequestLimits())
     assert (parsed.priority, parsed.deadline) == (1, 123.0)
     assert parse_generate_request(RawGenerateInputs(prompt="x"), FakeLayoutResolver()).priority == 0
+
+
+def test_the_arrival_check_adds_up_the_waits_of_every_gate_and_refuses_before_any_work():
+    observer = Observer()
+    admission = Admission(AdmissionBudgets(encoder_items_in_flight=1, generator_requests_in_flight=1, max_queue_ms=300),
+                          observer)
+    encoder, pd = admission.encoder, admission.generator("pd")
+    for gate in (encoder, pd):  # each full, each stage 0.2 s a call: 0.2 s of wait at each
+        gate.hold_seconds, gate.units = 0.2, 1
+    before = time.time()
+    assert before + 0.3 <= admission.check([(encoder, Cost(1)), ], 0, None) <= time.time() + 0.3  # 0.2 s: in time
+    with pytest.raises(Overloaded) as refused:
+        admission.check([(encoder, Cost(1)), (pd, Cost())], 0, None)  # 0.4 s in all: more than the 0.3 s it may wait
+    assert refused.value.retry_after == pytest.approx(0.4) and observer.sheds == [("encoder", 0, "budget")]
+    with pytest.raises(DeadlineExceeded):
+        admission.check([(pd, Cost())], 0, time.time() - 1)
+    assert Admission().check([(Admission().encoder, Cost(3))], 0, None) is None  # no budgets: no bound
