@@ -84,13 +84,17 @@ class _Waiter:
 
 class Gate:
     """One stage's budget and queue. ``max_queue_seconds``: the longest any request waits here (0: until its
-    deadline). ``clock``: Unix time (deadlines are Unix times, as the stages get them)."""
+    deadline). ``reserve``: the share of the budget only the highest priority (0) may use, so a high-priority request
+    finds room without waiting for the low ones in flight to finish. ``clock``: Unix time (deadlines are Unix times, as
+    the stages get them)."""
 
     HOLD_WEIGHT = 0.1  # the mean time in the stage: an exponentially weighted mean over the calls that left
 
     def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
-                 observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time):
+                 observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
+                 reserve: float = 0.0):
         self.stage, self.budget, self.max_queue, self.observer, self.clock = stage, budget, max_queue_seconds, observer, clock
+        self.reserve = reserve
         self.units = self.bytes = 0  # in flight
         self.hold_seconds = 0.0  # mean time a call spends in the stage (0: none left yet)
         self._queue: list[tuple[int, int, _Waiter]] = []
@@ -105,9 +109,15 @@ class Gate:
         has no rate yet)."""
         if not self.budget.units or not self.hold_seconds:
             return 0.0
+        limit = self._limit(self.budget.units, priority)
         ahead = sum(w.cost.units for p, _, w in self._queue if p <= priority and not w.future.done())
-        beyond = self.units + ahead + cost.units - self.budget.units
-        return max(0.0, beyond * self.hold_seconds / self.budget.units)
+        beyond = self.units + ahead + cost.units - limit
+        return max(0.0, beyond * self.hold_seconds / limit)
+
+    def _limit(self, budget: int, priority: int) -> int:
+        """What of ``budget`` a request of ``priority`` may fill: all of it at priority 0, else less the reserve (at
+        least 1)."""
+        return budget if priority == 0 or not budget else max(1, budget - math.ceil(budget * self.reserve))
 
     @contextlib.asynccontextmanager
     async def admit(self, cost: Cost, priority: int, deadline: float | None, wait_until: float | None = None):
@@ -139,7 +149,7 @@ class Gate:
 
     async def _enter(self, cost: Cost, priority: int, deadline: float | None, now: float,
                      wait_until: float | None = None) -> None:
-        if not self._queue and self._fits(cost):
+        if not self._queue and self._fits(cost, priority):
             self._take(cost)
             return
         may_wait = self.may_wait(deadline, now, wait_until)
@@ -174,11 +184,11 @@ class Gate:
         self._dispatch()  # those behind it may fit now
         return True
 
-    def _fits(self, cost: Cost) -> bool:
+    def _fits(self, cost: Cost, priority: int) -> bool:
         if self.units == 0 and self.bytes == 0:
             return True  # alone, whatever it costs
-        return (not self.budget.units or self.units + cost.units <= self.budget.units) and \
-            (not self.budget.bytes or self.bytes + cost.bytes <= self.budget.bytes)
+        units, nbytes = self._limit(self.budget.units, priority), self._limit(self.budget.bytes, priority)
+        return (not units or self.units + cost.units <= units) and (not nbytes or self.bytes + cost.bytes <= nbytes)
 
     def _take(self, cost: Cost) -> None:
         self.units, self.bytes = self.units + cost.units, self.bytes + cost.bytes
@@ -190,7 +200,7 @@ class Gate:
             if waiter.future.done():  # withdrawn
                 heapq.heappop(self._queue)
                 continue
-            if not self._fits(waiter.cost):
+            if not self._fits(waiter.cost, waiter.priority):
                 return
             heapq.heappop(self._queue)
             self._take(waiter.cost)
@@ -218,7 +228,7 @@ class Admission:
         self.max_queue, self.clock = budgets.max_queue_ms / 1000.0, clock
 
         def gate(stage: str, budget: Budget) -> Gate:
-            return Gate(stage, budget, self.max_queue, observer, clock)
+            return Gate(stage, budget, self.max_queue, observer, clock, budgets.high_priority_reserve_percent / 100.0)
         self.encoder = gate("encoder", Budget(budgets.encoder_items_in_flight, budgets.encoder_bytes_in_flight))
         self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight)),
                            "prefill": gate("prefill", Budget(budgets.generator_requests_in_flight)),

@@ -147,6 +147,7 @@ class AdmissionBudgets:
     generator_requests_in_flight: int = 0  # pd (E+PD) or prefill (E/P/D)
     decode_requests_in_flight: int = 0
     max_queue_ms: float = 0
+    high_priority_reserve_percent: float = 0  # of each budget, only for priority 0 (the others fill the rest)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,8 @@ capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, o
     .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--slo-ms 0] [--out DIR]
 
 Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
-``--max-queue-ms``) is rendered for E+PD and ``epd_open`` added beside ``epd``; tritonserver and
-``frontend.openai`` start on free ports; the light-load TTFT (sequential requests) sets the SLO unless ``--slo-ms``
-gives it (5x the light p50, at least 250 ms); the capacity is what ``--capacity-concurrency`` closed-loop clients get
+``--max-queue-ms``, by default half the SLO) is rendered for E+PD and ``epd_open`` added beside ``epd``; tritonserver
+and ``frontend.openai`` start on free ports; the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
 served from ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput
 (requests served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and
 whether it had ``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
@@ -74,8 +73,8 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     *server_ports, port = free_ports(4)
     with tempfile.TemporaryDirectory(prefix="overload-") as repo, tempfile.TemporaryDirectory(prefix="overload-tmp-") as tmp:
-        slo = args.slo_ms / 1000 if args.slo_ms else None
-        render_both(topology, Path(repo), args.max_queue_ms)
+        slo = args.slo_ms / 1000
+        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2)
         with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=out / "tritonserver.log",
                           env={**os.environ, "TMPDIR": tmp}) as server:
             endpoint = start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
@@ -88,11 +87,10 @@ def run(args) -> dict:
                 endpoint.wait(timeout=30)
 
 
-async def _measure(base: str, server, slo: float | None, args) -> dict:
+async def _measure(base: str, server, slo: float, args) -> dict:
     for model in DEPLOYMENTS:  # warm-up
         await light_ttft(base, model, 2, args)
     light = await light_ttft(base, "epd_open", 8, args)
-    slo = slo or max(0.25, 5 * percentile(light, 50))
     capacity, _ = await closed_loop_rate(base, "epd_open", args.capacity_concurrency, args.capacity_requests,
                                          args.max_tokens, args.image_size, 7)
     print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
@@ -127,8 +125,10 @@ def main(argv=None) -> int:
     parser.add_argument("--topology", default="topologies/cpu-overload.yaml")
     parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 4.0])
     parser.add_argument("--seconds", type=float, default=15.0, help="arrivals per level")
-    parser.add_argument("--slo-ms", type=float, default=0, help="the TTFT SLO (0: 5x the light-load p50, >= 250)")
-    parser.add_argument("--max-queue-ms", type=float, default=0, help="epd's queue bound (0: the topology's)")
+    parser.add_argument("--slo-ms", type=float, default=500, help="the TTFT SLO")
+    parser.add_argument("--max-queue-ms", type=float, default=0,
+                        help="epd's queue bound, over the topology's (0: half the SLO: an admitted request still has "
+                             "the other half)")
     parser.add_argument("--high-share", type=float, default=0.2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=64)

@@ -251,3 +251,17 @@ def test_the_arrival_check_adds_up_the_waits_of_every_gate_and_refuses_before_an
     with pytest.raises(DeadlineExceeded):
         admission.check([(pd, Cost())], 0, time.time() - 1)
     assert Admission().check([(Admission().encoder, Cost(3))], 0, None) is None  # no budgets: no bound
+
+
+def test_a_reserve_keeps_room_for_the_highest_priority():
+    async def main():
+        gate, order = Gate("pd", Budget(units=4), reserve=0.25), []  # low ones fill 3 of 4
+        lows = [asyncio.create_task(hold(gate, 0.1, 1, order=order, name=f"low{i}")) for i in range(4)]
+        await asyncio.sleep(0.01)
+        assert gate.units == 3 and gate.waiting == 1
+        high = asyncio.create_task(hold(gate, 0.01, 0, order=order, name="high"))
+        await asyncio.sleep(0.03)
+        assert order[-1] == "high" and "low3" not in order  # in at once, on the reserved place
+        await asyncio.gather(high, *lows)
+        return gate._limit(4, 1), gate._limit(1, 1), gate._limit(4, 0)
+    assert asyncio.run(main()) == (3, 1, 4)
