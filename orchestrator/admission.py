@@ -9,9 +9,9 @@ A request is refused before any work when it cannot start in time: at its arriva
 will pass estimates its wait there (the units ahead of it, of its priority or higher, beyond the budget, over the rate
 the stage has been letting units through: ``budget / mean time in the stage``); if their sum is longer than the request
 may wait (until its deadline, and at most ``max_queue_seconds`` in all gates together), it is answered at once:
-``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate. A request that waits longer than that anyway is
-refused the same way when its bound strikes (the estimate was low); one whose deadline strikes while it waits gets
-``DeadlineExceeded``. A gate with no budget admits everything at once.
+``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate. A request let in to a queue by the estimate waits
+for its turn: it is refused the same way only if it waits ``Gate.PATIENCE`` times its bound (the estimate was far
+off), so refusals come at arrival, fast; one whose deadline strikes while it waits gets ``DeadlineExceeded``. A gate with no budget admits everything at once.
 
 A request that alone costs more than the budget is let in when nothing else is in flight (the request limits bound
 it already). No Triton import: unit-tested (``tests/unit/test_admission.py``).
@@ -89,6 +89,7 @@ class Gate:
     the stages get them)."""
 
     HOLD_WEIGHT = 0.1  # the mean time in the stage: an exponentially weighted mean over the calls that left
+    PATIENCE = 4  # a request let in to the queue waits up to this many times its bound (see _enter)
 
     def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
                  observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
@@ -161,8 +162,11 @@ class Gate:
         waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future())
         heapq.heappush(self._queue, (priority, next(self._order), waiter))
         self._dispatch()
+        # let in by the estimate, it waits up to PATIENCE times its bound before it is refused (the estimate was far
+        # off), and never past its deadline: a refusal comes at arrival, fast, not after a wait
+        patience = min(may_wait * self.PATIENCE, deadline - now if deadline is not None else math.inf)
         try:
-            async with asyncio.timeout(None if math.isinf(may_wait) else may_wait):
+            async with asyncio.timeout(None if math.isinf(patience) else patience):
                 await asyncio.shield(waiter.future)
         except TimeoutError:
             if not self._settle(waiter):  # let in as the bound struck: it goes on
