@@ -24,8 +24,14 @@ is overloaded (its pool full): retrying at once would only add load, the request
 answers UNAVAILABLE before anything reached the client (an embedding or KV that could not be pulled, a lease
 that expired or was released, a stage that restarted), every item is encoded again (fresh leases) and the
 stages are asked once more. Both count in ``timings["retries"]`` and ``RequestObserver.request_retried``.
-A ``deadline`` (seconds, 0: none) bounds the whole request; past it the request fails with UNAVAILABLE
-naming the phase it was in, and the stage streams still open are closed (their requests cancelled).
+A ``deadline`` (seconds, 0: none) bounds the whole request, and a request's own (``deadline_ms``) may be shorter;
+past it the request fails with UNAVAILABLE (``DeadlineExceeded``) naming the phase it was in, and the stage streams
+still open are closed (their requests cancelled). The stages get the absolute deadline and the request's priority
+(``epd_deadline``, ``priority``): each checks it before it works on the request and stops there when it passes.
+
+Admission (``orchestrator.admission``, with budgets set): before each stage, the request takes its share of that stage's
+budget (the encoder: its items and bytes; a generator: one request) in priority order, or is refused before any
+work when it cannot start in time (``Overloaded`` with ``retry_after``).
 
 P/D (``run(encode=False)``, a request's ``epd_encode=false`` parameter; E/P/D with its own prefill and decode
 models only): no encoder stage; the request goes to prefill and decode as the client sent it, media included,
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -53,12 +60,13 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from backend.engine.serving import Outcome, RequestObserver, ResponseChunk, ResponseSink
-from backend.protocol.errors import InvalidInput, Overloaded, Unavailable
+from backend.protocol.errors import DeadlineExceeded, InvalidInput, Overloaded, Unavailable
 from backend.protocol.generate import DEMAND_AWARE_PARAMETER, ENCODE_PARAMETER, METADATA_ONLY_PARAMETER
 from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
+from orchestrator.admission import Admission, Cost, Urgency, URGENCY
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +102,15 @@ class Orchestrator:
     def __init__(self, stages: StageClient, identity: Identity, limits: RequestLimits,
                  disaggregation: Disaggregation = Disaggregation.E_PD, deadline: float = 0.0,
                  metadata_only: bool = True, stages_take_media: bool = False, video_split: int = 1,
-                 demand_aware: bool = False):
+                 demand_aware: bool = False, admission: Admission | None = None):
         """``disaggregation``: which generator stages a request goes through (``disaggregation.generators``, the
         last streams to the client). ``stages_take_media``: the generator stages also take the client's media (E/P/D's own prefill and
         decode models), so a request may skip the encoders (``run(encode=False)``: P/D). ``video_split``: each video
         of a metadata-only request is encoded in that many parts at once (their layouts go on in order; a video of
         fewer temporal patches has that many parts, the encoders answer the others with nothing). ``demand_aware``:
         before encoding, ask the consumer stage which items it holds (``StageClient.held``) and encode only the
-        others."""
+        others. ``admission``: the stages' budgets (None: none)."""
+        self.admission = admission or Admission()
         self.stages, self.identity, self.limits, self.disaggregation = stages, identity, limits, disaggregation
         self.video_split, self.demand_aware = video_split, demand_aware
         self._sent: collections.OrderedDict[str, None] = collections.OrderedDict()  # demand-aware: keys sent
@@ -125,10 +134,19 @@ class Orchestrator:
             if not encode and not self.stages_take_media:
                 raise InvalidInput(f"parameters.{ENCODE_PARAMETER}", "false needs E/P/D with prefill and decode models of their "
                                    "own (they then process the media); this deployment's engines take metadata-only media")
-            async with asyncio.timeout(self.deadline or None):
+            now = time.time()
+            deadline = min((d for d in (now + self.deadline if self.deadline else None, raw.deadline) if d),
+                           default=None)
+            state.deadline = deadline
+            async with asyncio.timeout(None if deadline is None else deadline - now):
                 await self._run(raw, sink, state, started)
         except TimeoutError:
-            sink.send_error(Unavailable(f"request: deadline of {self.deadline:g} s exceeded while {state.phase}"))
+            state.outcome = Outcome.EXPIRED
+            sink.send_error(DeadlineExceeded(f"deadline of {max(0.0, round(state.deadline - now, 3)):g} s exceeded while "
+                                             f"{state.phase}", "request"))
+        except (DeadlineExceeded, Overloaded) as exc:
+            state.outcome = Outcome.EXPIRED if isinstance(exc, DeadlineExceeded) else Outcome.SHED
+            sink.send_error(exc)
         except Exception as exc:
             sink.send_error(exc)
         finally:
@@ -152,11 +170,20 @@ class Orchestrator:
     async def _run(self, raw: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
         timings = state.timings
         request = self.validate(raw)
+        state.urgency = Urgency(request.priority, state.deadline)
+        URGENCY.set(state.urgency)  # this request's task (its encodes' too): the stage clients send it on
+        raw = replace(raw, priority=request.priority, deadline=state.deadline)
+        cost = Cost(len(request.items), sum(len(item.data) for item in request.items))
+        passes = [(self.admission.encoder, cost)] if state.encode and request.items else []
+        passes += [(self.admission.generator(stage.value), Cost()) for stage in self.disaggregation.generators]
+        state.wait_until = self.admission.check(passes, request.priority, state.deadline)  # before any work
         owners = request.items  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                encoded = await self._encode_all(request.items, state, raw.session_id)
+                async with self.admission.encoder.admit(cost, request.priority, state.deadline, state.wait_until) \
+                        if request.items else _nothing():
+                    encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
                 timings.update(items=len(request.items), encode_ms=_ms(started),
                                encoders=sorted({layout.producer for layout in layouts if layout.producer}))
@@ -169,7 +196,7 @@ class Orchestrator:
                 await self._generate(rewritten, sink, state, started)
                 return
             except Unavailable as exc:
-                if state.sent or state.request_retries >= self.RETRIES:
+                if not exc.retryable or state.sent or state.request_retries >= self.RETRIES:  # shed, or past its deadline
                     raise _in_client_terms(exc, owners) from None
                 state.retried("request")  # nothing reached the client: encode again, ask the stages again
 
@@ -177,8 +204,16 @@ class Orchestrator:
         timings = state.timings
         if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
-            rewritten = await self._prefill(rewritten, timings)
+            async with self.admission.generator(Stage.PREFILL.value).admit(Cost(), state.urgency.priority,
+                                                                           state.deadline, state.wait_until):
+                rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
+        async with self.admission.generator(self.disaggregation.streamer.value).admit(
+                Cost(), state.urgency.priority, state.deadline, state.wait_until):
+            await self._stream(rewritten, sink, state, started)
+
+    async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
+        timings = state.timings
         generate_started = time.perf_counter()
         stream = self.stages.generate(rewritten, self.disaggregation.streamer)
         try:
@@ -305,6 +340,9 @@ class _State:
         self.request_retries = 0
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
         self.metadata_only, self.encode, self.demand_aware = True, True, False
+        self.deadline: float | None = None  # Unix time
+        self.wait_until: float | None = None  # Unix time past which it waits for no stage's budget (admission)
+        self.urgency = Urgency()
 
     def retried(self, what: str) -> None:
         if what == "request":
@@ -373,6 +411,11 @@ def _bool_parameter(params: dict, name: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise InvalidInput(f"parameters.{name}", f"expected a bool, got {value!r}")
     return value
+
+
+@contextlib.asynccontextmanager
+async def _nothing():
+    yield
 
 
 def _merge(timings: dict, stage: dict | None) -> None:

@@ -136,7 +136,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         if topology.video_split > 1:
             params["video_split"] = _fmt(topology.video_split)
         params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
-        return header + body + _params({**params, **_openai(topology)})
+        return header + body + _params({**params, **_admission(topology), **_openai(topology)})
     if kind.role is Stage.ORCHESTRATOR:
         body += _generate_io(generate.EPD) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
         names = {"model": checkpoint, "topology": kind.disaggregation.value, "encoder_model": "encoder",
@@ -154,9 +154,9 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
             per_request["demand_aware"] = _fmt(topology.reuse["demand_aware"])
         return header + body + _params({**names, **per_request, **limits,
                                         "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"]),
-                                        **_openai(topology)})
+                                        **_admission(topology), **_openai(topology)})
     body += _generate_io(kind.role) + "\n" + _instances(topology.stages[kind.stage]) + "\n"
-    params = {"engine_args": "model.json", **limits}
+    params = {"engine_args": "model.json", **limits, **_admission(topology, "priority_levels")}
     if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
     if kind.role.spec.kv_role:
@@ -166,6 +166,11 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     if kind.role is Stage.LLM:
         params.update(_openai(topology))
     return header + body + _params(params)
+
+
+def _admission(topology: Topology, *keys: str) -> dict[str, str]:
+    """The ``admission`` block's settings given in the topology (``keys``: only those), as parameters."""
+    return {k: _fmt(v) for k, v in topology.admission.items() if not keys or k in keys}
 
 
 def _openai(topology: Topology) -> dict[str, str]:

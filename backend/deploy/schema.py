@@ -20,7 +20,7 @@ ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms", "openai_port",
-            "video_split", "tier", "reuse", "hosts"}
+            "video_split", "tier", "reuse", "hosts", "admission"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for d in Disaggregation for stage in d.generators)
@@ -42,7 +42,13 @@ TIER_DEFAULTS = {"bytes": 0, **{k.removeprefix("tier_"): v for k, v in defaults(
 # (HeldSettings; backend.transfer.held) and demand-aware encoding at the orchestrators (docs/tier.md); no block: off
 REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "session_bytes"),
                   **defaults(RoutingSettings, "demand_aware")}
-ENGINE_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
+# admission: {priority_levels, <stage>_in_flight budgets, max_queue_ms}: the orchestrators' admission by budget and the
+# priority classes every model takes (AdmissionBudgets, PrioritySettings; ensemble.admission); no block: no budgets
+ADMISSION_DEFAULTS = {**defaults(RoutingSettings, "priority_levels", "encoder_items_in_flight", "encoder_bytes_in_flight",
+                                 "generator_requests_in_flight", "decode_requests_in_flight", "max_queue_ms",
+                                 "high_priority_reserve_percent")}
+# engines schedule by priority (vLLM's scheduling_policy): a request's priority reaches them (equal ones: first come)
+ENGINE_DEFAULTS = {"scheduling_policy": "priority", "dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,
                    "disable_log_stats": True}
 
@@ -124,6 +130,7 @@ class Topology:
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
     reuse: dict[str, Any] = field(default_factory=dict)  # consumers' copies, demand-aware (REUSE_DEFAULTS' keys); {}: off
+    admission: dict[str, Any] = field(default_factory=dict)  # ADMISSION_DEFAULTS' keys given in the file; {}: defaults
     hosts: dict[str, Any] = field(default_factory=dict)  # host name -> backend.deploy.hosts.HostSpec; {}: one server
     source: str = ""  # the YAML file it was loaded from (relative to the project root when inside it)
 

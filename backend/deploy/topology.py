@@ -57,7 +57,7 @@ import yaml
 
 from backend.deploy.hosts import cli as hosts_cli, parse_hosts
 from backend.deploy.render import render
-from backend.deploy.schema import (DEPLOYMENTS, ENDPOINT_STAGES, ENGINE_DEFAULTS, GPU_STAGES, HOSTS, LIMIT_DEFAULTS,
+from backend.deploy.schema import (ADMISSION_DEFAULTS, DEPLOYMENTS, ENDPOINT_STAGES, ENGINE_DEFAULTS, GPU_STAGES, HOSTS, LIMIT_DEFAULTS,
                                    MAX_INSTANCES, ORCHESTRATORS, REUSE_DEFAULTS, ROOT, STAGE_KEYS, TIER_DEFAULTS,
                                    TOP_KEYS, TRANSFER_DEFAULTS, StageSpec, Topology, TopologyError, check_keys,
                                    deployment_stages)
@@ -128,8 +128,30 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                         serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                         transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
                         openai_port=openai_port, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
-                        reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve), source=_source(path))
+                        reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve),
+                        admission=_admission(doc.get("admission"), f"{path}: admission"), source=_source(path))
     return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))
+
+
+def _admission(doc, where: str) -> dict[str, Any]:
+    """The ``admission`` block's keys as given (integers >= 0; ``priority_levels`` from 1 to 64; ``max_queue_ms`` a
+    number >= 0): rendered into the orchestrators (budgets) and every generate model (``priority_levels``)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{where}: expected a mapping of {', '.join(ADMISSION_DEFAULTS)}")
+    check_keys(doc, set(ADMISSION_DEFAULTS), where)
+    for key, value in doc.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "priority_levels" and not (isinstance(value, int) and number and 1 <= value <= 64):
+            raise TopologyError(f"{where}.{key}: expected an integer from 1 to 64, got {value!r}")
+        if key == "max_queue_ms" and not (number and value >= 0):
+            raise TopologyError(f"{where}.{key}: expected a number of ms >= 0 (0: until the deadline), got {value!r}")
+        if key == "high_priority_reserve_percent" and not (number and 0 <= value < 100):
+            raise TopologyError(f"{where}.{key}: expected a percentage from 0 to below 100, got {value!r}")
+        if key.endswith("_in_flight") and not (isinstance(value, int) and number and value >= 0):
+            raise TopologyError(f"{where}.{key}: expected an integer >= 0 (0: no bound), got {value!r}")
+    return dict(doc)
 
 
 def _reuse(doc, where: str, stages: dict[str, "StageSpec"], serve) -> dict[str, Any]:

@@ -367,7 +367,7 @@ class EngineHost:
             prompt["multi_modal_uuids"] = {modality(name).data_key: list(keys) for name, keys in request.media_uuids.items()}
         produced, top = 0, request.sampling.get("logprobs")
         try:
-            async for out in self._engine.generate(prompt, params, request_id):
+            async for out in self._engine.generate(prompt, params, request_id, priority=request.priority):
                 completion = out.outputs[0]
                 produced += len(completion.token_ids)
                 if out.finished and completion.finish_reason == "error":  # e.g. the KV could not be loaded

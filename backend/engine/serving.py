@@ -8,6 +8,7 @@ engine so it stops generating and frees its KV.
 """
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 import uuid
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from backend.engine.host import GenerationDelta
+from backend.protocol.errors import DeadlineExceeded
 from backend.request.generate import GenerateRequest
 
 
@@ -42,6 +44,8 @@ class Outcome(enum.Enum):
     OK = "ok"
     CANCELLED = "cancelled"
     ERROR = "error"
+    EXPIRED = "deadline"  # its deadline passed: the stage stopped its work for it (DeadlineExceeded)
+    SHED = "shed"  # refused for load before any work (Overloaded)
 
 
 class RequestObserver(Protocol):
@@ -64,30 +68,40 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
 
     Streaming sends the first text at once, then at most one response per ``interval`` seconds: text of
     the steps in between waits for the next step at least ``interval`` after the last send (or the end).
-    0 sends every step's text (vLLM itself merges steps a slow reader has not taken yet)."""
+    0 sends every step's text (vLLM itself merges steps a slow reader has not taken yet).
+
+    The request's ``deadline`` (Unix time) is checked before ``prepare`` and before the engine gets it; when it passes
+    while the engine works on it, the engine's request is aborted at once (no step is spent on it afterwards) and the
+    request's error is ``DeadlineExceeded``; the outcome is ``Outcome.EXPIRED``."""
     request_id = request_id or uuid.uuid4().hex
     last: GenerationDelta | None = None
     outcome = Outcome.ERROR
     try:
+        _check_deadline(request, "before this stage started it")
         if prepare is not None:
             request = await prepare(request)
+            _check_deadline(request, "before the engine got it")
         chunker = Chunker(engine, request, interval)
-        async for delta in engine.generate(request, request_id):
-            last = delta
-            if sink.is_cancelled():
-                await engine.abort(request_id)
-                sink.close()
-                outcome = Outcome.CANCELLED
-                return outcome
-            chunk = chunker.add(delta)
-            if chunk is not None:
-                sink.send(chunk, final=delta.finished)
-            if delta.finished:
-                outcome = Outcome.OK
-                return outcome
+        left = None if request.deadline is None else request.deadline - time.time()
+        async with asyncio.timeout(left):
+            async for delta in engine.generate(request, request_id):
+                last = delta
+                if sink.is_cancelled():
+                    await engine.abort(request_id)
+                    sink.close()
+                    outcome = Outcome.CANCELLED
+                    return outcome
+                chunk = chunker.add(delta)
+                if chunk is not None:
+                    sink.send(chunk, final=delta.finished)
+                if delta.finished:
+                    outcome = Outcome.OK
+                    return outcome
         raise RuntimeError("engine stream ended without a finished output")
     except BaseException as exc:
-        outcome = Outcome.ERROR
+        if isinstance(exc, TimeoutError) and request.deadline is not None and time.time() >= request.deadline - 0.01:
+            exc = DeadlineExceeded("the deadline passed while the engine worked on it", "request")
+        outcome = Outcome.EXPIRED if isinstance(exc, DeadlineExceeded) else Outcome.ERROR
         await _abort_quietly(engine, request_id)
         sink.send_error(exc)
         if not isinstance(exc, Exception):
@@ -150,6 +164,11 @@ def _with_cached(timings: dict | None, cached_tokens: int | None) -> dict | None
     if timings is None or cached_tokens is None:
         return timings
     return {**timings, "cached_tokens": cached_tokens}
+
+
+def _check_deadline(request: GenerateRequest, when: str) -> None:
+    if request.deadline is not None and time.time() >= request.deadline:
+        raise DeadlineExceeded(f"the deadline passed {when}", "request")
 
 
 async def _abort_quietly(engine: GenerationEngine, request_id: str) -> None:

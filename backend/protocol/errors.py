@@ -71,8 +71,19 @@ class Overloaded(Unavailable):
     PREFIX = "overloaded: "
     retryable = False
 
-    def __init__(self, message: str, field: str = ""):
+    def __init__(self, message: str, field: str = "", retry_after: float = 0.0):
+        """``retry_after``: seconds after which asking again may succeed (0: unknown); the OpenAI endpoint's
+        ``Retry-After``."""
         super().__init__(message if message.startswith(self.PREFIX) else self.PREFIX + message, field)
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(Unavailable):
+    """The request's deadline passed (``backend.protocol.generate.DEADLINE_PARAMETER``): UNAVAILABLE for the client,
+    never retried; every stage stops its work for the request. The envelope says so (``"reason": "deadline"``)."""
+
+    retryable = False
+    reason = "deadline"
 
 
 class Cancelled(EpdError):
@@ -94,6 +105,10 @@ def encode(exc: BaseException) -> str:
     if not isinstance(exc, EpdError):
         return f"[{ErrorCode.INTERNAL.value}] internal error: {type(exc).__name__}: {exc}"
     details = {"v": ENVELOPE_VERSION, "field": exc.field, "retryable": exc.retryable}
+    if getattr(exc, "retry_after", 0):
+        details["retry_after"] = exc.retry_after
+    if isinstance(exc, DeadlineExceeded):
+        details["reason"] = DeadlineExceeded.reason
     return f"[{exc.code.value}] {exc}{_DETAILS}{json.dumps(details)}"
 
 
@@ -122,8 +137,11 @@ def decode(text: str, stage: str = "") -> EpdError:
     problem = message[len(field) + 2:] if field and message.startswith(field + ": ") else message
     if code is ErrorCode.INVALID_ARG:
         return InvalidInput(field, problem)
+    if code is ErrorCode.UNAVAILABLE and details.get("reason") == DeadlineExceeded.reason:
+        return DeadlineExceeded(problem, field)
     if code is ErrorCode.UNAVAILABLE and (details.get("retryable") is False or problem.startswith(Overloaded.PREFIX)):
-        return Overloaded(problem, field)
+        retry_after = details.get("retry_after", 0)
+        return Overloaded(problem, field, retry_after if isinstance(retry_after, (int, float)) else 0.0)
     return _CLASSES[code](problem, field)
 
 

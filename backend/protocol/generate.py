@@ -50,6 +50,17 @@ HELD_PARAMETER = "epd_held"
 # (bool) a health and load probe, answered by every engine stage (llm, pd, prefill, decode): one response whose
 # text_output is the JSON object {"kv_cache_usage": fraction of its KV cache in use or null} (orchestrator.replicas)
 LOAD_PARAMETER = "epd_load"
+# (int >= 0) the request's priority class, as vLLM's ``priority``: lower is served first, 0 the highest; the
+# topology's ``priority_levels`` bounds it (``RequestLimits.priority_levels``). Orchestrators pass it on to their stages.
+# Not ``priority``: Triton reserves that parameter name for its own request priority ("Parameter "priority" is a
+# reserved parameter and cannot be specified", measured on 2.51), which its Python backend cannot read
+PRIORITY_PARAMETER = "epd_priority"
+# (number of ms > 0) the request's deadline, counted from when the server received it (the topology's
+# ``request_timeout_seconds`` bounds it too): past it the request is answered UNAVAILABLE and its work stops at every stage
+DEADLINE_PARAMETER = "deadline_ms"
+# (number: Unix time in s) the absolute deadline an orchestrator gives its stages (over deadline_ms)
+STAGE_DEADLINE_PARAMETER = "epd_deadline"
+MAX_DEADLINE_MS = 24 * 3600 * 1000
 
 
 def parse_session(value) -> str | None:
@@ -59,6 +70,42 @@ def parse_session(value) -> str | None:
     if not isinstance(value, str) or not value or len(value) > MAX_SESSION_ID:
         raise InvalidInput(f"parameters.{SESSION_PARAMETER}",
                            f"expected a non-empty string of at most {MAX_SESSION_ID} characters, got {value!r:.80}")
+    return value
+
+
+def parse_priority(value) -> int | None:
+    """A ``priority`` parameter's value: an integer >= 0, or None (INVALID_ARG naming the parameter)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"parameters.{PRIORITY_PARAMETER}", f"expected an integer >= 0 (0: served first), got {value!r:.80}")
+    return value
+
+
+def parse_deadline(parameters: Mapping[str, Any], now: float) -> float | None:
+    """The absolute deadline (Unix time, s) a request's parameters give: ``epd_deadline`` (an orchestrator's), else
+    ``deadline_ms`` after ``now``; None: neither (INVALID_ARG naming the parameter that is not a number in range)."""
+    stage = _number(parameters.get(STAGE_DEADLINE_PARAMETER))
+    if stage is not None:
+        if isinstance(stage, bool) or not isinstance(stage, (int, float)) or not stage > 0:
+            raise InvalidInput(f"parameters.{STAGE_DEADLINE_PARAMETER}", f"expected a Unix time in s, got {stage!r:.80}")
+        return float(stage)
+    value = _number(parameters.get(DEADLINE_PARAMETER))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_DEADLINE_MS:
+        raise InvalidInput(f"parameters.{DEADLINE_PARAMETER}",
+                           f"expected a number of milliseconds in (0, {MAX_DEADLINE_MS}], got {value!r:.80}")
+    return now + value / 1000.0
+
+
+def _number(value):
+    """A number given as text (BLS takes no float parameters; some clients send strings only) as a float; else as is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
     return value
 
 

@@ -40,7 +40,14 @@ class MediaSettings:
 
 
 @dataclass(frozen=True)
-class EngineSettings(MediaSettings):
+class PrioritySettings:
+    """Every model that takes generate requests: a request's ``priority`` is 0 .. ``priority_levels`` - 1 (0 first)."""
+
+    priority_levels: int = 4
+
+
+@dataclass(frozen=True)
+class EngineSettings(PrioritySettings, MediaSettings):
     """A model hosting a vLLM engine (``llm``, ``pd``)."""
 
     engine_args: str = "model.json"  # the engine arguments' file, in the model's directory
@@ -131,8 +138,21 @@ class EncoderSettings(MediaSettings):
 
 
 @dataclass(frozen=True)
-class RoutingSettings:
-    """What every orchestrator reads: the split, the stages it asks, the request's deadline."""
+class AdmissionBudgets:
+    """An orchestrator's admission (``ensemble.admission``): what may be in flight at each stage at once (0: no bound)
+    and the longest a request waits for one (0: until its deadline)."""
+
+    encoder_items_in_flight: int = 0
+    encoder_bytes_in_flight: int = 0
+    generator_requests_in_flight: int = 0  # pd (E+PD) or prefill (E/P/D)
+    decode_requests_in_flight: int = 0
+    max_queue_ms: float = 0
+    high_priority_reserve_percent: float = 0  # of each budget, only for priority 0 (the others fill the rest)
+
+
+@dataclass(frozen=True)
+class RoutingSettings(AdmissionBudgets, PrioritySettings):
+    """What every orchestrator reads: the split, the stages it asks, the request's deadline, admission."""
 
     # the deployment's split; its config.pbtxt parameter is "topology", the name existing model repositories use
     disaggregation: Disaggregation = field(default=Disaggregation.E_PD, metadata={PARAMETER: "topology"})

@@ -26,11 +26,13 @@ import base64
 import binascii
 import copy
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from backend.protocol.errors import InvalidInput
-from backend.protocol.generate import SESSION_PARAMETER, Form, input_tensors, parse_session
+from backend.protocol.generate import PRIORITY_PARAMETER, SESSION_PARAMETER, Form, input_tensors, parse_deadline, \
+    parse_priority, parse_session
 from backend.protocol.layout import LayoutMetadata
 from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import Modality, content_part, modalities
@@ -58,6 +60,7 @@ class RequestLimits:
     max_videos: int = 8
     max_audios: int = 8
     media: MediaLimits = field(default_factory=MediaLimits)
+    priority_levels: int = 4  # a request's priority is 0 .. priority_levels - 1 (backend.protocol.generate)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class RawGenerateInputs:
     original_media: tuple[bytes, ...] = ()     # metadata-only off: the client's media beside image_layouts
     session_id: str | None = None              # the request parameter (backend.protocol.generate.SESSION_PARAMETER)
     media_io: MediaOptions = MediaOptions()    # the request parameter media_io_kwargs (backend.protocol.media_options)
+    priority: int | None = None                # the request parameter priority (checked against the limits later)
+    deadline: float | None = None              # Unix time (s): the request parameter epd_deadline or deadline_ms
 
 
 def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawGenerateInputs:
@@ -98,10 +103,12 @@ def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawG
 
 
 def parameter_inputs(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``RawGenerateInputs`` fields a request's parameters give: ``session_id`` and ``media_io`` (InvalidInput
-    naming the parameter that is wrong)."""
+    """The ``RawGenerateInputs`` fields a request's parameters give: ``session_id``, ``media_io``, ``priority`` and
+    ``deadline`` (InvalidInput naming the parameter that is wrong)."""
     return {"session_id": parse_session(parameters.get(SESSION_PARAMETER)),
-            "media_io": MediaOptions.from_parameters(dict(parameters))}
+            "media_io": MediaOptions.from_parameters(dict(parameters)),
+            "priority": parse_priority(parameters.get(PRIORITY_PARAMETER)),
+            "deadline": parse_deadline(parameters, time.time())}
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,8 @@ class GenerateRequest:
     original_media: tuple[bytes, ...] = ()      # metadata-only off (backend.request.naive_media): one per layout
     session_id: str | None = None               # the conversation this request is a turn of
     media_io: MediaOptions = MediaOptions()     # its media options (metadata-only off: original_media decode alike)
+    priority: int = 0                           # its priority class (0: served first; as vLLM's)
+    deadline: float | None = None               # Unix time (s) past which no stage works on it
 
     @property
     def prompt_field(self) -> str:
@@ -264,7 +273,17 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
         original_media=tuple(raw.original_media), session_id=raw.session_id, media_io=raw.media_io,
+        priority=_priority(raw.priority, limits), deadline=raw.deadline,
     )
+
+
+def _priority(value: int | None, limits: RequestLimits) -> int:
+    if value is None:
+        return 0
+    if value >= limits.priority_levels:
+        raise InvalidInput(f"parameters.{PRIORITY_PARAMETER}",
+                           f"expected 0 .. {limits.priority_levels - 1} (this deployment's priority_levels), got {value}")
+    return value
 
 
 def _check_media(raw: RawGenerateInputs, limits: RequestLimits) -> None:

@@ -75,6 +75,7 @@ class GenerateModel:
                 allowed_local_media_path=self.engine_args.get("allowed_local_media_path", ""),
                 allowed_media_domains=tuple(d.lower() for d in self.engine_args.get("allowed_media_domains") or ()),
             ),
+            priority_levels=self.settings.priority_levels,
         )
         self.stream_interval = self.settings.stream_interval_ms / 1000  # see stream_generation
         self.resolver = self.make_resolver()

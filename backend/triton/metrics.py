@@ -62,6 +62,7 @@ class RequestMetrics:
         "encode": ("epd_encode_duration_seconds", "Seconds a request's media took to encode (orchestrators)"),
         "transfer": ("epd_transfer_duration_seconds", "Seconds a request's embeddings took to pull"),
     }
+    ADMISSION_OUTCOMES = ("admitted", "shed_budget", "shed_queue", "shed_deadline")
 
     def __init__(self, model_name: str, batch: CounterBatch | None = None, instance: str = ""):
         requests = _counter("epd_requests_total", "Finished generate requests by outcome")
@@ -75,7 +76,14 @@ class RequestMetrics:
         held_hits = _counter("epd_held_hits_total", "Items a consumer took from its own copies instead of pulling them")
         held_bytes = pb_utils.MetricFamily(name="epd_held_bytes", kind=pb_utils.MetricFamily.GAUGE,
                                            description="Bytes of embeddings a consumer holds for later requests")
+        admission = _counter("epd_admission_total", "Orchestrators: requests let in to a stage, or refused (shed_budget: "
+                             "at arrival, shed_queue: after waiting, shed_deadline: its deadline passed first), by priority")
+        waits = pb_utils.MetricFamily(name="epd_admission_wait_seconds", kind=pb_utils.MetricFamily.HISTOGRAM,
+                                      description="Orchestrators: seconds a request waited for a stage's budget")
         labels = metric_labels(model_name, instance)
+        self._labels, self._admission_family, self._waits_family = labels, admission, waits
+        self._admission: dict[tuple, object] = {}  # (stage, priority, outcome) -> metric, made when first counted
+        self._waits: dict[tuple, object] = {}
         histogram = pb_utils.MetricFamily.HISTOGRAM
         self._histograms = {}
         histogram_families = []
@@ -85,7 +93,7 @@ class RequestMetrics:
             self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         # a family must outlive its metrics
         self._families = (requests, tokens, decodes, retries, moved, moving, paths, skipped, held_hits, held_bytes,
-                          *histogram_families)
+                          admission, waits, *histogram_families)
         self._skipped, self._held_hits = skipped.Metric(labels=labels), held_hits.Metric(labels=labels)
         self._held_bytes = held_bytes.Metric(labels=labels)
         # a pull's path is its handle's transport
@@ -126,6 +134,28 @@ class RequestMetrics:
     def held(self, hits: int, nbytes: int) -> None:
         """A consumer took ``hits`` items of a request from its copies, which now hold ``nbytes``."""
         self._batch.add_many(((self._held_hits, hits),), ((self._held_bytes, nbytes),))
+
+    def admitted(self, stage: str, priority: int, waited_seconds: float) -> None:
+        """``ensemble.admission.AdmissionObserver``: a request let in to ``stage`` after ``waited_seconds``."""
+        key = (stage, priority)
+        with self._seen_lock:
+            if key not in self._waits:
+                self._waits[key] = self._waits_family.Metric(
+                    labels={**self._labels, "stage": stage, "priority": str(priority)}, buckets=list(LATENCY_BUCKETS))
+        self._batch.add_many(((self._admission_metric(stage, priority, "admitted"), 1),), (),
+                             ((self._waits[key], waited_seconds),))
+
+    def shed(self, stage: str, priority: int, reason: str) -> None:
+        """``ensemble.admission.AdmissionObserver``: a request refused at ``stage`` (``reason``: budget, queue, deadline)."""
+        self._batch.add(self._admission_metric(stage, priority, f"shed_{reason}"), 1)
+
+    def _admission_metric(self, stage: str, priority: int, outcome: str):
+        key = (stage, priority, outcome)
+        with self._seen_lock:
+            if key not in self._admission:
+                self._admission[key] = self._admission_family.Metric(
+                    labels={**self._labels, "stage": stage, "priority": str(priority), "outcome": outcome})
+            return self._admission[key]
 
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
@@ -172,6 +202,7 @@ class EncoderMetrics:
         "epd_encoder_items_total": ("COUNTER", "Media items encoded"),
         "epd_encoder_compute_seconds_total": ("COUNTER", "Seconds in the image processor and tower"),
         "epd_encoder_cache_hits_total": ("COUNTER", "Media items served from the encoder's embedding cache"),
+        "epd_encoder_deadline_stops_total": ("COUNTER", "Requests refused unencoded: their deadline had passed"),
         "epd_pool_leases": ("GAUGE", "Open embedding leases"),
         "epd_pool_used_bytes": ("GAUGE", "Embedding pool bytes held by open leases"),
         "epd_pool_capacity_bytes": ("GAUGE", "Embedding pool size"),
@@ -203,12 +234,13 @@ class EncoderMetrics:
         self._lock = threading.Lock()
 
     def refresh(self, items: int, compute_seconds: float, stats, cache_hits: int = 0, tier=None,
-                tier_hits: int = 0, video_decodes: dict | None = None, image_decodes: dict | None = None) -> None:
+                tier_hits: int = 0, video_decodes: dict | None = None, image_decodes: dict | None = None,
+                deadline_stops: int = 0) -> None:
         """``tier``: the instance's ``EmbeddingTier`` (None: not connected: ``epd_tier_connected`` 0);
         ``video_decodes``: decoder -> videos (``backend.request.video.VIDEO_DECODES``); ``image_decodes``: decoder ->
         images (``backend.request.image.IMAGE_DECODES``)."""
         values = {"epd_encoder_items_total": items, "epd_encoder_compute_seconds_total": compute_seconds,
-                  "epd_encoder_cache_hits_total": cache_hits,
+                  "epd_encoder_cache_hits_total": cache_hits, "epd_encoder_deadline_stops_total": deadline_stops,
                   "epd_pool_leases": stats.open_leases, "epd_pool_used_bytes": stats.used_bytes,
                   "epd_pool_capacity_bytes": stats.capacity_bytes, "epd_pool_released_total": stats.released_total,
                   "epd_pool_expired_total": stats.expired_total}

@@ -50,6 +50,7 @@ from backend.engine.serving import ResponseChunk
 from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
+from orchestrator.admission import URGENCY, Urgency
 from orchestrator.health import Lost, Unreachable, unless
 from orchestrator.replicas import PROBE_SECONDS, Replica
 from orchestrator.routing import RoutedStages
@@ -122,6 +123,17 @@ def encoder_urls(model: str, endpoint: str) -> list[str] | None:
     return [resolve(model, entry) for entry in entries] or None
 
 
+def encode_parameters(item: MediaBytes, part: tuple[int, int] | None) -> dict:
+    """An encoder request's parameters: the part of a video, the item's media options (its modality's), the urgency
+    of the request it is for (``orchestrator.admission.URGENCY``: the encoder checks the deadline before it starts)."""
+    parameters = {**_TAGGED, **URGENCY.get().parameters()}
+    if part:
+        parameters[PART_PARAMETER] = f"{part[0]}/{part[1]}"
+    if item.options:  # the request's options for its modality (backend.protocol.media_options)
+        parameters[MEDIA_IO_PARAMETER] = json.dumps({item.modality: json.loads(item.options)})
+    return parameters
+
+
 class BlsEncoders:
     """The encoder half of a ``StageClient``: one non-decoupled BLS call per item (also used by the
     colocated E+PD model, ``backend.triton.models.colocated``, whose generator runs in process)."""
@@ -130,9 +142,7 @@ class BlsEncoders:
         self.encoder_model = encoder_model
 
     async def encode(self, item: MediaBytes, key: str, part: tuple[int, int] | None = None) -> str:
-        parameters = {**_TAGGED, PART_PARAMETER: f"{part[0]}/{part[1]}"} if part else _TAGGED
-        if item.options:  # the request's options for its modality (backend.protocol.media_options)
-            parameters = {**parameters, MEDIA_IO_PARAMETER: json.dumps({item.modality: json.loads(item.options)})}
+        parameters = encode_parameters(item, part)
         if part and part[0]:
             await asyncio.sleep(part[0] * PART_STAGGER_SECONDS)
         request = pb_utils.InferenceRequest(
@@ -198,9 +208,7 @@ class GrpcStageCalls:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        parameters = {**_TAGGED, PART_PARAMETER: f"{part[0]}/{part[1]}"} if part else dict(_TAGGED)
-        if item.options:
-            parameters[MEDIA_IO_PARAMETER] = json.dumps({item.modality: json.loads(item.options)})
+        parameters = encode_parameters(item, part)
         inputs = []
         for name, value in ((ENCODER_ITEM.name, item.data), (ENCODER_KEY.name, key.encode()),
                             (ENCODER_MODALITY.name, item.modality.encode())):
@@ -228,6 +236,7 @@ class GrpcStageCalls:
         parameters = {**_TAGGED, SESSION_PARAMETER: inputs.session_id} if inputs.session_id else _TAGGED
         if inputs.media_io:  # consumers that decode media (metadata-only off, P/D) sample them as the client asked
             parameters = {**parameters, MEDIA_IO_PARAMETER: inputs.media_io.parameter()}
+        parameters = {**parameters, **Urgency(inputs.priority or 0, inputs.deadline).parameters()}
         request = {"model_name": model, "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id,
                    "enable_empty_final_response": True}  # every response says whether it is the last (StreamPool)

@@ -235,6 +235,7 @@ def make_app(backend) -> FastAPI:
             except ValueError:
                 raise ApiError(400, "body: not valid JSON", param="body") from None
             call = make_call(body, set(backend.models))
+            call.parameters.update(translate.urgency(body, request.headers))
             model = call.model
             if call.stream:
                 responses = backend.generate(call, clock)

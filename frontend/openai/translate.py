@@ -3,15 +3,18 @@ Pure functions: the FastAPI app (``frontend.openai.app``) does the I/O."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.protocol import errors
+from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, parse_deadline, parse_priority
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from frontend.openai import logprobs as logprob_shapes
 
+DEADLINE_HEADER = "x-deadline-ms"  # the request's deadline_ms, for clients that cannot add fields to the body
 # OpenAI sampling fields -> the generate interface's sampling_parameters keys (vLLM's names); vLLM's extras too
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -19,7 +22,7 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-           "user", "logprobs", "echo", "media_io_kwargs"}  # handled below, or without effect (user)
+           "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms"}  # handled below, or no effect (user)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -146,6 +149,28 @@ def _media_io(body: dict[str, Any]) -> dict[str, Any]:
     return {MEDIA_IO_PARAMETER: json.dumps(options)}
 
 
+def urgency(body: dict[str, Any], headers: Any) -> dict[str, Any]:
+    """The request parameters of a body's ``priority`` (vLLM's field: an integer >= 0, lower served first) and
+    ``deadline_ms`` (a field, or the ``X-Deadline-Ms`` header for clients that cannot add fields); errors name them."""
+    params: dict[str, Any] = {}
+    try:
+        priority = parse_priority(body.get("priority"))
+    except errors.InvalidInput as exc:
+        raise _invalid("priority", exc.problem) from None
+    if priority is not None:
+        params[PRIORITY_PARAMETER] = priority
+    deadline = body.get("deadline_ms")
+    field = "deadline_ms"
+    if deadline is None and headers.get(DEADLINE_HEADER) is not None:
+        deadline, field = headers.get(DEADLINE_HEADER), DEADLINE_HEADER
+    if deadline is not None:
+        try:
+            params[DEADLINE_PARAMETER] = parse_deadline({DEADLINE_PARAMETER: deadline}, 0.0) * 1000.0
+        except errors.InvalidInput as exc:
+            raise _invalid(field, exc.problem) from None
+    return params
+
+
 def completion_call(body: Any, served: set[str]) -> GenerateCall:
     """The generate request of a ``/v1/completions`` body (one text prompt)."""
     if not isinstance(body, dict):
@@ -170,7 +195,10 @@ def api_error(message: str, stage: str) -> ApiError:
     if isinstance(err, errors.InvalidInput):
         return ApiError(400, str(err), param=err.field or None)
     if isinstance(err, errors.Overloaded):
-        return ApiError(429, str(err), "rate_limit_error", code="overloaded", retry_after=1)
+        return ApiError(429, str(err), "rate_limit_error", code="overloaded",
+                        retry_after=max(1, math.ceil(err.retry_after)))
+    if isinstance(err, errors.DeadlineExceeded):
+        return ApiError(503, str(err), "service_unavailable", code="deadline_exceeded")
     if isinstance(err, errors.Unavailable):
         return ApiError(503, str(err), "service_unavailable", code="unavailable", retry_after=1)
     if isinstance(err, errors.Cancelled):

@@ -128,7 +128,7 @@ def test_deadline_while_generating_aborts_the_engine_request():
     engine = FakeEngine(pieces=["t"] * 100, step_delay=0.01)
     stages, _ = colocated(engine=engine)
     outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), deadline=0.1)
-    assert outcome is Outcome.ERROR and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
+    assert outcome is Outcome.EXPIRED and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
     assert len(engine.aborted) == 1 and engine.steps_run < 100
 
 
@@ -232,7 +232,7 @@ def test_e_p_d_deadline_while_decoding_cancels_the_remote_stage():
     stages, _ = colocated(engine=prefill_engine(), encoders=remote, local=Stage.PREFILL)
     stages.remote.generate = slow
     outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), deadline=0.1)
-    assert outcome is Outcome.ERROR and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
+    assert outcome is Outcome.EXPIRED and "deadline of 0.1 s exceeded while generating" in str(sink.errors[0])
     assert remote.aborted == 1
 
 

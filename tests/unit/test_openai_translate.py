@@ -145,3 +145,29 @@ def test_chunks_and_answers_carry_their_tokens_logprobs_in_openais_shapes():
         "tokens": ["He"], "token_logprobs": [-0.25], "top_logprobs": [{"He": -0.25, "A": -2.0}], "text_offset": [4]}
     plain = translate.chat_call({"model": "llm", "messages": MESSAGES}, SERVED)
     assert translate.chunk(plain, "He", logprobs=[ENTRY])["choices"][0]["logprobs"] is None
+
+
+def test_priority_and_deadline_come_from_vllm_s_field_the_deadline_field_or_its_header():
+    body = {"model": "epd", "messages": [{"role": "user", "content": "hi"}], "priority": 1, "deadline_ms": 500}
+    call = translate.chat_call(body, {"epd"})
+    assert call.inputs["sampling"] == {"max_tokens": 16}  # neither is a sampling setting
+    assert translate.urgency(body, {}) == {"epd_priority": 1, "deadline_ms": 500.0}
+    assert translate.urgency({"model": "epd"}, {"x-deadline-ms": "250"}) == {"deadline_ms": 250.0}
+    assert translate.urgency({"model": "epd"}, {}) == {}
+
+
+@pytest.mark.parametrize("body, headers, param", [
+    ({"priority": -1}, {}, "priority"), ({"priority": "high"}, {}, "priority"),
+    ({"deadline_ms": 0}, {}, "deadline_ms"), ({}, {"x-deadline-ms": "later"}, "x-deadline-ms"),
+])
+def test_a_bad_priority_or_deadline_is_a_400_naming_it(body, headers, param):
+    with pytest.raises(ApiError) as info:
+        translate.urgency(body, headers)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_a_shed_request_is_a_429_with_the_estimated_wait_and_a_deadline_miss_a_503():
+    shed = translate.api_error(errors.encode(errors.Overloaded("stage encoder is at its budget", retry_after=2.2)), "epd")
+    assert (shed.status, shed.retry_after, shed.code) == (429, 3, "overloaded")
+    late = translate.api_error(errors.encode(errors.DeadlineExceeded("deadline of 1 s exceeded", "request")), "epd")
+    assert (late.status, late.code, late.retry_after) == (503, "deadline_exceeded", None)

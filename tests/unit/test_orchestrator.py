@@ -115,7 +115,7 @@ def test_no_retry_once_the_client_got_text_or_after_the_second_failure():
 def test_deadline_fails_the_request_naming_the_phase():
     stages = FakeStages(encode_delay=1.0)
     outcome, sink = run(stages, RawGenerateInputs(prompt="x", images=(b"a",)), deadline=0.1)
-    assert outcome is Outcome.ERROR and stages.generated == []
+    assert outcome is Outcome.EXPIRED and stages.generated == []
     [error] = sink.errors
     assert isinstance(error, Unavailable) and "deadline of 0.1 s exceeded while encoding" in str(error)
 

@@ -310,3 +310,34 @@ def test_demand_aware_with_several_consumer_instances_is_fine_for_the_colocated_
     doc = {**BASE, "stages": {"encoder": {}, "pd": {"instances": 2, "orchestrator": "colocated"}},
            "reuse": {"held_bytes": 1 << 20, "demand_aware": True}}
     assert load(_write(tmp_path, doc), "cpu").reuse["demand_aware"] is True
+
+
+def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority_levels_everywhere(tmp_path):
+    doc = {**BASE, "serve": ["baseline", "E+PD", "E/P/D"],
+           "stages": {"encoder": {}, "pd": {}, "prefill": {}, "decode": {}, "llm": {}, "epd": {}},
+           "admission": {"priority_levels": 2, "encoder_items_in_flight": 4, "max_queue_ms": 500}}
+    files = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))
+    for model in ("epd", "epd_disagg"):
+        for line in ('key: "encoder_items_in_flight" value: { string_value: "4" }',
+                     'key: "max_queue_ms" value: { string_value: "500" }',
+                     'key: "priority_levels" value: { string_value: "2" }'):
+            assert line in files[f"{model}/config.pbtxt"], (model, line)
+    for model in ("llm", "pd", "prefill", "decode"):
+        text = files[f"{model}/config.pbtxt"]
+        assert 'key: "priority_levels" value: { string_value: "2" }' in text and "in_flight" not in text, model
+        assert '"scheduling_policy": "priority"' in files[f"{model}/model.json"]  # the engines order by priority
+    assert "priority_levels" not in files["encoder/config.pbtxt"]
+    assert not any("in_flight" in text for text in render_files(load(DEFAULT, "cpu"), Path("/r")).values())
+
+
+@pytest.mark.parametrize("admission, message", [
+    ({"budget": 1}, "unknown key"),
+    ({"priority_levels": 0}, "admission.priority_levels: expected an integer from 1 to 64"),
+    ({"encoder_items_in_flight": -1}, "admission.encoder_items_in_flight: expected an integer >= 0"),
+    ({"decode_requests_in_flight": 1.5}, "admission.decode_requests_in_flight: expected an integer >= 0"),
+    ({"max_queue_ms": "1s"}, "admission.max_queue_ms: expected a number of ms >= 0"),
+    ([1], "admission: expected a mapping"),
+])
+def test_a_bad_admission_block_is_refused_naming_the_key(tmp_path, admission, message):
+    with pytest.raises(TopologyError, match=message):
+        load(_write(tmp_path, {**BASE, "admission": admission}), "cpu")

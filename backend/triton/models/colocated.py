@@ -30,6 +30,7 @@ from backend.protocol.stages import Disaggregation
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.deploy.server_address import EndpointError
 from backend.triton.io import orchestrate
+from orchestrator.admission import Admission
 from orchestrator.core import Identity, Orchestrator
 from orchestrator.local_stages import LocalStages
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
@@ -55,7 +56,8 @@ class TritonPythonModel(MetadataOnlyModel):
         self.orchestrator = Orchestrator(
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits,
             disaggregation, deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
-            video_split=settings.video_split, demand_aware=settings.demand_aware)
+            video_split=settings.video_split, demand_aware=settings.demand_aware,
+            admission=Admission(settings, self.metrics))
         self.serve_openai(self.orchestrator.answerer(self.metrics))
 
     def check_settings(self):

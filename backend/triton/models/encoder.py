@@ -11,6 +11,7 @@ logged once and the instance encodes without it.
 """
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,9 @@ from backend.encode.service import EncodeJob, EncoderService
 from backend.encode.tier import TierUnavailable
 from backend.encode.tier_mooncake import connect  # mooncake itself is imported when a store is made
 from backend.engine.host import bound_the_exit, prepare_process
+from backend.protocol.errors import DeadlineExceeded
 from backend.protocol.generate import ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, PART_PARAMETER, \
-    parse_part
+    parse_deadline, parse_part
 from backend.protocol.layout import content_key
 from backend.protocol.media_options import MediaOptions
 from backend.protocol.modality import IMAGE
@@ -121,6 +123,8 @@ class TritonPythonModel:
             f"encoder: tower loaded in {report.seconds * 1000:.0f} ms, read {report.bytes_read} of "
             f"{report.checkpoint_bytes} checkpoint bytes; model {self.encoder.identity}")
 
+    deadline_stops = 0  # requests refused unencoded: their deadline had passed (epd_encoder_deadline_stops_total)
+
     def execute(self, requests):
         jobs, shapes, refused = [], [], {}
         for index, request in enumerate(requests):
@@ -130,6 +134,10 @@ class TritonPythonModel:
                 params = request_parameters(request)
                 part = parse_part(params[PART_PARAMETER]) if PART_PARAMETER in params else None
                 options = MediaOptions.from_parameters(params)
+                deadline = parse_deadline(params, time.time())
+                if deadline is not None and time.time() >= deadline:  # its orchestrator has answered it already
+                    self.deadline_stops += 1
+                    raise DeadlineExceeded("the deadline passed before the encoder started it", "request")
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 refused[index] = exc
                 continue
@@ -161,7 +169,7 @@ class TritonPythonModel:
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
                                      self.service.cache_hits, self.tier, self.service.tier_hits,
-                                     dict(VIDEO_DECODES), dict(image.IMAGE_DECODES))
+                                     dict(VIDEO_DECODES), dict(image.IMAGE_DECODES), self.deadline_stops)
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
 

@@ -20,6 +20,7 @@ from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
 from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
+from orchestrator.admission import Admission
 from orchestrator.core import Identity, Orchestrator
 from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
@@ -36,21 +37,23 @@ class TritonPythonModel:
             **{m.limit_field: getattr(settings, m.limit_field) for m in modalities()},
             media=MediaLimits(**media_limits(settings),
                               allowed_local_media_path=settings.allowed_local_media_path,
-                              allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)))
+                              allowed_media_domains=tuple(d.lower() for d in settings.allowed_media_domains)),
+            priority_levels=settings.priority_levels)
         disaggregation = settings.disaggregation
         try:
             urls = stage_urls(settings.targets(), disaggregation.generators)
             encoders = encoder_urls(settings.encoder_model, settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {exc}") from None
+        self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
         self.stages = triton_stages(urls, settings.encoder_model, settings.generator_model, settings.prefill_model,
                                     settings.decode_model, encoders, settings.health_seconds())
         self.orchestrator = Orchestrator(self.stages, Identity(model_identity(model_dir), processing_options(model_dir)),
                                          limits, disaggregation, metadata_only=settings.metadata_only,
                                          deadline=settings.request_timeout_seconds,
                                          stages_take_media=disaggregation.generators_take_media,
-                                         video_split=settings.video_split, demand_aware=settings.demand_aware)
-        self.metrics = RequestMetrics(args["model_name"], instance=args.get("model_instance_name", ""))
+                                         video_split=settings.video_split, demand_aware=settings.demand_aware,
+                                         admission=Admission(settings, self.metrics))
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses
         self.cancels = CancelBoard.for_model(args["model_name"])

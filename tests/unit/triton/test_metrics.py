@@ -25,7 +25,8 @@ def test_request_metrics_register_their_families(pb, request_metrics):
     assert pb.families["epd_held_bytes"] == pb.MetricFamily.GAUGE
     assert pb.families["epd_request_ttft_seconds"] == pb.MetricFamily.HISTOGRAM
     assert pb.series("epd_request_ttft_seconds", **LABELS).buckets == LATENCY_BUCKETS
-    assert sorted(labels["outcome"] for labels in pb.labelled("epd_requests_total")) == ["cancelled", "error", "ok"]
+    assert sorted(labels["outcome"] for labels in pb.labelled("epd_requests_total")) == [
+        "cancelled", "deadline", "error", "ok", "shed"]
 
 
 def test_an_instance_label_only_where_given(pb):

@@ -1,0 +1,150 @@
+"""The overload benchmark (docs/benchmarks.md, "Overload"): one E+PD server, the same deployment with admission and
+priorities (``epd``) and without (``epd_open``: the same encoder and pd, an orchestrator with no budgets, requests
+without a priority), driven over the OpenAI protocol by open-loop Poisson arrivals at multiples of the measured
+capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, one plot.
+
+    .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--slo-ms 0] [--out DIR]
+
+Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
+``--max-queue-ms``, by default half the SLO) is rendered for E+PD and ``epd_open`` added beside ``epd``; tritonserver
+and ``frontend.openai`` start on free ports; the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
+served from ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput
+(requests served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and
+whether it had ``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
+from clients.bench.report import percentile
+
+DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
+
+
+def render_both(topology, repo: Path, max_queue_ms: float = 0) -> None:
+    """E+PD with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
+    ``epd_open``: the same orchestrator without budgets."""
+    from backend.deploy.render import render
+
+    admission = {**topology.admission, **({"max_queue_ms": max_queue_ms} if max_queue_ms else {})}
+    render(topology.only("E+PD", admission=admission), repo)
+    with tempfile.TemporaryDirectory() as other:
+        render(topology.only("E+PD", admission={"priority_levels": admission.get("priority_levels", 4)}), Path(other))
+        shutil.copytree(Path(other) / "epd", repo / "epd_open")
+    config = repo / "epd_open" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "epd"', 'name: "epd_open"'))
+
+
+def server_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+async def light_ttft(base: str, model: str, count: int, args) -> list[float]:
+    ttfts = []
+    for i in range(count):
+        fates = await open_loop(base, model, 1000.0, 0.0005, 0.0, args.max_tokens, args.image_size, 90 + i,
+                                priorities=False)
+        ttfts += [f.ttft for f in fates if f.ttft is not None]
+    return ttfts
+
+
+def run(args) -> dict:
+    from backend.deploy.local_server import Ports, TritonServer, start_openai_process
+    from backend.deploy.ports import free_ports
+    from backend.deploy.topology import load
+    from clients.bench.side_stacks import wait_healthy
+
+    topology = load(Path(args.topology), "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    *server_ports, port = free_ports(4)
+    with tempfile.TemporaryDirectory(prefix="overload-") as repo, tempfile.TemporaryDirectory(prefix="overload-tmp-") as tmp:
+        slo = args.slo_ms / 1000
+        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2)
+        with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=out / "tritonserver.log",
+                          env={**os.environ, "TMPDIR": tmp}) as server:
+            endpoint = start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
+            try:
+                base = f"http://127.0.0.1:{port}"
+                wait_healthy(f"{base}/health", 120, endpoint)
+                return asyncio.run(_measure(base, server, slo, args))
+            finally:
+                endpoint.terminate()
+                endpoint.wait(timeout=30)
+
+
+async def _measure(base: str, server, slo: float, args) -> dict:
+    for model in DEPLOYMENTS:  # warm-up
+        await light_ttft(base, model, 2, args)
+    light = await light_ttft(base, "epd_open", 8, args)
+    capacity, _ = await closed_loop_rate(base, "epd_open", args.capacity_concurrency, args.capacity_requests,
+                                         args.max_tokens, args.image_size, 7)
+    print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
+          f"capacity {capacity:.2f} req/s", flush=True)
+    runs = []
+    for load in args.loads:
+        for model, on in DEPLOYMENTS.items():
+            started = time.perf_counter()
+            fates = await open_loop(base, model, load * capacity, args.seconds, args.high_share, args.max_tokens,
+                                    args.image_size, seed=int(load * 1000), priorities=on)
+            row = {"model": model, "load": load, "rate": round(load * capacity, 2), "wall_s": round(time.perf_counter() - started, 1),
+                   "rss_mib": round(server_rss(server.proc.pid) / 2**20),
+                   "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
+            runs.append(row)
+            print(_line(row), flush=True)
+    return {"slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+            "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
+
+
+def _line(row: dict) -> str:
+    a, h, lo = row["all"], row["high"], row["low"]
+    return (f"{row['model']:>8} x{row['load']:<4} {row['rate']:6.2f}/s goodput {a['goodput']:5.2f}/s "
+            f"(high {h['goodput']:.2f}, low {lo['goodput']:.2f}) TTFT p99 high {h['ttft_p99_ms']} ms low "
+            f"{lo['ttft_p99_ms']} ms shed {a['shed_rate']:.0%} (answered max {a['shed_answer_max_ms']} ms) "
+            f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB")
+
+
+def main(argv=None) -> int:
+    from clients.bench.overload_table import checks, plot, tables
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", default="topologies/cpu-overload.yaml")
+    parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 4.0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="arrivals per level")
+    parser.add_argument("--slo-ms", type=float, default=500, help="the TTFT SLO")
+    parser.add_argument("--max-queue-ms", type=float, default=0,
+                        help="epd's queue bound, over the topology's (0: half the SLO: an admitted request still has "
+                             "the other half)")
+    parser.add_argument("--high-share", type=float, default=0.2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--capacity-concurrency", type=int, default=16)
+    parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--out", default="/tmp/overload")
+    args = parser.parse_args(argv)
+    results = run(args)
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = tables(results) + "\n" + checks(results)
+    (out / "tables.md").write_text(text)
+    print(text)
+    plot(results, out / "overload.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""Admission by budget, per stage, in priority order, within each request's deadline.
+
+Each stage an orchestrator asks has a ``Gate``: a budget of what may be in flight there at once (the encoder: media
+items and their bytes; a generator stage: requests), and the requests waiting for it, served by priority (0 first, as
+vLLM's ``priority``) then arrival. A request enters the gate before it asks the stage and leaves when the call is done,
+so the stage's own queue stays short and the order in which it gets work is the orchestrator's, by priority.
+
+A request is refused before any work when it cannot start in time: at its arrival (``Admission.check``) each gate it
+will pass estimates its wait there (the units ahead of it, of its priority or higher, beyond the budget, over the rate
+the stage has been letting units through: ``budget / mean time in the stage``); if their sum is longer than the request
+may wait (until its deadline, and at most ``max_queue_seconds`` in all gates together), it is answered at once:
+``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate. A request let in to a queue by the estimate waits
+for its turn: it is refused the same way only if it waits ``Gate.PATIENCE`` times its bound (the estimate was far
+off), so refusals come at arrival, fast; one whose deadline strikes while it waits gets ``DeadlineExceeded``. A gate with no budget admits everything at once.
+
+A request that alone costs more than the budget is let in when nothing else is in flight (the request limits bound
+it already). No Triton import: unit-tested (``tests/unit/test_admission.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from backend.protocol.errors import DeadlineExceeded, Overloaded
+from backend.protocol.generate import PRIORITY_PARAMETER, STAGE_DEADLINE_PARAMETER
+from backend.protocol.settings import AdmissionBudgets
+
+
+@dataclass(frozen=True)
+class Urgency:
+    """A request's priority (0 first) and deadline (Unix time, None: none), as its stages get them."""
+
+    priority: int = 0
+    deadline: float | None = None
+
+    def parameters(self) -> dict:
+        """The stage request's parameters (``backend.protocol.generate``): only what differs from the defaults (the
+        deadline as text: BLS requests take no float parameters)."""
+        return {**({PRIORITY_PARAMETER: self.priority} if self.priority else {}),
+                **({STAGE_DEADLINE_PARAMETER: f"{self.deadline:.3f}"} if self.deadline is not None else {})}
+
+
+# the urgency of the request the current task works for (set by the orchestrator; read by the stage clients, which
+# send it with each encode)
+URGENCY: contextvars.ContextVar[Urgency] = contextvars.ContextVar("epd_urgency", default=Urgency())
+
+
+class AdmissionObserver(Protocol):
+    def admitted(self, stage: str, priority: int, waited_seconds: float) -> None: ...
+    def shed(self, stage: str, priority: int, reason: str) -> None: ...  # reason: "budget", "queue" or "deadline"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What may be in flight at one stage at once (0: no bound)."""
+
+    units: int = 0  # items (encoder) or requests (generator stages)
+    bytes: int = 0  # media bytes (encoder)
+
+    @property
+    def bounded(self) -> bool:
+        return self.units > 0 or self.bytes > 0
+
+
+@dataclass(frozen=True)
+class Cost:
+    units: int = 1
+    bytes: int = 0
+
+
+class _Waiter:
+    __slots__ = ("cost", "priority", "future")
+
+    def __init__(self, cost: Cost, priority: int, future: asyncio.Future):
+        self.cost, self.priority, self.future = cost, priority, future
+
+
+class Gate:
+    """One stage's budget and queue. ``max_queue_seconds``: the longest any request waits here (0: until its
+    deadline). ``reserve``: the share of the budget only the highest priority (0) may use, so a high-priority request
+    finds room without waiting for the low ones in flight to finish. ``clock``: Unix time (deadlines are Unix times, as
+    the stages get them)."""
+
+    HOLD_WEIGHT = 0.1  # the mean time in the stage: an exponentially weighted mean over the calls that left
+    PATIENCE = 4  # a request let in to the queue waits up to this many times its bound (see _enter)
+
+    def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
+                 observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
+                 reserve: float = 0.0):
+        self.stage, self.budget, self.max_queue, self.observer, self.clock = stage, budget, max_queue_seconds, observer, clock
+        self.reserve = reserve
+        self.units = self.bytes = 0  # in flight
+        self.hold_seconds = 0.0  # mean time a call spends in the stage (0: none left yet)
+        self._queue: list[tuple[int, int, _Waiter]] = []
+        self._order = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for *_, w in self._queue if not w.future.done())
+
+    def estimate_wait(self, cost: Cost, priority: int) -> float:
+        """Seconds a request of ``cost`` and ``priority`` arriving now would wait (0: it enters at once or the stage
+        has no rate yet)."""
+        if not self.budget.units or not self.hold_seconds:
+            return 0.0
+        limit = self._limit(self.budget.units, priority)
+        ahead = sum(w.cost.units for p, _, w in self._queue if p <= priority and not w.future.done())
+        beyond = self.units + ahead + cost.units - limit
+        return max(0.0, beyond * self.hold_seconds / limit)
+
+    def _limit(self, budget: int, priority: int) -> int:
+        """What of ``budget`` a request of ``priority`` may fill: all of it at priority 0, else less the reserve (at
+        least 1)."""
+        return budget if priority == 0 or not budget else max(1, budget - math.ceil(budget * self.reserve))
+
+    @contextlib.asynccontextmanager
+    async def admit(self, cost: Cost, priority: int, deadline: float | None, wait_until: float | None = None):
+        """Hold ``cost`` of the budget while the body runs (the stage's call); raises ``Overloaded`` or
+        ``DeadlineExceeded`` (module docstring) before any of it is held. ``wait_until``: the time past which the
+        request waits no more (its queue budget over every gate; None: ``max_queue_seconds`` from now)."""
+        if not self.budget.bounded:
+            yield
+            return
+        started = self.clock()
+        await self._enter(cost, priority, deadline, started, wait_until)
+        entered = time.perf_counter()
+        if self.observer is not None:
+            self.observer.admitted(self.stage, priority, self.clock() - started)
+        try:
+            yield
+        finally:
+            held = time.perf_counter() - entered
+            self.hold_seconds = held if not self.hold_seconds else \
+                self.hold_seconds + self.HOLD_WEIGHT * (held - self.hold_seconds)
+            self.units, self.bytes = self.units - cost.units, self.bytes - cost.bytes
+            self._dispatch()
+
+    def may_wait(self, deadline: float | None, now: float, wait_until: float | None = None) -> float:
+        """Seconds a request may wait here from ``now``: until its deadline, and ``wait_until`` (or at most
+        ``max_queue_seconds``)."""
+        bound = wait_until if wait_until is not None else (now + self.max_queue if self.max_queue else None)
+        return min((t - now for t in (deadline, bound) if t is not None), default=math.inf)
+
+    async def _enter(self, cost: Cost, priority: int, deadline: float | None, now: float,
+                     wait_until: float | None = None) -> None:
+        if not self._queue and self._fits(cost, priority):
+            self._take(cost)
+            return
+        may_wait = self.may_wait(deadline, now, wait_until)
+        if may_wait <= 0:
+            self.refuse(priority, "deadline", deadline)
+        estimate = self.estimate_wait(cost, priority)
+        if estimate > may_wait:
+            self.refuse(priority, "budget", deadline, estimate, may_wait)
+        waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._queue, (priority, next(self._order), waiter))
+        self._dispatch()
+        # let in by the estimate, it waits up to PATIENCE times its bound before it is refused (the estimate was far
+        # off), and never past its deadline: a refusal comes at arrival, fast, not after a wait
+        patience = min(may_wait * self.PATIENCE, deadline - now if deadline is not None else math.inf)
+        try:
+            async with asyncio.timeout(None if math.isinf(patience) else patience):
+                await asyncio.shield(waiter.future)
+        except TimeoutError:
+            if not self._settle(waiter):  # let in as the bound struck: it goes on
+                return
+            past_deadline = deadline is not None and self.clock() >= deadline
+            self.refuse(priority, "deadline" if past_deadline else "queue", deadline,
+                         self.estimate_wait(cost, priority), may_wait)
+        except BaseException:  # cancelled while waiting (its client went away)
+            if not self._settle(waiter):
+                self.units, self.bytes = self.units - cost.units, self.bytes - cost.bytes
+                self._dispatch()
+            raise
+
+    def _settle(self, waiter: _Waiter) -> bool:
+        """Withdraw a waiter; False if it was let in meanwhile (it then holds its cost)."""
+        if waiter.future.done():
+            return False
+        waiter.future.cancel()
+        self._dispatch()  # those behind it may fit now
+        return True
+
+    def _fits(self, cost: Cost, priority: int) -> bool:
+        if self.units == 0 and self.bytes == 0:
+            return True  # alone, whatever it costs
+        units, nbytes = self._limit(self.budget.units, priority), self._limit(self.budget.bytes, priority)
+        return (not units or self.units + cost.units <= units) and (not nbytes or self.bytes + cost.bytes <= nbytes)
+
+    def _take(self, cost: Cost) -> None:
+        self.units, self.bytes = self.units + cost.units, self.bytes + cost.bytes
+
+    def _dispatch(self) -> None:
+        """Let in the waiters at the head of the queue while they fit (the head first: none overtakes it)."""
+        while self._queue:
+            waiter = self._queue[0][2]
+            if waiter.future.done():  # withdrawn
+                heapq.heappop(self._queue)
+                continue
+            if not self._fits(waiter.cost, waiter.priority):
+                return
+            heapq.heappop(self._queue)
+            self._take(waiter.cost)
+            waiter.future.set_result(None)
+
+    def refuse(self, priority: int, reason: str, deadline: float | None, estimate: float = 0.0,
+               may_wait: float = 0.0):
+        if self.observer is not None:
+            self.observer.shed(self.stage, priority, reason)
+        if reason == "deadline":
+            raise DeadlineExceeded(f"the deadline passed before stage {self.stage} could start it", "request")
+        budget = ", ".join(f"{value} {name}" for name, value in (("in flight", self.budget.units),
+                                                                   ("bytes", self.budget.bytes)) if value)
+        waited = (f"would wait ~{estimate:.2f} s, longer than it may ({may_wait:.2f} s)" if reason == "budget" else
+                  f"waited {may_wait:.2f} s, as long as it may")
+        raise Overloaded(f"stage {self.stage} is at its budget ({budget}): the request {waited}",
+                         retry_after=max(estimate, 0.001))
+
+
+class Admission:
+    """The gates of one orchestrator: ``encoder``, and one per generator stage, from its settings' budgets."""
+
+    def __init__(self, budgets: AdmissionBudgets = AdmissionBudgets(), observer: AdmissionObserver | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.max_queue, self.clock = budgets.max_queue_ms / 1000.0, clock
+
+        def gate(stage: str, budget: Budget) -> Gate:
+            return Gate(stage, budget, self.max_queue, observer, clock, budgets.high_priority_reserve_percent / 100.0)
+        self.encoder = gate("encoder", Budget(budgets.encoder_items_in_flight, budgets.encoder_bytes_in_flight))
+        self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight)),
+                           "prefill": gate("prefill", Budget(budgets.generator_requests_in_flight)),
+                           "decode": gate("decode", Budget(budgets.decode_requests_in_flight))}
+
+    def generator(self, stage: str) -> Gate:
+        return self.generators[stage]
+
+    def check(self, passes: list[tuple[Gate, Cost]], priority: int, deadline: float | None) -> float | None:
+        """At a request's arrival, before any work: the time past which it waits no more in any gate (its queue
+        budget, for ``Gate.admit``'s ``wait_until``); raises ``Overloaded`` (counted at the gate it would wait at
+        longest) when the waits estimated at the gates it ``passes`` add up to more than it may wait."""
+        now = self.clock()
+        wait_until = now + self.max_queue if self.max_queue else None
+        passes = [(gate, cost) for gate, cost in passes if gate.budget.bounded]
+        if not passes:
+            return wait_until
+        may_wait = passes[0][0].may_wait(deadline, now, wait_until)
+        if may_wait <= 0:
+            passes[0][0].refuse(priority, "deadline", deadline)
+        waits = [(gate.estimate_wait(cost, priority), gate) for gate, cost in passes]
+        total = sum(wait for wait, _ in waits)
+        if total > may_wait:
+            max(waits, key=lambda pair: pair[0])[1].refuse(priority, "budget", deadline, total, may_wait)
+        return wait_until
+
+
+__all__ = ["Admission", "AdmissionObserver", "Budget", "Cost", "Gate", "URGENCY", "Urgency"]

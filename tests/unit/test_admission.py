@@ -1,0 +1,267 @@
+"""Admission by budget (orchestrator.admission), priorities and deadlines through the orchestrator and an engine stage."""
+import asyncio
+import time
+
+import pytest
+
+from backend.engine.serving import Outcome, stream_generation
+from backend.protocol.errors import DeadlineExceeded, InvalidInput, Overloaded, decode, encode
+from backend.protocol.generate import parse_deadline, parse_priority
+from backend.protocol.settings import AdmissionBudgets
+from backend.request.generate import GenerateRequest, RawGenerateInputs, RequestLimits, parse_generate_request
+from orchestrator.admission import URGENCY, Admission, Budget, Cost, Gate, Urgency
+from orchestrator.core import Identity, Orchestrator
+from tests.fakes import FakeEngine, FakeLayoutResolver, FakeSink, FakeStages, RecordingObserver
+
+IDENTITY = Identity("m", "p")
+
+
+class Observer:
+    def __init__(self):
+        self.admissions, self.sheds = [], []
+
+    def admitted(self, stage, priority, waited_seconds):
+        self.admissions.append((stage, priority, waited_seconds))
+
+    def shed(self, stage, priority, reason):
+        self.sheds.append((stage, priority, reason))
+
+
+async def hold(gate: Gate, seconds: float, priority: int = 0, deadline=None, order=None, name=None, cost=Cost()):
+    async with gate.admit(cost, priority, deadline):
+        if order is not None:
+            order.append(name)
+        await asyncio.sleep(seconds)
+
+
+def test_a_gate_without_a_budget_lets_everything_in_at_once():
+    async def main():
+        gate = Gate("encoder", Budget())
+        started = time.perf_counter()
+        await asyncio.gather(*(hold(gate, 0.05) for _ in range(20)))
+        return time.perf_counter() - started
+    assert asyncio.run(main()) < 0.5
+
+
+def test_waiters_are_let_in_by_priority_then_arrival_and_the_budget_holds():
+    async def main():
+        gate, order = Gate("pd", Budget(units=1)), []
+        first = asyncio.create_task(hold(gate, 0.05, order=order, name="first"))
+        await asyncio.sleep(0.01)
+        tasks = [asyncio.create_task(hold(gate, 0.01, p, order=order, name=name))
+                 for p, name in ((2, "low"), (1, "mid-a"), (0, "high"), (1, "mid-b"))]
+        await asyncio.sleep(0)
+        assert gate.units == 1 and gate.waiting == 4
+        await asyncio.gather(first, *tasks)
+        return order, gate.units
+    order, left = asyncio.run(main())
+    assert order == ["first", "high", "mid-a", "mid-b", "low"] and left == 0
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once_with_a_retry_hint():
+    async def main():
+        observer = Observer()
+        gate = Gate("encoder", Budget(units=1), observer=observer)
+        await hold(gate, 0.1)  # the gate learns the stage's time: 0.1 s a call
+        busy = asyncio.create_task(hold(gate, 0.3))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(hold(gate, 0.01))  # queued: 1 ahead of the next
+        await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        with pytest.raises(Overloaded) as refused:
+            await hold(gate, 0.01, deadline=time.time() + 0.05)
+        answered = time.perf_counter() - started
+        await asyncio.gather(busy, waiting)
+        return refused.value, answered, observer
+    error, answered, observer = asyncio.run(main())
+    assert answered < 0.05 and error.retry_after > 0.05
+    assert "stage encoder is at its budget (1 in flight)" in str(error) and error.code.value == "UNAVAILABLE"
+    assert observer.sheds == [("encoder", 0, "budget")]
+    # the retry hint travels in the envelope, so the OpenAI endpoint can say Retry-After
+    again = decode(encode(error))
+    assert isinstance(again, Overloaded) and again.retry_after == error.retry_after
+
+
+def test_a_waiter_past_its_queue_bound_or_its_deadline_is_refused_and_frees_its_place():
+    async def main():
+        observer = Observer()
+        gate = Gate("pd", Budget(units=1), max_queue_seconds=0.05, observer=observer)
+        busy = asyncio.create_task(hold(gate, 0.3))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):
+            await hold(gate, 0.01)  # no rate known yet: it waits, then its bound strikes
+        with pytest.raises(DeadlineExceeded):
+            await hold(gate, 0.01, deadline=time.time() + 0.02)
+        with pytest.raises(DeadlineExceeded):
+            await hold(gate, 0.01, deadline=time.time() - 1)  # past already: refused before it waits
+        waiting = gate.waiting
+        await busy
+        await hold(gate, 0.01)
+        return observer.sheds, waiting, gate.units
+    sheds, waiting, units = asyncio.run(main())
+    assert sheds == [("pd", 0, "queue"), ("pd", 0, "deadline"), ("pd", 0, "deadline")]
+    assert waiting == 0 and units == 0
+
+
+def test_a_waiter_cancelled_by_its_client_takes_nothing_with_it():
+    async def main():
+        gate = Gate("pd", Budget(units=1))
+        busy = asyncio.create_task(hold(gate, 0.05))
+        await asyncio.sleep(0.01)
+        gone = asyncio.create_task(hold(gate, 1.0))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await busy
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await asyncio.wait_for(hold(gate, 0.01), 1.0)  # not blocked by the cancelled one
+        return gate.units, gate.waiting
+    assert asyncio.run(main()) == (0, 0)
+
+
+def test_a_request_larger_than_the_budget_goes_in_alone():
+    async def main():
+        gate, order = Gate("encoder", Budget(units=2, bytes=100)), []
+        big = asyncio.create_task(hold(gate, 0.03, order=order, name="big", cost=Cost(5, 1000)))
+        await asyncio.sleep(0.005)
+        small = asyncio.create_task(hold(gate, 0.01, order=order, name="small", cost=Cost(1, 10)))
+        await asyncio.sleep(0.01)
+        assert order == ["big"]  # the small one waits for the big one
+        await asyncio.gather(big, small)
+        return order
+    assert asyncio.run(main()) == ["big", "small"]
+
+
+def run(orchestrator, raw, sink=None):
+    sink = sink or FakeSink()
+    return asyncio.run(orchestrator.run(raw, sink)), sink
+
+
+def test_the_orchestrator_sends_priority_and_deadline_to_its_stages():
+    seen = []
+
+    class Stages(FakeStages):
+        async def encode(self, item, key, part=None):
+            seen.append(("encode", URGENCY.get()))
+            return await super().encode(item, key, part)
+
+        async def generate(self, inputs, stage=None):
+            seen.append(("generate", Urgency(inputs.priority, inputs.deadline)))
+            async for chunk in super().generate(inputs, stage):
+                yield chunk
+
+    orchestrator = Orchestrator(Stages(), IDENTITY, RequestLimits(), deadline=10)
+    before = time.time()
+    outcome, sink = run(orchestrator, RawGenerateInputs(prompt="x", images=(b"a",), priority=2,
+                                                         deadline=before + 5))
+    assert outcome is Outcome.OK
+    assert [what for what, _ in seen] == ["encode", "generate"]
+    assert all(u.priority == 2 and u.deadline == before + 5 for _, u in seen)  # the request's: sooner than 10 s
+
+
+def test_a_request_past_its_deadline_costs_no_stage_any_work():
+    stages = FakeStages()
+    outcome, sink = run(Orchestrator(stages, IDENTITY, RequestLimits()),
+                        RawGenerateInputs(prompt="x", images=(b"a",), deadline=time.time() - 0.001))
+    assert outcome is Outcome.EXPIRED and stages.encoded == [] and stages.generated == []
+    assert isinstance(sink.errors[0], DeadlineExceeded)
+
+
+def test_a_priority_out_of_the_deployment_s_range_is_invalid_naming_it():
+    stages = FakeStages()
+    outcome, sink = run(Orchestrator(stages, IDENTITY, RequestLimits(priority_levels=2)),
+                        RawGenerateInputs(prompt="x", priority=2))
+    assert outcome is Outcome.ERROR and stages.generated == []
+    [error] = sink.errors
+    assert isinstance(error, InvalidInput) and error.field == "parameters.epd_priority" and "0 .. 1" in str(error)
+
+
+@pytest.mark.parametrize("value", ["1", -1, 1.5, True, [0]])
+def test_a_priority_that_is_no_integer_from_zero_is_invalid(value):
+    with pytest.raises(InvalidInput, match=r"^parameters\.epd_priority: expected an integer >= 0"):
+        parse_priority(value)
+
+
+@pytest.mark.parametrize("value", ["soon", -5, 0, float("inf"), float("nan"), True, 86_400_001])
+def test_a_deadline_that_is_no_number_of_ms_in_range_is_invalid(value):
+    with pytest.raises(InvalidInput, match=r"^parameters\.deadline_ms: expected a number of milliseconds"):
+        parse_deadline({"deadline_ms": value}, 0.0)
+
+
+def test_deadlines_parse_as_absolute_times():
+    assert parse_deadline({"deadline_ms": 250}, 100.0) == 100.25
+    assert parse_deadline({"deadline_ms": "250"}, 100.0) == 100.25  # clients that send strings only
+    assert parse_deadline({"epd_deadline": "123.5", "deadline_ms": 1}, 100.0) == 123.5  # an orchestrator's wins
+    assert parse_deadline({}, 100.0) is None
+    assert Urgency(1, 123.5).parameters() == {"epd_priority": 1, "epd_deadline": "123.500"}
+    assert Urgency().parameters() == {}
+
+
+def test_the_budgets_of_an_orchestrator_come_from_its_settings():
+    admission = Admission(AdmissionBudgets(encoder_items_in_flight=3, encoder_bytes_in_flight=10,
+                                           generator_requests_in_flight=4, decode_requests_in_flight=5,
+                                           max_queue_ms=250))
+    assert admission.encoder.budget == Budget(3, 10) and admission.encoder.max_queue == 0.25
+    assert [admission.generator(s).budget.units for s in ("pd", "prefill", "decode")] == [4, 4, 5]
+    assert not Admission().encoder.budget.bounded
+
+
+def engine_request(**kwargs) -> GenerateRequest:
+    defaults = dict(prompt="Q: ", conversation=None, items=(), sampling={}, stream=True)
+    return GenerateRequest(**{**defaults, **kwargs})
+
+
+def test_an_engine_stage_stops_a_request_when_its_deadline_passes_and_spends_no_step_after():
+    engine, sink, observer = FakeEngine(pieces=["t"] * 100, step_delay=0.01), FakeSink(), RecordingObserver()
+    outcome = asyncio.run(stream_generation(engine, engine_request(deadline=time.time() + 0.1), sink, observer,
+                                            request_id="r1"))
+    steps = engine.steps_run
+    assert outcome is Outcome.EXPIRED and engine.aborted == ["r1"] and 3 <= steps < 100
+    assert isinstance(sink.errors[0], DeadlineExceeded) and observer.finished[0][0] is Outcome.EXPIRED
+    time.sleep(0.05)
+    assert engine.steps_run == steps  # aborted: no step after the deadline
+
+
+def test_an_engine_stage_refuses_a_request_whose_deadline_passed_before_it_started():
+    engine, sink = FakeEngine(), FakeSink()
+    outcome = asyncio.run(stream_generation(engine, engine_request(deadline=time.time() - 0.01), sink,
+                                            request_id="r1"))
+    assert outcome is Outcome.EXPIRED and engine.steps_run == 0 and "before this stage started it" in str(sink.errors[0])
+
+
+def test_parsed_requests_carry_their_priority_and_deadline():
+    raw = RawGenerateInputs(prompt="x", priority=1, deadline=123.0)
+    parsed = parse_generate_request(raw, FakeLayoutResolver(), RequestLimits())
+    assert (parsed.priority, parsed.deadline) == (1, 123.0)
+    assert parse_generate_request(RawGenerateInputs(prompt="x"), FakeLayoutResolver()).priority == 0
+
+
+def test_the_arrival_check_adds_up_the_waits_of_every_gate_and_refuses_before_any_work():
+    observer = Observer()
+    admission = Admission(AdmissionBudgets(encoder_items_in_flight=1, generator_requests_in_flight=1, max_queue_ms=300),
+                          observer)
+    encoder, pd = admission.encoder, admission.generator("pd")
+    for gate in (encoder, pd):  # each full, each stage 0.2 s a call: 0.2 s of wait at each
+        gate.hold_seconds, gate.units = 0.2, 1
+    before = time.time()
+    assert before + 0.3 <= admission.check([(encoder, Cost(1)), ], 0, None) <= time.time() + 0.3  # 0.2 s: in time
+    with pytest.raises(Overloaded) as refused:
+        admission.check([(encoder, Cost(1)), (pd, Cost())], 0, None)  # 0.4 s in all: more than the 0.3 s it may wait
+    assert refused.value.retry_after == pytest.approx(0.4) and observer.sheds == [("encoder", 0, "budget")]
+    with pytest.raises(DeadlineExceeded):
+        admission.check([(pd, Cost())], 0, time.time() - 1)
+    assert Admission().check([(Admission().encoder, Cost(3))], 0, None) is None  # no budgets: no bound
+
+
+def test_a_reserve_keeps_room_for_the_highest_priority():
+    async def main():
+        gate, order = Gate("pd", Budget(units=4), reserve=0.25), []  # low ones fill 3 of 4
+        lows = [asyncio.create_task(hold(gate, 0.1, 1, order=order, name=f"low{i}")) for i in range(4)]
+        await asyncio.sleep(0.01)
+        assert gate.units == 3 and gate.waiting == 1
+        high = asyncio.create_task(hold(gate, 0.01, 0, order=order, name="high"))
+        await asyncio.sleep(0.03)
+        assert order[-1] == "high" and "low3" not in order  # in at once, on the reserved place
+        await asyncio.gather(high, *lows)
+        return gate._limit(4, 1), gate._limit(1, 1), gate._limit(4, 0)
+    assert asyncio.run(main()) == (3, 1, 4)

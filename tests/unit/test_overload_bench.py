@@ -1,0 +1,54 @@
+"""The overload benchmark's bookkeeping (clients.bench.overload_load, overload_table): a request's fate, the summary
+per class, the checks against the issue's targets, and the rendering of the topology with epd_open beside epd."""
+from pathlib import Path
+
+from backend.deploy.topology import load
+from clients.bench.overload import render_both
+from clients.bench.overload_load import Fate, summary
+from clients.bench.overload_table import checks, plot, tables
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_each_fate_has_one_outcome():
+    assert [Fate("low", 200, complete=True).outcome, Fate("low", 200).outcome, Fate("low", 429).outcome,
+            Fate("low", 503).outcome, Fate("low", None, error="hung").outcome, Fate("low", None, error="reset").outcome,
+            Fate("low", 500).outcome] == ["served", "broken", "shed", "expired", "hung", "lost", "error"]
+
+
+def test_the_summary_counts_goodput_within_the_slo_and_how_fast_sheds_were_answered():
+    fates = [Fate("high", 200, 0.1, 1.0, complete=True), Fate("low", 200, 0.6, 2.0, complete=True),
+             Fate("low", 429, answered=0.02, retry_after="1"), Fate("low", 429, answered=0.04)]
+    every = summary(fates, seconds=2.0, slo=0.5)
+    assert (every["sent"], every["served"], every["shed"], every["goodput"]) == (4, 2, 2, 0.5)
+    assert every["shed_answer_max_ms"] == 40.0 and every["shed_without_retry_after"] == 1
+    assert summary(fates, 2.0, 0.5, "high")["served"] == 1 and summary(fates, 2.0, 0.5, "low")["shed_rate"] == 2 / 3
+
+
+def _run(model, load, goodput, high_p99, shed_max=20.0):
+    part = {"goodput": goodput, "ttft_p50_ms": 10.0, "ttft_p99_ms": high_p99, "shed": 1 if shed_max else 0,
+            "shed_rate": 0.1, "shed_answer_p99_ms": shed_max, "shed_answer_max_ms": shed_max, "served": 9, "sent": 10,
+            "expired": 0, "lost": 0, "hung": 0, "broken": 0, "shed_without_retry_after": 0}
+    return {"model": model, "load": load, "rate": load * 10, "rss_mib": 100, "all": part, "high": part, "low": part}
+
+
+def test_the_checks_read_the_targets_from_the_runs(tmp_path):
+    results = {"slo_ms": 500, "light_ttft_p50_ms": 20.0, "capacity_rps": 10.0, "seconds": 10, "high_share": 0.2,
+               "runs": [_run("epd", 0.5, 5.0, 100.0), _run("epd", 2.0, 9.5, 140.0, 30.0), _run("epd_open", 1.0, 10.0, 90.0),
+                        _run("epd_open", 2.0, 1.0, 900.0), _run("epd_open", 0.5, 5.0, 80.0)]}
+    text = checks(results)
+    assert "- epd: goodput at 2x / the peak of any run = 0.95" in text and "at 0.5x = 1.40" in text
+    assert "slowest shed answer at 2x 30.0 ms" in text and "- epd_open: goodput at 2x / the peak of any run = 0.10" in text
+    assert tables(results).count("\n| epd") == 15  # 5 runs x (high, low, all)
+    plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_epd_open_is_epd_without_budgets_over_the_same_stages(tmp_path):
+    render_both(load(ROOT / "topologies" / "cpu-overload.yaml", "cpu"), tmp_path, max_queue_ms=300)
+    with_budgets = (tmp_path / "epd" / "config.pbtxt").read_text()
+    without = (tmp_path / "epd_open" / "config.pbtxt").read_text()
+    assert 'key: "generator_requests_in_flight" value: { string_value: "16" }' in with_budgets
+    assert 'key: "max_queue_ms" value: { string_value: "300" }' in with_budgets
+    assert 'name: "epd_open"' in without and "in_flight" not in without and "max_queue_ms" not in without
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder", "epd", "epd_open", "pd"]
