@@ -22,6 +22,7 @@ import pytest
 from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.topology import load
+from backend.protocol import errors
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import GenerateError, generate
 from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans
@@ -319,6 +320,48 @@ def test_a_slow_request_fails_at_the_deadline_and_frees_its_stages(epd_faults_se
     assert not any(isinstance(r, GenerateError) for r in quick), quick
     deadline = time.monotonic() + 10
     while any(_kv_usage(server).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
+
+
+def _stopped(server, model: str) -> float:
+    """Requests ``model`` ended at their deadline, or cancelled by the orchestrator that saw it first (0 before any)."""
+    total = 0.0
+    for outcome in ("deadline", "cancelled"):
+        try:
+            total += metric(server, "epd_requests_total", model=model, outcome=outcome)
+        except AssertionError:  # not exported yet
+            pass
+    return total
+
+
+def test_a_request_s_own_deadline_stops_prefill_and_decode_and_is_counted_there(epd_faults_server):
+    """``deadline_ms`` (shorter than the server's): the E/P/D request fails with DeadlineExceeded while decode
+    generates, and decode stops it (its own deadline or the orchestrator's cancel: counted, its KV back); prefill,
+    asked directly with a deadline already past, refuses the request before its engine gets it (counted)."""
+    server = epd_faults_server
+    decode_before = _stopped(server, "decode")
+    slow = dict(prompt="Describe.", sampling={"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True},
+                parameters={"deadline_ms": 700, "epd_error_codes": True})
+    started = time.monotonic()
+    failed = _ask(server, slow)
+    assert isinstance(failed, GenerateError) and time.monotonic() - started < DEADLINE, failed
+    assert isinstance(errors.decode(failed.message), errors.DeadlineExceeded), failed.message
+    deadline = time.monotonic() + 10
+    while _stopped(server, "decode") < decode_before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _stopped(server, "decode") == decode_before + 1
+    before = _stopped(server, "prefill")
+    with pytest.raises(GenerateError) as info:
+        generate(server.grpc_url, "prefill", GenerateInputs(prompt="Describe.", sampling=GREEDY, parameters={
+            "epd_deadline": f"{time.time() - 1:.3f}", "epd_error_codes": True}), timeout=60)
+    assert isinstance(errors.decode(info.value.message), errors.DeadlineExceeded), info.value.message
+    assert "before this stage started it" in info.value.message
+    deadline = time.monotonic() + 5
+    while _stopped(server, "prefill") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _stopped(server, "prefill") == before + 1
+    while any(_kv_usage(server).values()) and time.monotonic() < deadline + 5:
         time.sleep(0.2)
     assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
 
