@@ -27,7 +27,7 @@ stages are asked once more. Both count in ``timings["retries"]`` and ``RequestOb
 A ``deadline`` (seconds, 0: none) bounds the whole request, and a request's own (``deadline_ms``) may be shorter;
 past it the request fails with UNAVAILABLE (``DeadlineExceeded``) naming the phase it was in, and the stage streams
 still open are closed (their requests cancelled). The stages get the absolute deadline and the request's priority
-(``epd_deadline``, ``priority``): each checks it before it works on the request and stops there when it passes.
+(``epd_deadline``, ``epd_priority``): each checks it before it works on the request and stops there when it passes.
 
 Admission (``orchestrator.admission``, with budgets set): before each stage, the request takes its share of that stage's
 budget (the encoder: its items and bytes; a generator: one request) in priority order, or is refused before any
@@ -182,7 +182,7 @@ class Orchestrator:
             if state.encode:
                 state.phase = "encoding"
                 async with self.admission.encoder.admit(cost, request.priority, state.deadline, state.wait_until) \
-                        if request.items else _nothing():
+                        if request.items else contextlib.nullcontext():
                     encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
                 timings.update(items=len(request.items), encode_ms=_ms(started),
@@ -411,11 +411,6 @@ def _bool_parameter(params: dict, name: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise InvalidInput(f"parameters.{name}", f"expected a bool, got {value!r}")
     return value
-
-
-@contextlib.asynccontextmanager
-async def _nothing():
-    yield
 
 
 def _merge(timings: dict, stage: dict | None) -> None:

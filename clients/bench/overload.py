@@ -54,12 +54,9 @@ def server_rss(pid: int) -> int:
 
 
 async def light_ttft(base: str, model: str, count: int, args) -> list[float]:
-    ttfts = []
-    for i in range(count):
-        fates = await open_loop(base, model, 1000.0, 0.0005, 0.0, args.max_tokens, args.image_size, 90 + i,
-                                priorities=False)
-        ttfts += [f.ttft for f in fates if f.ttft is not None]
-    return ttfts
+    """TTFTs of ``count`` requests sent one after another."""
+    _, fates = await closed_loop_rate(base, model, 1, count, args.max_tokens, args.image_size, 90)
+    return [f.ttft for f in fates if f.ttft is not None]
 
 
 def run(args) -> dict:
