@@ -133,6 +133,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
                           nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
+        params.update(_nice(topology))
         if topology.video_split > 1:
             params["video_split"] = _fmt(topology.video_split)
         params.update({k: _fmt(v) for k, v in topology.reuse.items()})  # its engine is the consumer
@@ -159,6 +160,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     params = {"engine_args": "model.json", **limits, **_admission(topology, "priority_levels")}
     if topology.stream_interval_ms and kind.role is not Stage.PREFILL:  # one token: nothing to pace
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
+    params.update(_nice(topology))
     if kind.role.spec.kv_role:
         params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
     if kind.role.spec.pulls_embeddings:  # a consumer: its copies (the reuse block)
@@ -171,6 +173,11 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 def _admission(topology: Topology, *keys: str) -> dict[str, str]:
     """The ``admission`` block's settings given in the topology (``keys``: only those), as parameters."""
     return {k: _fmt(v) for k, v in topology.admission.items() if not keys or k in keys}
+
+
+def _nice(topology) -> dict[str, str]:
+    """An engine model's EngineCore niceness (``topology.engine_nice``; 0: none rendered)."""
+    return {"engine_nice": _fmt(topology.engine_nice)} if topology.engine_nice else {}
 
 
 def _openai(topology: Topology) -> dict[str, str]:

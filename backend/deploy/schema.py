@@ -20,7 +20,7 @@ ENGINE_STAGES = tuple(stage.value for stage in Stage if stage.spec.generates)
 GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms", "openai_port",
-            "video_split", "tier", "reuse", "hosts", "admission"}
+            "engine_nice", "video_split", "tier", "reuse", "hosts", "admission"}
 STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for d in Disaggregation for stage in d.generators)
@@ -127,6 +127,9 @@ class Topology:
     # the OpenAI-compatible endpoint served from the served deployment's own model process on this port (0: none;
     # frontend.openai.in_process); one served deployment only
     openai_port: int = 0
+    # the engines' EngineCore processes run at this Linux niceness (0: as the server): under CPU contention the request
+    # path (tritonserver, the orchestrators, the endpoint, the encoders) runs before their steps (EngineSettings)
+    engine_nice: int = 0
     video_split: int = 1  # the orchestrators encode each video in this many parts at once (RoutingSettings.video_split)
     tier: dict[str, Any] = field(default_factory=dict)  # the shared embedding tier (TIER_DEFAULTS' keys); {}: none
     reuse: dict[str, Any] = field(default_factory=dict)  # consumers' copies, demand-aware (REUSE_DEFAULTS' keys); {}: off

@@ -120,6 +120,9 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
     if openai_port and len(serve) != 1:
         raise TopologyError(f"{path}: openai_port: the endpoint in a model's process serves that model alone; this "
                             f"file serves {', '.join(serve)} (serve one, or front them with python -m frontend.openai)")
+    nice = doc.get("engine_nice", 0)
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+        raise TopologyError(f"{path}: engine_nice: expected an integer from 0 (as the server) to 19, got {nice!r}")
     split = doc.get("video_split", 1)
     if not isinstance(split, int) or isinstance(split, bool) or not 1 <= split <= MAX_INSTANCES:
         raise TopologyError(f"{path}: video_split: expected an integer from 1 to {MAX_INSTANCES}, got {split!r}")
@@ -127,7 +130,7 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                         checkpoint=Path(override).resolve() if override is not None else path.parent / checkpoint,
                         serve=tuple(serve), stages=stages, engine_args={**ENGINE_DEFAULTS, **engine_args},
                         transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
-                        openai_port=openai_port, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
+                        openai_port=openai_port, engine_nice=nice, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
                         reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve),
                         admission=_admission(doc.get("admission"), f"{path}: admission"), source=_source(path))
     return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))

@@ -8,7 +8,9 @@ was patched there). Each patch is switched on by a variable, so other vLLM users
 by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
 (``patch_quick_exit``); an EngineCore whose parent is gone exits (``follow_parent``, no patch: a thread of its
 own); gloo groups share one transport device (``share_gloo_device``);
-``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
+``EPD_ENGINE_NICE`` (an engine model's
+``engine_nice``, topology ``engine_nice``): the EngineCore lowers its CPU priority to that niceness
+(``lower_priority``; not a patch); ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
 (``patch_idle_wait``); ``EPD_NIXL_POLL_DELAY_US`` (``prefill`` and ``decode``): the poll delay of the NIXL
 agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agents``); ``EPD_OMNI_AUDIO_EMBEDS=1``
 (set for every stub): Qwen2.5-Omni's thinker takes precomputed audio embeddings (``backend.engine.omni_audio``). The memory diagnostic
@@ -16,6 +18,7 @@ agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agen
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import sys
@@ -24,6 +27,8 @@ import time
 from backend.engine.omni_audio import patch_omni_audio_embeds
 from backend.protocol.versions import Guard
 from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
+
+NICE_ENV = "EPD_ENGINE_NICE"  # an engine model's engine_nice: its EngineCore runs at that niceness (lower_priority)
 
 # Checked on vLLM 0.32 (CPU) and 0.26.0 (GPU): EngineCoreProc._process_engine_step (its 1 ms sleep after a step
 # that ran no model), _handle_client_request and input_queue are the same code; 0.27-0.31 were not looked at.
@@ -195,7 +200,21 @@ def share_gloo_device() -> None:
     c10d.ProcessGroupGloo = SharedDeviceGloo
 
 
+def lower_priority(nice: int) -> None:
+    """This process's threads (Linux nice is per thread; threads made later inherit their maker's) at niceness
+    ``nice`` (0-19), never raised above where they are."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            tid = int(task)
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (OSError, ValueError):  # the thread ended meanwhile
+            pass
+
+
 def register() -> None:
+    nice = os.environ.get(NICE_ENV)
+    if nice and multiprocessing.parent_process() is not None:  # the EngineCore (spawned), not the stub that set it
+        lower_priority(int(nice))
     if os.environ.get("EPD_ENGINE_QUICK_EXIT") == "1":
         patch_quick_exit()
     if os.environ.get("EPD_ENGINE_FOLLOW_PARENT") == "1":

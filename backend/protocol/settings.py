@@ -52,6 +52,7 @@ class EngineSettings(PrioritySettings, MediaSettings):
 
     engine_args: str = "model.json"  # the engine arguments' file, in the model's directory
     stream_interval_ms: float = 0  # at most one streamed response per interval (0: every engine step)
+    engine_nice: int = 0  # the EngineCore's Linux niceness, 0-19 (backend.engine.patches.lower_priority; 0: as the stub)
 
 
 @dataclass(frozen=True)

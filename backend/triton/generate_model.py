@@ -23,6 +23,7 @@ from backend.deploy.ports import free_ports
 from backend.encode.checkpoint import embedding_width, model_identity
 from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
                                  metadata_only_engine_args, report_a_slow_finalize, takes_layout_only)
+from backend.engine.patches import NICE_ENV
 from backend.engine.serving import stream_generation
 from backend.protocol.errors import InvalidInput
 from backend.protocol.generate import HELD_PARAMETER, LOAD_PARAMETER
@@ -124,7 +125,9 @@ class GenerateModel:
         return model_json
 
     def process_env(self) -> dict[str, str]:
-        return {}
+        """Variables set before the engine starts (its EngineCore child inherits them)."""
+        nice = self.settings.engine_nice
+        return {NICE_ENV: str(nice)} if nice else {}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
         return request
@@ -211,12 +214,12 @@ class MetadataOnlyModel(GenerateModel):
 
     def process_env(self):
         if not self.spec.kv_role:
-            return {}
+            return super().process_env()
         settings: KvEngineSettings = self.settings  # a kv_role's model reads KvEngineSettings (or a subclass)
         port = settings.nixl_side_channel_port if settings.nixl_side_channel_port is not None else free_ports()[0]
         # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)
         wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else self.spec.idle_wait_ms
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
+        return {**super().process_env(), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
                 POLL_DELAY_ENV: str(settings.nixl_poll_delay_us),
                 "EPD_ENGINE_IDLE_WAIT_MS": "" if wait is None else f"{wait:g}",
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}

@@ -3,11 +3,13 @@ priorities (``epd``) and without (``epd_open``: the same encoder and pd, an orch
 without a priority), driven over the OpenAI protocol by open-loop Poisson arrivals at multiples of the measured
 capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, one plot.
 
-    .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--slo-ms 0] [--out DIR]
+    .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--slo-ms 0] [--endpoint in-process]
+                                               [--out DIR]
 
 Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
 ``--max-queue-ms``, by default half the SLO) is rendered for E+PD and ``epd_open`` added beside ``epd``; tritonserver
-and ``frontend.openai`` start on free ports; the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
+starts on free ports, with the OpenAI endpoint in each orchestrator's process (``--endpoint in-process``, the
+default; each on a port of its own) or ``frontend.openai`` as its own process serving both (``--endpoint process``); the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
 served from ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput
 (requests served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and
 whether it had ``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
@@ -29,15 +31,18 @@ from clients.bench.report import percentile
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
 
 
-def render_both(topology, repo: Path, max_queue_ms: float = 0) -> None:
+def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dict[str, int] | None = None) -> None:
     """E+PD with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
-    ``epd_open``: the same orchestrator without budgets."""
+    ``epd_open``: the same orchestrator without budgets. ``openai_ports``: model -> the port of the OpenAI endpoint in
+    that orchestrator's process (none: no endpoint in a model's process)."""
     from backend.deploy.render import render
 
+    ports = openai_ports or {}
     admission = {**topology.admission, **({"max_queue_ms": max_queue_ms} if max_queue_ms else {})}
-    render(topology.only("E+PD", admission=admission), repo)
+    render(topology.only("E+PD", admission=admission, openai_port=ports.get("epd", 0)), repo)
     with tempfile.TemporaryDirectory() as other:
-        render(topology.only("E+PD", admission={"priority_levels": admission.get("priority_levels", 4)}), Path(other))
+        render(topology.only("E+PD", admission={"priority_levels": admission.get("priority_levels", 4)},
+                             openai_port=ports.get("epd_open", 0)), Path(other))
         shutil.copytree(Path(other) / "epd", repo / "epd_open")
     config = repo / "epd_open" / "config.pbtxt"
     config.write_text(config.read_text().replace('name: "epd"', 'name: "epd_open"'))
@@ -68,27 +73,31 @@ def run(args) -> dict:
     topology = load(Path(args.topology), "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    *server_ports, port = free_ports(4)
+    *server_ports, port, port_open = free_ports(5)
+    in_process = args.endpoint == "in-process"
+    ports = {"epd": port, "epd_open": port_open} if in_process else {m: port for m in DEPLOYMENTS}
+    bases = {model: f"http://127.0.0.1:{p}" for model, p in ports.items()}
     with tempfile.TemporaryDirectory(prefix="overload-") as repo, tempfile.TemporaryDirectory(prefix="overload-tmp-") as tmp:
         slo = args.slo_ms / 1000
-        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2)
+        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2, ports if in_process else None)
         with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=out / "tritonserver.log",
                           env={**os.environ, "TMPDIR": tmp}) as server:
-            endpoint = start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
+            endpoint = None if in_process else start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
             try:
-                base = f"http://127.0.0.1:{port}"
-                wait_healthy(f"{base}/health", 120, endpoint)
-                return asyncio.run(_measure(base, server, slo, args))
+                for base in set(bases.values()):
+                    wait_healthy(f"{base}/health", 120, endpoint or server.proc)
+                return asyncio.run(_measure(bases, server, slo, args))
             finally:
-                endpoint.terminate()
-                endpoint.wait(timeout=30)
+                if endpoint is not None:
+                    endpoint.terminate()
+                    endpoint.wait(timeout=30)
 
 
-async def _measure(base: str, server, slo: float, args) -> dict:
+async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
     for model in DEPLOYMENTS:  # warm-up
-        await light_ttft(base, model, 2, args)
-    light = await light_ttft(base, "epd_open", 8, args)
-    capacity, _ = await closed_loop_rate(base, "epd_open", args.capacity_concurrency, args.capacity_requests,
+        await light_ttft(bases[model], model, 2, args)
+    light = await light_ttft(bases["epd_open"], "epd_open", 8, args)
+    capacity, _ = await closed_loop_rate(bases["epd_open"], "epd_open", args.capacity_concurrency, args.capacity_requests,
                                          args.max_tokens, args.image_size, 7)
     print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
           f"capacity {capacity:.2f} req/s", flush=True)
@@ -96,14 +105,14 @@ async def _measure(base: str, server, slo: float, args) -> dict:
     for load in args.loads:
         for model, on in DEPLOYMENTS.items():
             started = time.perf_counter()
-            fates = await open_loop(base, model, load * capacity, args.seconds, args.high_share, args.max_tokens,
+            fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share, args.max_tokens,
                                     args.image_size, seed=int(load * 1000), priorities=on)
             row = {"model": model, "load": load, "rate": round(load * capacity, 2), "wall_s": round(time.perf_counter() - started, 1),
                    "rss_mib": round(server_rss(server.proc.pid) / 2**20),
                    "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
             runs.append(row)
             print(_line(row), flush=True)
-    return {"slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+    return {"endpoint": args.endpoint, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
 
 
@@ -131,6 +140,9 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--capacity-concurrency", type=int, default=16)
     parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
+                        help="the OpenAI endpoint in each orchestrator's process (docs/openai.md), or python -m "
+                             "frontend.openai as its own process serving both")
     parser.add_argument("--out", default="/tmp/overload")
     args = parser.parse_args(argv)
     results = run(args)

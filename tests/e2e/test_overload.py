@@ -33,7 +33,7 @@ SHORT = {"temperature": 0.0, "max_tokens": 4}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     topology = load(ROOT / "topologies" / "cpu-overload.yaml", "cpu")
-    topology = topology.only("E+PD", engine_args={"max_num_seqs": 1},
+    topology = topology.only("E+PD", engine_args={"max_num_seqs": 1}, engine_nice=1,
                              admission={**topology.admission, "generator_requests_in_flight": 1, "max_queue_ms": 20000})
     repo = tmp_path_factory.mktemp("overload") / "repo"
     render(topology, repo)
@@ -185,3 +185,16 @@ def test_a_bad_priority_or_deadline_is_invalid_arg_naming_it(server, model, para
     error = failure(info)
     assert isinstance(error, errors.InvalidInput) and error.field == field, str(error)
     assert ask(server, model, SHORT).text  # still serving
+
+
+def test_the_engine_core_runs_at_the_topology_s_niceness_and_the_request_path_does_not(server):
+    """The fixture's engine_nice is 1, not the topology's 10: the ordering tests above need an engine that reads its
+    queue at once even while other work fills the 2 cores."""
+    import psutil
+
+    tree = psutil.Process(server.proc.pid).children(recursive=True)
+    cores = [p for p in tree if "EngineCore" in p.name()]
+    assert len(cores) == 1  # pd's
+    assert {t.id: psutil.Process(t.id).nice() for t in cores[0].threads()} == {t.id: 1 for t in cores[0].threads()}
+    assert psutil.Process(server.proc.pid).nice() == 0
+    assert all(p.nice() == 0 for p in tree if p not in cores and cores[0] not in p.parents())

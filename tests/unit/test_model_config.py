@@ -78,7 +78,7 @@ def test_rendered_values_reach_the_settings_typed(tmp_path):
 def test_an_unknown_parameter_fails_naming_it():
     config = {"parameters": {"engine_args": {"string_value": "model.json"}, "stream_interval_msx": {"string_value": "5"}}}
     with pytest.raises(ConfigError, match=r"^pd: unknown parameter 'stream_interval_msx' in config.pbtxt \(known: "
-                                          r"engine_args, max_audio_seconds, max_image_pixels, max_item_bytes, max_video_frames, "
+                                          r"engine_args, engine_nice, max_audio_seconds, max_image_pixels, max_item_bytes, max_video_frames, "
                                           r"max_video_seconds, priority_levels, "
                                           r"stream_interval_ms\)$"):
         parse_settings(EngineSettings, "pd", config)

@@ -341,3 +341,19 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
 def test_a_bad_admission_block_is_refused_naming_the_key(tmp_path, admission, message):
     with pytest.raises(TopologyError, match=message):
         load(_write(tmp_path, {**BASE, "admission": admission}), "cpu")
+
+
+def test_engine_nice_renders_into_every_engine_model_and_nothing_else(tmp_path):
+    doc = {**BASE, "serve": ["baseline", "E+PD", "E/P/D"], "engine_nice": 10,
+           "stages": {"encoder": {}, "pd": {}, "prefill": {"orchestrator": "colocated"}, "decode": {}, "llm": {}, "epd": {}}}
+    files = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))
+    nice = 'key: "engine_nice" value: { string_value: "10" }'
+    assert sorted(m.split("/")[0] for m, text in files.items() if nice in text) == ["decode", "epd_disagg", "llm", "pd"]
+    assert {"encoder/config.pbtxt", "epd/config.pbtxt"} <= set(files)  # rendered, without it (epd_disagg: prefill's engine)
+    assert not any("engine_nice" in text for text in render_files(load(DEFAULT, "cpu"), Path("/r")).values())
+
+
+@pytest.mark.parametrize("nice", [-1, 20, 2.5, True, "10"])
+def test_a_bad_engine_nice_is_refused_naming_the_key(tmp_path, nice):
+    with pytest.raises(TopologyError, match=r"engine_nice: expected an integer from 0 \(as the server\) to 19, got"):
+        load(_write(tmp_path, {**BASE, "engine_nice": nice}), "cpu")
