@@ -11,7 +11,9 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
 - ``transfer.<path>``: one pull of a request's embeddings by its MiB (``shared_memory``: same host; ``nixl``: across
   hosts); ``kv_transfer``: E/P/D's KV pull by its MiB; ``embedding_bytes_per_token``, ``kv_bytes_per_token``;
 - ``orchestrator``, ``stub`` (an engine's Triton stub), ``client``: per request (base) and per streamed response (slope)
-  of the processes between the engine and the user.
+  of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
+  costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
+  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on the cores after the request).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's.
 """
@@ -67,6 +69,16 @@ class Profile:
     @property
     def cores(self) -> float:
         return float(self.doc.get("cores", 0))
+
+    @property
+    def before_first(self) -> float:
+        """The share of the client's, orchestrator's and stub's per-request work done before the first token (the
+        rest after the last: final response, accounting); 1 where not fitted."""
+        return float(self.doc.get("before_first_token", 1.0))
+
+    def hop_ms(self) -> float:
+        """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""
+        return self.line("hop").base if "hop" in self.doc else 0.0
 
     def encode_ms(self, item: Item) -> float:
         return max(0.0, self.line(f"encoder.{item.modality}").at(units(item)))

@@ -119,8 +119,9 @@ class Simulation:
         entered = yield from gate.enter(1, request.priority)
         engine, stub = self._least(self.tiers[stage])
         engine.outstanding += 1
-        yield from stub.work(pull_ms)
+        yield from stub.work(pull_ms + self.profile.before_first * self.profile.line("stub").base)
         seq = Sequence(prefill, output, request.priority, self.env.event(), self.env.event(), media_ms, context=context)
+        seq.stub = stub
         engine.submit(seq)
         yield seq.done
         engine.outstanding -= 1
@@ -137,16 +138,19 @@ class Simulation:
         record = {"index": request.index, "priority": request.priority, "sent": self.env.now, "shed": False,
                   "tokens": request.output_tokens}
         self.records.append(record)
-        yield from self.client.work(p.line("client").base)
+        share = p.before_first
+        yield from self.client.work(share * p.line("client").base)
+        yield self.env.timeout(p.hop_ms() / 1000.0)
         if self.max_queue and sum(g.estimate(c, request.priority) for g, c in self._passes(request)) > self.max_queue:
             record["shed"] = True
             return
-        yield from self.orchestrator.work(p.line("orchestrator").base)
+        yield from self.orchestrator.work(share * p.line("orchestrator").base)
         media_tokens = sum(p.tokens(i) for i in request.items)
         prompt = request.prompt_tokens + media_tokens
-        if ll.split == "llm":
-            media_ms = sum(p.encode_ms(i) for i in request.items)
-            seq = yield from self._generate(request, "llm", prompt, request.output_tokens, media_ms, 0.0)
+        if ll.split == "llm":  # the engine's steps encode its share of the media; its stub processes the rest
+            media_ms, share = sum(p.encode_ms(i) for i in request.items), float(p.doc.get("engine_media_share", 1.0))
+            seq = yield from self._generate(request, "llm", prompt, request.output_tokens, share * media_ms,
+                                            (1 - share) * media_ms)
             return self._finish(record, seq)
         if request.items:
             yield from self._encode(request)
@@ -159,7 +163,14 @@ class Simulation:
         return self._finish(record, seq)
 
     def _finish(self, record: dict, seq: Sequence) -> None:
+        """Record the request's first token and end; the per-request work done after the end goes on (the cores)."""
         record["first"], record["end"] = seq.first.value, seq.done.value
+        after = 1.0 - self.profile.before_first
+        for process, name in ((self.client, "client"), (self.orchestrator, "orchestrator"), (seq.stub, "stub")):
+            if after > 0:
+                self.env.process(process.work(after * self.profile.line(name).base))
+        if self.profile.doc.get("engine_after_ms"):
+            self.env.process(self.cores.work(self.profile.doc["engine_after_ms"] / 1000.0))
 
     def _open_loop(self, requests: list[Request]):
         for request in requests:

@@ -84,7 +84,7 @@ class Sequence:
     media_ms: float = 0.0
     generated: int = 0
     context: int = 0
-    relays: list = field(default_factory=list)
+    stub: object = None  # the Process of the engine's stub (its per-request work after the end)
 
 
 class Engine:
@@ -101,7 +101,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.order = itertools.count()
         self.wake = env.event()
-        self.outstanding, self.busy, self.steps = 0, 0.0, 0
+        self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
         env.process(self._loop())
 
     def submit(self, seq: Sequence) -> None:
@@ -136,6 +136,7 @@ class Engine:
             for seq in new:
                 seq.context += seq.prefill
             emitted = self.running + new
+            self.batched += len(emitted)
             for seq in emitted:
                 seq.generated += 1
                 seq.context += 1
