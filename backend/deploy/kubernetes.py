@@ -78,6 +78,7 @@ class Options:
     max_replicas: int = 8  # each autoscaler's ceiling (at least the tier's replicas)
     tritonserver: str = "tritonserver"
     shm: str = "1Gi"  # /dev/shm of each pod (the Python backend's stubs talk to tritonserver through it)
+    targets: tuple[tuple[str, str], ...] = ()  # (stage, target) over SCALE_ON's (clients.plan: derived from a profile)
 
 
 def tiers(topology: Topology, prefix: str = "") -> dict[str, Tier]:
@@ -201,7 +202,7 @@ def _autoscaler(topology: Topology, tier: Tier, labels: dict[str, str], options:
     metrics = []
     for stage in tier.stages:
         name, target = SCALE_ON[stage]
-        target = target or str(topology.transfer["pool_bytes"] // 2)
+        target = dict(options.targets).get(stage) or target or str(topology.transfer["pool_bytes"] // 2)
         metrics.append({"type": "Pods", "pods": {"metric": {"name": name},
                                                  "target": {"type": "AverageValue", "averageValue": target}}})
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _meta(tier.name, labels, options),

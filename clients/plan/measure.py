@@ -1,0 +1,225 @@
+"""Measure a stage profile (``clients.plan.profile``) against a running E+PD deployment.
+
+    python -m clients.plan.measure --out docs/results/data/plan-2026-12-06/profile-cpu.json   # starts one server
+    python -m clients.plan.measure --url 127.0.0.1:8001 --metrics http://127.0.0.1:8002/metrics --pid PID --out P.json
+
+Every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
+under load would count them twice). Phases of requests, one at a time (no contention), each on fresh images: text
+only; one image at four sizes; four images a request; one video; a longer answer; then closed loops of 4 and 8 for
+the decode step by batch. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
+encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the load generator), vLLM's prompt tokens
+(``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings`` (``transfer_ms``, ``transfer_bytes``). Fitted
+(``fit``): encoder item and batch lines, media tokens per item, prefill and decode steps, the stub's, orchestrator's
+and client's per request and per streamed token, the same-host pull. Not measured here: the cross-host (NIXL) pull and
+E/P/D's KV pull (``derived`` says where they come from). ``hop``: what light-load TTFT has beyond the CPU work (the
+gRPC hops' latency), the residual of the simulator against the measured light-load TTFT.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from clients.bench.load import run_concurrency, synthetic_requests, synthetic_video_requests
+from clients.bench.proc_cpu import per_request, snapshot
+from clients.bench.report import parse_metrics, percentile
+from clients.plan.profile import Line, Profile, save
+
+SIZES = (64, 160, 256, 384)
+SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
+BATCHES = (4, 8)
+
+
+class _Quiet:
+    def update(self, n: int) -> None:
+        pass
+
+
+def fit(points: list[tuple[float, float]]) -> Line:
+    """Least-squares line through ``points`` (one point: a constant)."""
+    if len({x for x, _ in points}) < 2:
+        return Line(sum(y for _, y in points) / len(points), 0.0)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return Line(my - slope * mx, slope)
+
+
+class Session:
+    """The server under measurement: its gRPC address, metrics URL and process group."""
+
+    def __init__(self, url: str, metrics: str, pid: int):
+        self.url, self.metrics, self.pid = url, metrics, pid
+        self.seed = 1000
+
+    def _tokens(self) -> float:
+        text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        return parse_metrics(text, "epd_vllm_prompt_tokens_total").get(("epd_vllm_prompt_tokens_total", "pd"), 0.0)
+
+    def phase(self, make, count: int, concurrency: int = 1) -> dict:
+        """``count`` requests ``make(count, first_seed)``: CPU ms per request per process, prompt tokens per request,
+        the samples."""
+        requests = make(count, self.seed)
+        self.seed += count * 10
+        cpu0, tokens0 = snapshot(self.pid), self._tokens()
+        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, _Quiet()))
+        time.sleep(1.5)  # the counters are handed to Triton every 0.25 s
+        if results.errors:
+            raise RuntimeError(f"measure: {len(results.errors)} requests failed: {results.errors[0]}")
+        cpu = per_request(cpu0, snapshot(self.pid), count)
+        return {"cpu": cpu, "prompt_tokens": (self._tokens() - tokens0) / count, "samples": results.samples,
+                "wall": wall, "count": count}
+
+
+def _cpu(phase: dict, *labels: str) -> float:
+    return sum(phase["cpu"].get(label, 0.0) for label in labels)
+
+
+def _mean(phase: dict, key: str) -> float:
+    values = [s.timings.get(key, 0.0) for s in phase["samples"]]
+    return sum(values) / len(values)
+
+
+def images(size: int, count: int = 1, tokens: int = SHORT):
+    return lambda n, seed: synthetic_requests(n, count, [(size, size)], tokens, first=seed)
+
+
+def run_phases(session: Session, repeat: int) -> dict:
+    phases = {"text": session.phase(images(64, 0), repeat)}
+    for size in SIZES:
+        phases[f"image{size}"] = session.phase(images(size), repeat)
+    phases["batch4"] = session.phase(images(160, 4), repeat)
+    phases["video"] = session.phase(lambda n, seed: synthetic_video_requests(n, 1, (64, 64), 8, 4.0, SHORT, seed), repeat)
+    phases["long"] = session.phase(images(64, tokens=LONG), repeat)
+    for batch in BATCHES:
+        phases[f"decode{batch}"] = session.phase(images(64, tokens=LONG), batch * 3, concurrency=batch)
+    return phases
+
+
+def lines(phases: dict) -> dict:
+    """The profile's lines from the phases (module docstring)."""
+    orchestrator, engine = ("stub epd", "tritonserver"), ("EngineCore pd",)
+    text_tokens = phases["text"]["prompt_tokens"]
+    kpix = {size: size * size / 1000 for size in SIZES}
+    per_token = {name: (_cpu(phases["long"], *labels) - _cpu(phases["image64"], *labels)) / (LONG - SHORT)
+                 for name, labels in (("engine", engine), ("stub", ("stub pd",)), ("orchestrator", orchestrator),
+                                      ("client", ("load generator",)))}
+    single = fit([(kpix[s], _cpu(phases[f"image{s}"], "stub encoder")) for s in SIZES])
+    item160 = (_cpu(phases["batch4"], "stub encoder") - single.at(kpix[160])) / 3
+    batch = Line(max(0.0, single.at(kpix[160]) - item160), 0.0)
+    image = Line(item160 - single.slope * kpix[160], single.slope)
+    video_units = 8 * 64 * 64 / 1000
+    video = Line(0.0, max(0.0, _cpu(phases["video"], "stub encoder") - batch.base) / video_units)
+    prefill = fit([(p["prompt_tokens"], _cpu(p, *engine) - (SHORT - 1) * per_token["engine"])
+                   for name, p in phases.items() if name == "text" or name.startswith("image")])
+    steps = [(1, per_token["engine"])] + [(b, b * _cpu(phases[f"decode{b}"], *engine) / LONG) for b in BATCHES]
+    decode = fit(steps)
+    transfer = fit([(s.timings.get("transfer_bytes", 0) / 2**20, s.timings.get("transfer_ms", 0.0))
+                    for name, p in phases.items() if name.startswith("image") for s in p["samples"]])
+    media = [(kpix[s], phases[f"image{s}"]["prompt_tokens"] - text_tokens) for s in SIZES]
+    pulled = sum(_mean(phases[f"image{s}"], "transfer_ms") for s in SIZES) / len(SIZES)
+
+    def per_request(name: str, labels, less: float = 0.0) -> dict:
+        base = _cpu(phases["image64"], *labels) - SHORT * per_token[name] - less
+        return Line(max(0.0, base), max(0.0, per_token[name])).as_dict()
+
+    media_tokens = phases["image256"]["prompt_tokens"] - text_tokens
+    return {"encoder": {"batch": batch.as_dict(), "image": image.as_dict(), "video": video.as_dict()},
+            "tokens": {"image": fit(media).as_dict(),
+                       "video": Line(0.0, (phases["video"]["prompt_tokens"] - text_tokens) / video_units).as_dict()},
+            "prefill": Line(max(0.0, prefill.base), max(0.0, prefill.slope)).as_dict(),
+            "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_context": Line().as_dict(),
+            "transfer": {"shared_memory": Line(max(0.0, transfer.base), max(0.0, transfer.slope)).as_dict()},
+            "embedding_bytes_per_token": round(_mean(phases["image256"], "transfer_bytes") / max(media_tokens, 1), 1),
+            "stub": per_request("stub", ("stub pd",), pulled), "orchestrator": per_request("orchestrator", orchestrator),
+            "client": per_request("client", ("load generator",)), "text_tokens": text_tokens,
+            "light_ttft_ms": percentile([s.ttft * 1000 for s in phases["image64"]["samples"]], 50),
+            "light_tpot_ms": percentile([s.tpot * 1000 for s in phases["long"]["samples"] if s.tpot], 50),
+            "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
+
+
+def calibrate(doc: dict) -> dict:
+    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, against ``light_ttft_ms``): the share of the
+    per-request work done before the first token (``before_first_token``), and ``hop``, what TTFT has beyond all of
+    it (0 where the share is below 1); where even none of it before the first token is too much, the engine's
+    per-request CPU beyond the light-load prefill is moved off the path (``engine_after_ms``: after the request)."""
+    from clients.plan.simulate import Layout, simulate
+    from clients.plan.workload import parse
+
+    workload = parse({"arrivals": {"process": "closed", "concurrency": 1}, "requests": 20,
+                      "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": SHORT,
+                               "images": {"count": 1, "sizes": [[64, 64]]}}]})
+
+    def ttft(share: float) -> float:
+        trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
+        return simulate(Layout(), Profile(trial), workload)["ttft_p50_ms"]
+
+    low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
+    share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
+    doc = {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
+    if low > measured:  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
+        prefill = Line(doc["prefill"]["base"], doc["prefill"]["slope"])
+        cut = min(prefill.base, low - measured)
+        doc.update(prefill=Line(prefill.base - cut, prefill.slope).as_dict(), engine_after_ms=round(cut, 3))
+    return doc
+
+
+def nixl_line() -> dict:
+    """The cross-host pull, from docs/benchmarks.md "Cross-host transfer" (tcp veth p50: 0.9 ms at 256 KiB, 3.7 ms
+    at 1 MiB, 21.8 ms at 8 MiB, the two runs' mean): not measured by this command."""
+    return fit([(0.25, 0.94), (1.0, 3.67), (8.0, 21.77)]).as_dict()
+
+
+def measure(session: Session, repeat: int, name: str) -> dict:
+    measured = lines(run_phases(session, repeat))
+    doc = {"name": name, "kind": "cpu", "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M"),
+           **measured, "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
+           "derived": {"transfer.nixl": "docs/benchmarks.md, Cross-host transfer (tcp veth p50), not this run",
+                       "kv_transfer": "assumed equal to the same-host embedding pull; not measured (E/P/D not run)",
+                       "kv_bytes_per_token": "tiny Qwen2-VL: 2 layers x K,V x 2 heads x 32 x fp32"}}
+    doc["transfer"]["nixl"] = nixl_line()
+    return calibrate(doc)
+
+
+def _serve(args) -> dict:
+    from backend.deploy.local_server import Ports, TritonServer
+    from backend.deploy.ports import free_ports
+    from backend.deploy.render import render
+    from backend.deploy.topology import load
+
+    topology = load(Path(args.topology), "cpu")
+    with tempfile.TemporaryDirectory(prefix="plan-measure-") as repo:
+        render(topology.only("E+PD"), Path(repo))
+        ports = Ports(*free_ports(3))
+        with TritonServer(Path(repo), ports=ports, log_path=Path(repo) / "tritonserver.log") as server:
+            session = Session(server.grpc_url, server.metrics_url, server.proc.pid)
+            session.phase(images(64), 3)  # warm-up
+            return measure(session, args.repeat, args.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Measure a stage profile against an E+PD deployment.")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="served when no --url is given")
+    parser.add_argument("--url", help="a running server's gRPC address (with --metrics and --pid)")
+    parser.add_argument("--metrics", help="its metrics URL")
+    parser.add_argument("--pid", type=int, help="its tritonserver's pid (the CPU of its process group)")
+    parser.add_argument("--repeat", type=int, default=16, help="requests per phase")
+    parser.add_argument("--name", default="cpu-2core-tiny-qwen2-vl")
+    args = parser.parse_args(argv)
+    if args.url and not (args.metrics and args.pid):
+        parser.error("--url needs --metrics and --pid")
+    doc = measure(Session(args.url, args.metrics, args.pid), args.repeat, args.name) if args.url else _serve(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save(Profile(doc).check(), args.out)
+    print(json.dumps({k: v for k, v in doc.items() if k != "cpu_ms_per_request"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

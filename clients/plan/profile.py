@@ -1,0 +1,122 @@
+"""A stage profile: each stage's service time as a function of what it gets, as the simulator reads it (JSON).
+
+Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and milliseconds per unit), fitted by
+``clients.plan.measure`` against a running deployment (or derived, and labelled so: ``derived``):
+- ``encoder.<modality>``: one item's time by its units (image: kilopixels; video: frames x kilopixels; audio: seconds);
+  ``encoder.batch``: a batch's own time by its item count (Triton batches the encoder's items);
+- ``tokens.<modality>``: an item's prompt tokens by its units;
+- ``prefill``: an engine step's time by the prompt tokens it prefills (the step's base included);
+- ``decode``: an engine step's time by the sequences it decodes; ``decode_context``: the extra time per 1,000 tokens of
+  context those sequences hold (slope only);
+- ``transfer.<path>``: one pull of a request's embeddings by its MiB (``shared_memory``: same host; ``nixl``: across
+  hosts); ``kv_transfer``: E/P/D's KV pull by its MiB; ``embedding_bytes_per_token``, ``kv_bytes_per_token``;
+- ``orchestrator``, ``stub`` (an engine's Triton stub), ``client``: per request (base) and per streamed response (slope)
+  of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
+  costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
+  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on the cores after the request).
+``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
+sharing); 0: each stage has its own device (a GPU), none waits for another's.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from clients.plan.workload import Item
+
+MODALITIES = ("image", "video", "audio")
+LINES = ("encoder.batch", "prefill", "decode", "decode_context", "kv_transfer", "orchestrator", "stub", "client")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Line:
+    base: float = 0.0
+    slope: float = 0.0
+
+    def at(self, x: float) -> float:
+        return self.base + self.slope * x
+
+    def as_dict(self) -> dict:
+        return {"base": round(self.base, 4), "slope": round(self.slope, 6)}
+
+
+def units(item: Item) -> float:
+    """What an item's costs are lines of: kilopixels (image), frames x kilopixels (video), seconds (audio)."""
+    return {"image": item.kpixels, "video": item.frames * item.kpixels, "audio": item.seconds}[item.modality]
+
+
+@dataclass(frozen=True)
+class Profile:
+    doc: dict
+
+    def line(self, name: str) -> Line:
+        node = self.doc
+        for part in name.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            raise ProfileError(f"{name}: missing from the profile {self.doc.get('name', '')!r}")
+        return Line(float(node.get("base", 0.0)), float(node.get("slope", 0.0)))
+
+    @property
+    def name(self) -> str:
+        return str(self.doc.get("name", "profile"))
+
+    @property
+    def cores(self) -> float:
+        return float(self.doc.get("cores", 0))
+
+    @property
+    def before_first(self) -> float:
+        """The share of the client's, orchestrator's and stub's per-request work done before the first token (the
+        rest after the last: final response, accounting); 1 where not fitted."""
+        return float(self.doc.get("before_first_token", 1.0))
+
+    def hop_ms(self) -> float:
+        """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""
+        return self.line("hop").base if "hop" in self.doc else 0.0
+
+    def encode_ms(self, item: Item) -> float:
+        return max(0.0, self.line(f"encoder.{item.modality}").at(units(item)))
+
+    def tokens(self, item: Item) -> int:
+        return max(1, round(self.line(f"tokens.{item.modality}").at(units(item))))
+
+    def transfer_ms(self, tokens: int, path: str) -> float:
+        mib = tokens * float(self.doc.get("embedding_bytes_per_token", 0)) / 2**20
+        return self.line(f"transfer.{path}").at(mib)
+
+    def kv_transfer_ms(self, tokens: int) -> float:
+        return self.line("kv_transfer").at(tokens * float(self.doc.get("kv_bytes_per_token", 0)) / 2**20)
+
+    def step_ms(self, prefill_tokens: int, decoding: int, context_tokens: int) -> float:
+        """One engine step: its prefills' tokens, the sequences it decodes and the context they hold."""
+        prefill, decode = self.line("prefill"), self.line("decode")
+        base = max(prefill.base if prefill_tokens else 0.0, decode.base if decoding else 0.0)
+        return (base + prefill.slope * prefill_tokens + decode.slope * decoding
+                + self.line("decode_context").slope * context_tokens / 1000.0)
+
+    def check(self) -> "Profile":
+        """Every line the simulator reads is there (``ProfileError`` naming the first that is not)."""
+        for name in LINES:
+            self.line(name)
+        for modality in self.doc.get("encoder", {}):
+            if modality != "batch":
+                self.line(f"tokens.{modality}")
+        return self
+
+
+def load(path: Path) -> Profile:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{path}: cannot read the profile: {exc}") from None
+    return Profile(doc).check()
+
+
+def save(profile: Profile, path: Path) -> None:
+    Path(path).write_text(json.dumps(profile.doc, indent=1) + "\n")

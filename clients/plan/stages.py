@@ -1,0 +1,155 @@
+"""The simulated stages: an encoder replica (Triton's dynamic batching over its instances), a vLLM engine (continuous
+batching, one step at a time) and the single-threaded processes that relay its tokens (the engine's Triton stub, the
+orchestrator, the client). Every piece of work runs on the machine's ``Cores``.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import simpy
+
+from clients.plan.profile import Profile
+from clients.plan.resources import Cores
+from clients.plan.workload import Item
+
+
+class Process:
+    """A single-threaded process (a Triton stub, the orchestrator's loop, the client): one piece of work at a time,
+    first come first served, on the machine's cores. ``busy``: seconds it spent working."""
+
+    def __init__(self, env: simpy.Environment, cores: Cores, threads: int = 1):
+        self.env, self.cores = env, cores
+        self.slot = simpy.Resource(env, capacity=threads)
+        self.busy = 0.0
+
+    def work(self, ms: float):
+        if ms <= 0:
+            return
+        with self.slot.request() as turn:
+            yield turn
+            started = self.env.now
+            yield from self.cores.work(ms / 1000.0)
+            self.busy += self.env.now - started
+
+
+class Encoder:
+    """One encoder replica: ``instances`` instances taking batches of up to ``max_batch`` queued items (after
+    ``delay_ms``, Triton's ``max_queue_delay``), each batch ``encoder.batch`` plus its items' times."""
+
+    def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, instances: int = 1,
+                 max_batch: int = 32, delay_ms: float = 2.0):
+        self.env, self.cores, self.profile = env, cores, profile
+        self.queue = simpy.Store(env)
+        self.max_batch, self.delay = max_batch, delay_ms / 1000.0
+        self.outstanding, self.busy, self.instances = 0, 0.0, instances
+        for _ in range(instances):
+            env.process(self._instance())
+
+    def encode(self, item: Item):
+        """Encode one item (``yield from``)."""
+        done = self.env.event()
+        self.outstanding += 1
+        yield self.queue.put((item, done))
+        yield done
+        self.outstanding -= 1
+
+    def _instance(self):
+        while True:
+            batch = [(yield self.queue.get())]
+            if self.delay and len(self.queue.items) < self.max_batch - 1:
+                yield self.env.timeout(self.delay)
+            while self.queue.items and len(batch) < self.max_batch:
+                batch.append((yield self.queue.get()))
+            ms = self.profile.line("encoder.batch").at(len(batch)) + sum(self.profile.encode_ms(i) for i, _ in batch)
+            started = self.env.now
+            yield from self.cores.work(ms / 1000.0)
+            self.busy += self.env.now - started
+            for _, done in batch:
+                done.succeed()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in an engine: ``prefill`` prompt tokens to compute, ``output`` tokens to sample, ``context`` tokens
+    it holds already (E/P/D's decode: the prompt's KV, pulled; its ``prefill`` 0); ``media_ms``: the baseline
+    engine's own encoding of the request's media, done in its prefill step."""
+
+    prefill: int
+    output: int
+    priority: int
+    first: simpy.Event
+    done: simpy.Event
+    media_ms: float = 0.0
+    generated: int = 0
+    context: int = 0
+    stub: object = None  # the Process of the engine's stub (its per-request work after the end)
+
+
+class Engine:
+    """A vLLM engine: each step admits waiting sequences (priority, then arrival) while there is room
+    (``max_seqs`` running, ``max_tokens`` tokens in the step), prefills them and decodes one token for every running
+    one; the step's tokens then go through ``relays`` (the processes between the engine and the user, each with its
+    milliseconds per sequence relayed) in turn."""
+
+    def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, relays: list[tuple[Process, float]],
+                 max_seqs: int = 32, max_tokens: int = 8192):
+        self.env, self.cores, self.profile, self.relays = env, cores, profile, relays
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.waiting: list = []
+        self.running: list[Sequence] = []
+        self.order = itertools.count()
+        self.wake = env.event()
+        self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
+        env.process(self._loop())
+
+    def submit(self, seq: Sequence) -> None:
+        heapq.heappush(self.waiting, (seq.priority, next(self.order), seq))
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def _admit(self) -> list[Sequence]:
+        budget, new = self.max_tokens - len(self.running), []
+        while self.waiting and len(self.running) + len(new) < self.max_seqs:
+            seq = self.waiting[0][2]
+            if new and seq.prefill > budget:
+                break
+            heapq.heappop(self.waiting)
+            new.append(seq)
+            budget -= seq.prefill
+        return new
+
+    def _loop(self):
+        while True:
+            if not self.waiting and not self.running:
+                self.wake = self.env.event()
+                yield self.wake
+            new = self._admit()
+            decoding = self.running + [s for s in new if not s.prefill]  # a decode engine's new ones: KV pulled
+            ms = self.profile.step_ms(sum(s.prefill for s in new), len(decoding), sum(s.context for s in decoding)) + \
+                sum(s.media_ms for s in new)
+            started = self.env.now
+            yield from self.cores.work(ms / 1000.0)
+            self.busy += self.env.now - started
+            self.steps += 1
+            for seq in new:
+                seq.context += seq.prefill
+            emitted = self.running + new
+            self.batched += len(emitted)
+            for seq in emitted:
+                seq.generated += 1
+                seq.context += 1
+            self.running = [s for s in emitted if s.generated < s.output]
+            self.env.process(self._relay(emitted))
+
+    def _relay(self, emitted: list[Sequence]):
+        """The step's tokens through the stub, the orchestrator and the client: each a piece of work of its
+        ``chunk`` cost per sequence; then the sequences' first token and end are marked."""
+        for process, per_chunk in self.relays:
+            yield from process.work(per_chunk * len(emitted))
+        for seq in emitted:
+            if not seq.first.triggered:
+                seq.first.succeed(self.env.now)
+            if seq.generated >= seq.output and not seq.done.triggered:
+                seq.done.succeed(self.env.now)

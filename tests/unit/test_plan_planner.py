@@ -1,0 +1,63 @@
+"""The planner (clients.plan.planner, emit) on cases computed by hand: the analytic capacity of a layout, the split it
+picks when one stage is the bottleneck, and the topology and Kubernetes base it writes (the project's own loaders)."""
+import pytest
+
+from clients.plan.planner import candidates, capacity, demands, plan
+from clients.plan.simulate import Layout
+from clients.plan.workload import parse
+from tests.unit.test_plan_simulate import profile
+
+
+def heavy_encoder():
+    # every request: one image of 40 ms to encode, a 10 ms prefill, one token: the encoder is 4x the engine's work
+    return profile(encoder__image=(40.0, 0.0), prefill=(10.0, 0.0))
+
+
+def workload(rate: float, slo_ms: float = 0):
+    return parse({"arrivals": {"process": "poisson", "rate": rate}, "requests": 400, "seed": 3,
+                  "slo": {"ttft_p90_ms": slo_ms},
+                  "mix": [{"prompt_tokens": 4, "output_tokens": 1, "images": {"count": 1, "sizes": [[10, 10]]}}]})
+
+
+def test_the_capacity_of_a_layout_is_its_slowest_stages():
+    need = demands(heavy_encoder(), workload(1.0), max_seqs=1)
+    assert need["encoder"] == pytest.approx(0.040) and need["pd"] == pytest.approx(0.010)
+    assert capacity(Layout(encoders=1, pd=1), need) == pytest.approx(25.0)  # the encoder: 1 / 40 ms
+    assert capacity(Layout(encoders=4, pd=1), need) == pytest.approx(100.0)  # both at 100/s
+    assert capacity(Layout(encoders=4, pd=2), need) == pytest.approx(100.0)
+
+
+def test_candidates_cover_every_split_of_the_budget():
+    layouts = candidates(4, ["E+PD", "E/P/D"], Layout())
+    labels = {c.label() for c in layouts}
+    assert {"1E+1PD", "3E+1PD", "1E+2PD", "2E+1P+1D", "1E+1P+2D"} <= labels
+    assert all(c.devices() <= 4 for c in layouts) and "4E+1PD" not in labels
+
+
+def test_the_planner_gives_the_encoder_the_devices_it_needs():
+    # 5 devices, 60 requests/s: only 4 encoders + 1 pd (capacity 100/s) keep up; 3+2 serves 75/s, 2+3 50/s
+    result = plan(heavy_encoder(), workload(60.0), 5, "goodput", ("E+PD",), Layout(max_num_seqs=1), simulate=4)
+    assert result["chosen"].label() == "4E+1PD"
+    assert {row["layout"] for row in result["tried"]} >= {"4E+1PD", "3E+1PD"}
+
+
+def test_minimising_hardware_takes_the_fewest_devices_that_meet_the_slo():
+    result = plan(heavy_encoder(), workload(20.0, slo_ms=200), 6, "hardware", ("E+PD",), Layout(max_num_seqs=1))
+    # 20/s against 40 ms per encode: 1E+1PD (capacity 25/s) is under the 20/0.9 floor; 2E+1PD is the smallest
+    assert result["chosen"].label() == "2E+1PD"
+
+
+def test_the_plan_is_written_as_a_topology_and_a_kubernetes_base(tmp_path):
+    from backend.deploy.topology import load
+    from clients.plan.emit import write
+
+    result = plan(heavy_encoder(), workload(60.0), 5, "goodput", ("E+PD",), Layout(max_num_seqs=1), simulate=2)
+    problems = write(result, tmp_path, "../models/tiny-qwen2-vl", "cpu", "planned", 10)
+    topology = load(tmp_path / "topology.yaml", "cpu")
+    hosts = topology.hosts
+    assert sum("encoder" in h.stages for h in hosts.values()) == 4 and sum("pd" in h.stages for h in hosts.values()) == 1
+    text = (tmp_path / "kubernetes" / "encoder.yaml").read_text()
+    assert f"averageValue: '{result['targets']['encoder']['target']}'" in text or \
+        f"averageValue: \"{result['targets']['encoder']['target']}\"" in text or \
+        f"averageValue: {result['targets']['encoder']['target']}" in text
+    assert "replicas: 4" in text and problems == []
