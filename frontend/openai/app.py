@@ -26,14 +26,16 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 class Piece(NamedTuple):
     """One generate response: its text, finish reason, (prompt, completion) token counts (the final response's),
-    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none), and whether it
-    is the request's last."""
+    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none), whether it
+    is the request's last, and the final response's ``timings`` (orchestrators, consumers: items, held, cached
+    tokens)."""
 
     text: str
     reason: str | None
     counts: tuple[int, int] | None
     logprobs: list[dict] | None
     final: bool = False
+    timings: dict | None = None
 
 
 class Backend:
@@ -92,10 +94,10 @@ class Backend:
                         finished = True
                         raise translate.api_error(_message(error), call.model)
                     final = result.get_response().parameters["triton_final_response"].bool_param
-                    logprobs = _str(result.as_numpy("logprobs"))
+                    logprobs, timings = _json(result.as_numpy("logprobs")), _json(result.as_numpy("timings"))
                     finished = final
                     yield Piece(_str(result.as_numpy("text_output")) or "", _str(result.as_numpy("finish_reason")),
-                                _counts(result), None if logprobs is None else json.loads(logprobs), final)
+                                _counts(result), logprobs, final, timings)
                     if final:
                         return
                 finished = True
@@ -131,6 +133,11 @@ def _str(arr) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _json(arr):
+    text = _str(arr)
+    return None if not text else json.loads(text)
+
+
 def _counts(result) -> tuple[int, int] | None:
     prompt, completion = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
     if prompt is None or completion is None:
@@ -146,12 +153,12 @@ def _error_response(err: ApiError) -> JSONResponse:
 async def _whole(backend: Backend, call: GenerateCall, request: Request, clock: Clock) -> dict[str, Any]:
     """A request without ``stream``: read to the end, cancelled if the client disconnects meanwhile."""
     async def read():
-        text, reason, counts, logprobs = [], None, (0, 0), []
+        text, reason, counts, logprobs, timings = [], None, (0, 0), [], None
         async for piece in backend.generate(call, clock):
             text.append(piece.text)
             logprobs.extend(piece.logprobs or ())
-            reason, counts = piece.reason or reason, piece.counts or counts
-        return translate.completion(call, "".join(text), reason, counts, logprobs)
+            reason, counts, timings = piece.reason or reason, piece.counts or counts, piece.timings or timings
+        return translate.completion(call, "".join(text), reason, counts, logprobs, timings)
 
     task = asyncio.ensure_future(read())
     while not task.done():
@@ -170,12 +177,12 @@ async def _events(call: GenerateCall, responses, head: Piece, answered) -> Async
     after that is sent as an error object (as vLLM does), then [DONE]. What follows the final response (its chunk,
     the usage chunk, [DONE]) goes out in one write; ``answered()`` once it is sent. A client that leaves stops this
     generator, which closes ``responses`` before their final piece and so cancels the request."""
-    first, counts, offset, tail = True, None, 0, []
+    first, counts, offset, tail, timings = True, None, 0, [], None
     pieces = _chain(head, responses)
     try:
         try:
             async for piece in pieces:
-                counts = piece.counts or counts
+                counts, timings = piece.counts or counts, piece.timings or timings
                 event = None
                 if piece.text or piece.reason or piece.logprobs or first:
                     event = _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
@@ -188,7 +195,7 @@ async def _events(call: GenerateCall, responses, head: Piece, answered) -> Async
                 if event:
                     yield event
             if call.include_usage:
-                tail.append(_sse(translate.chunk(call, None, counts=counts or (0, 0))))
+                tail.append(_sse(translate.chunk(call, None, counts=counts or (0, 0), timings=timings)))
         except ApiError as err:
             tail.append(_sse(err.body()))
         yield "".join(tail) + "data: [DONE]\n\n"
@@ -227,7 +234,7 @@ def make_app(backend) -> FastAPI:
     app.state.backend = backend
 
     async def answer(request: Request, make_call) -> Any:
-        clock, model = Clock(), "-"
+        clock, model, call = Clock(), "-", None
         started = clock.started
         try:
             try:
@@ -236,6 +243,7 @@ def make_app(backend) -> FastAPI:
                 raise ApiError(400, "body: not valid JSON", param="body") from None
             call = make_call(body, set(backend.models))
             call.parameters.update(translate.urgency(body, request.headers))
+            call.parameters.update(translate.session(body, request.headers))
             model = call.model
             if call.stream:
                 responses = backend.generate(call, clock)
@@ -256,7 +264,7 @@ def make_app(backend) -> FastAPI:
             return response
         except ApiError as err:
             metrics.done(model, err.status, started)
-            return _error_response(err)
+            return _error_response(translate.in_client_terms(err, call))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.protocol import errors
-from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, parse_deadline, parse_priority
+from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, SESSION_PARAMETER, parse_deadline, \
+    parse_priority, parse_session
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from frontend.openai import logprobs as logprob_shapes
+from frontend.openai.structured import STRUCTURED_PARAM, FieldError, response_format
 
 DEADLINE_HEADER = "x-deadline-ms"  # the request's deadline_ms, for clients that cannot add fields to the body
+SESSION_HEADER = "x-session-id"  # the request's session_id (vLLM's extra field), for the same clients
 # OpenAI sampling fields -> the generate interface's sampling_parameters keys (vLLM's names); vLLM's extras too
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -22,7 +25,8 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-           "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms"}  # handled below, or no effect (user)
+           "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms",
+           "session_id"}  # handled below, or no effect (user)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -52,6 +56,7 @@ class GenerateCall:
     chat: bool
     logprobs: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)  # Triton request parameters (media_io_kwargs)
+    structured_param: str = "response_format"  # the field the engine's structured_outputs errors are about
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -133,9 +138,15 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
     logprobs = _chat_logprobs(body)
-    sampling = _sampling(body, logprobs, frozenset({"top_logprobs"}))
+    sampling = _sampling(body, logprobs, frozenset({"top_logprobs", "response_format"}))
+    try:
+        structured, structured_param = response_format(body.get("response_format"))
+    except FieldError as exc:
+        raise _invalid(exc.param, exc.problem) from None
+    if structured is not None:
+        sampling["structured_outputs"] = structured
     return GenerateCall(model, {"messages": messages, "sampling": sampling}, stream, usage, chat=True, logprobs=logprobs,
-                        parameters=_media_io(body))
+                        parameters=_media_io(body), structured_param=structured_param)
 
 
 def _media_io(body: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +182,19 @@ def urgency(body: dict[str, Any], headers: Any) -> dict[str, Any]:
     return params
 
 
+def session(body: dict[str, Any], headers: Any) -> dict[str, Any]:
+    """The request parameter ``session_id`` of a body's ``session_id`` (vLLM's extra field), or of the
+    ``X-Session-Id`` header: the conversation this request is a turn of (docs/reuse.md); errors name the field."""
+    value, name = body.get("session_id"), "session_id"
+    if value is None and headers.get(SESSION_HEADER) is not None:
+        value, name = headers.get(SESSION_HEADER), SESSION_HEADER
+    try:
+        value = parse_session(value)
+    except errors.InvalidInput as exc:
+        raise _invalid(name, exc.problem) from None
+    return {} if value is None else {SESSION_PARAMETER: value}
+
+
 def completion_call(body: Any, served: set[str]) -> GenerateCall:
     """The generate request of a ``/v1/completions`` body (one text prompt)."""
     if not isinstance(body, dict):
@@ -187,6 +211,15 @@ def completion_call(body: Any, served: set[str]) -> GenerateCall:
     logprobs = None if body.get("logprobs") is None else _top_count("logprobs", body["logprobs"])
     return GenerateCall(model, {"prompt": prompt, "sampling": _sampling(body, logprobs)}, stream, usage, chat=False,
                         logprobs=logprobs)
+
+
+def in_client_terms(err: ApiError, call: GenerateCall | None) -> ApiError:
+    """``err`` naming the request field it is about: the engine's ``structured_outputs`` errors name the
+    ``response_format`` (or the tool) they came from."""
+    if call is None or err.param != STRUCTURED_PARAM:
+        return err
+    message = err.message.replace(STRUCTURED_PARAM, call.structured_param, 1)
+    return ApiError(err.status, message, err.type, call.structured_param, err.code, err.retry_after)
 
 
 def api_error(message: str, stage: str) -> ApiError:
@@ -213,9 +246,20 @@ def finish_reason(value: str | None) -> str | None:
     return None if value is None else _FINISH.get(value, value)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, timings: dict | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; from the final response's ``timings`` (the orchestrators', a consumer's): vLLM's
+    ``prompt_tokens_details.cached_tokens`` (the prompt tokens its prefix cache covered) and the extension
+    ``epd_media``: the request's media ``items``, how many were ``reused`` (the consumer's copies: not encoded,
+    not transferred) and how many ``encoded``."""
+    doc: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    timings = timings or {}
+    if timings.get("cached_tokens") is not None:
+        doc["prompt_tokens_details"] = {"cached_tokens": int(timings["cached_tokens"])}
+    if timings.get("items") is not None:
+        items, reused = int(timings["items"]), int(timings.get("held") or 0)
+        doc["epd_media"] = {"items": items, "reused": reused, "encoded": max(items - reused, 0)}
+    return doc
 
 
 def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> dict | None:
@@ -239,23 +283,24 @@ def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: boo
 
 
 def chunk(call: GenerateCall, text: str | None, reason: str | None = None, first: bool = False,
-          counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+          counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0,
+          timings: dict | None = None) -> dict:
     """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead.
     ``logprobs``: the entries of the chunk's tokens (the interface's), ``offset``: where in the completion's text the
     first of them starts (completions' ``text_offset``)."""
     doc = {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
            "created": call.created, "model": call.model}
     if counts is not None:
-        return {**doc, "choices": [], "usage": usage(*counts)}
+        return {**doc, "choices": [], "usage": usage(*counts, timings)}
     return {**doc, "choices": [_choice(call, text, reason, delta=True, first=first,
                                        logprobs=_logprobs(call, logprobs, offset))],
             **({"usage": None} if call.include_usage else {})}
 
 
 def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[int, int],
-               logprobs: list[dict] | None = None) -> dict:
+               logprobs: list[dict] | None = None, timings: dict | None = None) -> dict:
     """The whole answer of a request without ``stream``; ``logprobs``: every generated token's entry."""
     return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
             "created": call.created, "model": call.model,
             "choices": [_choice(call, text, reason, delta=False, logprobs=_logprobs(call, logprobs, 0))],
-            "usage": usage(*counts)}
+            "usage": usage(*counts, timings)}
