@@ -348,3 +348,49 @@ def test_the_floor_tool_measures_the_endpoint_s_grpc_side_against_the_session_se
     diffs = asyncio.run(grpc_side(server.grpc_url, pairs=4, warm=1))
     for median, low, high in diffs.values():
         assert low <= median <= high and abs(median) < 1000
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["color", "ok"], "additionalProperties": False}
+FORMATS = {"json_schema": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+           "json_object": {"type": "json_object"}}
+
+
+@pytest.fixture(scope="module")
+def structured(sdk):
+    """(format, model) -> (the whole answer's text, the streamed text, finish reason) of the image request with
+    ``response_format``, greedy."""
+    out = {}
+    for name, fmt in FORMATS.items():
+        for model in ("llm", "epd", "epd_disagg"):
+            args = dict(model=model, messages=CASES["image"], response_format=fmt, temperature=0.0, max_tokens=48)
+            whole = sdk.chat.completions.create(**args)
+            chunks = list(sdk.chat.completions.create(stream=True, **args))
+            out[name, model] = (whole.choices[0].message.content, "".join(
+                c.choices[0].delta.content or "" for c in chunks if c.choices), whole.choices[0].finish_reason)
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("model", ["llm", "epd", "epd_disagg"])
+def test_response_format_forces_json_the_baseline_s_tokens_streaming_and_not(structured, fmt, model):
+    """The random-weight model's answer is JSON all the same (the grammar constrains every token, decode's too on
+    E/P/D), following the schema, the same text as ``llm``'s, whole and streamed."""
+    import jsonschema
+
+    text, streamed, reason = structured[fmt, model]
+    assert (text, streamed) == (structured[fmt, "llm"][0], text)
+    assert reason == "stop", (text, reason)
+    doc = json.loads(text)
+    assert isinstance(doc, dict)
+    if fmt == "json_schema":
+        jsonschema.validate(doc, SCHEMA)
+
+
+def test_a_schema_that_does_not_compile_is_400_naming_response_format(sdk):
+    for schema in ({"type": "nonsense"}, {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}):
+        for model in ("llm", "epd_disagg"):
+            with pytest.raises(openai.BadRequestError) as info:
+                sdk.chat.completions.create(model=model, messages=CASES["text"], max_tokens=4, response_format={
+                    "type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
+            assert info.value.body["param"] == "response_format.json_schema", info.value.body
