@@ -6,14 +6,15 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backend.protocol import errors
-from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, SESSION_PARAMETER, parse_deadline, \
-    parse_priority, parse_session
+from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, SESSION_PARAMETER, TOOLS_PARAMETER, \
+    parse_deadline, parse_priority, parse_session
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from frontend.openai import logprobs as logprob_shapes
+from frontend.openai import tools as tool_calls
 from frontend.openai.structured import STRUCTURED_PARAM, FieldError, response_format
 
 DEADLINE_HEADER = "x-deadline-ms"  # the request's deadline_ms, for clients that cannot add fields to the body
@@ -27,6 +28,7 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
            "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms",
            "session_id"}  # handled below, or no effect (user)
+MAX_N = 8  # choices per request (`n`): each its own generate request, as vLLM's own sequences (python -m frontend.openai --max-n)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -57,12 +59,27 @@ class GenerateCall:
     logprobs: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)  # Triton request parameters (media_io_kwargs)
     structured_param: str = "response_format"  # the field the engine's structured_outputs errors are about
+    tools: Any = None  # the body's tools (frontend.openai.tools.ToolRequest), None: none
+    output: Any = None  # and their answer's shape (frontend.openai.tools.ToolOutput), once bound
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1  # choices asked for
+    index: int = 0  # which choice this call generates
+    answer_id: str | None = None  # the response's id (the first choice's request id)
 
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
+        return ("chatcmpl-" if self.chat else "cmpl-") + (self.answer_id or self.request_id)
+
+    def choices(self) -> list["GenerateCall"]:
+        """One call per choice: each its own request (and sequence); with a ``seed``, choice i samples with seed + i,
+        as vLLM's parallel sampling seeds its child sequences."""
+        if self.n == 1:
+            return [self]
+        seed = self.inputs["sampling"].get("seed")
+        return [replace(self, index=i, answer_id=self.request_id, request_id=uuid.uuid4().hex, inputs={
+            **self.inputs, "sampling": {**self.inputs["sampling"], **({"seed": seed + i} if seed is not None else {})}})
+            for i in range(self.n)]
 
 
 def _invalid(param: str, message: str) -> ApiError:
@@ -72,8 +89,6 @@ def _invalid(param: str, message: str) -> ApiError:
 def _sampling(body: dict[str, Any], logprobs: int | None, also: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The sampling parameters of ``body``; ``logprobs``: vLLM's ``logprobs`` (None: none); ``also``: the endpoint's
     own fields beside the shared ones (checked by the caller)."""
-    if body.get("n", 1) != 1:
-        raise _invalid("n", f"only n=1 is served, got {body['n']!r}")
     unknown = sorted(set(body) - set(SAMPLING) - IGNORED - also)
     if unknown:
         raise _invalid(unknown[0], "unsupported field")
@@ -83,6 +98,16 @@ def _sampling(body: dict[str, Any], logprobs: int | None, also: frozenset[str] =
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     return sampling
+
+
+def choices_asked(body: dict[str, Any], limit: int | None = None) -> int:
+    """``n``: an integer from 1 to ``limit`` (default ``MAX_N``: this endpoint's ``--max-n``)."""
+    n, limit = body.get("n"), MAX_N if limit is None else limit
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+        raise _invalid("n", f"expected an integer from 1 to {limit} (this endpoint's limit), got {n!r:.40}")
+    return n
 
 
 def _top_count(param: str, value: Any) -> int:
@@ -138,15 +163,20 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
     logprobs = _chat_logprobs(body)
-    sampling = _sampling(body, logprobs, frozenset({"top_logprobs", "response_format"}))
+    sampling = _sampling(body, logprobs, frozenset({"top_logprobs", "response_format", "tools", "tool_choice",
+                                                    "parallel_tool_calls"}))
     try:
         structured, structured_param = response_format(body.get("response_format"))
+        tools = tool_calls.parse(body)
     except FieldError as exc:
         raise _invalid(exc.param, exc.problem) from None
     if structured is not None:
         sampling["structured_outputs"] = structured
+    parameters = _media_io(body)
+    if tools is not None:
+        parameters[TOOLS_PARAMETER] = json.dumps(tools.tools)
     return GenerateCall(model, {"messages": messages, "sampling": sampling}, stream, usage, chat=True, logprobs=logprobs,
-                        parameters=_media_io(body), structured_param=structured_param)
+                        parameters=parameters, structured_param=structured_param, tools=tools, n=choices_asked(body))
 
 
 def _media_io(body: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +240,7 @@ def completion_call(body: Any, served: set[str]) -> GenerateCall:
     stream, usage = _stream_flags(body)
     logprobs = None if body.get("logprobs") is None else _top_count("logprobs", body["logprobs"])
     return GenerateCall(model, {"prompt": prompt, "sampling": _sampling(body, logprobs)}, stream, usage, chat=False,
-                        logprobs=logprobs)
+                        logprobs=logprobs, n=choices_asked(body))
 
 
 def in_client_terms(err: ApiError, call: GenerateCall | None) -> ApiError:
@@ -274,12 +304,15 @@ def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> di
 def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool, first: bool = False,
             logprobs: dict | None = None) -> dict:
     if not call.chat:
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        return {"index": call.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    output, reason = call.output, finish_reason(reason)
     if delta:
-        content = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(reason)}
+        content = output.delta(text or "", reason is not None) if output else ({"content": text} if text else {})
+        content = {"role": "assistant", "content": "", **content} if first else content
+    else:
+        content = {"role": "assistant", **(output.message(text or "") if output else {"content": text})}
+    reason = output.finish(reason) if output else reason
+    return {"index": call.index, "delta" if delta else "message": content, "logprobs": logprobs, "finish_reason": reason}
 
 
 def chunk(call: GenerateCall, text: str | None, reason: str | None = None, first: bool = False,
@@ -304,3 +337,14 @@ def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[
             "created": call.created, "model": call.model,
             "choices": [_choice(call, text, reason, delta=False, logprobs=_logprobs(call, logprobs, 0))],
             "usage": usage(*counts, timings)}
+
+
+def merged(docs: list[dict]) -> dict:
+    """The whole answers of a request's choices as one answer: every choice, the prompt counted once and the
+    completions summed in ``usage`` (as vLLM's)."""
+    if len(docs) == 1:
+        return docs[0]
+    first, completions = docs[0], sum(doc["usage"]["completion_tokens"] for doc in docs)
+    return {**first, "choices": [choice for doc in docs for choice in doc["choices"]],
+            "usage": {**first["usage"], "completion_tokens": completions,
+                      "total_tokens": first["usage"]["prompt_tokens"] + completions}}

@@ -31,7 +31,8 @@ def test_media_io_kwargs_go_on_as_the_request_parameter():
     ({"model": "nope", "messages": MESSAGES}, 404, "model"),
     ({"messages": MESSAGES}, 400, "model"),
     ({"model": "llm", "messages": []}, 400, "messages"),
-    ({"model": "llm", "messages": MESSAGES, "n": 3}, 400, "n"),
+    ({"model": "llm", "messages": MESSAGES, "n": 9}, 400, "n"),
+    ({"model": "llm", "messages": MESSAGES, "n": 0}, 400, "n"),
     ({"model": "llm", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": "llm", "messages": MESSAGES, "logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
@@ -228,3 +229,17 @@ def test_the_engine_s_structured_outputs_errors_name_the_client_s_field():
     assert mapped.message.startswith("response_format.json_schema: Failed")
     other = ApiError(400, "x", param="messages")
     assert translate.in_client_terms(other, call) is other
+
+
+def test_each_choice_is_its_own_request_seeded_as_vllm_seeds_its_sequences():
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "n": 3, "seed": 7}, SERVED)
+    calls = call.choices()
+    assert [c.index for c in calls] == [0, 1, 2] and [c.inputs["sampling"]["seed"] for c in calls] == [7, 8, 9]
+    assert len({c.request_id for c in calls}) == 3 and {c.response_id for c in calls} == {call.response_id}
+    assert call.inputs["sampling"]["seed"] == 7
+    one = translate.chat_call({"model": "epd", "messages": MESSAGES}, SERVED)
+    assert one.choices() == [one]
+    docs = [translate.completion(c, f"t{c.index}", "stop", (10, 2 + c.index)) for c in calls]
+    doc = translate.merged(docs)
+    assert [ch["index"] for ch in doc["choices"]] == [0, 1, 2] and doc["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 9, "total_tokens": 19}
