@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     ports = Ports.from_env()
     cmd = command(repository, ports, args.extra)
     if args.openai_port:
-        start_openai(args.openai_port, ports.grpc)
+        start_openai(args.openai_port, ports.grpc, repository)
     tier = launch_for(repository, os.environ.get("EPD_TIER_LOG_DIR", "/tmp"))
     if tier is None:
         os.execve(cmd[0], cmd, remote_tier_env(repository, server_env()))
@@ -469,11 +469,26 @@ def main(argv: list[str] | None = None) -> None:
 
 
 
-def start_openai(port: int, grpc_port: int) -> subprocess.Popen:
+def start_openai(port: int, grpc_port: int, repository: Path | None = None) -> subprocess.Popen:
     """The OpenAI-compatible endpoint beside the tritonserver this process is about to become (``execve``): it exits
-    when this process does (``--with-parent``), so it stops with the server."""
+    when this process does (``--with-parent``), so it stops with the server. Its tool calls use the checkpoint the
+    ``repository`` serves (``--tokenizer``), where one is found."""
     print(f"OpenAI-compatible endpoint on http://127.0.0.1:{port}/v1", flush=True)
-    return start_openai_process(port, f"127.0.0.1:{grpc_port}", "--with-parent")
+    checkpoint = checkpoint_of(repository) if repository is not None else None
+    return start_openai_process(port, f"127.0.0.1:{grpc_port}", "--with-parent",
+                                *(("--tokenizer", str(checkpoint)) if checkpoint else ()))
+
+
+def checkpoint_of(repository: Path) -> Path | None:
+    """The checkpoint folder a rendered repository's engines load (the first ``model.json``'s ``model``, relative
+    to its folder), or None."""
+    import json
+
+    for path in sorted(Path(repository).glob("*/model.json")):
+        model = json.loads(path.read_text()).get("model")
+        if isinstance(model, str) and model:
+            return (path.parent / model).resolve()
+    return None
 
 
 def start_openai_process(port: int, grpc_url: str, *flags: str) -> subprocess.Popen:

@@ -215,6 +215,19 @@ def multi_modal_data(request: GenerateRequest) -> dict[str, Any]:
     return data
 
 
+def _engine_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """``SamplingParams``' keyword arguments of a request's sampling parameters: ``structured_outputs`` (a dict,
+    ``backend.request.sampling``) as vLLM's ``StructuredOutputsParams``."""
+    if sampling.get("structured_outputs") is None:
+        return sampling
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {**sampling, "structured_outputs": StructuredOutputsParams(**sampling["structured_outputs"])}
+
+
+STRUCTURED_FIELD = "sampling_parameters.structured_outputs"
+
+
 def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
     """Map vLLM's exceptions to domain errors: request faults (its VLLMClientError family, and the
     ValueErrors its input processing raises) -> InvalidInput naming the field (a modality's item limit, e.g. audio
@@ -228,8 +241,17 @@ def _domain_error(exc: Exception, request: GenerateRequest) -> Exception:
         media = {m.limit_key: m.media_tensor for m in modalities()}  # vLLM's item limits name the modality
         field = (request.prompt_field if parameter in (None, "input_tokens", "prompt")
                  else media.get(parameter) or f"sampling_parameters.{parameter}")
+        if parameter is None and request.sampling.get("structured_outputs") is not None and _about_structure(exc):
+            field = STRUCTURED_FIELD  # vLLM names no parameter when a schema or grammar does not compile
         return InvalidInput(field, str(exc))
     return exc
+
+
+def _about_structure(exc: Exception) -> bool:
+    """Whether vLLM's validation error is about the request's structured outputs (vLLM 0.32's messages: "Failed to
+    transform json schema into a grammar", "Invalid JSON grammar specification", "structured_outputs.json ...")."""
+    text = str(exc).lower()
+    return any(word in text for word in ("grammar", "schema", "structured", "json", "regex"))
 
 
 _IPC_PREFIX = "epd-vllm-ipc-"
@@ -346,7 +368,8 @@ class EngineHost:
         """The prompt the engine sees: ``text_input`` as is, or the conversation through the chat template."""
         if request.prompt is not None:
             return request.prompt
-        return self._tokenizer.apply_chat_template(request.conversation, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer.apply_chat_template(request.conversation, tools=request.tools, tokenize=False,
+                                                   add_generation_prompt=True)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[GenerationDelta]:
         from vllm import SamplingParams
@@ -354,7 +377,8 @@ class EngineHost:
 
         extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
         try:
-            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA, extra_args=extra)
+            params = SamplingParams(**_engine_sampling(request.sampling), output_kind=RequestOutputKind.DELTA,
+                                    extra_args=extra)
         except (TypeError, ValueError) as exc:
             raise InvalidInput("sampling_parameters", str(exc)) from None
         prompt: dict[str, Any] = {"prompt": self.prompt_text(request)}

@@ -42,6 +42,9 @@ PART_PARAMETER = "epd_part"
 # (the consumer's session_seconds, backend.transfer.held); orchestrators pass it on to their stages
 SESSION_PARAMETER = "session_id"
 MAX_SESSION_ID = 256  # characters
+# (JSON text: a list of OpenAI tool definitions, ``{"type": "function", "function": {"name", "description",
+# "parameters"}}``) the tools a chat request's template renders into the prompt (vLLM's ``tools``); orchestrators pass it on
+TOOLS_PARAMETER = "tools"
 # (bool) this request's demand-aware setting, over the orchestrator's `demand_aware` parameter
 DEMAND_AWARE_PARAMETER = "epd_demand_aware"
 # (JSON {"keys": [content key, ...], "session": id or null}) a lookup, answered by a consumer stage (pd, prefill):
@@ -71,6 +74,19 @@ def parse_session(value) -> str | None:
         raise InvalidInput(f"parameters.{SESSION_PARAMETER}",
                            f"expected a non-empty string of at most {MAX_SESSION_ID} characters, got {value!r:.80}")
     return value
+
+
+def parse_tools(value) -> list[dict] | None:
+    """A ``tools`` parameter's value (JSON text of a list of objects) as that list, or None."""
+    if value is None:
+        return None
+    try:
+        tools = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        tools = None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidInput(f"parameters.{TOOLS_PARAMETER}", f"expected the JSON text of a list of tool objects, got {value!r:.80}")
+    return tools
 
 
 def parse_priority(value) -> int | None:

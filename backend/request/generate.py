@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from backend.protocol.errors import InvalidInput
-from backend.protocol.generate import PRIORITY_PARAMETER, SESSION_PARAMETER, Form, input_tensors, parse_deadline, \
+from backend.protocol.generate import PRIORITY_PARAMETER, SESSION_PARAMETER, TOOLS_PARAMETER, parse_tools, Form, input_tensors, parse_deadline, \
     parse_priority, parse_session
 from backend.protocol.layout import LayoutMetadata
 from backend.protocol.media_options import MediaOptions
@@ -40,7 +40,8 @@ from backend.request import audio, image, video  # noqa: F401 - register the mod
 from backend.request.media import MediaLimits, check_encoded, handler
 from backend.request.sampling import parse_sampling
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_FIELDS = {"tool_calls": list, "tool_call_id": str, "name": str}  # kept on a message for the chat template
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class RawGenerateInputs:
     media_io: MediaOptions = MediaOptions()    # the request parameter media_io_kwargs (backend.protocol.media_options)
     priority: int | None = None                # the request parameter priority (checked against the limits later)
     deadline: float | None = None              # Unix time (s): the request parameter epd_deadline or deadline_ms
+    tools: str | None = None                   # the request parameter tools (JSON text, passed on as is)
 
 
 def raw_inputs(values: Mapping[str, Any], parameters: Mapping[str, Any]) -> RawGenerateInputs:
@@ -108,7 +110,13 @@ def parameter_inputs(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return {"session_id": parse_session(parameters.get(SESSION_PARAMETER)),
             "media_io": MediaOptions.from_parameters(dict(parameters)),
             "priority": parse_priority(parameters.get(PRIORITY_PARAMETER)),
-            "deadline": parse_deadline(parameters, time.time())}
+            "deadline": parse_deadline(parameters, time.time()),
+            "tools": _tools_text(parameters.get(TOOLS_PARAMETER))}
+
+
+def _tools_text(value) -> str | None:
+    """The ``tools`` parameter, checked (``parse_tools``) and kept as its JSON text."""
+    return None if parse_tools(value) is None else value
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class GenerateRequest:
     media_io: MediaOptions = MediaOptions()     # its media options (metadata-only off: original_media decode alike)
     priority: int = 0                           # its priority class (0: served first; as vLLM's)
     deadline: float | None = None               # Unix time (s) past which no stage works on it
+    tools: list[dict] | None = None             # the tools the chat template renders (OpenAI's tool definitions)
 
     @property
     def prompt_field(self) -> str:
@@ -273,7 +282,7 @@ def parse_generate_request(raw: RawGenerateInputs, resolver: MediaResolver, limi
         return_num_input_tokens=raw.return_num_input_tokens,
         return_num_output_tokens=raw.return_num_output_tokens, kv_transfer_params=kv_params,
         original_media=tuple(raw.original_media), session_id=raw.session_id, media_io=raw.media_io,
-        priority=_priority(raw.priority, limits), deadline=raw.deadline,
+        priority=_priority(raw.priority, limits), deadline=raw.deadline, tools=parse_tools(raw.tools),
     )
 
 
@@ -370,15 +379,18 @@ def _parse_messages(text: str, given: dict[str, list], resolver: MediaResolver, 
         role = message.get("role")
         if role not in ROLES:
             raise InvalidInput(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+        extra = _tool_fields(message, where)
         content = message.get("content")
+        if content is None and extra.get("tool_calls"):
+            content = ""  # an assistant turn that only called tools
         if isinstance(content, str):
-            conversation.append({"role": role, "content": content})
+            conversation.append({"role": role, "content": content, **extra})
             continue
         if not isinstance(content, list):
             raise InvalidInput(f"{where}.content", "expected a string or a list of content parts")
         parts = [_content_part(part, f"{where}.content[{j}]", pending, items, kinds, resolver)
                  for j, part in enumerate(content)]
-        conversation.append({"role": role, "content": parts})
+        conversation.append({"role": role, "content": parts, **extra})
     for m in modalities():
         if pending[m.name]:
             raise InvalidInput(m.media_tensor, f"{len(pending[m.name])} media item(s) not referenced by an "
@@ -388,6 +400,18 @@ def _parse_messages(text: str, given: dict[str, list], resolver: MediaResolver, 
             raise InvalidInput("messages", f"{kinds.count(m.name)} {m.media_field}, over the per-request limit of "
                                            f"{getattr(limits, m.limit_field)}")
     return conversation, items
+
+
+def _tool_fields(message: dict, where: str) -> dict[str, Any]:
+    """A message's tool-calling fields (an assistant's ``tool_calls``, a tool turn's ``tool_call_id`` and ``name``),
+    kept for the chat template."""
+    extra = {}
+    for name, kind in TOOL_FIELDS.items():
+        if message.get(name) is not None:
+            if not isinstance(message[name], kind):
+                raise InvalidInput(f"{where}.{name}", f"expected a {'list' if kind is list else 'string'}")
+            extra[name] = message[name]
+    return extra
 
 
 def _content_part(part: Any, where: str, pending: dict[str, list], items: list, kinds: list,

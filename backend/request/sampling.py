@@ -66,6 +66,27 @@ def _logprobs(key: str, value: Any) -> int:
     return count
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's StructuredOutputsParams fields
+
+
+def _structured(key: str, value: Any) -> dict[str, Any]:
+    """vLLM's ``structured_outputs``: one constraint on the generated text, ``{"json": schema}`` (a JSON Schema, an
+    object or its text), ``{"json_object": true}``, ``{"regex": ...}``, ``{"choice": [...]}`` or ``{"grammar": ...}``.
+    The engine compiles it (a schema it cannot compile: INVALID_ARG naming this key)."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_KINDS:
+        raise InvalidInput(f"{FIELD}.{key}", f"expected an object with one of {', '.join(STRUCTURED_KINDS)}")
+    (kind, spec), = value.items()
+    if kind == "json_object" and spec is not True:
+        raise InvalidInput(f"{FIELD}.{key}.json_object", "must be true")
+    if kind == "json" and not isinstance(spec, (dict, str)):
+        raise InvalidInput(f"{FIELD}.{key}.json", "expected a JSON Schema (an object, or its JSON text)")
+    if kind in ("regex", "grammar") and not (isinstance(spec, str) and spec):
+        raise InvalidInput(f"{FIELD}.{key}.{kind}", "expected a non-empty string")
+    if kind == "choice" and not (isinstance(spec, list) and spec and all(isinstance(c, str) for c in spec)):
+        raise InvalidInput(f"{FIELD}.{key}.choice", "expected a non-empty list of strings")
+    return value
+
+
 _SPEC: dict[str, Callable[[str, Any], Any]] = {
     "temperature": _num(float, 0.0),
     "top_p": _num(float, 0.0, 1.0, lo_open=True),
@@ -84,6 +105,7 @@ _SPEC: dict[str, Callable[[str, Any], Any]] = {
     "stop": _str_list,
     "stop_token_ids": _int_list,
     "logprobs": _logprobs,
+    "structured_outputs": _structured,
 }
 SUPPORTED_KEYS = tuple(sorted(_SPEC))
 

@@ -42,7 +42,8 @@ import triton_python_backend_utils as pb_utils
 
 from backend.protocol import generate as interface
 from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT, ENCODER_MODALITY, HELD_PARAMETER,
-                                       LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER)
+                                       LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER,
+                                       TOOLS_PARAMETER)
 from backend.deploy.server_address import LOCAL, endpoint_list, resolve
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
@@ -237,6 +238,8 @@ class GrpcStageCalls:
         if inputs.media_io:  # consumers that decode media (metadata-only off, P/D) sample them as the client asked
             parameters = {**parameters, MEDIA_IO_PARAMETER: inputs.media_io.parameter()}
         parameters = {**parameters, **Urgency(inputs.priority or 0, inputs.deadline).parameters()}
+        if inputs.tools:  # the chat template renders them at every engine stage alike
+            parameters = {**parameters, TOOLS_PARAMETER: inputs.tools}
         request = {"model_name": model, "inputs": grpc_inputs(stage_values(inputs)), "parameters": parameters,
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id,
                    "enable_empty_final_response": True}  # every response says whether it is the last (StreamPool)

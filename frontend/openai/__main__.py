@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', '8001')}",
                         help="tritonserver's gRPC endpoint")
     parser.add_argument("--models", default=DEFAULT_MODELS, help="the generating models served (`model` values)")
+    parser.add_argument("--tokenizer", help="the served checkpoint's folder: its tokenizer for tool calls (none: tools "
+                        "are refused)")
+    parser.add_argument("--tool-parser", help="vLLM's tool parser (default: the checkpoint family's, e.g. hermes)")
+    parser.add_argument("--max-n", type=int, default=8, help="the most choices a request may ask for (n)")
     parser.add_argument("--with-parent", action="store_true", help="exit when the parent process exits")
     parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                         help="uvicorn's event loop (auto: uvloop where installed)")
@@ -34,9 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from frontend.openai.app import create_app
+    from frontend.openai.tools import ToolSupport
 
-    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m]), host=args.host, port=args.port,
-                loop=args.loop, log_level="warning")
+    from frontend.openai import translate
+
+    translate.MAX_N = args.max_n
+    tools = ToolSupport(args.tokenizer, args.tool_parser) if args.tokenizer else None
+    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools), host=args.host,
+                port=args.port, loop=args.loop, log_level="warning")
 
 
 if __name__ == "__main__":

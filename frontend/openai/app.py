@@ -17,8 +17,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from backend.protocol.generate import ERROR_CODES_PARAMETER, GenerateInputs
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs
 from frontend.openai import translate
+from frontend.openai.choices import interleaved
 from frontend.openai.logprobs import text_length
 from frontend.openai.metrics import Clock, Metrics
+from frontend.openai.tools import ToolSupport
 from frontend.openai.translate import ApiError, GenerateCall
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -26,14 +28,16 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 class Piece(NamedTuple):
     """One generate response: its text, finish reason, (prompt, completion) token counts (the final response's),
-    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none), and whether it
-    is the request's last."""
+    its tokens' logprobs entries (``backend.engine.logprobs``; None where the request asked for none), whether it
+    is the request's last, and the final response's ``timings`` (orchestrators, consumers: items, held, cached
+    tokens)."""
 
     text: str
     reason: str | None
     counts: tuple[int, int] | None
     logprobs: list[dict] | None
     final: bool = False
+    timings: dict | None = None
 
 
 class Backend:
@@ -92,10 +96,10 @@ class Backend:
                         finished = True
                         raise translate.api_error(_message(error), call.model)
                     final = result.get_response().parameters["triton_final_response"].bool_param
-                    logprobs = _str(result.as_numpy("logprobs"))
+                    logprobs, timings = _json(result.as_numpy("logprobs")), _json(result.as_numpy("timings"))
                     finished = final
                     yield Piece(_str(result.as_numpy("text_output")) or "", _str(result.as_numpy("finish_reason")),
-                                _counts(result), None if logprobs is None else json.loads(logprobs), final)
+                                _counts(result), logprobs, final, timings)
                     if final:
                         return
                 finished = True
@@ -131,6 +135,11 @@ def _str(arr) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _json(arr):
+    text = _str(arr)
+    return None if not text else json.loads(text)
+
+
 def _counts(result) -> tuple[int, int] | None:
     prompt, completion = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
     if prompt is None or completion is None:
@@ -143,17 +152,18 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def _whole(backend: Backend, call: GenerateCall, request: Request, clock: Clock) -> dict[str, Any]:
-    """A request without ``stream``: read to the end, cancelled if the client disconnects meanwhile."""
-    async def read():
-        text, reason, counts, logprobs = [], None, (0, 0), []
+async def _whole(backend: Backend, calls: list[GenerateCall], request: Request, clock: Clock) -> dict[str, Any]:
+    """A request without ``stream`` (each of its choices' ``calls`` read to the end), cancelled if the client
+    disconnects meanwhile."""
+    async def read(call: GenerateCall):
+        text, reason, counts, logprobs, timings = [], None, (0, 0), [], None
         async for piece in backend.generate(call, clock):
             text.append(piece.text)
             logprobs.extend(piece.logprobs or ())
-            reason, counts = piece.reason or reason, piece.counts or counts
-        return translate.completion(call, "".join(text), reason, counts, logprobs)
+            reason, counts, timings = piece.reason or reason, piece.counts or counts, piece.timings or timings
+        return translate.completion(call, "".join(text), reason, counts, logprobs, timings)
 
-    task = asyncio.ensure_future(read())
+    task = asyncio.ensure_future(asyncio.gather(*(read(call) for call in calls)))
     while not task.done():
         await asyncio.wait([task], timeout=DISCONNECT_POLL_SECONDS)
         if not task.done() and await request.is_disconnected():
@@ -161,34 +171,40 @@ async def _whole(backend: Backend, call: GenerateCall, request: Request, clock: 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise ApiError(499, "client disconnected", "cancelled")
-    return task.result()
+    return translate.merged(task.result())
 
 
-async def _events(call: GenerateCall, responses, head: Piece, answered) -> AsyncIterator[str]:
-    """Server-Sent Events as OpenAI sends them: ``data: {...}`` lines, ``data: [DONE]`` last; ``head``: the first
-    response, read before the HTTP status was sent (so an error of the request itself is an HTTP error). An error
-    after that is sent as an error object (as vLLM does), then [DONE]. What follows the final response (its chunk,
-    the usage chunk, [DONE]) goes out in one write; ``answered()`` once it is sent. A client that leaves stops this
-    generator, which closes ``responses`` before their final piece and so cancels the request."""
-    first, counts, offset, tail = True, None, 0, []
+async def _events(calls: list[GenerateCall], responses, head: tuple, answered) -> AsyncIterator[str]:
+    """Server-Sent Events as OpenAI sends them: ``data: {...}`` lines, ``data: [DONE]`` last; ``responses``: the
+    choices' ``(index, piece)`` (``frontend.openai.choices.interleaved``), ``head`` the first of them, read before the
+    HTTP status was sent (so an error of the request itself is an HTTP error). An error after that is sent as an error
+    object (as vLLM does), then [DONE]. What follows the last final response (its chunk, the usage chunk, [DONE])
+    goes out in one write; ``answered()`` once it is sent. A client that leaves stops this generator, which closes
+    ``responses`` before their final piece and so cancels the requests."""
+    first, offset, counts = [True] * len(calls), [0] * len(calls), [None] * len(calls)
+    tail, timings, finals = [], None, 0
     pieces = _chain(head, responses)
     try:
         try:
-            async for piece in pieces:
-                counts = piece.counts or counts
+            async for index, piece in pieces:
+                call = calls[index]
+                counts[index], timings = piece.counts or counts[index], piece.timings or timings
                 event = None
-                if piece.text or piece.reason or piece.logprobs or first:
-                    event = _sse(translate.chunk(call, piece.text, piece.reason, first=first, logprobs=piece.logprobs,
-                                                 offset=offset))
-                    offset += text_length(piece.logprobs or [])
-                    first = False
-                if piece.final:
+                if piece.text or piece.reason or piece.logprobs or first[index]:
+                    event = _sse(translate.chunk(call, piece.text, piece.reason, first=first[index],
+                                                 logprobs=piece.logprobs, offset=offset[index]))
+                    offset[index] += text_length(piece.logprobs or [])
+                    first[index] = False
+                finals += piece.final
+                if finals == len(calls):
                     tail += [event] if event else []
                     break
                 if event:
                     yield event
-            if call.include_usage:
-                tail.append(_sse(translate.chunk(call, None, counts=counts or (0, 0))))
+            if calls[0].include_usage:
+                done = [c or (0, 0) for c in counts]
+                total = (done[0][0], sum(c[1] for c in done))
+                tail.append(_sse(translate.chunk(calls[0], None, counts=total, timings=timings)))
         except ApiError as err:
             tail.append(_sse(err.body()))
         yield "".join(tail) + "data: [DONE]\n\n"
@@ -208,12 +224,32 @@ def _sse(doc: dict) -> str:
     return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
 
 
-def create_app(grpc_url: str, models: list[str]) -> FastAPI:
-    """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models``."""
-    return make_app(Backend(grpc_url, models))
+async def _bind_tools(call: GenerateCall, tools: ToolSupport | None) -> None:
+    """A call with tools (``tool_choice`` other than ``none``) gets its ``ToolOutput``, and the sampling parameters
+    its choice needs; 400 naming ``tools`` where this endpoint has no tokenizer, or the body also asks a
+    ``response_format`` (both would constrain the same tokens)."""
+    if call.tools is None or call.tools.choice == "none":
+        return
+    if tools is None:
+        raise ApiError(400, "tools: this endpoint serves no tool calls (started without --tokenizer)", param="tools")
+    try:
+        call.output = await tools.output(call.tools, call.model)
+    except ValueError as exc:  # vLLM's own checks of the tools (its ChatCompletionRequest, its schema of the calls)
+        raise ApiError(400, f"tools: {exc}", param="tools") from None
+    needs = call.output.sampling()
+    if "structured_outputs" in needs and "structured_outputs" in call.inputs["sampling"]:
+        raise ApiError(400, "response_format: not with a named or required tool_choice", param="response_format")
+    call.inputs["sampling"].update(needs)
+    call.structured_param = call.output.error_field()
 
 
-def make_app(backend) -> FastAPI:
+def create_app(grpc_url: str, models: list[str], tools: ToolSupport | None = None) -> FastAPI:
+    """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models`` (``tools``: its tool
+    calling, ``frontend.openai.tools``)."""
+    return make_app(Backend(grpc_url, models), tools)
+
+
+def make_app(backend, tools: ToolSupport | None = None) -> FastAPI:
     """The application over ``backend``: ``Backend`` (tritonserver's gRPC endpoint) or one with its ``models``,
     ``generate``, ``ready`` and ``close`` (``frontend.openai.in_process.LocalBackend``: a model's own process)."""
     metrics = Metrics()
@@ -227,7 +263,7 @@ def make_app(backend) -> FastAPI:
     app.state.backend = backend
 
     async def answer(request: Request, make_call) -> Any:
-        clock, model = Clock(), "-"
+        clock, model, call = Clock(), "-", None
         started = clock.started
         try:
             try:
@@ -235,10 +271,14 @@ def make_app(backend) -> FastAPI:
             except ValueError:
                 raise ApiError(400, "body: not valid JSON", param="body") from None
             call = make_call(body, set(backend.models))
+            calls = call.choices()
+            for choice in calls:
+                await _bind_tools(choice, tools)
             call.parameters.update(translate.urgency(body, request.headers))
+            call.parameters.update(translate.session(body, request.headers))
             model = call.model
             if call.stream:
-                responses = backend.generate(call, clock)
+                responses = interleaved([backend.generate(choice, clock) for choice in calls])
                 try:
                     head = await responses.__anext__()
                 except StopAsyncIteration:
@@ -247,16 +287,16 @@ def make_app(backend) -> FastAPI:
                     await responses.aclose()
                     raise
                 metrics.done(model, 200, started)
-                return StreamingResponse(_events(call, responses, head, lambda: metrics.answered(model, clock)),
+                return StreamingResponse(_events(calls, responses, head, lambda: metrics.answered(model, clock)),
                                          media_type="text/event-stream")
-            doc = await _whole(backend, call, request, clock)
+            doc = await _whole(backend, calls, request, clock)
             metrics.done(model, 200, started)
             response = JSONResponse(doc)
             metrics.answered(model, clock)
             return response
         except ApiError as err:
             metrics.done(model, err.status, started)
-            return _error_response(err)
+            return _error_response(translate.in_client_terms(err, call))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -61,7 +61,8 @@ class QueueSink:
         counts = None
         if chunk.num_input_tokens is not None and chunk.num_output_tokens is not None:
             counts = (chunk.num_input_tokens, chunk.num_output_tokens)
-        self.queue.put_nowait(Piece(chunk.text_output or "", chunk.finish_reason, counts, chunk.logprobs, final))
+        self.queue.put_nowait(Piece(chunk.text_output or "", chunk.finish_reason, counts, chunk.logprobs, final,
+                                 chunk.timings))
         if self._timer is not None:
             elapsed = asyncio.get_running_loop().time() - self._started
             if self._first and chunk.text_output:

@@ -6,15 +6,19 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backend.protocol import errors
-from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, parse_deadline, parse_priority
+from backend.protocol.generate import DEADLINE_PARAMETER, PRIORITY_PARAMETER, SESSION_PARAMETER, TOOLS_PARAMETER, \
+    parse_deadline, parse_priority, parse_session
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from frontend.openai import logprobs as logprob_shapes
+from frontend.openai import tools as tool_calls
+from frontend.openai.structured import STRUCTURED_PARAM, FieldError, response_format
 
 DEADLINE_HEADER = "x-deadline-ms"  # the request's deadline_ms, for clients that cannot add fields to the body
+SESSION_HEADER = "x-session-id"  # the request's session_id (vLLM's extra field), for the same clients
 # OpenAI sampling fields -> the generate interface's sampling_parameters keys (vLLM's names); vLLM's extras too
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -22,7 +26,9 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "sto
             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 IGNORED = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-           "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms"}  # handled below, or no effect (user)
+           "user", "logprobs", "echo", "media_io_kwargs", "priority", "deadline_ms",
+           "session_id"}  # handled below, or no effect (user)
+MAX_N = 8  # choices per request (`n`): each its own generate request, as vLLM's own sequences (python -m frontend.openai --max-n)
 DEFAULT_MAX_TOKENS = 16  # the generate interface's default (vLLM's OpenAI server: the rest of the context)
 
 
@@ -52,12 +58,28 @@ class GenerateCall:
     chat: bool
     logprobs: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)  # Triton request parameters (media_io_kwargs)
+    structured_param: str = "response_format"  # the field the engine's structured_outputs errors are about
+    tools: Any = None  # the body's tools (frontend.openai.tools.ToolRequest), None: none
+    output: Any = None  # and their answer's shape (frontend.openai.tools.ToolOutput), once bound
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1  # choices asked for
+    index: int = 0  # which choice this call generates
+    answer_id: str | None = None  # the response's id (the first choice's request id)
 
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
+        return ("chatcmpl-" if self.chat else "cmpl-") + (self.answer_id or self.request_id)
+
+    def choices(self) -> list["GenerateCall"]:
+        """One call per choice: each its own request (and sequence); with a ``seed``, choice i samples with seed + i,
+        as vLLM's parallel sampling seeds its child sequences."""
+        if self.n == 1:
+            return [self]
+        seed = self.inputs["sampling"].get("seed")
+        return [replace(self, index=i, answer_id=self.request_id, request_id=uuid.uuid4().hex, inputs={
+            **self.inputs, "sampling": {**self.inputs["sampling"], **({"seed": seed + i} if seed is not None else {})}})
+            for i in range(self.n)]
 
 
 def _invalid(param: str, message: str) -> ApiError:
@@ -67,8 +89,6 @@ def _invalid(param: str, message: str) -> ApiError:
 def _sampling(body: dict[str, Any], logprobs: int | None, also: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The sampling parameters of ``body``; ``logprobs``: vLLM's ``logprobs`` (None: none); ``also``: the endpoint's
     own fields beside the shared ones (checked by the caller)."""
-    if body.get("n", 1) != 1:
-        raise _invalid("n", f"only n=1 is served, got {body['n']!r}")
     unknown = sorted(set(body) - set(SAMPLING) - IGNORED - also)
     if unknown:
         raise _invalid(unknown[0], "unsupported field")
@@ -78,6 +98,16 @@ def _sampling(body: dict[str, Any], logprobs: int | None, also: frozenset[str] =
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     return sampling
+
+
+def choices_asked(body: dict[str, Any], limit: int | None = None) -> int:
+    """``n``: an integer from 1 to ``limit`` (default ``MAX_N``: this endpoint's ``--max-n``)."""
+    n, limit = body.get("n"), MAX_N if limit is None else limit
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+        raise _invalid("n", f"expected an integer from 1 to {limit} (this endpoint's limit), got {n!r:.40}")
+    return n
 
 
 def _top_count(param: str, value: Any) -> int:
@@ -133,9 +163,20 @@ def chat_call(body: Any, served: set[str]) -> GenerateCall:
         raise _invalid("messages", "required: a non-empty list of messages")
     stream, usage = _stream_flags(body)
     logprobs = _chat_logprobs(body)
-    sampling = _sampling(body, logprobs, frozenset({"top_logprobs"}))
+    sampling = _sampling(body, logprobs, frozenset({"top_logprobs", "response_format", "tools", "tool_choice",
+                                                    "parallel_tool_calls"}))
+    try:
+        structured, structured_param = response_format(body.get("response_format"))
+        tools = tool_calls.parse(body)
+    except FieldError as exc:
+        raise _invalid(exc.param, exc.problem) from None
+    if structured is not None:
+        sampling["structured_outputs"] = structured
+    parameters = _media_io(body)
+    if tools is not None:
+        parameters[TOOLS_PARAMETER] = json.dumps(tools.tools)
     return GenerateCall(model, {"messages": messages, "sampling": sampling}, stream, usage, chat=True, logprobs=logprobs,
-                        parameters=_media_io(body))
+                        parameters=parameters, structured_param=structured_param, tools=tools, n=choices_asked(body))
 
 
 def _media_io(body: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +212,19 @@ def urgency(body: dict[str, Any], headers: Any) -> dict[str, Any]:
     return params
 
 
+def session(body: dict[str, Any], headers: Any) -> dict[str, Any]:
+    """The request parameter ``session_id`` of a body's ``session_id`` (vLLM's extra field), or of the
+    ``X-Session-Id`` header: the conversation this request is a turn of (docs/reuse.md); errors name the field."""
+    value, name = body.get("session_id"), "session_id"
+    if value is None and headers.get(SESSION_HEADER) is not None:
+        value, name = headers.get(SESSION_HEADER), SESSION_HEADER
+    try:
+        value = parse_session(value)
+    except errors.InvalidInput as exc:
+        raise _invalid(name, exc.problem) from None
+    return {} if value is None else {SESSION_PARAMETER: value}
+
+
 def completion_call(body: Any, served: set[str]) -> GenerateCall:
     """The generate request of a ``/v1/completions`` body (one text prompt)."""
     if not isinstance(body, dict):
@@ -186,7 +240,16 @@ def completion_call(body: Any, served: set[str]) -> GenerateCall:
     stream, usage = _stream_flags(body)
     logprobs = None if body.get("logprobs") is None else _top_count("logprobs", body["logprobs"])
     return GenerateCall(model, {"prompt": prompt, "sampling": _sampling(body, logprobs)}, stream, usage, chat=False,
-                        logprobs=logprobs)
+                        logprobs=logprobs, n=choices_asked(body))
+
+
+def in_client_terms(err: ApiError, call: GenerateCall | None) -> ApiError:
+    """``err`` naming the request field it is about: the engine's ``structured_outputs`` errors name the
+    ``response_format`` (or the tool) they came from."""
+    if call is None or err.param != STRUCTURED_PARAM:
+        return err
+    message = err.message.replace(STRUCTURED_PARAM, call.structured_param, 1)
+    return ApiError(err.status, message, err.type, call.structured_param, err.code, err.retry_after)
 
 
 def api_error(message: str, stage: str) -> ApiError:
@@ -213,9 +276,20 @@ def finish_reason(value: str | None) -> str | None:
     return None if value is None else _FINISH.get(value, value)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, timings: dict | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; from the final response's ``timings`` (the orchestrators', a consumer's): vLLM's
+    ``prompt_tokens_details.cached_tokens`` (the prompt tokens its prefix cache covered) and the extension
+    ``epd_media``: the request's media ``items``, how many were ``reused`` (the consumer's copies: not encoded,
+    not transferred) and how many ``encoded``."""
+    doc: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    timings = timings or {}
+    if timings.get("cached_tokens") is not None:
+        doc["prompt_tokens_details"] = {"cached_tokens": int(timings["cached_tokens"])}
+    if timings.get("items") is not None:
+        items, reused = int(timings["items"]), int(timings.get("held") or 0)
+        doc["epd_media"] = {"items": items, "reused": reused, "encoded": max(items - reused, 0)}
+    return doc
 
 
 def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> dict | None:
@@ -230,32 +304,47 @@ def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> di
 def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool, first: bool = False,
             logprobs: dict | None = None) -> dict:
     if not call.chat:
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        return {"index": call.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    output, reason = call.output, finish_reason(reason)
     if delta:
-        content = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(reason)}
+        content = output.delta(text or "", reason is not None) if output else ({"content": text} if text else {})
+        content = {"role": "assistant", "content": "", **content} if first else content
+    else:
+        content = {"role": "assistant", **(output.message(text or "") if output else {"content": text})}
+    reason = output.finish(reason) if output else reason
+    return {"index": call.index, "delta" if delta else "message": content, "logprobs": logprobs, "finish_reason": reason}
 
 
 def chunk(call: GenerateCall, text: str | None, reason: str | None = None, first: bool = False,
-          counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+          counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0,
+          timings: dict | None = None) -> dict:
     """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead.
     ``logprobs``: the entries of the chunk's tokens (the interface's), ``offset``: where in the completion's text the
     first of them starts (completions' ``text_offset``)."""
     doc = {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
            "created": call.created, "model": call.model}
     if counts is not None:
-        return {**doc, "choices": [], "usage": usage(*counts)}
+        return {**doc, "choices": [], "usage": usage(*counts, timings)}
     return {**doc, "choices": [_choice(call, text, reason, delta=True, first=first,
                                        logprobs=_logprobs(call, logprobs, offset))],
             **({"usage": None} if call.include_usage else {})}
 
 
 def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[int, int],
-               logprobs: list[dict] | None = None) -> dict:
+               logprobs: list[dict] | None = None, timings: dict | None = None) -> dict:
     """The whole answer of a request without ``stream``; ``logprobs``: every generated token's entry."""
     return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
             "created": call.created, "model": call.model,
             "choices": [_choice(call, text, reason, delta=False, logprobs=_logprobs(call, logprobs, 0))],
-            "usage": usage(*counts)}
+            "usage": usage(*counts, timings)}
+
+
+def merged(docs: list[dict]) -> dict:
+    """The whole answers of a request's choices as one answer: every choice, the prompt counted once and the
+    completions summed in ``usage`` (as vLLM's)."""
+    if len(docs) == 1:
+        return docs[0]
+    first, completions = docs[0], sum(doc["usage"]["completion_tokens"] for doc in docs)
+    return {**first, "choices": [choice for doc in docs for choice in doc["choices"]],
+            "usage": {**first["usage"], "completion_tokens": completions,
+                      "total_tokens": first["usage"]["prompt_tokens"] + completions}}

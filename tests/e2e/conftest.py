@@ -211,17 +211,17 @@ def asker(greedy: dict):
 
 
 @contextlib.contextmanager
-def openai_endpoint(grpc_url: str, models: str | None = None, wait: bool = True):
+def openai_endpoint(grpc_url: str, models: str | None = None, wait: bool = True, extra: tuple[str, ...] = ()):
     """``python -m frontend.openai`` on a free port in front of ``grpc_url`` (``models``: its ``--models``), its base
     URL yielded once its /health answers (200 or 503: it is up; ``wait``: once it is 200); stopped (and checked
-    stopped) after."""
+    stopped) after. ``extra``: more arguments (``--tokenizer``)."""
     import urllib.error
 
     from backend.deploy.ports import free_ports
 
     (port,) = free_ports(1)
     argv = [sys.executable, "-m", "frontend.openai", "--port", str(port), "--grpc-url", grpc_url]
-    proc = subprocess.Popen(argv + (["--models", models] if models else []), cwd=ROOT,
+    proc = subprocess.Popen(argv + (["--models", models] if models else []) + list(extra), cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     base = f"http://127.0.0.1:{port}"
     try:

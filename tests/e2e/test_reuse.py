@@ -143,3 +143,48 @@ def test_a_malformed_lookup_is_invalid_arg_and_pd_keeps_serving(server):
     assert len(answers) == 2 and all(error is not None and "parameters.epd_held" in error.message() for _, error in answers), \
         [error and error.message() for _, error in answers]
     assert ask(server, "epd", **turn([screenshot(400)], "still there?")).text
+
+
+def _data_url(image: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def _chat_turn(seeds: list[int], text: str) -> list[dict]:
+    """``turn``'s request as OpenAI chat messages (the screenshots as ``image_url`` parts)."""
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(screenshot(s))}} for s in seeds]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    """The OpenAI endpoint in front of this module's server, through the ``openai`` SDK."""
+    openai = pytest.importorskip("openai")
+    from tests.e2e.conftest import openai_endpoint
+
+    with openai_endpoint(server.grpc_url) as base:
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("model, how", [("epd", "body"), ("epd_disagg", "header")])
+def test_a_conversation_over_openai_encodes_only_its_new_screenshot_and_says_so_in_usage(server, sdk, model, how):
+    """``session_id`` (vLLM's extra field, or the ``X-Session-Id`` header) through the OpenAI endpoint: every turn's
+    ``usage.epd_media`` counts its new screenshot encoded and the earlier ones reused, the encoder is asked for one
+    item per turn (its metrics), ``prompt_tokens_details.cached_tokens`` comes back, and the text is ``llm``'s."""
+    seeds = [500 + 10 * DEPLOYMENTS.index(model) + i for i in range(3)]
+    session = {"extra_body": {"session_id": f"sdk-{model}"}} if how == "body" else {
+        "extra_headers": {"X-Session-Id": f"sdk-{model}"}}
+    for k in range(len(seeds)):
+        messages = _chat_turn(seeds[:k + 1], f"step {k}: what changed?")
+        before = encodes(server)
+        got = sdk.chat.completions.create(model=model, messages=messages, temperature=0.0, max_tokens=8, **session)
+        assert encodes(server) - before == 1, f"turn {k}: not only its new screenshot was encoded"
+        assert got.usage.model_extra["epd_media"] == {"items": k + 1, "reused": k, "encoded": 1}, got.usage
+        assert got.usage.prompt_tokens_details.cached_tokens >= 0
+        want = sdk.chat.completions.create(model="llm", messages=messages, temperature=0.0, max_tokens=8)
+        assert (got.choices[0].message.content, got.usage.prompt_tokens) == (
+            want.choices[0].message.content, want.usage.prompt_tokens)
+    with pytest.raises(pytest.importorskip("openai").BadRequestError) as info:
+        sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={"session_id": ""})
+    assert info.value.body["param"] == "session_id", info.value.body

@@ -35,8 +35,9 @@ def names(tensors):
 def test_every_input_and_output_maps_to_a_field_of_the_typed_request_and_chunk():
     raw_fields = {f.name for f in dataclasses.fields(RawGenerateInputs)}
     # every field is a tensor's but the request parameters: the session (backend.protocol.generate.SESSION_PARAMETER)
-    # the media options (backend.protocol.media_options.MEDIA_IO_PARAMETER), the priority and the deadline
-    assert {t.field for t in generate.input_tensors()} == raw_fields - {"session_id", "media_io", "priority", "deadline"}
+    # the media options (backend.protocol.media_options.MEDIA_IO_PARAMETER), the priority, the deadline and the tools
+    assert {t.field for t in generate.input_tensors()} == raw_fields - {"session_id", "media_io", "priority", "deadline",
+                                                                        "tools"}
     assert {t.field for t in generate.output_tensors()} == {f.name for f in dataclasses.fields(ResponseChunk)}
 
 

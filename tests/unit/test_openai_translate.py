@@ -31,7 +31,8 @@ def test_media_io_kwargs_go_on_as_the_request_parameter():
     ({"model": "nope", "messages": MESSAGES}, 404, "model"),
     ({"messages": MESSAGES}, 400, "model"),
     ({"model": "llm", "messages": []}, 400, "messages"),
-    ({"model": "llm", "messages": MESSAGES, "n": 3}, 400, "n"),
+    ({"model": "llm", "messages": MESSAGES, "n": 9}, 400, "n"),
+    ({"model": "llm", "messages": MESSAGES, "n": 0}, 400, "n"),
     ({"model": "llm", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": "llm", "messages": MESSAGES, "logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
@@ -171,3 +172,74 @@ def test_a_shed_request_is_a_429_with_the_estimated_wait_and_a_deadline_miss_a_5
     assert (shed.status, shed.retry_after, shed.code) == (429, 3, "overloaded")
     late = translate.api_error(errors.encode(errors.DeadlineExceeded("deadline of 1 s exceeded", "request")), "epd")
     assert (late.status, late.code, late.retry_after) == (503, "deadline_exceeded", None)
+
+
+def test_a_session_comes_from_the_body_or_the_header_and_a_bad_one_names_its_field():
+    assert translate.session({"session_id": "agent-1"}, {}) == {"session_id": "agent-1"}
+    assert translate.session({}, {"x-session-id": "agent-2"}) == {"session_id": "agent-2"}
+    assert translate.session({"session_id": "body"}, {"x-session-id": "header"}) == {"session_id": "body"}
+    assert translate.session({}, {}) == {}
+    for body, headers, param in (({"session_id": ""}, {}, "session_id"), ({"session_id": 3}, {}, "session_id"),
+                                 ({}, {"x-session-id": "x" * 257}, "x-session-id")):
+        with pytest.raises(ApiError) as info:
+            translate.session(body, headers)
+        assert (info.value.status, info.value.param) == (400, param)
+    translate.chat_call({"model": "epd", "messages": MESSAGES, "session_id": "s"}, SERVED)  # a field it takes
+
+
+def test_usage_reports_cached_tokens_and_the_media_reused_and_encoded():
+    assert translate.usage(10, 2) == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    doc = translate.usage(40, 4, {"items": 3, "held": 2, "cached_tokens": 16, "encode_ms": 1.0})
+    assert doc["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert doc["epd_media"] == {"items": 3, "reused": 2, "encoded": 1}
+    assert translate.usage(40, 4, {"items": 2, "encode_ms": 1.0})["epd_media"] == {"items": 2, "reused": 0, "encoded": 2}
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+
+
+@pytest.mark.parametrize("fmt, want", [
+    (None, None), ({"type": "text"}, None), ({"type": "json_object"}, {"json_object": True}),
+    ({"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}, {"json": SCHEMA}),
+])
+def test_response_format_becomes_vllm_structured_outputs(fmt, want):
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "response_format": fmt}, SERVED)
+    assert call.inputs["sampling"].get("structured_outputs") == want
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "xml"}, "response_format.type"), ("json", "response_format"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "nonsense"}}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "c", "schema": {"properties": 3}}}, "response_format.json_schema"),
+])
+def test_a_bad_response_format_names_its_field(fmt, param):
+    with pytest.raises(ApiError) as info:
+        translate.chat_call({"model": "epd", "messages": MESSAGES, "response_format": fmt}, SERVED)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_the_engine_s_structured_outputs_errors_name_the_client_s_field():
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}, SERVED)
+    err = translate.api_error(errors.encode(errors.InvalidInput("sampling_parameters.structured_outputs",
+                                                                "Failed to transform json schema")), "epd")
+    mapped = translate.in_client_terms(err, call)
+    assert (mapped.status, mapped.param) == (400, "response_format.json_schema")
+    assert mapped.message.startswith("response_format.json_schema: Failed")
+    other = ApiError(400, "x", param="messages")
+    assert translate.in_client_terms(other, call) is other
+
+
+def test_each_choice_is_its_own_request_seeded_as_vllm_seeds_its_sequences():
+    call = translate.chat_call({"model": "epd", "messages": MESSAGES, "n": 3, "seed": 7}, SERVED)
+    calls = call.choices()
+    assert [c.index for c in calls] == [0, 1, 2] and [c.inputs["sampling"]["seed"] for c in calls] == [7, 8, 9]
+    assert len({c.request_id for c in calls}) == 3 and {c.response_id for c in calls} == {call.response_id}
+    assert call.inputs["sampling"]["seed"] == 7
+    one = translate.chat_call({"model": "epd", "messages": MESSAGES}, SERVED)
+    assert one.choices() == [one]
+    docs = [translate.completion(c, f"t{c.index}", "stop", (10, 2 + c.index)) for c in calls]
+    doc = translate.merged(docs)
+    assert [ch["index"] for ch in doc["choices"]] == [0, 1, 2] and doc["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 9, "total_tokens": 19}

@@ -112,3 +112,27 @@ def test_layout_media_refuses_media_and_checks_layouts():
     with pytest.raises(InvalidInput) as info:
         parse(resolver, prompt="x", image_layouts=('{"version": 99}',))
     assert info.value.field == "image_layouts[0].version"
+
+
+def test_tool_turns_and_the_tools_parameter_are_kept_for_the_chat_template():
+    from backend.request.generate import parameter_inputs
+
+    tools = [{"type": "function", "function": {"name": "click"}}]
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                        "function": {"name": "click", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"}, {"type": "image"}]}]
+    raw = RawGenerateInputs(messages=json.dumps(messages), images=(image_bytes(32, 32, 1),),
+                            **parameter_inputs({"tools": json.dumps(tools)}))
+    request = parse_generate_request(raw, EncodedMedia())
+    assert request.tools == tools and len(request.items) == 1
+    assert request.conversation[1] == {"role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"]}
+    assert request.conversation[2]["tool_call_id"] == "c1" and request.conversation[2]["role"] == "tool"
+    for parameters, field in (({"tools": "{}"}, "parameters.tools"), ({"tools": "not json"}, "parameters.tools")):
+        with pytest.raises(InvalidInput) as info:
+            parameter_inputs(parameters)
+        assert info.value.field == field
+    bad = [{"role": "tool", "content": "x", "tool_call_id": 3}]
+    with pytest.raises(InvalidInput) as info:
+        parse_generate_request(RawGenerateInputs(messages=json.dumps(bad)), EncodedMedia())
+    assert info.value.field == "messages[0].tool_call_id"

@@ -51,3 +51,16 @@ def test_bad_parameters_name_the_field(text, field, fragment):
     assert info.value.field == field
     assert fragment in str(info.value)
     assert info.value.code is ErrorCode.INVALID_ARG
+
+
+def test_structured_outputs_take_one_constraint_as_vllm_names_it():
+    schema = {"type": "object"}
+    assert parse_sampling(json.dumps({"structured_outputs": {"json": schema}})) == {"structured_outputs": {"json": schema}}
+    assert parse_sampling(json.dumps({"structured_outputs": {"json_object": True}}))["structured_outputs"] == {
+        "json_object": True}
+    for bad, field in (({"json": schema, "regex": "a"}, "structured_outputs"), ({"xml": 1}, "structured_outputs"),
+                       ({"json_object": False}, "structured_outputs.json_object"), ({"json": 3}, "structured_outputs.json"),
+                       ({"choice": []}, "structured_outputs.choice"), ({"regex": ""}, "structured_outputs.regex")):
+        with pytest.raises(InvalidInput) as info:
+            parse_sampling(json.dumps({"structured_outputs": bad}))
+        assert info.value.field == f"sampling_parameters.{field}", bad
