@@ -18,7 +18,7 @@ from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.topology import load
 from clients.triton_client import GenerateError
-from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
+from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metrics
 from tests.e2e.test_epd import ask
 from tests.images import image_bytes
 
