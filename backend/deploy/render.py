@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from backend.deploy.schema import ModelKind, StageSpec, Topology
+from backend.deploy.schema import ADMISSION_DEFAULTS, ModelKind, StageSpec, Topology
 from backend.protocol import generate
 from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage
@@ -105,7 +105,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # them into one batch of one instance, so an idle instance takes a request at once (batches still form
         # while every instance is busy)
         delay = 0 if topology.video_split > 1 else 2000
-        body += f"max_batch_size: 32\ndynamic_batching {{ max_queue_delay_microseconds: {delay} }}\n\n"
+        body += f"max_batch_size: 32\n{_encoder_batching(topology, delay)}\n"
         body += _io("input", generate.ENCODER_INPUTS) + _io("output", generate.ENCODER_OUTPUTS) + "\n" + _instances(spec) + "\n"
         transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
         # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
@@ -173,6 +173,18 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 def _admission(topology: Topology, *keys: str) -> dict[str, str]:
     """The ``admission`` block's settings given in the topology (``keys``: only those), as parameters."""
     return {k: _fmt(v) for k, v in topology.admission.items() if not keys or k in keys}
+
+
+def _encoder_batching(topology: Topology, delay_us: int) -> str:
+    """The encoder's dynamic batcher: one queue per priority class (Triton's level 1 first: a request's epd_priority
+    + 1, as the orchestrators send it over gRPC; requests without one, BLS calls among them, take the last level),
+    a request's own timeout honoured in the queue (its deadline: rejected there once it passes). Triton lets a
+    request's timeout only shorten the queue's own, so that is the request timeout (no request waits longer)."""
+    levels = topology.admission.get("priority_levels", ADMISSION_DEFAULTS["priority_levels"])
+    timeout_us = int(topology.limits["request_timeout_seconds"] * 1e6)
+    return (f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}\n  priority_levels: {levels}\n"
+            f"  default_priority_level: {levels}\n  default_queue_policy {{ timeout_action: REJECT "
+            f"default_timeout_microseconds: {timeout_us} allow_timeout_override: true }}\n}}\n")
 
 
 def _nice(topology) -> dict[str, str]:

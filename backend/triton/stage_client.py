@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -45,6 +46,7 @@ from backend.protocol.generate import (ENCODER_ITEM, ENCODER_KEY, ENCODER_LAYOUT
                                        LOAD_PARAMETER, PART_PARAMETER, SESSION_PARAMETER,
                                        TOOLS_PARAMETER)
 from backend.deploy.server_address import LOCAL, endpoint_list, resolve
+from backend.protocol.errors import DeadlineExceeded
 from backend.protocol.media_options import MEDIA_IO_PARAMETER
 from backend.request.generate import MediaBytes, RawGenerateInputs
 from backend.engine.serving import ResponseChunk
@@ -209,7 +211,7 @@ class GrpcStageCalls:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        parameters = encode_parameters(item, part)
+        parameters, urgency = encode_parameters(item, part), URGENCY.get()
         inputs = []
         for name, value in ((ENCODER_ITEM.name, item.data), (ENCODER_KEY.name, key.encode()),
                             (ENCODER_MODALITY.name, item.modality.encode())):
@@ -218,7 +220,7 @@ class GrpcStageCalls:
         try:
             result = await unless(self._client(address).infer(
                 model, inputs, outputs=[grpcclient.InferRequestedOutput(ENCODER_LAYOUT.name)],
-                parameters=parameters, client_timeout=STAGE_CALL_SECONDS), lost)
+                parameters=parameters, client_timeout=STAGE_CALL_SECONDS, **queue_terms(urgency)), lost)
         except Lost:
             raise Unreachable(f"stage {model} at {address} was lost (it stopped answering health checks)") from None
         except InferenceServerException as exc:
@@ -356,10 +358,29 @@ class GrpcStageCalls:
             await client.close()
 
 
+def queue_terms(urgency: Urgency) -> dict:
+    """An encoder request's place in the encoder's queues (``backend.deploy.render``'s dynamic batcher): Triton's
+    priority level (``epd_priority`` + 1), and the time left to the request's deadline (microseconds; Triton rejects
+    it in the queue once it passes). A deadline already past: ``DeadlineExceeded``, nothing sent."""
+    terms = {"priority": urgency.priority + 1}
+    if urgency.deadline is not None:
+        left = urgency.deadline - time.time()
+        if left <= 0:
+            raise DeadlineExceeded("deadline passed before the item was sent to the encoder", "encoder")
+        terms["timeout"] = max(1, int(left * 1e6))
+    return terms
+
+
+QUEUE_TIMEOUT = "Request timeout expired"  # Triton's error for a request whose timeout passed in the queue
+
+
 def _call_failed(model: str, address: str, exc) -> Exception:
-    """A failed call's error: the stage's own (tagged) error as it is; a failure of the call itself (no server there,
-    connection lost, deadline passed, no such model) is ``Unreachable`` (lost unless only the deadline passed)."""
+    """A failed call's error: the stage's own (tagged) error as it is; the request's deadline passed in the stage's
+    queue: ``DeadlineExceeded``; a failure of the call itself (no server there, connection lost, deadline passed, no
+    such model) is ``Unreachable`` (lost unless only the deadline passed)."""
     message = exc.message() or ""
+    if QUEUE_TIMEOUT in message:
+        return DeadlineExceeded(f"deadline passed in stage {model}'s queue at {address}", model)
     if message.startswith("[") or (exc.status() or "") not in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
         return from_triton_error(exc, model)
     return Unreachable(f"stage {model} not reachable over gRPC at {address}: {message}",

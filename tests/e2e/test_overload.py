@@ -115,19 +115,54 @@ def test_a_request_past_its_deadline_is_answered_before_any_encode(server):
     assert metric(server, "epd_encoder_items_total") == encoded
 
 
-def test_the_encoder_refuses_a_request_whose_deadline_passed(server):
-    from tritonclient.grpc import InferenceServerClient, InferInput
-    from tritonclient.utils import InferenceServerException
+def encoder_inputs():
+    from tritonclient.grpc import InferInput
 
-    before = metric(server, "epd_encoder_deadline_stops_total")
     inputs = []
     for name, value in ((ENCODER_ITEM.name, image_bytes(64, 48)), (ENCODER_KEY.name, b""), (ENCODER_MODALITY.name, b"image")):
         inputs.append(InferInput(name, [1, 1], "BYTES"))
         inputs[-1].set_data_from_numpy(np.array([[value]], dtype=np.object_))
+    return inputs
+
+
+def test_the_encoder_refuses_a_request_whose_deadline_passed(server):
+    from tritonclient.grpc import InferenceServerClient
+    from tritonclient.utils import InferenceServerException
+
+    before = metric(server, "epd_encoder_deadline_stops_total")
+    inputs = encoder_inputs()
     with InferenceServerClient(server.grpc_url) as client:
         with pytest.raises(InferenceServerException, match="request: the deadline passed before the encoder started it"):
             client.infer("encoder", inputs, parameters={"epd_deadline": f"{time.time() - 1:.3f}"})
     assert settled(lambda: metric(server, "epd_encoder_deadline_stops_total"), before + 1) == before + 1
+
+
+def test_the_encoder_s_queue_takes_triton_s_priority_levels_and_rejects_a_request_whose_timeout_passed_there(server):
+    """What the orchestrators send a remote encoder (``stage_client.queue_terms``): Triton's priority level and the time
+    left as the request's timeout; the rendered batcher (2 levels, timeouts honoured) takes both, and a request whose
+    timeout passes while it waits behind a long video in the encoder's queue is rejected there, never encoded."""
+    from tritonclient.grpc import InferenceServerClient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.videos import make_video
+
+    video = encoder_inputs()
+    video[0].set_data_from_numpy(np.array([[make_video(640, 480, frames=120, fps=30.0)]], dtype=np.object_))
+    video[2].set_data_from_numpy(np.array([[b"video"]], dtype=np.object_))
+    items = lambda: metric(server, "epd_encoder_items_total", model="encoder")
+    before = items()
+    with InferenceServerClient(server.grpc_url) as client:
+        for level in (1, 2):
+            assert client.infer("encoder", encoder_inputs(), priority=level, timeout=10_000_000).as_numpy("layout").size == 1
+        before = settled(items, before + 2)  # counted (in batches): the next count is the video's alone
+        busy = in_background(lambda: client.infer("encoder", video, priority=2))
+        time.sleep(0.05)  # the video is being decoded: the next request waits in the queue
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("encoder", encoder_inputs(), priority=1, timeout=1000)
+        busy["thread"].join(60)
+    # Triton's own words, which stage_client.QUEUE_TIMEOUT reads as the deadline (tests/unit/triton/test_stage_client.py)
+    assert "Request timeout expired" in info.value.message() and "error" not in busy
+    assert settled(items, before + 1) == before + 1
 
 
 @pytest.mark.parametrize("model", ["pd", "epd"])

@@ -154,11 +154,11 @@ def _events(body: dict, pieces: list) -> list[dict]:
     async def collect():
         async def rest():
             for piece in pieces:
-                yield piece
+                yield 0, piece  # (choice, piece): one choice
         responses = rest()
         head = await responses.__anext__()
         answered = []
-        writes = [line async for line in app._events(call, responses, head, lambda: answered.append(1))]
+        writes = [line async for line in app._events(call.choices(), responses, head, lambda: answered.append(1))]
         assert answered == [1]  # counted once, after the last write
         return writes
 

@@ -326,7 +326,10 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
         text = files[f"{model}/config.pbtxt"]
         assert 'key: "priority_levels" value: { string_value: "2" }' in text and "in_flight" not in text, model
         assert '"scheduling_policy": "priority"' in files[f"{model}/model.json"]  # the engines order by priority
-    assert "priority_levels" not in files["encoder/config.pbtxt"]
+    encoder = files["encoder/config.pbtxt"]  # Triton's own queues per class, the deadline honoured there
+    assert 'key: "priority_levels"' not in encoder and "  priority_levels: 2\n  default_priority_level: 2\n" in encoder
+    assert ("default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 300000000 "
+            "allow_timeout_override: true }") in encoder
     assert not any("in_flight" in text for text in render_files(load(DEFAULT, "cpu"), Path("/r")).values())
 
 

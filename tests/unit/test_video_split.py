@@ -277,7 +277,7 @@ def test_the_topology_renders_video_split_for_the_orchestrators_and_no_queue_del
     files = render_files(load(tmp_path / "split.yaml"), tmp_path / "repo")
     for model in ("epd", "epd_disagg"):
         assert 'key: "video_split" value: { string_value: "2" }' in files[f"{model}/config.pbtxt"]
-    assert "max_queue_delay_microseconds: 0 " in files["encoder/config.pbtxt"]
+    assert "max_queue_delay_microseconds: 0\n" in files["encoder/config.pbtxt"]
     default = render_files(load(root / "topologies" / "default.yaml"), tmp_path / "repo")
     assert "video_split" not in default["epd/config.pbtxt"]
     assert "max_queue_delay_microseconds: 2000" in default["encoder/config.pbtxt"]

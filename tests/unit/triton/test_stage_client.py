@@ -71,3 +71,39 @@ def test_the_routing_logs_to_the_triton_log(pb):
     TritonLogger.info("stage pd answers at localhost:8001")
     TritonLogger.warning("stage pd at localhost:8001 was lost")
     assert pb.logged == [("INFO", "stage pd answers at localhost:8001"), ("WARNING", "stage pd at localhost:8001 was lost")]
+
+
+def test_a_remote_encoder_request_carries_its_priority_level_and_the_time_left_as_triton_s_terms():
+    import time
+
+    from backend.protocol.errors import DeadlineExceeded
+    from backend.triton.stage_client import queue_terms
+    from orchestrator.admission import Urgency
+
+    assert queue_terms(Urgency()) == {"priority": 1}  # Triton's level 1: epd_priority 0, served first
+    terms = queue_terms(Urgency(2, time.time() + 1.5))
+    assert terms["priority"] == 3 and 1.3e6 < terms["timeout"] <= 1.5e6  # microseconds to the deadline
+    with pytest.raises(DeadlineExceeded, match="before the item was sent to the encoder"):
+        queue_terms(Urgency(0, time.time() - 0.01))
+
+
+class _TritonError:
+    def __init__(self, message, status):
+        self._message, self._status = message, status
+
+    def message(self):
+        return self._message
+
+    def status(self):
+        return self._status
+
+
+def test_a_request_whose_deadline_passed_in_the_encoder_s_queue_is_a_deadline_not_a_lost_replica():
+    from backend.protocol.errors import DeadlineExceeded
+    from backend.triton.stage_client import _call_failed
+    from orchestrator.health import Unreachable
+
+    error = _call_failed("encoder", "h:1", _TritonError("Request timeout expired", "StatusCode.UNAVAILABLE"))
+    assert isinstance(error, DeadlineExceeded) and "encoder's queue at h:1" in str(error)
+    lost = _call_failed("encoder", "h:1", _TritonError("failed to connect to all addresses", "StatusCode.UNAVAILABLE"))
+    assert isinstance(lost, Unreachable) and lost.lost
