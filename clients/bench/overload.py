@@ -7,7 +7,8 @@ capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, o
                                                [--out DIR]
 
 Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
-``--max-queue-ms``, by default half the SLO) is rendered for E+PD and ``epd_open`` added beside ``epd``; tritonserver
+``--max-queue-ms``, by default half the SLO) is rendered for E+PD (``--split E/P/D``: E/P/D, both orchestrators over
+the same prefill and decode) and ``epd_open`` added beside ``epd``; tritonserver
 starts on free ports, with the OpenAI endpoint in each orchestrator's process (``--endpoint in-process``, the
 default; each on a port of its own) or ``frontend.openai`` as its own process serving both (``--endpoint process``); the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
 served from ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput
@@ -28,24 +29,26 @@ from pathlib import Path
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
 from clients.bench.report import percentile
 
+SPLITS = ("E+PD", "E/P/D")  # the deployment measured: served alone, its orchestrator model is ``epd``
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
 
 
-def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dict[str, int] | None = None) -> None:
-    """E+PD with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
-    ``epd_open``: the same orchestrator without budgets. ``openai_ports``: model -> the port of the OpenAI endpoint in
-    that orchestrator's process (none: no endpoint in a model's process)."""
+def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dict[str, int] | None = None,
+                split: str = "E+PD") -> None:
+    """``split`` with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
+    ``epd_open``: the same orchestrator without budgets over the same stages. ``openai_ports``: model -> the port of
+    the OpenAI endpoint in that orchestrator's process (none: none there)."""
     from backend.deploy.render import render
 
-    ports = openai_ports or {}
+    ports, model = openai_ports or {}, "epd"
     admission = {**topology.admission, **({"max_queue_ms": max_queue_ms} if max_queue_ms else {})}
-    render(topology.only("E+PD", admission=admission, openai_port=ports.get("epd", 0)), repo)
+    render(topology.only(split, admission=admission, openai_port=ports.get(model, 0)), repo)
     with tempfile.TemporaryDirectory() as other:
-        render(topology.only("E+PD", admission={"priority_levels": admission.get("priority_levels", 4)},
-                             openai_port=ports.get("epd_open", 0)), Path(other))
-        shutil.copytree(Path(other) / "epd", repo / "epd_open")
-    config = repo / "epd_open" / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "epd"', 'name: "epd_open"'))
+        render(topology.only(split, admission={"priority_levels": admission.get("priority_levels", 4)},
+                             openai_port=ports.get(f"{model}_open", 0)), Path(other))
+        shutil.copytree(Path(other) / model, repo / f"{model}_open")
+    config = repo / f"{model}_open" / "config.pbtxt"
+    config.write_text(config.read_text().replace(f'name: "{model}"', f'name: "{model}_open"'))
 
 
 def server_rss(pid: int) -> int:
@@ -79,7 +82,7 @@ def run(args) -> dict:
     bases = {model: f"http://127.0.0.1:{p}" for model, p in ports.items()}
     with tempfile.TemporaryDirectory(prefix="overload-") as repo, tempfile.TemporaryDirectory(prefix="overload-tmp-") as tmp:
         slo = args.slo_ms / 1000
-        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2, ports if in_process else None)
+        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2, ports if in_process else None, args.split)
         with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=out / "tritonserver.log",
                           env={**os.environ, "TMPDIR": tmp}) as server:
             endpoint = None if in_process else start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
@@ -112,7 +115,7 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                    "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
             runs.append(row)
             print(_line(row), flush=True)
-    return {"endpoint": args.endpoint, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+    return {"split": args.split, "endpoint": args.endpoint, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
 
 
@@ -140,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--capacity-concurrency", type=int, default=16)
     parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
                         help="the OpenAI endpoint in each orchestrator's process (docs/openai.md), or python -m "
                              "frontend.openai as its own process serving both")

@@ -26,10 +26,10 @@ def _run(results: dict, model: str, load: float) -> dict | None:
     return next((r for r in results["runs"] if r["model"] == model and r["load"] == load), None)
 
 
-def checks(results: dict, model: str = "epd") -> str:
+def checks(results: dict) -> str:
     """The issue's targets, each with the figure it rests on (``n/a`` where the run has no such level)."""
-    lines = [f"Targets ({model}; the same figures for epd_open beside them):"]
-    for name in (model, "epd_open"):
+    lines = [f"Targets (epd, {results.get('split', 'E+PD')}; the same figures for epd_open beside them):"]
+    for name in ("epd", "epd_open"):
         two, half = _run(results, name, 2.0), _run(results, name, 0.5)
         runs = [r for r in results["runs"] if r["model"] == name]
         best = max((r["all"]["goodput"] for r in results["runs"]), default=0.0)  # the peak of any run

@@ -52,3 +52,11 @@ def test_epd_open_is_epd_without_budgets_over_the_same_stages(tmp_path):
     assert 'key: "max_queue_ms" value: { string_value: "300" }' in with_budgets
     assert 'name: "epd_open"' in without and "in_flight" not in without and "max_queue_ms" not in without
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder", "epd", "epd_open", "pd"]
+
+
+def test_the_e_p_d_run_puts_its_open_orchestrator_beside_it_over_one_prefill_and_decode(tmp_path):
+    render_both(load(ROOT / "topologies" / "cpu-overload.yaml", "cpu"), tmp_path, split="E/P/D")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode", "encoder", "epd", "epd_open", "prefill"]
+    with_budgets, without = ((tmp_path / m / "config.pbtxt").read_text() for m in ("epd", "epd_open"))
+    assert 'key: "topology" value: { string_value: "E/P/D" }' in with_budgets and 'name: "epd_open"' in without
+    assert 'key: "generator_requests_in_flight"' in with_budgets and "in_flight" not in without
