@@ -8,12 +8,13 @@ capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, o
 
 Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
 ``--max-queue-ms``, by default half the SLO) is rendered for E+PD (``--split E/P/D``: E/P/D, both orchestrators over
-the same prefill and decode) and ``epd_open`` added beside ``epd``; tritonserver
-starts on free ports, with ``frontend.openai`` as its own process serving both (``--endpoint process``, the default)
-or the OpenAI endpoint in each orchestrator's process (``--endpoint in-process``, each on a port of its own); the light-load TTFT (sequential requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get
-served from ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput
-(requests served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and
-whether it had ``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
+the same prefill and decode) and ``epd_open`` added beside ``epd``; tritonserver starts on free ports, with
+``frontend.openai`` as its own process serving both (``--endpoint process``, the default) or the OpenAI endpoint in
+each orchestrator's process (``--endpoint in-process``, each on a port of its own); the light-load TTFT (sequential
+requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get served from
+``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput (requests
+served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and whether it had
+``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
 """
 from __future__ import annotations
 
