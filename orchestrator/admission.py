@@ -76,10 +76,23 @@ class Cost:
 
 
 class _Waiter:
-    __slots__ = ("cost", "priority", "future")
+    __slots__ = ("cost", "priority", "future", "since")
 
-    def __init__(self, cost: Cost, priority: int, future: asyncio.Future):
-        self.cost, self.priority, self.future = cost, priority, future
+    def __init__(self, cost: Cost, priority: int, future: asyncio.Future, since: float):
+        self.cost, self.priority, self.future, self.since = cost, priority, future, since
+
+
+class Allowance:
+    """How long one request may still wait for budgets, over all the gates it passes (``max_queue_ms`` at its
+    arrival; None: no bound but its deadline). Only waiting spends it: the time a stage works on the request does
+    not."""
+
+    def __init__(self, seconds: float | None):
+        self.left = seconds
+
+    def spend(self, seconds: float) -> None:
+        if self.left is not None:
+            self.left -= seconds
 
 
 class Gate:
@@ -107,13 +120,16 @@ class Gate:
 
     def estimate_wait(self, cost: Cost, priority: int) -> float:
         """Seconds a request of ``cost`` and ``priority`` arriving now would wait (0: it enters at once or the stage
-        has no rate yet)."""
+        has no rate yet): the units ahead of it beyond the budget over the rate the stage lets them through, and at
+        least as long as the oldest of those ahead has waited already (that one still waits: a rate learnt from
+        calls that left lags a stage that is slowing down; the age of the queue's head does not)."""
+        ahead = [w for p, _, w in self._queue if p <= priority and not w.future.done()]
+        head_age = max((self.clock() - w.since for w in ahead), default=0.0)
         if not self.budget.units or not self.hold_seconds:
-            return 0.0
+            return head_age
         limit = self._limit(self.budget.units, priority)
-        ahead = sum(w.cost.units for p, _, w in self._queue if p <= priority and not w.future.done())
-        beyond = self.units + ahead + cost.units - limit
-        return max(0.0, beyond * self.hold_seconds / limit)
+        beyond = self.units + sum(w.cost.units for w in ahead) + cost.units - limit
+        return max(0.0, beyond * self.hold_seconds / limit, head_age)
 
     def _limit(self, budget: int, priority: int) -> int:
         """What of ``budget`` a request of ``priority`` may fill: all of it at priority 0, else less the reserve (at
@@ -121,16 +137,18 @@ class Gate:
         return budget if priority == 0 or not budget else max(1, budget - math.ceil(budget * self.reserve))
 
     @contextlib.asynccontextmanager
-    async def admit(self, cost: Cost, priority: int, deadline: float | None, wait_until: float | None = None):
+    async def admit(self, cost: Cost, priority: int, deadline: float | None, allowance: Allowance | None = None):
         """Hold ``cost`` of the budget while the body runs (the stage's call); raises ``Overloaded`` or
-        ``DeadlineExceeded`` (module docstring) before any of it is held. ``wait_until``: the time past which the
-        request waits no more (its queue budget over every gate; None: ``max_queue_seconds`` from now)."""
+        ``DeadlineExceeded`` (module docstring) before any of it is held. ``allowance``: what the request may still
+        wait over every gate, spent by the wait here (None: ``max_queue_seconds``)."""
         if not self.budget.bounded:
             yield
             return
         started = self.clock()
-        await self._enter(cost, priority, deadline, started, wait_until)
+        await self._enter(cost, priority, deadline, started, allowance)
         entered = time.perf_counter()
+        if allowance is not None:
+            allowance.spend(self.clock() - started)
         if self.observer is not None:
             self.observer.admitted(self.stage, priority, self.clock() - started)
         try:
@@ -142,24 +160,25 @@ class Gate:
             self.units, self.bytes = self.units - cost.units, self.bytes - cost.bytes
             self._dispatch()
 
-    def may_wait(self, deadline: float | None, now: float, wait_until: float | None = None) -> float:
-        """Seconds a request may wait here from ``now``: until its deadline, and ``wait_until`` (or at most
-        ``max_queue_seconds``)."""
-        bound = wait_until if wait_until is not None else (now + self.max_queue if self.max_queue else None)
-        return min((t - now for t in (deadline, bound) if t is not None), default=math.inf)
+    def may_wait(self, deadline: float | None, now: float, allowance: Allowance | None = None) -> float:
+        """Seconds a request may wait here from ``now``: until its deadline, and what is left of its ``allowance`` (or
+        at most ``max_queue_seconds``)."""
+        bound = allowance.left if allowance is not None else (self.max_queue or None)
+        return min((s for s in (deadline - now if deadline is not None else None, bound) if s is not None),
+                   default=math.inf)
 
     async def _enter(self, cost: Cost, priority: int, deadline: float | None, now: float,
-                     wait_until: float | None = None) -> None:
+                     allowance: Allowance | None = None) -> None:
         if not self._queue and self._fits(cost, priority):
             self._take(cost)
             return
-        may_wait = self.may_wait(deadline, now, wait_until)
+        may_wait = self.may_wait(deadline, now, allowance)
         if may_wait <= 0:
-            self.refuse(priority, "deadline", deadline)
+            self.refuse(priority, "deadline" if deadline is not None and now >= deadline else "queue", deadline)
         estimate = self.estimate_wait(cost, priority)
         if estimate > may_wait:
             self.refuse(priority, "budget", deadline, estimate, may_wait)
-        waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future(), now)
         heapq.heappush(self._queue, (priority, next(self._order), waiter))
         self._dispatch()
         # let in by the estimate, it waits up to PATIENCE times its bound before it is refused (the estimate was far
@@ -241,23 +260,23 @@ class Admission:
     def generator(self, stage: str) -> Gate:
         return self.generators[stage]
 
-    def check(self, passes: list[tuple[Gate, Cost]], priority: int, deadline: float | None) -> float | None:
-        """At a request's arrival, before any work: the time past which it waits no more in any gate (its queue
-        budget, for ``Gate.admit``'s ``wait_until``); raises ``Overloaded`` (counted at the gate it would wait at
-        longest) when the waits estimated at the gates it ``passes`` add up to more than it may wait."""
+    def check(self, passes: list[tuple[Gate, Cost]], priority: int, deadline: float | None) -> Allowance:
+        """At a request's arrival, before any work: what it may wait for budgets over all gates (``max_queue_ms``,
+        for ``Gate.admit``); raises ``Overloaded`` (counted at the gate it would wait at longest) when the waits
+        estimated at the gates it ``passes`` add up to more than it may wait."""
         now = self.clock()
-        wait_until = now + self.max_queue if self.max_queue else None
+        allowance = Allowance(self.max_queue or None)
         passes = [(gate, cost) for gate, cost in passes if gate.budget.bounded]
         if not passes:
-            return wait_until
-        may_wait = passes[0][0].may_wait(deadline, now, wait_until)
+            return allowance
+        may_wait = passes[0][0].may_wait(deadline, now, allowance)
         if may_wait <= 0:
             passes[0][0].refuse(priority, "deadline", deadline)
         waits = [(gate.estimate_wait(cost, priority), gate) for gate, cost in passes]
         total = sum(wait for wait, _ in waits)
         if total > may_wait:
             max(waits, key=lambda pair: pair[0])[1].refuse(priority, "budget", deadline, total, may_wait)
-        return wait_until
+        return allowance
 
 
-__all__ = ["Admission", "AdmissionObserver", "Budget", "Cost", "Gate", "URGENCY", "Urgency"]
+__all__ = ["Admission", "AdmissionObserver", "Allowance", "Budget", "Cost", "Gate", "URGENCY", "Urgency"]

@@ -66,7 +66,7 @@ from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
-from orchestrator.admission import Admission, Cost, Urgency, URGENCY
+from orchestrator.admission import Admission, Allowance, Cost, Urgency, URGENCY
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,12 @@ class Orchestrator:
         cost = Cost(len(request.items), sum(len(item.data) for item in request.items))
         passes = [(self.admission.encoder, cost)] if state.encode and request.items else []
         passes += [(self.admission.generator(stage.value), Cost()) for stage in self.disaggregation.generators]
-        state.wait_until = self.admission.check(passes, request.priority, state.deadline)  # before any work
+        state.allowance = self.admission.check(passes, request.priority, state.deadline)  # before any work
         owners = request.items  # the client's item of each layout the stages get
         while True:
             if state.encode:
                 state.phase = "encoding"
-                async with self.admission.encoder.admit(cost, request.priority, state.deadline, state.wait_until) \
+                async with self.admission.encoder.admit(cost, request.priority, state.deadline, state.allowance) \
                         if request.items else contextlib.nullcontext():
                     encoded = await self._encode_all(request.items, state, raw.session_id)
                 owners, layouts = tuple(item for item, _ in encoded), [layout for _, layout in encoded]
@@ -205,11 +205,11 @@ class Orchestrator:
         if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
             async with self.admission.generator(Stage.PREFILL.value).admit(Cost(), state.urgency.priority,
-                                                                           state.deadline, state.wait_until):
+                                                                           state.deadline, state.allowance):
                 rewritten = await self._prefill(rewritten, timings)
         state.phase = "generating"
         async with self.admission.generator(self.disaggregation.streamer.value).admit(
-                Cost(), state.urgency.priority, state.deadline, state.wait_until):
+                Cost(), state.urgency.priority, state.deadline, state.allowance):
             await self._stream(rewritten, sink, state, started)
 
     async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
@@ -341,7 +341,7 @@ class _State:
         self.timings: dict = {"items": 0, "encode_ms": 0.0}
         self.metadata_only, self.encode, self.demand_aware = True, True, False
         self.deadline: float | None = None  # Unix time
-        self.wait_until: float | None = None  # Unix time past which it waits for no stage's budget (admission)
+        self.allowance: Allowance | None = None  # what it may still wait for stages' budgets (admission)
         self.urgency = Urgency()
 
     def retried(self, what: str) -> None:

@@ -243,14 +243,13 @@ def test_the_arrival_check_adds_up_the_waits_of_every_gate_and_refuses_before_an
     encoder, pd = admission.encoder, admission.generator("pd")
     for gate in (encoder, pd):  # each full, each stage 0.2 s a call: 0.2 s of wait at each
         gate.hold_seconds, gate.units = 0.2, 1
-    before = time.time()
-    assert before + 0.3 <= admission.check([(encoder, Cost(1)), ], 0, None) <= time.time() + 0.3  # 0.2 s: in time
+    assert admission.check([(encoder, Cost(1)), ], 0, None).left == 0.3  # 0.2 s: in time; it may wait 0.3 s in all
     with pytest.raises(Overloaded) as refused:
         admission.check([(encoder, Cost(1)), (pd, Cost())], 0, None)  # 0.4 s in all: more than the 0.3 s it may wait
     assert refused.value.retry_after == pytest.approx(0.4) and observer.sheds == [("encoder", 0, "budget")]
     with pytest.raises(DeadlineExceeded):
         admission.check([(pd, Cost())], 0, time.time() - 1)
-    assert Admission().check([(Admission().encoder, Cost(3))], 0, None) is None  # no budgets: no bound
+    assert Admission().check([(Admission().encoder, Cost(3))], 0, None).left is None  # no budgets: no bound
 
 
 def test_a_reserve_keeps_room_for_the_highest_priority():
@@ -265,3 +264,45 @@ def test_a_reserve_keeps_room_for_the_highest_priority():
         await asyncio.gather(high, *lows)
         return gate._limit(4, 1), gate._limit(1, 1), gate._limit(4, 0)
     assert asyncio.run(main()) == (3, 1, 4)
+
+
+def test_a_queue_whose_head_has_waited_longer_than_a_request_may_refuses_it_at_arrival():
+    """The rate learnt from calls that left says ~0 s, but the oldest waiter has waited 0.2 s already: an arrival that
+    may wait 0.1 s is refused at once, not after waiting."""
+    async def main():
+        observer = Observer()
+        gate = Gate("pd", Budget(units=1), max_queue_seconds=0.1, observer=observer)
+        gate.hold_seconds = 0.001  # learnt when the stage was fast
+        busy = asyncio.create_task(hold(gate, 0.3))
+        await asyncio.sleep(0.01)
+        head = asyncio.create_task(hold(gate, 0.01))  # waits behind busy (up to 4 x 0.1 s: it is let in at 0.3 s)
+        await asyncio.sleep(0.2)
+        age = gate.estimate_wait(Cost(), 0)
+        started = time.perf_counter()
+        with pytest.raises(Overloaded) as refused:
+            await hold(gate, 0.01)
+        answered = time.perf_counter() - started
+        await asyncio.gather(busy, head)
+        return age, answered, str(refused.value), observer.sheds
+    age, answered, message, sheds = asyncio.run(main())
+    assert 0.19 <= age < 0.3 and answered < 0.02 and sheds == [("pd", 0, "budget")]
+    assert "would wait ~0.2" in message
+
+
+def test_time_in_a_stage_does_not_count_against_the_wait_allowed_at_the_next_gate():
+    """max_queue_ms bounds the waits for budgets over all gates: a request that spent 0.3 s being encoded may still
+    wait its 0.2 s at pd's gate (before: refused there as past its 'deadline'), and each wait spends the allowance."""
+    async def main():
+        admission = Admission(AdmissionBudgets(encoder_items_in_flight=1, generator_requests_in_flight=1, max_queue_ms=200))
+        encoder, pd = admission.encoder, admission.generator("pd")
+        allowance = admission.check([(encoder, Cost(1)), (pd, Cost())], 1, None)
+        async with encoder.admit(Cost(1), 1, None, allowance):
+            await asyncio.sleep(0.3)  # the stage's work
+        busy = asyncio.create_task(hold(pd, 0.1))
+        await asyncio.sleep(0.01)
+        async with pd.admit(Cost(), 1, None, allowance):  # waits ~0.09 s for busy
+            pass
+        await busy
+        return allowance.left
+    left = asyncio.run(main())
+    assert 0.05 < left < 0.12
