@@ -5,14 +5,15 @@
 
 Every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
 under load would count them twice). Phases of requests, one at a time (no contention), each on fresh images: text
-only; one image at four sizes; four images a request; one video; a longer answer; then closed loops of 4 and 8 for
-the decode step by batch. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
+only; one image at four sizes; four images a request; one video; a longer answer. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
 encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the load generator), vLLM's prompt tokens
 (``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings`` (``transfer_ms``, ``transfer_bytes``). Fitted
 (``fit``): encoder item and batch lines, media tokens per item, prefill and decode steps, the stub's, orchestrator's
 and client's per request and per streamed token, the same-host pull. Not measured here: the cross-host (NIXL) pull and
 E/P/D's KV pull (``derived`` says where they come from). ``hop``: what light-load TTFT has beyond the CPU work (the
-gRPC hops' latency), the residual of the simulator against the measured light-load TTFT.
+gRPC hops' latency), the residual of the simulator against the measured light-load TTFT. Then every process's CPU
+per request and per token by load (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short and long answers):
+the profile's ``by_load`` rows, and the decode step by batch fitted through the engine's.
 """
 from __future__ import annotations
 
@@ -28,16 +29,11 @@ from pathlib import Path
 from clients.bench.load import run_concurrency, synthetic_requests, synthetic_video_requests
 from clients.bench.proc_cpu import per_request, snapshot
 from clients.bench.report import parse_metrics, percentile
+from clients.plan.deployments import Quiet, Served, grpc_run
 from clients.plan.profile import Line, Profile, save
 
 SIZES = (64, 160, 256, 384)
 SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
-BATCHES = (4, 8)
-
-
-class _Quiet:
-    def update(self, n: int) -> None:
-        pass
 
 
 def fit(points: list[tuple[float, float]]) -> Line:
@@ -67,7 +63,7 @@ class Session:
         requests = make(count, self.seed)
         self.seed += count * 10
         cpu0, tokens0 = snapshot(self.pid), self._tokens()
-        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, _Quiet()))
+        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, Quiet()))
         time.sleep(1.5)  # the counters are handed to Triton every 0.25 s
         if results.errors:
             raise RuntimeError(f"measure: {len(results.errors)} requests failed: {results.errors[0]}")
@@ -96,8 +92,6 @@ def run_phases(session: Session, repeat: int) -> dict:
     phases["batch4"] = session.phase(images(160, 4), repeat)
     phases["video"] = session.phase(lambda n, seed: synthetic_video_requests(n, 1, (64, 64), 8, 4.0, SHORT, seed), repeat)
     phases["long"] = session.phase(images(64, tokens=LONG), repeat)
-    for batch in BATCHES:
-        phases[f"decode{batch}"] = session.phase(images(64, tokens=LONG), batch * 3, concurrency=batch)
     return phases
 
 
@@ -117,8 +111,7 @@ def lines(phases: dict) -> dict:
     video = Line(0.0, max(0.0, _cpu(phases["video"], "stub encoder") - batch.base) / video_units)
     prefill = fit([(p["prompt_tokens"], _cpu(p, *engine) - (SHORT - 1) * per_token["engine"])
                    for name, p in phases.items() if name == "text" or name.startswith("image")])
-    steps = [(1, per_token["engine"])] + [(b, b * _cpu(phases[f"decode{b}"], *engine) / LONG) for b in BATCHES]
-    decode = fit(steps)
+    decode = Line(per_token["engine"], 0.0)  # at batch 1; by batch: ``loads.decode_line`` (``measure``)
     transfer = fit([(s.timings.get("transfer_bytes", 0) / 2**20, s.timings.get("transfer_ms", 0.0))
                     for name, p in phases.items() if name.startswith("image") for s in p["samples"]])
     media = [(kpix[s], phases[f"image{s}"]["prompt_tokens"] - text_tokens) for s in SIZES]
@@ -143,11 +136,12 @@ def lines(phases: dict) -> dict:
             "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
 
 
-def calibrate(doc: dict) -> dict:
-    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, against ``light_ttft_ms``): the share of the
-    per-request work done before the first token (``before_first_token``), and ``hop``, what TTFT has beyond all of
-    it (0 where the share is below 1); where even none of it before the first token is too much, the engine's
-    per-request CPU beyond the light-load prefill is moved off the path (``engine_after_ms``: after the request)."""
+def calibrate(doc: dict, cores: float | None = None, layout=None) -> dict:
+    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server) and
+    ``cores`` (default: the profile's), against ``light_ttft_ms``): the share of the per-request work done before the first token
+    (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
+    ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
+    the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
     from clients.plan.simulate import Layout, simulate
     from clients.plan.workload import parse
 
@@ -156,13 +150,13 @@ def calibrate(doc: dict) -> dict:
                                "images": {"count": 1, "sizes": [[64, 64]]}}]})
 
     def ttft(share: float) -> float:
-        trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
-        return simulate(Layout(), Profile(trial), workload)["ttft_p50_ms"]
+        trial = {**doc, "before_first_token": share, "hop": Line().as_dict(), "cores": cores or doc["cores"]}
+        return simulate(layout or Layout(), Profile(trial), workload)["ttft_p50_ms"]
 
     low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
     share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
     doc = {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
-    if low > measured:  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
+    if low > measured and not doc.get("by_load"):  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
         prefill = Line(doc["prefill"]["base"], doc["prefill"]["slope"])
         cut = min(prefill.base, low - measured)
         doc.update(prefill=Line(prefill.base - cut, prefill.slope).as_dict(), engine_after_ms=round(cut, 3))
@@ -175,8 +169,16 @@ def nixl_line() -> dict:
     return fit([(0.25, 0.94), (1.0, 3.67), (8.0, 21.77)]).as_dict()
 
 
+def by_load(session: Session) -> dict:
+    from backend.deploy.local_server import group_members
+    from clients.plan import loads
+
+    table = loads.by_load(Served("measure", grpc_run(session.url), lambda: group_members(session.pid)))["by_load"]
+    return {"by_load": table, "decode": loads.decode_line(table["engine"]).as_dict()}
+
+
 def measure(session: Session, repeat: int, name: str) -> dict:
-    measured = lines(run_phases(session, repeat))
+    measured = {**lines(run_phases(session, repeat)), **by_load(session)}
     doc = {"name": name, "kind": "cpu", "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M"),
            **measured, "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "docs/benchmarks.md, Cross-host transfer (tcp veth p50), not this run",

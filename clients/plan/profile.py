@@ -14,18 +14,25 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
   of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
   costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
   ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on the cores after the request).
+``by_load`` (optional, measured: ``clients.plan.loads``): per process (``client``, ``orchestrator``: the epd stub,
+``frontend``: tritonserver's threads, ``stub``: an engine's stub, ``engine``: its EngineCore), rows ``[load, ms per
+request, ms per token]`` by the requests in flight where it runs (the deployment for the first three, one replica for
+the stub and the engine), read between rows on a log scale, held beyond the ends; where present it replaces the
+per-request lines above and the engine's prefill and decode lines (``cost``).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from clients.plan.workload import Item
 
 MODALITIES = ("image", "video", "audio")
+PROCESSES = ("client", "orchestrator", "frontend", "stub", "engine")
 LINES = ("encoder.batch", "prefill", "decode", "decode_context", "kv_transfer", "orchestrator", "stub", "client")
 
 
@@ -75,6 +82,34 @@ class Profile:
         """The share of the client's, orchestrator's and stub's per-request work done before the first token (the
         rest after the last: final response, accounting); 1 where not fitted."""
         return float(self.doc.get("before_first_token", 1.0))
+
+    @property
+    def frontend_threads(self) -> int:
+        """tritonserver's threads that relay requests and responses (C++, in parallel with the Python stubs)."""
+        return int(self.doc.get("frontend_threads", max(1, round(self.cores))))
+
+    def by_load(self, process: str) -> bool:
+        return bool(self.doc.get("by_load", {}).get(process))
+
+    def cost(self, process: str, load: float) -> Line:
+        """``process``'s CPU ms per request (base) and per streamed token (slope) with ``load`` requests in flight where
+        it runs: ``by_load`` read at ``load``, else the process's line (none: 0)."""
+        rows = sorted(self.doc.get("by_load", {}).get(process) or [])
+        if not rows:
+            return self.line(process) if isinstance(self.doc.get(process), dict) else Line()
+        x = math.log(max(load, 1e-9))
+        points = [(math.log(r[0]), r[1], r[2]) for r in rows]
+        if x <= points[0][0] or len(points) == 1:
+            return Line(points[0][1], points[0][2])
+        for (x0, a0, b0), (x1, a1, b1) in zip(points, points[1:]):
+            if x <= x1:
+                t = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
+                return Line(a0 + t * (a1 - a0), b0 + t * (b1 - b0))
+        return Line(points[-1][1], points[-1][2])
+
+    def with_cores(self, cores: float) -> "Profile":
+        """The same profile on ``cores`` cores (what other processes of the machine leave to this deployment)."""
+        return Profile({**self.doc, "cores": cores})
 
     def hop_ms(self) -> float:
         """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""

@@ -1,0 +1,97 @@
+"""CPU per process by load, measured on a running deployment (``deployments.Served``), and the machine's background.
+
+``phase``: one closed loop of requests; read around it: every process's CPU (``clients.bench.proc_cpu``, nanosecond
+schedstat), and the whole machine's busy time (``/proc/stat``, idle and iowait excepted, steal counted busy), whose
+part not spent by the deployment's processes or this one (the load generator) is ``background`` (cores, other
+agents' work on the shared machine), which the simulator takes off the cores it gives the deployment.
+
+``by_load``: closed loops at each of ``LOADS`` with short and long answers; per process (``LABELS``), CPU per request
+``c = R + tokens x T`` at both lengths gives the process's ms per request ``R`` and per streamed token ``T`` at that
+load: the profile's ``by_load`` rows (``clients.plan.profile``). The stub's and the engine's rows are by the requests
+in flight on one replica (the load over the replicas). The decode step by batch is the engine's row: ``T`` per token
+at each load (``decode_line``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from clients.bench.load import synthetic_requests
+from clients.bench.proc_cpu import per_request, snapshot_of
+from clients.bench.report import percentile
+from clients.plan.profile import Line
+
+LOADS = (1, 2, 8, 24)
+SHORT, LONG = 16, 80
+LABELS = {"load generator": "client", "stub epd": "orchestrator", "tritonserver": "frontend", "stub pd": "stub",
+          "EngineCore pd": "engine"}
+REPLICA = ("stub", "engine")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> float:
+    """Core-seconds the whole machine has been busy (``/proc/stat``'s cpu line less idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _TICK
+
+
+def phase(served, requests: list, concurrency: int) -> dict:
+    """``requests`` in a closed loop of ``concurrency``: the samples, errors, wall seconds, CPU ms per request per
+    label, and the background cores (the machine's busy time not the deployment's, over the wall time)."""
+    pids = served.pids()
+    cpu0, busy0 = snapshot_of(pids), machine_busy()
+    samples, errors, wall = served.run(requests, concurrency)
+    cpu1, busy1 = snapshot_of(pids), machine_busy()
+    own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
+    return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
+            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0}
+
+
+def requests_for(count: int, tokens: int, seed: int, sizes=((64, 64),)) -> list:
+    return synthetic_requests(count, 1, list(sizes), tokens, first=seed)
+
+
+def split(short: float, long: float) -> tuple[float, float]:
+    """(ms per request, ms per token) from CPU per request at ``SHORT`` and ``LONG`` tokens."""
+    token = max(0.0, (long - short) / (LONG - SHORT))
+    return max(0.0, short - SHORT * token), token
+
+
+def rows(phases: dict[int, dict[int, dict]], replicas: int) -> dict[str, list[list[float]]]:
+    """The ``by_load`` rows from phases by load then tokens."""
+    out: dict[str, list[list[float]]] = {}
+    for load, by_tokens in sorted(phases.items()):
+        for label, process in LABELS.items():
+            request, token = split(by_tokens[SHORT]["cpu"].get(label, 0.0), by_tokens[LONG]["cpu"].get(label, 0.0))
+            scope = load / replicas if process in REPLICA else load
+            out.setdefault(process, []).append([round(scope, 3), round(request, 3), round(token, 4)])
+    return out
+
+
+def decode_line(engine_rows: list[list[float]]) -> Line:
+    """The decode step by batch, fitted through (batch, batch x ms per token) of the engine's rows."""
+    from clients.plan.measure import fit
+
+    fitted = fit([(load, load * token) for load, _, token in engine_rows])
+    return Line(max(0.0, fitted.base), max(0.0, fitted.slope))
+
+
+def by_load(served, loads=LOADS, seed: int = 500_000) -> dict:
+    """Phases at every load and both lengths: ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
+    "phases": what each read}``."""
+    phases: dict[int, dict[int, dict]] = {}
+    for load in loads:
+        count = max(16, 3 * load)
+        for tokens in (SHORT, LONG):
+            got = phase(served, requests_for(count, tokens, seed), load)
+            seed += count
+            if got["errors"]:
+                raise RuntimeError(f"by_load: {len(got['errors'])} requests failed: {got['errors'][0]}")
+            phases.setdefault(load, {})[tokens] = got
+            print(f"{served.name} profile load {load} tokens {tokens}: {got['cpu']} bg {got['background']:.2f}",
+                  flush=True)
+    table = rows(phases, served.replicas)
+    light = percentile([s.ttft * 1000 for s in phases[min(loads)][SHORT]["samples"]], 50)
+    summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3)}
+               for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
+    return {"by_load": table, "light_ttft_ms": light, "phases": summary}
