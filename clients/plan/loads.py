@@ -14,6 +14,8 @@ at each load (``decode_line``).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 from clients.bench.load import synthetic_requests
@@ -27,6 +29,8 @@ LABELS = {"load generator": "client", "stub epd": "orchestrator", "tritonserver"
           "EngineCore pd": "engine"}
 REPLICA = ("stub", "engine")
 _TICK = os.sysconf("SC_CLK_TCK")
+WINDOW = 0.1  # seconds of a background sample
+CORES = os.cpu_count() or 1
 
 
 def machine_busy() -> float:
@@ -35,16 +39,53 @@ def machine_busy() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / _TICK
 
 
+def _ticks(pids: list[int]) -> float:
+    """CPU seconds so far of ``pids`` at the 10 ms ticks of ``/proc/<pid>/stat`` (cheap enough to read often)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
+
+class Background(threading.Thread):
+    """Samples, every ``WINDOW`` seconds, the cores the machine was busy with beyond ``pids`` (and this process)."""
+
+    def __init__(self, pids: list[int]):
+        super().__init__(daemon=True)
+        self.pids, self.series, self.halt = [*pids, os.getpid()], [], threading.Event()
+
+    def run(self) -> None:
+        last = (time.perf_counter(), machine_busy(), _ticks(self.pids))
+        while not self.halt.wait(WINDOW):
+            now = (time.perf_counter(), machine_busy(), _ticks(self.pids))
+            elapsed = now[0] - last[0]
+            self.series.append(min(CORES, max(0.0, (now[1] - last[1] - now[2] + last[2]) / elapsed)))
+            last = now
+
+    def stop(self) -> list[float]:
+        self.halt.set()
+        self.join()
+        return [round(v, 3) for v in self.series]
+
+
 def phase(served, requests: list, concurrency: int) -> dict:
     """``requests`` in a closed loop of ``concurrency``: the samples, errors, wall seconds, CPU ms per request per
-    label, and the background cores (the machine's busy time not the deployment's, over the wall time)."""
+    label, the background cores (the machine's busy time not the deployment's, over the wall time) and their series
+    by ``WINDOW`` (``Background``)."""
     pids = served.pids()
+    sampler = Background(pids)
     cpu0, busy0 = snapshot_of(pids), machine_busy()
+    sampler.start()
     samples, errors, wall = served.run(requests, concurrency)
+    series = sampler.stop()
     cpu1, busy1 = snapshot_of(pids), machine_busy()
     own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
     return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
-            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0}
+            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series}
 
 
 def requests_for(count: int, tokens: int, seed: int, sizes=((64, 64),)) -> list:
@@ -78,7 +119,7 @@ def decode_line(engine_rows: list[list[float]]) -> Line:
 
 def by_load(served, loads=LOADS, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths: ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
-    "phases": what each read}``."""
+    "series": that phase's background, "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
         count = max(16, 3 * load)
@@ -91,7 +132,8 @@ def by_load(served, loads=LOADS, seed: int = 500_000) -> dict:
             print(f"{served.name} profile load {load} tokens {tokens}: {got['cpu']} bg {got['background']:.2f}",
                   flush=True)
     table = rows(phases, served.replicas)
-    light = percentile([s.ttft * 1000 for s in phases[min(loads)][SHORT]["samples"]], 50)
+    first = phases[min(loads)][SHORT]
+    light = percentile([s.ttft * 1000 for s in first["samples"]], 50)
     summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3)}
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
-    return {"by_load": table, "light_ttft_ms": light, "phases": summary}
+    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"]}

@@ -136,9 +136,9 @@ def lines(phases: dict) -> dict:
             "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
 
 
-def calibrate(doc: dict, cores: float | None = None, layout=None) -> dict:
-    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server) and
-    ``cores`` (default: the profile's), against ``light_ttft_ms``): the share of the per-request work done before the first token
+def calibrate(doc: dict, layout=None) -> dict:
+    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server),
+    against ``light_ttft_ms``): the share of the per-request work done before the first token
     (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
     ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
     the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
@@ -150,7 +150,7 @@ def calibrate(doc: dict, cores: float | None = None, layout=None) -> dict:
                                "images": {"count": 1, "sizes": [[64, 64]]}}]})
 
     def ttft(share: float) -> float:
-        trial = {**doc, "before_first_token": share, "hop": Line().as_dict(), "cores": cores or doc["cores"]}
+        trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
         return simulate(layout or Layout(), Profile(trial), workload)["ttft_p50_ms"]
 
     low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]

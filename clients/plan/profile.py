@@ -20,7 +20,8 @@ request, ms per token]`` by the requests in flight where it runs (the deployment
 the stub and the engine), read between rows on a log scale, held beyond the ends; where present it replaces the
 per-request lines above and the engine's prefill and decode lines (``cost``).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
-sharing); 0: each stage has its own device (a GPU), none waits for another's.
+sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
+the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
 """
 from __future__ import annotations
 
@@ -110,6 +111,15 @@ class Profile:
     def with_cores(self, cores: float) -> "Profile":
         """The same profile on ``cores`` cores (what other processes of the machine leave to this deployment)."""
         return Profile({**self.doc, "cores": cores})
+
+    def background(self) -> tuple[float, list[float]] | None:
+        """(seconds, [cores busy with other work, ...]): the machine's other load in windows (``resources.Cores``)."""
+        node = self.doc.get("background")
+        return (float(node["step_s"]), [float(v) for v in node["cores"]]) if node else None
+
+    def with_background(self, step_s: float, cores: list[float]) -> "Profile":
+        """The same profile on a machine whose other processes keep ``cores[i]`` cores busy in window ``i``."""
+        return Profile({**self.doc, "background": {"step_s": step_s, "cores": [round(c, 3) for c in cores]}})
 
     def hop_ms(self) -> float:
         """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""

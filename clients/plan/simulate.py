@@ -74,7 +74,7 @@ class Simulation:
     def __init__(self, layout: Layout, profile: Profile, workload: Workload):
         self.layout, self.profile, self.workload = layout, profile, workload
         self.env = env = simpy.Environment()
-        self.cores = Cores(env, profile.cores)
+        self.cores = Cores(env, profile.cores, profile.background())
         ll = layout
         self.client = Process(env, self.cores, threads=1)
         self.orchestrator = Process(env, self.cores, threads=ll.orchestrators)
@@ -96,7 +96,8 @@ class Simulation:
     def _engine(self, name: str) -> tuple[Engine, Process]:
         stub, p = Process(self.env, self.cores), self.profile
         engine = Engine(self.env, self.cores, p, [], self.layout.max_num_seqs, self.layout.max_batched_tokens)
-        engine.relays = [(stub, lambda: p.cost("stub", engine.outstanding).slope)]
+        engine.load = lambda: self.inflight / len(self.tiers.get(name) or [None])  # its share, as profiles measure
+        engine.relays = [(stub, lambda: p.cost("stub", engine.load()).slope)]
         if name != "prefill":
             engine.relays += [(process, lambda key=key: p.cost(key, self.inflight).slope)
                               for process, key in self._front()]
@@ -133,11 +134,11 @@ class Simulation:
         engine, stub = self._least(self.tiers[stage])
         engine.outstanding += 1
         share = self.profile.before_first
-        yield from stub.work(pull_ms + share * self._request_ms("stub", engine.outstanding))
+        yield from stub.work(pull_ms + share * self._request_ms("stub", engine.load()))
         seq = Sequence(prefill, output, request.priority, self.env.event(), self.env.event(), media_ms, context=context)
         seq.stub, seq.engine = stub, engine
         if self.profile.by_load("engine") and stage != "decode":
-            seq.prefill_ms = share * self._request_ms("engine", engine.outstanding)
+            seq.prefill_ms = share * self._request_ms("engine", engine.load())
         engine.submit(seq)
         yield seq.done
         engine.outstanding -= 1
@@ -188,9 +189,9 @@ class Simulation:
         if after > 0:
             for process, key in self._front():
                 self.env.process(process.work(after * self._request_ms(key, self.inflight)))
-            self.env.process(seq.stub.work(after * self._request_ms("stub", engine.outstanding)))
+            self.env.process(seq.stub.work(after * self._request_ms("stub", engine.load())))
             if self.profile.by_load("engine"):
-                engine.chore(after * self._request_ms("engine", engine.outstanding))
+                engine.chore(after * self._request_ms("engine", engine.load()))
         engine.chore(float(self.profile.doc.get("engine_after_ms", 0.0)))  # on the engine's thread, between steps
         self.inflight -= 1
 

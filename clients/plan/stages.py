@@ -96,7 +96,7 @@ class Engine:
     function giving its milliseconds per sequence relayed now) in turn. ``chore``: per-request work the engine's
     thread does between steps (after a request ends), delaying the next step. With the profile's ``by_load`` engine
     row, a step costs its new sequences' ``prefill_ms`` plus the row's ms per token for every token it emits, at the
-    requests outstanding on this engine; else ``Profile.step_ms``."""
+    requests in flight on this engine (``load``); else ``Profile.step_ms``."""
 
     def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, relays: list[tuple[Process, object]],
                  max_seqs: int = 32, max_tokens: int = 8192):
@@ -105,6 +105,7 @@ class Engine:
         self.waiting: list = []
         self.running: list[Sequence] = []
         self.chores: list[float] = []
+        self.load = lambda: self.outstanding  # the requests in flight its by-load costs are read at
         self.order = itertools.count()
         self.wake = env.event()
         self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
@@ -153,7 +154,7 @@ class Engine:
     def _step_ms(self, new: list[Sequence]) -> float:
         media = sum(s.media_ms for s in new) + sum(s.prefill_ms for s in new)
         if self.profile.by_load("engine"):
-            return media + (len(self.running) + len(new)) * self.profile.cost("engine", self.outstanding).slope
+            return media + (len(self.running) + len(new)) * self.profile.cost("engine", self.load()).slope
         decoding = self.running + [s for s in new if not s.prefill]  # a decode engine's new ones: KV pulled
         return media + self.profile.step_ms(sum(s.prefill for s in new), len(decoding),
                                             sum(s.context for s in decoding))

@@ -44,23 +44,21 @@ def workload(level: int, requests: int, sizes: list[tuple[int, int]], max_tokens
                            "images": {"count": 1, "sizes": [list(s) for s in sizes]}}]})
 
 
-MIN_CORES = 0.25  # what the simulator is left with however busy the machine reads
-
-
 def measured_profile(served, base: Profile, layout: Layout) -> Profile:
-    """``base`` with ``served``'s CPU by load measured now, calibrated on its light-load TTFT (on the cores the
-    light phase's background left)."""
+    """``base`` with ``served``'s CPU by load measured now, calibrated on its light-load TTFT (with the light
+    phase's background)."""
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
     got = loads.by_load(served)
     doc = {k: v for k, v in base.doc.items() if k not in ("engine_after_ms", "cpu_ms_per_request")}
     doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
                decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
-    background = got["phases"][f"{min(loads.LOADS)}/{loads.SHORT}"]["background"]
-    return Profile(calibrate(doc, cores=max(MIN_CORES, base.cores - background), layout=layout)).check()
+    light = {"step_s": loads.WINDOW, "cores": got["series"]}  # the light phase's background
+    fitted = calibrate({**doc, "background": light}, layout=layout)
+    return Profile({k: v for k, v in fitted.items() if k != "background"}).check()
 
 
 def measure_level(served, profile: Profile, layout: Layout, level: int, args, seed: int) -> list[dict]:
-    """``--repeats`` closed loops at ``level``, each with its prediction on the cores the background left."""
+    """``--repeats`` closed loops at ``level``, each with its prediction on the cores its background left."""
     warm = synthetic_requests(args.warmup, 1, args.image_sizes, args.max_tokens, first=100_000 + seed)
     served.run(warm, level)
     out = []
@@ -68,11 +66,10 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
         made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed + rep * args.requests)
         got = loads.phase(served, made, level)
         measured = summarise(served.name, "concurrency", level, got["samples"], len(got["errors"]), got["wall"])
-        cores = max(MIN_CORES, profile.cores - got["background"])
-        predicted = predict(profile.with_cores(cores), layout, level, args)
+        predicted = predict(profile.with_background(loads.WINDOW, got["series"]), layout, level, args)
         out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
-                    "errors": len(got["errors"]), "background": round(got["background"], 3), "cores": round(cores, 3),
-                    "utilisation": predicted["utilisation"], "at": time.strftime("%T")})
+                    "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
+                    "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"]})
         print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
               f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores", flush=True)
     return out
