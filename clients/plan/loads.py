@@ -85,25 +85,39 @@ def phase(served, requests: list, concurrency: int) -> dict:
     cpu1, busy1 = snapshot_of(pids), machine_busy()
     own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
     return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
-            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series}
+            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series,
+            "responses": responses(samples, requests)}
+
+
+def responses(samples: list, requests: list) -> float:
+    """Streamed responses per request (fewer than tokens where the stub merged steps); tokens where not counted."""
+    counted = [s.responses for s in samples if getattr(s, "responses", 0)]
+    if counted:
+        return sum(counted) / len(counted)
+    return sum(s.tokens for s in samples) / len(samples) if samples else 0.0
 
 
 def requests_for(count: int, tokens: int, seed: int, sizes=((64, 64),)) -> list:
     return synthetic_requests(count, 1, list(sizes), tokens, first=seed)
 
 
-def split(short: float, long: float) -> tuple[float, float]:
-    """(ms per request, ms per token) from CPU per request at ``SHORT`` and ``LONG`` tokens."""
-    token = max(0.0, (long - short) / (LONG - SHORT))
-    return max(0.0, short - SHORT * token), token
+def split(short: float, long: float, units: tuple[float, float] = (SHORT, LONG)) -> tuple[float, float]:
+    """(ms per request, ms per unit) from CPU per request at the short and long answers' ``units`` (tokens, or
+    responses) per request."""
+    more = units[1] - units[0]
+    unit = max(0.0, (long - short) / more) if more > 0.5 else 0.0
+    return max(0.0, short - units[0] * unit), unit
 
 
-def rows(phases: dict[int, dict[int, dict]], replicas: int) -> dict[str, list[list[float]]]:
-    """The ``by_load`` rows from phases by load then tokens."""
+def rows(phases: dict[int, dict[int, dict]], replicas: int, long: int = LONG) -> dict[str, list[list[float]]]:
+    """The ``by_load`` rows from phases by load then tokens (``SHORT`` and ``long``): the stub and the engine per
+    token, the processes after the stub per response (``phase``'s ``responses``)."""
     out: dict[str, list[list[float]]] = {}
     for load, by_tokens in sorted(phases.items()):
+        short, full = by_tokens[SHORT], by_tokens[long]
         for label, process in LABELS.items():
-            request, token = split(by_tokens[SHORT]["cpu"].get(label, 0.0), by_tokens[LONG]["cpu"].get(label, 0.0))
+            units = (SHORT, long) if process in REPLICA else (short["responses"], full["responses"])
+            request, token = split(short["cpu"].get(label, 0.0), full["cpu"].get(label, 0.0), units)
             scope = load / replicas if process in REPLICA else load
             out.setdefault(process, []).append([round(scope, 3), round(request, 3), round(token, 4)])
     return out
@@ -117,13 +131,14 @@ def decode_line(engine_rows: list[list[float]]) -> Line:
     return Line(max(0.0, fitted.base), max(0.0, fitted.slope))
 
 
-def by_load(served, loads=LOADS, seed: int = 500_000) -> dict:
-    """Phases at every load and both lengths: ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
+def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
+    """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
+    are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
     "series": that phase's background, "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
         count = max(16, 3 * load)
-        for tokens in (SHORT, LONG):
+        for tokens in (SHORT, long):
             got = phase(served, requests_for(count, tokens, seed), load)
             seed += count
             if got["errors"]:
@@ -131,9 +146,10 @@ def by_load(served, loads=LOADS, seed: int = 500_000) -> dict:
             phases.setdefault(load, {})[tokens] = got
             print(f"{served.name} profile load {load} tokens {tokens}: {got['cpu']} bg {got['background']:.2f}",
                   flush=True)
-    table = rows(phases, served.replicas)
+    table = rows(phases, served.replicas, long)
     first = phases[min(loads)][SHORT]
     light = percentile([s.ttft * 1000 for s in first["samples"]], 50)
-    summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3)}
+    summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3),
+                                    "responses": round(p["responses"], 2)}
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
     return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"]}

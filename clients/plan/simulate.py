@@ -104,7 +104,7 @@ class Simulation:
         return engine, stub
 
     def _front(self) -> list[tuple[Process, str]]:
-        """The processes between the engines and the user, in a token's order (each relays every token)."""
+        """The processes between the engines' stubs and the user, in a response's order."""
         return [(self.frontend, "frontend"), (self.orchestrator, "orchestrator"), (self.client, "client")]
 
     def _request_ms(self, key: str, load: float) -> float:

@@ -93,7 +93,8 @@ class Engine:
     """A vLLM engine, one thread: each step admits waiting sequences (priority, then arrival) while there is room
     (``max_seqs`` running, ``max_tokens`` tokens in the step), prefills them and decodes one token for every running
     one; the step's tokens then go through ``relays`` (the processes between the engine and the user, each with a
-    function giving its milliseconds per sequence relayed now) in turn. ``chore``: per-request work the engine's
+    function giving its milliseconds per unit now: the stub's per token, then the others' per response, a response
+    carrying what the stub had for a sequence when its thread came to send it) in turn. ``chore``: per-request work the engine's
     thread does between steps (after a request ends), delaying the next step. With the profile's ``by_load`` engine
     row, a step costs its new sequences' ``prefill_ms`` plus the row's ms per token for every token it emits, at the
     requests in flight on this engine (``load``); else ``Profile.step_ms``."""
@@ -105,11 +106,14 @@ class Engine:
         self.waiting: list = []
         self.running: list[Sequence] = []
         self.chores: list[float] = []
+        self.outbox: dict[Sequence, int] = {}  # tokens the stub has, not sent yet: sequence -> generated so far
+        self.ready = env.event()
         self.load = lambda: self.outstanding  # the requests in flight its by-load costs are read at
         self.order = itertools.count()
         self.wake = env.event()
         self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
         env.process(self._loop())
+        env.process(self._sender())
 
     def submit(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (seq.priority, next(self.order), seq))
@@ -174,12 +178,32 @@ class Engine:
         self.env.process(self._relay(emitted))
 
     def _relay(self, emitted: list[Sequence]):
-        """The step's tokens through the stub, the orchestrator and the client: each a piece of work of its
-        cost per sequence now; then the sequences' first token and end are marked."""
-        for process, per_sequence in self.relays:
-            yield from process.work(per_sequence() * len(emitted))
+        """The step's tokens through the stub (``relays[0]``, its cost per token): then they wait in the stub's
+        outbox for its sender."""
+        stub, per_token = self.relays[0]
+        yield from stub.work(per_token() * len(emitted))
         for seq in emitted:
+            self.outbox[seq] = seq.generated
+        if not self.ready.triggered:
+            self.ready.succeed()
+
+    def _sender(self):
+        """The stub's responses: whenever its thread is free, every sequence with tokens waiting goes as one response
+        (steps a slow reader has not taken yet are merged, as vLLM does), through ``relays[1:]`` (cost per response)."""
+        while True:
+            yield self.ready
+            stub = self.relays[0][0]
+            with stub.slot.request() as turn:
+                yield turn
+            self.ready = self.env.event()
+            batch, self.outbox = self.outbox, {}
+            self.env.process(self._deliver(batch))
+
+    def _deliver(self, batch: dict[Sequence, int]):
+        for process, per_response in self.relays[1:]:
+            yield from process.work(per_response() * len(batch))
+        for seq, generated in batch.items():
             if not seq.first.triggered:
                 seq.first.succeed(self.env.now)
-            if seq.generated >= seq.output and not seq.done.triggered:
+            if generated >= seq.output and not seq.done.triggered:
                 seq.done.succeed(self.env.now)

@@ -44,11 +44,11 @@ def workload(level: int, requests: int, sizes: list[tuple[int, int]], max_tokens
                            "images": {"count": 1, "sizes": [list(s) for s in sizes]}}]})
 
 
-def measured_profile(served, base: Profile, layout: Layout) -> Profile:
+def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profile:
     """``base`` with ``served``'s CPU by load measured now, calibrated on its light-load TTFT (with the light
     phase's background)."""
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
-    got = loads.by_load(served)
+    got = loads.by_load(served, long=long)
     doc = {k: v for k, v in base.doc.items() if k not in ("engine_after_ms", "cpu_ms_per_request")}
     doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
                decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
@@ -69,7 +69,8 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
         predicted = predict(profile.with_background(loads.WINDOW, got["series"]), layout, level, args)
         out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
                     "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
-                    "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"]})
+                    "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"],
+                    "responses_per_request": round(got["responses"], 2)})
         print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
               f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores", flush=True)
     return out
@@ -118,7 +119,7 @@ def run(name: str, base: Profile, args, levels: list[int]) -> list[dict]:
     """One deployment: its profile (measured now, with ``--measure-profile``), then every level's rows."""
     layout = layouts(args)[name]
     with DEPLOYMENTS[name](args) as served:
-        profile = measured_profile(served, base, layout) if args.measure_profile else base
+        profile = measured_profile(served, base, layout, args.max_tokens) if args.measure_profile else base
         if args.out and args.measure_profile:
             profiles.save(profile, args.out / f"profile-{name}.json")
         return [compare(name, level, measure_level(served, profile, layout, level, args, seed=i * 1000))

@@ -9,19 +9,21 @@ from clients.plan.deployments import Served
 
 
 def cpu(per_request: float, per_token: float) -> dict:
-    return {tokens: {"cpu": {"stub pd": per_request + tokens * per_token, "load generator": 2 * per_request}}
-            for tokens in (loads.SHORT, loads.LONG)}
+    """Phases at both lengths: the stub's CPU by tokens, the client's by responses (half the tokens)."""
+    return {tokens: {"cpu": {"stub pd": per_request + tokens * per_token, "load generator": 2 * per_request + tokens},
+                     "responses": tokens / 2} for tokens in (loads.SHORT, loads.LONG)}
 
 
 def test_two_answer_lengths_give_the_cost_per_request_and_per_token():
     assert loads.split(4 + 16 * 1.0, 4 + 80 * 1.0) == pytest.approx((4.0, 1.0))
     assert loads.split(20.0, 10.0) == pytest.approx((20.0, 0.0))  # fewer for more tokens: noise, no negative cost
+    assert loads.split(5.0, 7.0, (1.0, 1.0)) == pytest.approx((5.0, 0.0))  # as many units: no cost per unit
 
 
 def test_rows_of_a_replicas_processes_are_by_its_share_of_the_load():
     rows = loads.rows({1: cpu(10.0, 0.5), 8: cpu(4.0, 0.25)}, replicas=2)
     assert rows["stub"] == [[0.5, 10.0, 0.5], [4.0, 4.0, 0.25]]
-    assert rows["client"] == [[1, 20.0, 0.0], [8, 8.0, 0.0]]
+    assert rows["client"] == [[1, 20.0, 2.0], [8, 8.0, 2.0]]  # per response
     assert rows["engine"] == [[0.5, 0.0, 0.0], [4.0, 0.0, 0.0]]
 
 
