@@ -1,15 +1,17 @@
 """CPU per process by load, measured on a running deployment (``deployments.Served``), and the machine's background.
 
 ``phase``: one closed loop of requests; read around it: every process's CPU (``clients.bench.proc_cpu``, nanosecond
-schedstat), and the whole machine's busy time (``/proc/stat``, idle and iowait excepted, steal counted busy), whose
-part not spent by the deployment's processes or this one (the load generator) is ``background`` (cores, other
-agents' work on the shared machine), which the simulator takes off the cores it gives the deployment.
+schedstat), the streamed responses per request, and the whole machine's busy time (``/proc/stat``, idle and iowait
+excepted), whose part not spent by the deployment's processes or this one (the load generator) is the background:
+other agents' work on the shared machine, sampled by ``WINDOW`` (``Background``), which the simulator replays as
+cores the deployment does not get (``Profile.with_background``).
 
 ``by_load``: closed loops at each of ``LOADS`` with short and long answers; per process (``LABELS``), CPU per request
-``c = R + tokens x T`` at both lengths gives the process's ms per request ``R`` and per streamed token ``T`` at that
-load: the profile's ``by_load`` rows (``clients.plan.profile``). The stub's and the engine's rows are by the requests
-in flight on one replica (the load over the replicas). The decode step by batch is the engine's row: ``T`` per token
-at each load (``decode_line``).
+``c = R + units x U`` at both lengths gives the process's ms per request ``R`` and per unit ``U`` at that load: the
+profile's ``by_load`` rows (``clients.plan.profile``). Units: tokens for the engine, streamed responses for the
+stub and the processes after it (vLLM merges the steps a busy stub has not sent yet: fewer responses than tokens
+under load). The stub's and the engine's rows are by the requests in flight on one replica (the load over the
+replicas). The decode step by batch is the engine's row: ``U`` per token at each load (``decode_line``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ LOADS = (1, 2, 8, 24)
 SHORT, LONG = 16, 80
 LABELS = {"load generator": "client", "stub epd": "orchestrator", "tritonserver": "frontend", "stub pd": "stub",
           "EngineCore pd": "engine"}
-REPLICA = ("stub", "engine")
+REPLICA = ("stub", "engine")  # by a replica's share of the load
 _TICK = os.sysconf("SC_CLK_TCK")
 WINDOW = 0.1  # seconds of a background sample
 CORES = os.cpu_count() or 1
@@ -110,13 +112,13 @@ def split(short: float, long: float, units: tuple[float, float] = (SHORT, LONG))
 
 
 def rows(phases: dict[int, dict[int, dict]], replicas: int, long: int = LONG) -> dict[str, list[list[float]]]:
-    """The ``by_load`` rows from phases by load then tokens (``SHORT`` and ``long``): the stub and the engine per
-    token, the processes after the stub per response (``phase``'s ``responses``)."""
+    """The ``by_load`` rows from phases by load then tokens (``SHORT`` and ``long``): the engine per token, the stub
+    and the processes after it per response (``phase``'s ``responses``)."""
     out: dict[str, list[list[float]]] = {}
     for load, by_tokens in sorted(phases.items()):
         short, full = by_tokens[SHORT], by_tokens[long]
         for label, process in LABELS.items():
-            units = (SHORT, long) if process in REPLICA else (short["responses"], full["responses"])
+            units = (SHORT, long) if process == "engine" else (short["responses"], full["responses"])
             request, token = split(short["cpu"].get(label, 0.0), full["cpu"].get(label, 0.0), units)
             scope = load / replicas if process in REPLICA else load
             out.setdefault(process, []).append([round(scope, 3), round(request, 3), round(token, 4)])

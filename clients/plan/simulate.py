@@ -184,7 +184,7 @@ class Simulation:
 
     def _finish(self, record: dict, seq: Sequence) -> None:
         """Record the request's first token and end; the per-request work done after the end goes on (the cores)."""
-        record["first"], record["end"] = seq.first.value, seq.done.value
+        record["first"], record["end"], record["responses"] = seq.first.value, seq.done.value, seq.responses
         after, engine = 1.0 - self.profile.before_first, seq.engine
         if after > 0:
             for process, key in self._front():
@@ -234,6 +234,7 @@ def summary(sim: Simulation) -> dict:
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(values, q)
         out[f"{name}_mean_ms"] = sum(values) / len(values) if values else float("nan")
+    out["responses_per_request"] = sum(r["responses"] for r in served) / len(served) if served else float("nan")
     out["utilisation"] = utilisation(sim, wall)
     return out
 

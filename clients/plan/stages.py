@@ -29,9 +29,21 @@ class Process:
             return
         with self.slot.request() as turn:
             yield turn
-            started = self.env.now
-            yield from self.cores.work(ms / 1000.0)
-            self.busy += self.env.now - started
+            yield from self._run(ms)
+
+    def _run(self, ms: float):
+        started = self.env.now
+        yield from self.cores.work(ms / 1000.0)
+        self.busy += self.env.now - started
+
+    def take(self, take, ms_each: float):
+        """Once a thread is free: ``take()`` what is waiting then, and work ``ms_each`` for each; returns what it
+        took (``yield from``)."""
+        with self.slot.request() as turn:
+            yield turn
+            taken = take()
+            yield from self._run(ms_each * len(taken))
+        return taken
 
 
 class Encoder:
@@ -87,14 +99,15 @@ class Sequence:
     stub: object = None  # the Process of the engine's stub (its per-request work after the end)
     engine: object = None  # the Engine it ran on
     prefill_ms: float = 0.0  # the engine's per-request CPU done in its prefill step (``Profile.by_load``)
+    responses: int = 0  # the stub's responses for it so far
 
 
 class Engine:
     """A vLLM engine, one thread: each step admits waiting sequences (priority, then arrival) while there is room
     (``max_seqs`` running, ``max_tokens`` tokens in the step), prefills them and decodes one token for every running
-    one; the step's tokens then go through ``relays`` (the processes between the engine and the user, each with a
-    function giving its milliseconds per unit now: the stub's per token, then the others' per response, a response
-    carrying what the stub had for a sequence when its thread came to send it) in turn. ``chore``: per-request work the engine's
+    one; the step's tokens then go through ``relays`` (the stub, then the processes between it and the user, each
+    with a function giving its milliseconds per response now; a response carries what the stub had for a sequence
+    when its thread came to send it) in turn. ``chore``: per-request work the engine's
     thread does between steps (after a request ends), delaying the next step. With the profile's ``by_load`` engine
     row, a step costs its new sequences' ``prefill_ms`` plus the row's ms per token for every token it emits, at the
     requests in flight on this engine (``load``); else ``Profile.step_ms``."""
@@ -175,34 +188,31 @@ class Engine:
             seq.generated += 1
             seq.context += 1
         self.running = [s for s in emitted if s.generated < s.output]
-        self.env.process(self._relay(emitted))
-
-    def _relay(self, emitted: list[Sequence]):
-        """The step's tokens through the stub (``relays[0]``, its cost per token): then they wait in the stub's
-        outbox for its sender."""
-        stub, per_token = self.relays[0]
-        yield from stub.work(per_token() * len(emitted))
-        for seq in emitted:
+        for seq in emitted:  # to the stub
             self.outbox[seq] = seq.generated
         if not self.ready.triggered:
             self.ready.succeed()
 
     def _sender(self):
         """The stub's responses: whenever its thread is free, every sequence with tokens waiting goes as one response
-        (steps a slow reader has not taken yet are merged, as vLLM does), through ``relays[1:]`` (cost per response)."""
+        (steps a busy stub has not sent yet are merged, as vLLM's DELTA outputs are), the stub's cost per response,
+        then through ``relays[1:]`` (each its cost per response)."""
         while True:
             yield self.ready
-            stub = self.relays[0][0]
-            with stub.slot.request() as turn:
-                yield turn
-            self.ready = self.env.event()
-            batch, self.outbox = self.outbox, {}
+            stub, per_response = self.relays[0]
+            batch = yield from stub.take(self._outbox, per_response())
             self.env.process(self._deliver(batch))
+
+    def _outbox(self) -> dict[Sequence, int]:
+        self.ready = self.env.event()
+        batch, self.outbox = self.outbox, {}
+        return batch
 
     def _deliver(self, batch: dict[Sequence, int]):
         for process, per_response in self.relays[1:]:
             yield from process.work(per_response() * len(batch))
         for seq, generated in batch.items():
+            seq.responses += 1
             if not seq.first.triggered:
                 seq.first.succeed(self.env.now)
             if generated >= seq.output and not seq.done.triggered:

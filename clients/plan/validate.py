@@ -25,7 +25,7 @@ from pathlib import Path
 
 from clients.bench.load import synthetic_requests
 from clients.bench.replicas import WORKERS, _sizes
-from clients.bench.report import summarise
+from clients.bench.report import percentile, summarise
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan.deployments import DEPLOYMENTS
@@ -70,7 +70,9 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
         out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
                     "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
                     "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"],
-                    "responses_per_request": round(got["responses"], 2)})
+                    "responses_per_request": {"measured": round(got["responses"], 2),
+                                              "predicted": round(predicted["responses_per_request"], 2)},
+                    "stages_p50_ms": stages(got["samples"])})
         print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
               f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores", flush=True)
     return out
@@ -84,6 +86,12 @@ def layouts(args) -> dict[str, Layout]:
 def predict(profile, layout: Layout, level: int, args) -> dict:
     text = round(profile.doc.get("text_tokens", 16))
     return simulate(layout, profile, workload(level, args.requests, args.image_sizes, args.max_tokens, text))
+
+
+def stages(samples: list) -> dict:
+    """The orchestrator's own timings (p50): its encoder call, its first chunk and its whole request."""
+    return {key: percentile([s.timings[key] for s in samples if key in s.timings], 50)
+            for key in ("encode_ms", "first_chunk_ms", "total_ms") if any(key in s.timings for s in samples)}
 
 
 def compare(name: str, level: int, reps: list[dict]) -> dict:

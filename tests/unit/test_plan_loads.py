@@ -22,7 +22,7 @@ def test_two_answer_lengths_give_the_cost_per_request_and_per_token():
 
 def test_rows_of_a_replicas_processes_are_by_its_share_of_the_load():
     rows = loads.rows({1: cpu(10.0, 0.5), 8: cpu(4.0, 0.25)}, replicas=2)
-    assert rows["stub"] == [[0.5, 10.0, 0.5], [4.0, 4.0, 0.25]]
+    assert rows["stub"] == [[0.5, 10.0, 1.0], [4.0, 4.0, 0.5]]  # per response: two tokens' cost
     assert rows["client"] == [[1, 20.0, 2.0], [8, 8.0, 2.0]]  # per response
     assert rows["engine"] == [[0.5, 0.0, 0.0], [4.0, 0.0, 0.0]]
 

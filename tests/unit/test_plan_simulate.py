@@ -184,3 +184,12 @@ def test_the_background_takes_its_cores_window_by_window():
     # where the background leaves the floor of a quarter core (2 - 1.9 < 0.25): a second
     assert ends == pytest.approx({"a": 1.5, "b": 3.0})
     assert cores.busy == pytest.approx(1.25)
+
+
+def test_a_busy_stub_merges_the_steps_it_has_not_sent_yet():
+    # steps: the prefill 1 ms, then a token every 1.5 ms (t = 1, 2.5, 4, 5.5, 7, 8.5, 10); the stub takes 2.9 ms per
+    # response: it sends token 1 at 3.9, then what it has when free: tokens 2 (6.8), 3-4 (9.7), 5-6 (12.6), 7 (15.5)
+    costs = dict(prefill=(1.0, 0.0), decode=(1.5, 0.0), stub=(0.0, 2.9))
+    result = simulate(Layout(split="E+PD"), profile(**costs), workload("closed", 1, output=7, concurrency=1))
+    assert result["ttft_p50_ms"] == pytest.approx(3.9)
+    assert result["e2e_p50_ms"] == pytest.approx(15.5)  # one response a token: 1 + 7 x 2.9 = 21.3
