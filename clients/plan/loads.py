@@ -136,7 +136,7 @@ def decode_line(engine_rows: list[list[float]]) -> Line:
 def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
     are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
-    "series": that phase's background, "phases": what each read}``."""
+    "light_responses": its responses per request, "series": its background, "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
         count = max(16, 3 * load)
@@ -154,4 +154,5 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3),
                                     "responses": round(p["responses"], 2)}
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
-    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"]}
+    return {"by_load": table, "light_ttft_ms": light, "light_responses": first["responses"], "phases": summary,
+            "series": first["series"]}

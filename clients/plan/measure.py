@@ -137,8 +137,9 @@ def lines(phases: dict) -> dict:
 
 
 def calibrate(doc: dict, layout=None) -> dict:
-    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server),
-    against ``light_ttft_ms``): the share of the per-request work done before the first token
+    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server)): where
+    ``light_responses`` is given, the stub's ``send_interval_ms`` (``fit_interval``); then against ``light_ttft_ms``,
+    the share of the per-request work done before the first token
     (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
     ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
     the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
@@ -148,6 +149,9 @@ def calibrate(doc: dict, layout=None) -> dict:
     workload = parse({"arrivals": {"process": "closed", "concurrency": 1}, "requests": 20,
                       "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": SHORT,
                                "images": {"count": 1, "sizes": [[64, 64]]}}]})
+
+    if doc.get("light_responses"):
+        doc = {**doc, "send_interval_ms": fit_interval(doc, layout or Layout(), workload)}
 
     def ttft(share: float) -> float:
         trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
@@ -161,6 +165,24 @@ def calibrate(doc: dict, layout=None) -> dict:
         cut = min(prefill.base, low - measured)
         doc.update(prefill=Line(prefill.base - cut, prefill.slope).as_dict(), engine_after_ms=round(cut, 3))
     return doc
+
+
+def fit_interval(doc: dict, layout, workload, high: float = 20.0) -> float:
+    """The stub's least time between two sends (``send_interval_ms``) at which the simulated light load has the
+    measured responses per request (``light_responses``): vLLM merges the steps a stub has not sent yet, and the
+    scheduler's time slices leave a stub behind more often than processor sharing does (bisection)."""
+    from clients.plan.simulate import simulate
+
+    def responses(interval: float) -> float:
+        return simulate(layout, Profile({**doc, "send_interval_ms": interval}), workload)["responses_per_request"]
+
+    low, want = 0.0, doc["light_responses"]
+    if responses(low) <= want:
+        return 0.0
+    for _ in range(14):
+        mid = (low + high) / 2
+        low, high = (mid, high) if responses(mid) > want else (low, mid)
+    return round(high, 3)
 
 
 def nixl_line() -> dict:

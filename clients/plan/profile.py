@@ -13,7 +13,8 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
 - ``orchestrator``, ``stub`` (an engine's Triton stub), ``client``: per request (base) and per streamed response (slope)
   of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
   costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
-  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on the cores after the request).
+  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on its thread after the request);
+  ``send_interval_ms`` (optional): the least time between two sends of a stub (steps not sent yet are merged).
 ``by_load`` (optional, measured: ``clients.plan.loads``): per process (``client``, ``orchestrator``: the epd stub,
 ``frontend``: tritonserver's threads, ``stub``: an engine's stub, ``engine``: its EngineCore), rows ``[load, ms per
 request, ms per token]`` by the requests in flight where it runs (the deployment for the first three, one replica for
@@ -88,6 +89,11 @@ class Profile:
     def frontend_threads(self) -> int:
         """tritonserver's threads that relay requests and responses (C++, in parallel with the Python stubs)."""
         return int(self.doc.get("frontend_threads", max(1, round(self.cores))))
+
+    @property
+    def send_interval_ms(self) -> float:
+        """The least time between two sends of an engine's stub (fitted: ``clients.plan.measure.fit_interval``)."""
+        return float(self.doc.get("send_interval_ms", 0.0))
 
     def by_load(self, process: str) -> bool:
         return bool(self.doc.get("by_load", {}).get(process))

@@ -50,10 +50,10 @@ def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profil
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
     got = loads.by_load(served, long=long)
     doc = {k: v for k, v in base.doc.items() if k not in ("engine_after_ms", "cpu_ms_per_request")}
-    doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
+    doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], light_responses=got["light_responses"], by_load_phases=got["phases"],
                decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
-    light = {"step_s": loads.WINDOW, "cores": got["series"]}  # the light phase's background
-    fitted = calibrate({**doc, "background": light}, layout=layout)
+    doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}  # the light phase's
+    fitted = calibrate({**doc, "background": doc["light_background"]}, layout=layout)
     return Profile({k: v for k, v in fitted.items() if k != "background"}).check()
 
 
