@@ -139,7 +139,7 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     "light_responses": its responses per request, "series": its background, "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
-        count = max(16, 3 * load)
+        count = max(32, 6 * load)
         for tokens in (SHORT, long):
             got = phase(served, requests_for(count, tokens, seed), load)
             seed += count

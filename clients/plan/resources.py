@@ -10,15 +10,13 @@ import math
 import simpy
 
 
-MIN_CORES = 0.25  # what the deployment is left however busy the rest of the machine is
-
-
 class Cores:
     """A machine's cores shared by every busy process: with ``n`` pieces of work running on ``cores`` cores, each
     runs at ``min(1, cores / n)`` of one core (each piece is one thread). ``cores`` 0: no sharing (each at full
     speed, as stages on devices of their own). ``background``: (seconds, [cores busy elsewhere, ...]): the rest of the
-    machine's load in windows of that length from time 0 (repeated past its end), taken off ``cores`` (down to
-    ``MIN_CORES``). ``busy``: core-seconds of work done, for the utilisation."""
+    machine's load in windows of that length from time 0 (repeated past its end), as that many more threads wanting
+    the cores (``b`` busy elsewhere: each piece at ``min(1, cores / (n + b))``, as the scheduler shares the cores
+    between threads). ``busy``: core-seconds of work done, for the utilisation."""
 
     def __init__(self, env: simpy.Environment, cores: float, background: tuple[float, list[float]] | None = None):
         self.env, self.cores = env, cores
@@ -28,14 +26,14 @@ class Cores:
         self.busy = 0.0
         self.current = 1.0
 
-    def capacity(self) -> float:
+    def elsewhere(self) -> float:
+        """Threads' worth of the machine's other work now."""
         if not self.series:
-            return self.cores
-        index = int(self.env.now / self.step + 1e-9) % len(self.series)
-        return max(MIN_CORES, self.cores - self.series[index])
+            return 0.0
+        return self.series[int(self.env.now / self.step + 1e-9) % len(self.series)]
 
     def rate(self) -> float:
-        return 1.0 if not self.cores else min(1.0, self.capacity() / max(1, len(self.running)))
+        return 1.0 if not self.cores else min(1.0, self.cores / max(1.0, len(self.running) + self.elsewhere()))
 
     def _advance(self) -> None:
         elapsed = self.env.now - self.last

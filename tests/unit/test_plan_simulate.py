@@ -180,9 +180,9 @@ def test_the_background_takes_its_cores_window_by_window():
     env.process(job("a", 1.0))
     env.process(job("b", 0.25, start=2.0))
     env.run()
-    # a: half a core in the first second (2 - 1.5), then a whole one: its last half second; b in the third window,
-    # where the background leaves the floor of a quarter core (2 - 1.9 < 0.25): a second
-    assert ends == pytest.approx({"a": 1.5, "b": 3.0})
+    # a: alone with 1.5 threads' worth of other work on 2 cores, at 2 / 2.5 = 0.8 in the first second; then at full
+    # speed, its last 0.2 s; b in the third window at 2 / 2.9
+    assert ends == pytest.approx({"a": 1.2, "b": 2.0 + 0.25 * 2.9 / 2})
     assert cores.busy == pytest.approx(1.25)
 
 
