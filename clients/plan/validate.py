@@ -91,7 +91,7 @@ def predict(profile, layout: Layout, level: int, args) -> dict:
 def stages(samples: list) -> dict:
     """The orchestrator's own timings (p50): its encoder call, its first chunk and its whole request."""
     return {key: percentile([s.timings[key] for s in samples if key in s.timings], 50)
-            for key in ("encode_ms", "first_chunk_ms", "total_ms") if any(key in s.timings for s in samples)}
+            for key in ("encode_ms", "transfer_ms", "first_chunk_ms", "total_ms") if any(key in s.timings for s in samples)}
 
 
 def compare(name: str, level: int, reps: list[dict]) -> dict:
@@ -159,14 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     base, rows = profiles.load(args.profile), []
-    started = time.strftime("%F %T")
+    started, load = time.strftime("%F %T"), os.getloadavg()
     for name in chosen:
         rows += run(name, base, args, levels)
     text = table(rows)
     print(text)
     if args.out:
         doc = {"command": " ".join(["python -m clients.plan.validate", *(argv if argv is not None else sys.argv[1:])]),
-               "started": started, "ended": time.strftime("%F %T"), "rows": rows}
+               "started": started, "ended": time.strftime("%F %T"), "load_average": {"started": load, "ended": os.getloadavg()},
+               "rows": rows}
         (args.out / "validation.json").write_text(json.dumps(doc, indent=1))
         (args.out / "validation.md").write_text(text + "\n")
     return 0
