@@ -173,7 +173,9 @@ class Simulation:
                                             (1 - share) * media_ms)
             return self._finish(record, seq)
         if request.items:
+            started = self.env.now
             yield from self._encode(request)
+            record["encode_ms"] = (self.env.now - started) * 1000
         pull = p.transfer_ms(media_tokens, ll.transfer_path) if request.items else 0.0
         if ll.split == "E+PD":
             seq = yield from self._generate(request, "pd", prompt, request.output_tokens, 0.0, pull)
@@ -185,6 +187,7 @@ class Simulation:
     def _finish(self, record: dict, seq: Sequence) -> None:
         """Record the request's first token and end; the per-request work done after the end goes on (the cores)."""
         record["first"], record["end"], record["responses"] = seq.first.value, seq.done.value, seq.responses
+        record["emitted_ms"] = (seq.emitted - record["sent"]) * 1000
         after, engine = 1.0 - self.profile.before_first, seq.engine
         if after > 0:
             for process, key in self._front():
@@ -234,6 +237,8 @@ def summary(sim: Simulation) -> dict:
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(values, q)
         out[f"{name}_mean_ms"] = sum(values) / len(values) if values else float("nan")
+    for key in ("encode_ms", "emitted_ms"):  # the encoder call; from sent to the engine's first token
+        out[f"{key[:-3]}_p50_ms"] = percentile([r[key] for r in served if key in r], 50)
     out["responses_per_request"] = sum(r["responses"] for r in served) / len(served) if served else float("nan")
     out["utilisation"] = utilisation(sim, wall)
     return out

@@ -100,6 +100,7 @@ class Sequence:
     engine: object = None  # the Engine it ran on
     prefill_ms: float = 0.0  # the engine's per-request CPU done in its prefill step (``Profile.by_load``)
     responses: int = 0  # the stub's responses for it so far
+    emitted: float = 0.0  # when the engine's step made its first token
 
 
 class Engine:
@@ -186,6 +187,7 @@ class Engine:
         self.batched += len(emitted)
         for seq in emitted:
             seq.generated += 1
+            seq.emitted = seq.emitted or self.env.now
             seq.context += 1
         self.running = [s for s in emitted if s.generated < s.output]
         for seq in emitted:  # to the stub
