@@ -136,7 +136,8 @@ def decode_line(engine_rows: list[list[float]]) -> Line:
 def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
     are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
-    "light_responses": its responses per request, "series": its background, "phases": what each read}``."""
+    "series": its background, "merging": per load the long answers' responses per request, requests and background
+    (``clients.plan.measure.fit_intervals``), "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
         count = max(32, 6 * load)
@@ -154,5 +155,6 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3),
                                     "responses": round(p["responses"], 2)}
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
-    return {"by_load": table, "light_ttft_ms": light, "light_responses": first["responses"], "phases": summary,
-            "series": first["series"]}
+    merging = {load: {"responses": by_tokens[long]["responses"], "count": len(by_tokens[long]["samples"]),
+                      "series": by_tokens[long]["series"], "step_s": WINDOW} for load, by_tokens in phases.items()}
+    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"], "merging": merging}

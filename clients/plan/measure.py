@@ -137,9 +137,8 @@ def lines(phases: dict) -> dict:
 
 
 def calibrate(doc: dict, layout=None) -> dict:
-    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server)): where
-    ``light_responses`` is given, the stub's ``send_interval_ms`` (``fit_interval``); then against ``light_ttft_ms``,
-    the share of the per-request work done before the first token
+    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server)) against
+    ``light_ttft_ms``: the share of the per-request work done before the first token
     (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
     ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
     the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
@@ -149,9 +148,6 @@ def calibrate(doc: dict, layout=None) -> dict:
     workload = parse({"arrivals": {"process": "closed", "concurrency": 1}, "requests": 20,
                       "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": SHORT,
                                "images": {"count": 1, "sizes": [[64, 64]]}}]})
-
-    if doc.get("light_responses"):
-        doc = {**doc, "send_interval_ms": fit_interval(doc, layout or Layout(), workload)}
 
     def ttft(share: float) -> float:
         trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
@@ -167,22 +163,38 @@ def calibrate(doc: dict, layout=None) -> dict:
     return doc
 
 
-def fit_interval(doc: dict, layout, workload, high: float = 20.0) -> float:
-    """The stub's least time between two sends (``send_interval_ms``) at which the simulated light load has the
-    measured responses per request (``light_responses``): vLLM merges the steps a stub has not sent yet, and the
-    scheduler's time slices leave a stub behind more often than processor sharing does (bisection)."""
+def fit_interval(doc: dict, layout, workload, want: float, high: float = 20.0) -> float:
+    """The stub's least time between two sends at which the simulated ``workload`` has ``want`` responses per request:
+    vLLM merges the steps a stub has not sent yet, and the scheduler's time slices leave a stub behind more often
+    than processor sharing does (bisection)."""
     from clients.plan.simulate import simulate
 
     def responses(interval: float) -> float:
-        return simulate(layout, Profile({**doc, "send_interval_ms": interval}), workload)["responses_per_request"]
+        trial = Profile({**doc, "send_interval_ms": interval, "send_interval_by_load": None})
+        return simulate(layout, trial, workload)["responses_per_request"]
 
-    low, want = 0.0, doc["light_responses"]
+    low = 0.0
     if responses(low) <= want:
         return 0.0
-    for _ in range(14):
+    for _ in range(12):
         mid = (low + high) / 2
         low, high = (mid, high) if responses(mid) > want else (low, mid)
     return round(high, 3)
+
+
+def fit_intervals(doc: dict, layout, merging: dict[int, dict], tokens: int, replicas: int) -> list[list[float]]:
+    """``send_interval_by_load``: at each load of ``merging`` (``clients.plan.loads.by_load``: the long answers'
+    responses per request, requests and background), the interval at which the simulated phase has its responses."""
+    from clients.plan.workload import parse
+
+    out = []
+    for load, got in sorted(merging.items()):
+        workload = parse({"arrivals": {"process": "closed", "concurrency": load}, "requests": got["count"],
+                          "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": tokens,
+                                   "images": {"count": 1, "sizes": [[64, 64]]}}]})
+        trial = {**doc, "background": {"step_s": got["step_s"], "cores": got["series"]}}
+        out.append([round(load / replicas, 3), fit_interval(trial, layout, workload, got["responses"])])
+    return out
 
 
 def nixl_line() -> dict:

@@ -14,7 +14,8 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
   of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
   costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
   ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on its thread after the request);
-  ``send_interval_ms`` (optional): the least time between two sends of a stub (steps not sent yet are merged).
+  ``send_interval_ms`` or, by a replica's load, ``send_interval_by_load`` (``[load, ms]`` rows; optional): the least
+  time between two sends of a stub (steps not sent yet are merged).
 ``by_load`` (optional, measured: ``clients.plan.loads``): per process (``client``, ``orchestrator``: the epd stub,
 ``frontend``: tritonserver's threads, ``stub``: an engine's stub, ``engine``: its EngineCore), rows ``[load, ms per
 request, ms per token]`` by the requests in flight where it runs (the deployment for the first three, one replica for
@@ -101,18 +102,16 @@ class Profile:
     def cost(self, process: str, load: float) -> Line:
         """``process``'s CPU ms per request (base) and per streamed token (slope) with ``load`` requests in flight where
         it runs: ``by_load`` read at ``load``, else the process's line (none: 0)."""
-        rows = sorted(self.doc.get("by_load", {}).get(process) or [])
+        rows = self.doc.get("by_load", {}).get(process)
         if not rows:
             return self.line(process) if isinstance(self.doc.get(process), dict) else Line()
-        x = math.log(max(load, 1e-9))
-        points = [(math.log(r[0]), r[1], r[2]) for r in rows]
-        if x <= points[0][0] or len(points) == 1:
-            return Line(points[0][1], points[0][2])
-        for (x0, a0, b0), (x1, a1, b1) in zip(points, points[1:]):
-            if x <= x1:
-                t = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
-                return Line(a0 + t * (a1 - a0), b0 + t * (b1 - b0))
-        return Line(points[-1][1], points[-1][2])
+        return Line(*between(rows, load))
+
+    def send_interval(self, load: float) -> float:
+        """The least ms between two sends of an engine's stub with ``load`` requests in flight on it
+        (``send_interval_by_load``, else ``send_interval_ms``; fitted: ``clients.plan.measure.fit_intervals``)."""
+        rows = self.doc.get("send_interval_by_load")
+        return between(rows, load)[0] if rows else self.send_interval_ms
 
     def with_cores(self, cores: float) -> "Profile":
         """The same profile on ``cores`` cores (what other processes of the machine leave to this deployment)."""
@@ -159,6 +158,21 @@ class Profile:
             if modality != "batch":
                 self.line(f"tokens.{modality}")
         return self
+
+
+def between(rows: list[list[float]], load: float) -> list[float]:
+    """Rows ``[load, value, ...]`` read at ``load``: between two rows on a log scale of the load, held beyond the
+    ends."""
+    rows = sorted(rows)
+    x = math.log(max(load, 1e-9))
+    points = [(math.log(r[0]), r[1:]) for r in rows]
+    if x <= points[0][0] or len(points) == 1:
+        return list(points[0][1])
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
+            return [a + t * (b - a) for a, b in zip(v0, v1)]
+    return list(points[-1][1])
 
 
 def load(path: Path) -> Profile:

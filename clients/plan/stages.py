@@ -198,11 +198,12 @@ class Engine:
     def _sender(self):
         """The stub's responses: whenever its thread is free, every sequence with tokens waiting goes as one response
         (steps a busy stub has not sent yet are merged, as vLLM's DELTA outputs are), the stub's cost per response,
-        then through ``relays[1:]`` (each its cost per response); no sooner than the profile's ``send_interval_ms``
-        after its last send."""
-        interval, last = self.profile.send_interval_ms / 1000.0, -1.0
+        then through ``relays[1:]`` (each its cost per response); no sooner than the profile's ``send_interval`` at
+        its load after its last send."""
+        last = -1.0
         while True:
             yield self.ready
+            interval = self.profile.send_interval(self.load()) / 1000.0
             if last + interval > self.env.now:
                 yield self.env.timeout(last + interval - self.env.now)
             stub, per_response = self.relays[0]

@@ -139,6 +139,8 @@ def test_costs_by_load_are_read_between_rows_on_a_log_scale_and_held_beyond_the_
     assert p.cost("stub", 4).slope == pytest.approx(0.75)
     assert p.cost("stub", 100).base == pytest.approx(4.0)
     assert p.cost("frontend", 3).base == 0.0  # no row, no line: none
+    intervals = Profile({**p.doc, "send_interval_by_load": [[1, 2.0], [16, 6.0]]})
+    assert intervals.send_interval(4) == pytest.approx(4.0) and p.send_interval(4) == 0.0
     assert by_load(profile(client=(3.0, 0.5))).cost("client", 16) == Line(3.0, 0.5)  # no row: the line
 
 
