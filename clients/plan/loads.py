@@ -23,7 +23,7 @@ from pathlib import Path
 from clients.bench.load import synthetic_requests
 from clients.bench.proc_cpu import per_request, snapshot_of
 from clients.bench.report import percentile
-from clients.plan.profile import Line
+from clients.plan.profile import Line, fit
 
 LOADS = (1, 2, 8, 24)
 SHORT, LONG = 16, 80
@@ -127,8 +127,6 @@ def rows(phases: dict[int, dict[int, dict]], replicas: int, long: int = LONG) ->
 
 def decode_line(engine_rows: list[list[float]]) -> Line:
     """The decode step by batch, fitted through (batch, batch x ms per token) of the engine's rows."""
-    from clients.plan.measure import fit
-
     fitted = fit([(load, load * token) for load, _, token in engine_rows])
     return Line(max(0.0, fitted.base), max(0.0, fitted.slope))
 

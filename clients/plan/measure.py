@@ -30,20 +30,10 @@ from clients.bench.load import run_concurrency, synthetic_requests, synthetic_vi
 from clients.bench.proc_cpu import per_request, snapshot
 from clients.bench.report import parse_metrics, percentile
 from clients.plan.deployments import Quiet, Served, grpc_run
-from clients.plan.profile import Line, Profile, save
+from clients.plan.profile import Line, Profile, fit, save
 
 SIZES = (64, 160, 256, 384)
 SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
-
-
-def fit(points: list[tuple[float, float]]) -> Line:
-    """Least-squares line through ``points`` (one point: a constant)."""
-    if len({x for x, _ in points}) < 2:
-        return Line(sum(y for _, y in points) / len(points), 0.0)
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return Line(my - slope * mx, slope)
 
 
 class Session:

@@ -160,6 +160,16 @@ class Profile:
         return self
 
 
+def fit(points: list[tuple[float, float]]) -> Line:
+    """Least-squares line through ``points`` (one point: a constant)."""
+    if len({x for x, _ in points}) < 2:
+        return Line(sum(y for _, y in points) / len(points), 0.0)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return Line(my - slope * mx, slope)
+
+
 def between(rows: list[list[float]], load: float) -> list[float]:
     """Rows ``[load, value, ...]`` read at ``load``: between two rows on a log scale of the load, held beyond the
     ends."""
