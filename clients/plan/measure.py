@@ -194,21 +194,26 @@ def nixl_line() -> dict:
 
 
 def by_load(session: Session) -> dict:
+    """``clients.plan.loads.by_load`` on the session's server."""
     from backend.deploy.local_server import group_members
     from clients.plan import loads
 
-    table = loads.by_load(Served("measure", grpc_run(session.url), lambda: group_members(session.pid)))["by_load"]
-    return {"by_load": table, "decode": loads.decode_line(table["engine"]).as_dict()}
+    return loads.by_load(Served("measure", grpc_run(session.url), lambda: group_members(session.pid)))
 
 
 def measure(session: Session, repeat: int, name: str) -> dict:
-    measured = {**lines(run_phases(session, repeat)), **by_load(session)}
+    from clients.plan.loads import LONG, decode_line
+    from clients.plan.simulate import Layout
+
+    measured, got = lines(run_phases(session, repeat)), by_load(session)
     doc = {"name": name, "kind": "cpu", "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-           **measured, "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
+           **measured, "by_load": got["by_load"], "decode": decode_line(got["by_load"]["engine"]).as_dict(),
+           "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "docs/benchmarks.md, Cross-host transfer (tcp veth p50), not this run",
                        "kv_transfer": "assumed equal to the same-host embedding pull; not measured (E/P/D not run)",
                        "kv_bytes_per_token": "tiny Qwen2-VL: 2 layers x K,V x 2 heads x 32 x fp32"}}
     doc["transfer"]["nixl"] = nixl_line()
+    doc["send_interval_by_load"] = fit_intervals(doc, Layout(), got["merging"], LONG, 1)
     return calibrate(doc)
 
 
