@@ -4,7 +4,9 @@
 group, and of this process (the load generator), keyed by pid with a role label: ``tritonserver``,
 ``stub <model>`` (a Python-backend stub; its first argument is ``<repo>/<model>/<version>/model.py``),
 ``EngineCore <model>`` (a vLLM engine process, a child of that model's stub), ``load generator``, or the
-process name. ``per_request(before, after, requests)``: milliseconds of CPU per request per label, over the
+process name. CPU time is read at nanosecond resolution (``/proc/<pid>/task/*/schedstat``, the time on a CPU of
+every live thread), or from the 10 ms ticks of ``/proc/<pid>/stat`` where those are more (threads that ended since
+the process started are only in the ticks). ``per_request(before, after, requests)``: milliseconds of CPU per request per label, over the
 processes alive in both snapshots (processes of one label are summed). ``gpu_memory(server_pid)``: MiB of GPU
 memory per label (``nvidia-smi``'s compute processes; empty without a GPU).
 """
@@ -20,6 +22,20 @@ from backend.deploy.local_server import group_members
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _threads_seconds(pid: int) -> float:
+    """Seconds on a CPU of ``pid``'s live threads (schedstat, nanoseconds); 0 where unreadable."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    except OSError:
+        return 0.0
+    return total / 1e9
+
+
 def _stat(pid: int) -> tuple[str, int, float, list[bytes]] | None:
     """(name, parent pid, CPU seconds, command line) of ``pid``."""
     try:
@@ -29,7 +45,9 @@ def _stat(pid: int) -> tuple[str, int, float, list[bytes]] | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     name = stat[stat.index("(") + 1: stat.rindex(")")]
-    return name, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, cmdline
+    ticks = (int(fields[11]) + int(fields[12])) / _TICK
+    fine = _threads_seconds(pid)
+    return name, int(fields[1]), fine if fine > ticks - 2 / _TICK else ticks, cmdline
 
 
 def _label(name: str, cmdline: list[bytes]) -> str:
@@ -43,7 +61,12 @@ def _label(name: str, cmdline: list[bytes]) -> str:
 
 def snapshot(server_pid: int | None) -> dict[int, tuple[str, float]]:
     """pid -> (label, CPU seconds) for the server's group and this process."""
-    stats = {pid: _stat(pid) for pid in (group_members(server_pid) if server_pid else [])}
+    return snapshot_of(group_members(server_pid) if server_pid else [])
+
+
+def snapshot_of(pids) -> dict[int, tuple[str, float]]:
+    """pid -> (label, CPU seconds) for ``pids`` (a deployment's processes) and this process."""
+    stats = {pid: _stat(pid) for pid in pids}
     labels = {pid: _label(s[0], s[3]) for pid, s in stats.items() if s}
     out = {}
     for pid, s in stats.items():

@@ -5,14 +5,15 @@
 
 Every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
 under load would count them twice). Phases of requests, one at a time (no contention), each on fresh images: text
-only; one image at four sizes; four images a request; one video; a longer answer; then closed loops of 4 and 8 for
-the decode step by batch. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
+only; one image at four sizes; four images a request; one video; a longer answer. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
 encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the load generator), vLLM's prompt tokens
 (``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings`` (``transfer_ms``, ``transfer_bytes``). Fitted
 (``fit``): encoder item and batch lines, media tokens per item, prefill and decode steps, the stub's, orchestrator's
 and client's per request and per streamed token, the same-host pull. Not measured here: the cross-host (NIXL) pull and
 E/P/D's KV pull (``derived`` says where they come from). ``hop``: what light-load TTFT has beyond the CPU work (the
-gRPC hops' latency), the residual of the simulator against the measured light-load TTFT.
+gRPC hops' latency), the residual of the simulator against the measured light-load TTFT. Then every process's CPU
+per request and per token by load (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short and long answers):
+the profile's ``by_load`` rows, and the decode step by batch fitted through the engine's.
 """
 from __future__ import annotations
 
@@ -28,26 +29,11 @@ from pathlib import Path
 from clients.bench.load import run_concurrency, synthetic_requests, synthetic_video_requests
 from clients.bench.proc_cpu import per_request, snapshot
 from clients.bench.report import parse_metrics, percentile
-from clients.plan.profile import Line, Profile, save
+from clients.plan.deployments import Quiet, Served, grpc_run
+from clients.plan.profile import Line, Profile, fit, save
 
 SIZES = (64, 160, 256, 384)
 SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
-BATCHES = (4, 8)
-
-
-class _Quiet:
-    def update(self, n: int) -> None:
-        pass
-
-
-def fit(points: list[tuple[float, float]]) -> Line:
-    """Least-squares line through ``points`` (one point: a constant)."""
-    if len({x for x, _ in points}) < 2:
-        return Line(sum(y for _, y in points) / len(points), 0.0)
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return Line(my - slope * mx, slope)
 
 
 class Session:
@@ -67,7 +53,7 @@ class Session:
         requests = make(count, self.seed)
         self.seed += count * 10
         cpu0, tokens0 = snapshot(self.pid), self._tokens()
-        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, _Quiet()))
+        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, Quiet()))
         time.sleep(1.5)  # the counters are handed to Triton every 0.25 s
         if results.errors:
             raise RuntimeError(f"measure: {len(results.errors)} requests failed: {results.errors[0]}")
@@ -96,8 +82,6 @@ def run_phases(session: Session, repeat: int) -> dict:
     phases["batch4"] = session.phase(images(160, 4), repeat)
     phases["video"] = session.phase(lambda n, seed: synthetic_video_requests(n, 1, (64, 64), 8, 4.0, SHORT, seed), repeat)
     phases["long"] = session.phase(images(64, tokens=LONG), repeat)
-    for batch in BATCHES:
-        phases[f"decode{batch}"] = session.phase(images(64, tokens=LONG), batch * 3, concurrency=batch)
     return phases
 
 
@@ -117,8 +101,7 @@ def lines(phases: dict) -> dict:
     video = Line(0.0, max(0.0, _cpu(phases["video"], "stub encoder") - batch.base) / video_units)
     prefill = fit([(p["prompt_tokens"], _cpu(p, *engine) - (SHORT - 1) * per_token["engine"])
                    for name, p in phases.items() if name == "text" or name.startswith("image")])
-    steps = [(1, per_token["engine"])] + [(b, b * _cpu(phases[f"decode{b}"], *engine) / LONG) for b in BATCHES]
-    decode = fit(steps)
+    decode = Line(per_token["engine"], 0.0)  # at batch 1; by batch: ``loads.decode_line`` (``measure``)
     transfer = fit([(s.timings.get("transfer_bytes", 0) / 2**20, s.timings.get("transfer_ms", 0.0))
                     for name, p in phases.items() if name.startswith("image") for s in p["samples"]])
     media = [(kpix[s], phases[f"image{s}"]["prompt_tokens"] - text_tokens) for s in SIZES]
@@ -143,11 +126,12 @@ def lines(phases: dict) -> dict:
             "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
 
 
-def calibrate(doc: dict) -> dict:
-    """Fit the light-load TTFT (simulated at concurrency 1, image 64 px, against ``light_ttft_ms``): the share of the
-    per-request work done before the first token (``before_first_token``), and ``hop``, what TTFT has beyond all of
-    it (0 where the share is below 1); where even none of it before the first token is too much, the engine's
-    per-request CPU beyond the light-load prefill is moved off the path (``engine_after_ms``: after the request)."""
+def calibrate(doc: dict, layout=None) -> dict:
+    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server)) against
+    ``light_ttft_ms``: the share of the per-request work done before the first token
+    (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
+    ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
+    the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
     from clients.plan.simulate import Layout, simulate
     from clients.plan.workload import parse
 
@@ -157,16 +141,50 @@ def calibrate(doc: dict) -> dict:
 
     def ttft(share: float) -> float:
         trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
-        return simulate(Layout(), Profile(trial), workload)["ttft_p50_ms"]
+        return simulate(layout or Layout(), Profile(trial), workload)["ttft_p50_ms"]
 
     low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
     share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
     doc = {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
-    if low > measured:  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
+    if low > measured and not doc.get("by_load"):  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
         prefill = Line(doc["prefill"]["base"], doc["prefill"]["slope"])
         cut = min(prefill.base, low - measured)
         doc.update(prefill=Line(prefill.base - cut, prefill.slope).as_dict(), engine_after_ms=round(cut, 3))
     return doc
+
+
+def fit_interval(doc: dict, layout, workload, want: float, high: float = 20.0) -> float:
+    """The stub's least time between two sends at which the simulated ``workload`` has ``want`` responses per request:
+    vLLM merges the steps a stub has not sent yet, and the scheduler's time slices leave a stub behind more often
+    than processor sharing does (bisection)."""
+    from clients.plan.simulate import simulate
+
+    def responses(interval: float) -> float:
+        trial = Profile({**doc, "send_interval_ms": interval, "send_interval_by_load": None})
+        return simulate(layout, trial, workload)["responses_per_request"]
+
+    low = 0.0
+    if responses(low) <= want:
+        return 0.0
+    for _ in range(12):
+        mid = (low + high) / 2
+        low, high = (mid, high) if responses(mid) > want else (low, mid)
+    return round(high, 3)
+
+
+def fit_intervals(doc: dict, layout, merging: dict[int, dict], tokens: int, replicas: int) -> list[list[float]]:
+    """``send_interval_by_load``: at each load of ``merging`` (``clients.plan.loads.by_load``: the long answers'
+    responses per request, requests and background), the interval at which the simulated phase has its responses."""
+    from clients.plan.workload import parse
+
+    out = []
+    for load, got in sorted(merging.items()):
+        workload = parse({"arrivals": {"process": "closed", "concurrency": load}, "requests": got["count"],
+                          "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": tokens,
+                                   "images": {"count": 1, "sizes": [[64, 64]]}}]})
+        trial = {**doc, "background": {"step_s": got["step_s"], "cores": got["series"]}}
+        out.append([round(load / replicas, 3), fit_interval(trial, layout, workload, got["responses"])])
+    return out
 
 
 def nixl_line() -> dict:
@@ -175,14 +193,27 @@ def nixl_line() -> dict:
     return fit([(0.25, 0.94), (1.0, 3.67), (8.0, 21.77)]).as_dict()
 
 
+def by_load(session: Session) -> dict:
+    """``clients.plan.loads.by_load`` on the session's server."""
+    from backend.deploy.local_server import group_members
+    from clients.plan import loads
+
+    return loads.by_load(Served("measure", grpc_run(session.url), lambda: group_members(session.pid)))
+
+
 def measure(session: Session, repeat: int, name: str) -> dict:
-    measured = lines(run_phases(session, repeat))
+    from clients.plan.loads import LONG, decode_line
+    from clients.plan.simulate import Layout
+
+    measured, got = lines(run_phases(session, repeat)), by_load(session)
     doc = {"name": name, "kind": "cpu", "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-           **measured, "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
+           **measured, "by_load": got["by_load"], "decode": decode_line(got["by_load"]["engine"]).as_dict(),
+           "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "docs/benchmarks.md, Cross-host transfer (tcp veth p50), not this run",
                        "kv_transfer": "assumed equal to the same-host embedding pull; not measured (E/P/D not run)",
                        "kv_bytes_per_token": "tiny Qwen2-VL: 2 layers x K,V x 2 heads x 32 x fp32"}}
     doc["transfer"]["nixl"] = nixl_line()
+    doc["send_interval_by_load"] = fit_intervals(doc, Layout(), got["merging"], LONG, 1)
     return calibrate(doc)
 
 

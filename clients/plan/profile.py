@@ -13,19 +13,29 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
 - ``orchestrator``, ``stub`` (an engine's Triton stub), ``client``: per request (base) and per streamed response (slope)
   of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
   costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
-  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on the cores after the request).
+  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on its thread after the request);
+  ``send_interval_ms`` or, by a replica's load, ``send_interval_by_load`` (``[load, ms]`` rows; optional): the least
+  time between two sends of a stub (steps not sent yet are merged).
+``by_load`` (optional, measured: ``clients.plan.loads``): per process (``client``, ``orchestrator``: the epd stub,
+``frontend``: tritonserver's threads, ``stub``: an engine's stub, ``engine``: its EngineCore), rows ``[load, ms per
+request, ms per token]`` by the requests in flight where it runs (the deployment for the first three, one replica for
+the stub and the engine), read between rows on a log scale, held beyond the ends; where present it replaces the
+per-request lines above and the engine's prefill and decode lines (``cost``).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
-sharing); 0: each stage has its own device (a GPU), none waits for another's.
+sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
+the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from clients.plan.workload import Item
 
 MODALITIES = ("image", "video", "audio")
+PROCESSES = ("client", "orchestrator", "frontend", "stub", "engine")
 LINES = ("encoder.batch", "prefill", "decode", "decode_context", "kv_transfer", "orchestrator", "stub", "client")
 
 
@@ -76,6 +86,46 @@ class Profile:
         rest after the last: final response, accounting); 1 where not fitted."""
         return float(self.doc.get("before_first_token", 1.0))
 
+    @property
+    def frontend_threads(self) -> int:
+        """tritonserver's threads that relay requests and responses (C++, in parallel with the Python stubs)."""
+        return int(self.doc.get("frontend_threads", max(1, round(self.cores))))
+
+    @property
+    def send_interval_ms(self) -> float:
+        """The least time between two sends of an engine's stub (fitted: ``clients.plan.measure.fit_interval``)."""
+        return float(self.doc.get("send_interval_ms", 0.0))
+
+    def by_load(self, process: str) -> bool:
+        return bool(self.doc.get("by_load", {}).get(process))
+
+    def cost(self, process: str, load: float) -> Line:
+        """``process``'s CPU ms per request (base) and per streamed token (slope) with ``load`` requests in flight where
+        it runs: ``by_load`` read at ``load``, else the process's line (none: 0)."""
+        rows = self.doc.get("by_load", {}).get(process)
+        if not rows:
+            return self.line(process) if isinstance(self.doc.get(process), dict) else Line()
+        return Line(*between(rows, load))
+
+    def send_interval(self, load: float) -> float:
+        """The least ms between two sends of an engine's stub with ``load`` requests in flight on it
+        (``send_interval_by_load``, else ``send_interval_ms``; fitted: ``clients.plan.measure.fit_intervals``)."""
+        rows = self.doc.get("send_interval_by_load")
+        return between(rows, load)[0] if rows else self.send_interval_ms
+
+    def with_cores(self, cores: float) -> "Profile":
+        """The same profile on ``cores`` cores (what other processes of the machine leave to this deployment)."""
+        return Profile({**self.doc, "cores": cores})
+
+    def background(self) -> tuple[float, list[float]] | None:
+        """(seconds, [cores busy with other work, ...]): the machine's other load in windows (``resources.Cores``)."""
+        node = self.doc.get("background")
+        return (float(node["step_s"]), [float(v) for v in node["cores"]]) if node else None
+
+    def with_background(self, step_s: float, cores: list[float]) -> "Profile":
+        """The same profile on a machine whose other processes keep ``cores[i]`` cores busy in window ``i``."""
+        return Profile({**self.doc, "background": {"step_s": step_s, "cores": [round(c, 3) for c in cores]}})
+
     def hop_ms(self) -> float:
         """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""
         return self.line("hop").base if "hop" in self.doc else 0.0
@@ -108,6 +158,31 @@ class Profile:
             if modality != "batch":
                 self.line(f"tokens.{modality}")
         return self
+
+
+def fit(points: list[tuple[float, float]]) -> Line:
+    """Least-squares line through ``points`` (one point: a constant)."""
+    if len({x for x, _ in points}) < 2:
+        return Line(sum(y for _, y in points) / len(points), 0.0)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return Line(my - slope * mx, slope)
+
+
+def between(rows: list[list[float]], load: float) -> list[float]:
+    """Rows ``[load, value, ...]`` read at ``load``: between two rows on a log scale of the load, held beyond the
+    ends."""
+    rows = sorted(rows)
+    x = math.log(max(load, 1e-9))
+    points = [(math.log(r[0]), r[1:]) for r in rows]
+    if x <= points[0][0] or len(points) == 1:
+        return list(points[0][1])
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (x - x0) / (x1 - x0) if x1 > x0 else 1.0
+            return [a + t * (b - a) for a, b in zip(v0, v1)]
+    return list(points[-1][1])
 
 
 def load(path: Path) -> Profile:

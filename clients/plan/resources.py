@@ -13,28 +13,48 @@ import simpy
 class Cores:
     """A machine's cores shared by every busy process: with ``n`` pieces of work running on ``cores`` cores, each
     runs at ``min(1, cores / n)`` of one core (each piece is one thread). ``cores`` 0: no sharing (each at full
-    speed, as stages on devices of their own). ``busy``: core-seconds of work done, for the utilisation."""
+    speed, as stages on devices of their own). ``background``: (seconds, [cores busy elsewhere, ...]): the rest of the
+    machine's load in windows of that length from time 0 (repeated past its end), as that many more threads wanting
+    the cores (``b`` busy elsewhere: each piece at ``min(1, cores / (n + b))``, as the scheduler shares the cores
+    between threads). ``busy``: core-seconds of work done, for the utilisation."""
 
-    def __init__(self, env: simpy.Environment, cores: float):
+    def __init__(self, env: simpy.Environment, cores: float, background: tuple[float, list[float]] | None = None):
         self.env, self.cores = env, cores
+        self.step, self.series = background if background and background[1] and cores else (0.0, [])
         self.running: list[dict] = []
         self.last = 0.0
         self.busy = 0.0
+        self.current = 1.0
+
+    def elsewhere(self) -> float:
+        """Threads' worth of the machine's other work now."""
+        if not self.series:
+            return 0.0
+        return self.series[int(self.env.now / self.step + 1e-9) % len(self.series)]
 
     def rate(self) -> float:
-        return 1.0 if not self.cores else min(1.0, self.cores / max(1, len(self.running)))
+        return 1.0 if not self.cores else min(1.0, self.cores / max(1.0, len(self.running) + self.elsewhere()))
 
     def _advance(self) -> None:
-        elapsed, rate = self.env.now - self.last, self.rate()
+        elapsed = self.env.now - self.last
         for job in self.running:
-            job["left"] -= elapsed * rate
-        self.busy += elapsed * rate * len(self.running)
+            job["left"] -= elapsed * self.current
+        self.busy += elapsed * self.current * len(self.running)
         self.last = self.env.now
 
     def _changed(self) -> None:
+        self.current = self.rate()
         for job in self.running:
             if not job["wake"].triggered:
                 job["wake"].succeed()
+
+    def _wait(self, left: float) -> tuple[float, bool]:
+        """How long a job of ``left`` runs before something changes, and whether it ends then."""
+        finish = max(0.0, left) / self.current
+        if not self.series:
+            return finish, True
+        boundary = (int(self.env.now / self.step + 1e-9) + 1) * self.step - self.env.now
+        return min(finish, boundary), finish <= boundary
 
     def work(self, seconds: float):
         """Run ``seconds`` of one core's work (``yield from cores.work(s)``)."""
@@ -50,13 +70,16 @@ class Cores:
         self._changed()
         while True:
             job["wake"] = self.env.event()
-            done = self.env.timeout(max(0.0, job["left"]) / self.rate())
+            wait, final = self._wait(job["left"])
+            done = self.env.timeout(wait)
             yield done | job["wake"]
             self._advance()
-            if done.processed or job["left"] <= 1e-12:
+            if (done.processed and final) or job["left"] <= 1e-12:
                 self.running.remove(job)
                 self._changed()
                 return
+            if done.processed:  # a window of the background ended: every job's rate changes
+                self._changed()
 
 
 class Gate:

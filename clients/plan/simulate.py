@@ -7,7 +7,10 @@ encoder replicas (each to the one with the fewest outstanding items), the encode
 generator's gate, the pd (or prefill) replica with the fewest outstanding requests, the embeddings pulled by that
 replica's stub, the engine (continuous batching); E/P/D: prefill's one token, the KV pulled by a decode replica, the
 tokens from decode. The baseline (``llm``) engine encodes the media itself, in its prefill step. Tokens reach the
-user through the stub, the orchestrator and the client (``stages.Engine``). Every piece of work runs on the
+user through the stub, tritonserver's frontend threads, the orchestrator (the epd stub) and the client
+(``stages.Engine``), each a process of its own running in parallel with the others; each process's per-request work
+is split into a share before the first token and the rest after the end, on its own thread (the engine's: between its
+steps), with the requests in flight where it runs (``Profile.cost``). Every piece of work runs on the
 profile's ``cores`` (a CPU machine's processes share them) or, with 0 cores, on its own device.
 
     python -m clients.plan.simulate WORKLOAD PROFILE [--split E+PD] [--encoders 1] [--pd 1] ...
@@ -71,10 +74,12 @@ class Simulation:
     def __init__(self, layout: Layout, profile: Profile, workload: Workload):
         self.layout, self.profile, self.workload = layout, profile, workload
         self.env = env = simpy.Environment()
-        self.cores = Cores(env, profile.cores)
+        self.cores = Cores(env, profile.cores, profile.background())
         ll = layout
         self.client = Process(env, self.cores, threads=1)
         self.orchestrator = Process(env, self.cores, threads=ll.orchestrators)
+        self.frontend = Process(env, self.cores, threads=profile.frontend_threads * ll.orchestrators)
+        self.inflight = 0
         self.encoders = [Encoder(env, self.cores, profile, ll.encoder_instances) for _ in range(ll.encoders)]
         self.tiers: dict[str, list[tuple[Engine, Process]]] = {}
         for name, count in ll.engines().items():
@@ -89,13 +94,22 @@ class Simulation:
         self.records: list[dict] = []
 
     def _engine(self, name: str) -> tuple[Engine, Process]:
-        stub = Process(self.env, self.cores)
-        chunk = {key: self.profile.line(key).slope for key in ("stub", "orchestrator", "client")}
-        relays = [(stub, chunk["stub"])] + ([] if name == "prefill" else
-                                            [(self.orchestrator, chunk["orchestrator"]), (self.client, chunk["client"])])
-        engine = Engine(self.env, self.cores, self.profile, relays, self.layout.max_num_seqs,
-                        self.layout.max_batched_tokens)
+        stub, p = Process(self.env, self.cores), self.profile
+        engine = Engine(self.env, self.cores, p, [], self.layout.max_num_seqs, self.layout.max_batched_tokens)
+        engine.load = lambda: self.inflight / len(self.tiers.get(name) or [None])  # its share, as profiles measure
+        engine.relays = [(stub, lambda: p.cost("stub", engine.load()).slope)]
+        if name != "prefill":
+            engine.relays += [(process, lambda key=key: p.cost(key, self.inflight).slope)
+                              for process, key in self._front()]
         return engine, stub
+
+    def _front(self) -> list[tuple[Process, str]]:
+        """The processes between the engines' stubs and the user, in a response's order."""
+        return [(self.frontend, "frontend"), (self.orchestrator, "orchestrator"), (self.client, "client")]
+
+    def _request_ms(self, key: str, load: float) -> float:
+        """``key``'s per-request CPU ms with ``load`` requests in flight where it runs."""
+        return self.profile.cost(key, load).base
 
     @staticmethod
     def _least(replicas: list):
@@ -119,9 +133,12 @@ class Simulation:
         entered = yield from gate.enter(1, request.priority)
         engine, stub = self._least(self.tiers[stage])
         engine.outstanding += 1
-        yield from stub.work(pull_ms + self.profile.before_first * self.profile.line("stub").base)
+        share = self.profile.before_first
+        yield from stub.work(pull_ms + share * self._request_ms("stub", engine.load()))
         seq = Sequence(prefill, output, request.priority, self.env.event(), self.env.event(), media_ms, context=context)
-        seq.stub = stub
+        seq.stub, seq.engine = stub, engine
+        if self.profile.by_load("engine") and stage != "decode":
+            seq.prefill_ms = share * self._request_ms("engine", engine.load())
         engine.submit(seq)
         yield seq.done
         engine.outstanding -= 1
@@ -138,13 +155,16 @@ class Simulation:
         record = {"index": request.index, "priority": request.priority, "sent": self.env.now, "shed": False,
                   "tokens": request.output_tokens}
         self.records.append(record)
+        self.inflight += 1
         share = p.before_first
-        yield from self.client.work(share * p.line("client").base)
+        yield from self.client.work(share * self._request_ms("client", self.inflight))
         yield self.env.timeout(p.hop_ms() / 1000.0)
         if self.max_queue and sum(g.estimate(c, request.priority) for g, c in self._passes(request)) > self.max_queue:
             record["shed"] = True
+            self.inflight -= 1
             return
-        yield from self.orchestrator.work(share * p.line("orchestrator").base)
+        for process, key in self._front()[:2]:  # tritonserver takes the request, then the orchestrator's stub
+            yield from process.work(share * self._request_ms(key, self.inflight))
         media_tokens = sum(p.tokens(i) for i in request.items)
         prompt = request.prompt_tokens + media_tokens
         if ll.split == "llm":  # the engine's steps encode its share of the media; its stub processes the rest
@@ -153,7 +173,9 @@ class Simulation:
                                             (1 - share) * media_ms)
             return self._finish(record, seq)
         if request.items:
+            started = self.env.now
             yield from self._encode(request)
+            record["encode_ms"] = (self.env.now - started) * 1000
         pull = p.transfer_ms(media_tokens, ll.transfer_path) if request.items else 0.0
         if ll.split == "E+PD":
             seq = yield from self._generate(request, "pd", prompt, request.output_tokens, 0.0, pull)
@@ -164,13 +186,17 @@ class Simulation:
 
     def _finish(self, record: dict, seq: Sequence) -> None:
         """Record the request's first token and end; the per-request work done after the end goes on (the cores)."""
-        record["first"], record["end"] = seq.first.value, seq.done.value
-        after = 1.0 - self.profile.before_first
-        for process, name in ((self.client, "client"), (self.orchestrator, "orchestrator"), (seq.stub, "stub")):
-            if after > 0:
-                self.env.process(process.work(after * self.profile.line(name).base))
-        if self.profile.doc.get("engine_after_ms"):
-            self.env.process(self.cores.work(self.profile.doc["engine_after_ms"] / 1000.0))
+        record["first"], record["end"], record["responses"] = seq.first.value, seq.done.value, seq.responses
+        record["emitted_ms"] = (seq.emitted - record["sent"]) * 1000
+        after, engine = 1.0 - self.profile.before_first, seq.engine
+        if after > 0:
+            for process, key in self._front():
+                self.env.process(process.work(after * self._request_ms(key, self.inflight)))
+            self.env.process(seq.stub.work(after * self._request_ms("stub", engine.load())))
+            if self.profile.by_load("engine"):
+                engine.chore(after * self._request_ms("engine", engine.load()))
+        engine.chore(float(self.profile.doc.get("engine_after_ms", 0.0)))  # on the engine's thread, between steps
+        self.inflight -= 1
 
     def _open_loop(self, requests: list[Request]):
         for request in requests:
@@ -211,6 +237,9 @@ def summary(sim: Simulation) -> dict:
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(values, q)
         out[f"{name}_mean_ms"] = sum(values) / len(values) if values else float("nan")
+    for key in ("encode_ms", "emitted_ms"):  # the encoder call; from sent to the engine's first token
+        out[f"{key[:-3]}_p50_ms"] = percentile([r[key] for r in served if key in r], 50)
+    out["responses_per_request"] = sum(r["responses"] for r in served) / len(served) if served else float("nan")
     out["utilisation"] = utilisation(sim, wall)
     return out
 
@@ -225,6 +254,8 @@ def utilisation(sim: Simulation, wall: float) -> dict[str, float]:
     for name, replicas in sim.tiers.items():
         out[name] = sum(engine.busy for engine, _ in replicas) / (wall * len(replicas))
     out["orchestrator"] = sim.orchestrator.busy / (wall * sim.layout.orchestrators)
+    out["frontend"] = sim.frontend.busy / (wall * sim.frontend.slot.capacity)
+    out["client"] = sim.client.busy / wall
     if sim.cores.cores:
         out["cores"] = sim.cores.busy / (wall * sim.cores.cores)
     return {k: round(v, 3) for k, v in out.items()}

@@ -29,9 +29,21 @@ class Process:
             return
         with self.slot.request() as turn:
             yield turn
-            started = self.env.now
-            yield from self.cores.work(ms / 1000.0)
-            self.busy += self.env.now - started
+            yield from self._run(ms)
+
+    def _run(self, ms: float):
+        started = self.env.now
+        yield from self.cores.work(ms / 1000.0)
+        self.busy += self.env.now - started
+
+    def take(self, take, ms_each: float):
+        """Once a thread is free: ``take()`` what is waiting then, and work ``ms_each`` for each; returns what it
+        took (``yield from``)."""
+        with self.slot.request() as turn:
+            yield turn
+            taken = take()
+            yield from self._run(ms_each * len(taken))
+        return taken
 
 
 class Encoder:
@@ -85,27 +97,48 @@ class Sequence:
     generated: int = 0
     context: int = 0
     stub: object = None  # the Process of the engine's stub (its per-request work after the end)
+    engine: object = None  # the Engine it ran on
+    prefill_ms: float = 0.0  # the engine's per-request CPU done in its prefill step (``Profile.by_load``)
+    responses: int = 0  # the stub's responses for it so far
+    emitted: float = 0.0  # when the engine's step made its first token
 
 
 class Engine:
-    """A vLLM engine: each step admits waiting sequences (priority, then arrival) while there is room
+    """A vLLM engine, one thread: each step admits waiting sequences (priority, then arrival) while there is room
     (``max_seqs`` running, ``max_tokens`` tokens in the step), prefills them and decodes one token for every running
-    one; the step's tokens then go through ``relays`` (the processes between the engine and the user, each with its
-    milliseconds per sequence relayed) in turn."""
+    one; the step's tokens then go through ``relays`` (the stub, then the processes between it and the user, each
+    with a function giving its milliseconds per response now; a response carries what the stub had for a sequence
+    when its thread came to send it) in turn. ``chore``: per-request work the engine's
+    thread does between steps (after a request ends), delaying the next step. With the profile's ``by_load`` engine
+    row, a step costs its new sequences' ``prefill_ms`` plus the row's ms per token for every token it emits, at the
+    requests in flight on this engine (``load``); else ``Profile.step_ms``."""
 
-    def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, relays: list[tuple[Process, float]],
+    def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, relays: list[tuple[Process, object]],
                  max_seqs: int = 32, max_tokens: int = 8192):
         self.env, self.cores, self.profile, self.relays = env, cores, profile, relays
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.waiting: list = []
         self.running: list[Sequence] = []
+        self.chores: list[float] = []
+        self.outbox: dict[Sequence, int] = {}  # tokens the stub has, not sent yet: sequence -> generated so far
+        self.ready = env.event()
+        self.load = lambda: self.outstanding  # the requests in flight its by-load costs are read at
         self.order = itertools.count()
         self.wake = env.event()
         self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
         env.process(self._loop())
+        env.process(self._sender())
 
     def submit(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (seq.priority, next(self.order), seq))
+        self._wake()
+
+    def chore(self, ms: float) -> None:
+        if ms > 0:
+            self.chores.append(ms)
+            self._wake()
+
+    def _wake(self) -> None:
         if not self.wake.triggered:
             self.wake.succeed()
 
@@ -122,34 +155,73 @@ class Engine:
 
     def _loop(self):
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.chores:
                 self.wake = self.env.event()
                 yield self.wake
-            new = self._admit()
-            decoding = self.running + [s for s in new if not s.prefill]  # a decode engine's new ones: KV pulled
-            ms = self.profile.step_ms(sum(s.prefill for s in new), len(decoding), sum(s.context for s in decoding)) + \
-                sum(s.media_ms for s in new)
-            started = self.env.now
-            yield from self.cores.work(ms / 1000.0)
-            self.busy += self.env.now - started
-            self.steps += 1
-            for seq in new:
-                seq.context += seq.prefill
-            emitted = self.running + new
-            self.batched += len(emitted)
-            for seq in emitted:
-                seq.generated += 1
-                seq.context += 1
-            self.running = [s for s in emitted if s.generated < s.output]
-            self.env.process(self._relay(emitted))
+            if self.chores:
+                ms, self.chores = sum(self.chores), []
+                yield from self._work(ms)
+            if self.waiting or self.running:
+                yield from self._step()
 
-    def _relay(self, emitted: list[Sequence]):
-        """The step's tokens through the stub, the orchestrator and the client: each a piece of work of its
-        ``chunk`` cost per sequence; then the sequences' first token and end are marked."""
-        for process, per_chunk in self.relays:
-            yield from process.work(per_chunk * len(emitted))
+    def _work(self, ms: float):
+        started = self.env.now
+        yield from self.cores.work(ms / 1000.0)
+        self.busy += self.env.now - started
+
+    def _step_ms(self, new: list[Sequence]) -> float:
+        media = sum(s.media_ms for s in new) + sum(s.prefill_ms for s in new)
+        if self.profile.by_load("engine"):
+            return media + (len(self.running) + len(new)) * self.profile.cost("engine", self.load()).slope
+        decoding = self.running + [s for s in new if not s.prefill]  # a decode engine's new ones: KV pulled
+        return media + self.profile.step_ms(sum(s.prefill for s in new), len(decoding),
+                                            sum(s.context for s in decoding))
+
+    def _step(self):
+        new = self._admit()
+        yield from self._work(self._step_ms(new))
+        self.steps += 1
+        for seq in new:
+            seq.context += seq.prefill
+        emitted = self.running + new
+        self.batched += len(emitted)
         for seq in emitted:
+            seq.generated += 1
+            seq.emitted = seq.emitted or self.env.now
+            seq.context += 1
+        self.running = [s for s in emitted if s.generated < s.output]
+        for seq in emitted:  # to the stub
+            self.outbox[seq] = seq.generated
+        if not self.ready.triggered:
+            self.ready.succeed()
+
+    def _sender(self):
+        """The stub's responses: whenever its thread is free, every sequence with tokens waiting goes as one response
+        (steps a busy stub has not sent yet are merged, as vLLM's DELTA outputs are), the stub's cost per response,
+        then through ``relays[1:]`` (each its cost per response); no sooner than the profile's ``send_interval`` at
+        its load after its last send."""
+        last = -1.0
+        while True:
+            yield self.ready
+            interval = self.profile.send_interval(self.load()) / 1000.0
+            if last + interval > self.env.now:
+                yield self.env.timeout(last + interval - self.env.now)
+            stub, per_response = self.relays[0]
+            batch = yield from stub.take(self._outbox, per_response())
+            last = self.env.now
+            self.env.process(self._deliver(batch))
+
+    def _outbox(self) -> dict[Sequence, int]:
+        self.ready = self.env.event()
+        batch, self.outbox = self.outbox, {}
+        return batch
+
+    def _deliver(self, batch: dict[Sequence, int]):
+        for process, per_response in self.relays[1:]:
+            yield from process.work(per_response() * len(batch))
+        for seq, generated in batch.items():
+            seq.responses += 1
             if not seq.first.triggered:
                 seq.first.succeed(self.env.now)
-            if seq.generated >= seq.output and not seq.done.triggered:
+            if generated >= seq.output and not seq.done.triggered:
                 seq.done.succeed(self.env.now)

@@ -1,39 +1,41 @@
 """The simulator against measured runs, side by side (docs/planning.md, "Checked against measured runs"): a benchmark.
 
-    python -m clients.plan.validate --profile docs/results/data/plan-2026-12-06/profile-cpu.json \
-        --levels 1,4,16 --requests 48 --out /tmp/plan-validate        # root for the hosts deployment (namespaces)
+    python -m clients.plan.validate --profile docs/results/data/plan-2026-12-05/profile-cpu.json --measure-profile \
+        --levels 1,4,16 --requests 48 --repeats 3 --out /tmp/plan-validate    # root for the hosts deployment
 
-Two deployments, each started fresh: ``single``, one tritonserver serving E+PD (``topologies/cpu-e-pd.yaml``; the
-client: gRPC streaming, ``clients.bench.load``), and ``hosts``, ``topologies/hosts-e-pd.yaml`` with ``--pd-replicas``
-pd hosts, every host a network namespace of this machine with its own tritonserver (``tests.hosts_deploy``, as
-``clients.bench.replicas`` starts it; the client: HTTP from a host of its own; embeddings over NIXL/UCX TCP). At each
-closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in turn, ``--max-tokens`` greedy
-tokens, ignore_eos) are measured, and the simulator predicts the same workload on the same layout with the profile.
-Printed: one table, measured and predicted req/s, TTFT p50 and p90, and the error of each (predicted / measured - 1).
+Two deployments, each started fresh (``clients.plan.deployments``: ``single``, one tritonserver serving E+PD, gRPC
+streaming client; ``hosts``, E+PD over network namespaces with ``--pd-replicas`` pd hosts, HTTP client). With
+``--measure-profile`` each deployment's processes' CPU by load (``clients.plan.loads``) is measured on it right
+before its levels, merged into ``--profile`` and calibrated on its light-load TTFT (written as ``profile-<name>.json``
+under ``--out``). At each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in
+turn, ``--max-tokens`` greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
+machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
+the cores it left (``Profile.with_cores``). Printed: one table, the medians over the repetitions of measured and
+predicted req/s, TTFT p50 and p90, the error of each (predicted / measured - 1) and the background.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import tempfile
+import statistics
+import sys
+import time
 from pathlib import Path
 
-from clients.bench.load import run_concurrency, synthetic_requests
-from clients.bench.replicas import WORKERS, _sizes, check, closed_loop
-from clients.bench.report import summarise
+from clients.bench.load import synthetic_requests
+from clients.bench.replicas import WORKERS, _sizes
+from clients.bench.report import percentile, summarise
+from clients.plan import loads
 from clients.plan import profile as profiles
+from clients.plan.deployments import DEPLOYMENTS
+from clients.plan.measure import calibrate, fit_intervals
+from clients.plan.profile import Profile
 from clients.plan.simulate import Layout, simulate
 from clients.plan.workload import parse
 
 FIGURES = ("req_per_s", "ttft_p50_ms", "ttft_p90_ms")
 TOLERANCE = 0.15
-
-
-class _Quiet:
-    def update(self, n: int) -> None:
-        pass
 
 
 def workload(level: int, requests: int, sizes: list[tuple[int, int]], max_tokens: int, text_tokens: int):
@@ -42,48 +44,39 @@ def workload(level: int, requests: int, sizes: list[tuple[int, int]], max_tokens
                            "images": {"count": 1, "sizes": [list(s) for s in sizes]}}]})
 
 
-def measure_single(args, levels: list[int]) -> list[dict]:
-    from backend.deploy.local_server import Ports, TritonServer
-    from backend.deploy.ports import free_ports
-    from backend.deploy.render import render
-    from backend.deploy.topology import load
-
-    rows, seed = [], 0
-    with tempfile.TemporaryDirectory(prefix="plan-validate-") as repo:
-        render(load(Path(args.topology), "cpu").only("E+PD"), Path(repo))
-        with TritonServer(Path(repo), ports=Ports(*free_ports(3)), log_path=Path(repo) / "tritonserver.log") as server:
-            for level in levels:
-                warm = synthetic_requests(args.warmup, 1, args.image_sizes, args.max_tokens, first=100_000 + seed)
-                asyncio.run(run_concurrency(server.grpc_url, "epd", level, warm, _Quiet()))
-                made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed)
-                seed += args.requests
-                results, wall = asyncio.run(run_concurrency(server.grpc_url, "epd", level, made, _Quiet()))
-                rows.append(summarise("single", "concurrency", level, results.samples, len(results.errors), wall))
-                print(f"single c={level}: {rows[-1]['req_per_s']:.2f} req/s", flush=True)
-    return rows
+def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profile:
+    """``base`` with ``served``'s CPU by load measured now, calibrated on its light-load TTFT (with the light
+    phase's background)."""
+    served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
+    got = loads.by_load(served, long=long)
+    doc = {k: v for k, v in base.doc.items() if k not in ("engine_after_ms", "cpu_ms_per_request")}
+    doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
+               decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
+    doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
+    doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}  # the light phase's
+    fitted = calibrate({**doc, "background": doc["light_background"]}, layout=layout)
+    return Profile({k: v for k, v in fitted.items() if k != "background"}).check()
 
 
-def measure_hosts(args, levels: list[int]) -> list[dict]:
-    from tests.hosts_deploy import HostsDeployment, hosts_e_pd
-    from tests.netns import Network
-
-    rows, seed = [], 0
-    with tempfile.TemporaryDirectory(prefix="plan-validate-hosts-") as tmp:
-        topology = hosts_e_pd(Path(tmp), args.pd_replicas)
-        with Network(HostsDeployment.addresses(topology)) as net, \
-                HostsDeployment(topology, net, Path(tmp) / "hosts") as deployed:
-            def submit(inputs):
-                return deployed.submit("epd", inputs)
-            for level in levels:
-                warm = synthetic_requests(args.warmup, 1, args.image_sizes, args.max_tokens, first=100_000 + seed)
-                closed_loop(submit, warm, level)
-                made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed)
-                seed += args.requests
-                outcomes, wall = closed_loop(submit, made, level)
-                samples, errors = check(outcomes, None)
-                rows.append(summarise("hosts", "concurrency", level, samples, len(errors), wall))
-                print(f"hosts c={level}: {rows[-1]['req_per_s']:.2f} req/s", flush=True)
-    return rows
+def measure_level(served, profile: Profile, layout: Layout, level: int, args, seed: int) -> list[dict]:
+    """``--repeats`` closed loops at ``level``, each with its prediction on the cores its background left."""
+    warm = synthetic_requests(args.warmup, 1, args.image_sizes, args.max_tokens, first=100_000 + seed)
+    served.run(warm, level)
+    out = []
+    for rep in range(args.repeats):
+        made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed + rep * args.requests)
+        got = loads.phase(served, made, level)
+        measured = summarise(served.name, "concurrency", level, got["samples"], len(got["errors"]), got["wall"])
+        predicted = predict(profile.with_background(loads.WINDOW, got["series"]), layout, level, args)
+        out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
+                    "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
+                    "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"],
+                    "responses_per_request": {"measured": round(got["responses"], 2),
+                                              "predicted": round(predicted["responses_per_request"], 2)},
+                    "stages_p50_ms": stages(got["samples"])})
+        print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
+              f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores", flush=True)
+    return out
 
 
 def layouts(args) -> dict[str, Layout]:
@@ -96,21 +89,28 @@ def predict(profile, layout: Layout, level: int, args) -> dict:
     return simulate(layout, profile, workload(level, args.requests, args.image_sizes, args.max_tokens, text))
 
 
-def compare(measured: list[dict], predicted: list[dict]) -> list[dict]:
-    out = []
-    for m, p in zip(measured, predicted):
-        row = {"topology": m["deployment"], "concurrency": int(m["level"]), "errors": m["errors"],
-               "utilisation": p.get("utilisation", {})}
-        for name in FIGURES:
-            row[name] = {"measured": m[name], "predicted": p[name], "error": p[name] / m[name] - 1 if m[name] else None}
-        out.append(row)
-    return out
+def stages(samples: list) -> dict:
+    """The orchestrator's own timings (p50): its encoder call, its first chunk and its whole request."""
+    return {key: percentile([s.timings[key] for s in samples if key in s.timings], 50)
+            for key in ("encode_ms", "transfer_ms", "first_chunk_ms", "total_ms") if any(key in s.timings for s in samples)}
+
+
+def compare(name: str, level: int, reps: list[dict]) -> dict:
+    """One row: the medians over the repetitions of each figure, measured and predicted, and their error."""
+    row = {"topology": name, "concurrency": level, "errors": sum(r["errors"] for r in reps),
+           "background": statistics.median(r["background"] for r in reps),
+           "utilisation": reps[len(reps) // 2]["utilisation"], "repeats": reps}
+    for key in FIGURES:
+        m = statistics.median(r["measured"][key] for r in reps)
+        p = statistics.median(r["predicted"][key] for r in reps)
+        row[key] = {"measured": m, "predicted": p, "error": p / m - 1 if m else None}
+    return row
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| topology | c | req/s measured / predicted (err) | TTFT p50 ms measured / predicted (err) | "
-             "TTFT p90 ms measured / predicted (err) | within 15% | predicted utilisation |",
-             "|---|---|---|---|---|---|---|"]
+             "TTFT p90 ms measured / predicted (err) | within 15% | background cores | predicted utilisation |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for name in FIGURES:
@@ -120,16 +120,30 @@ def table(rows: list[dict]) -> str:
         within = all(r[n]["error"] is not None and abs(r[n]["error"]) <= TOLERANCE for n in FIGURES)
         busy = ", ".join(f"{k} {v:.0%}" for k, v in r["utilisation"].items())
         lines.append(f"| {r['topology']} | {r['concurrency']} | " + " | ".join(cells) +
-                     f" | {'yes' if within else 'no'} | {busy} |")
+                     f" | {'yes' if within else 'no'} | {r['background']:.2f} | {busy} |")
     return "\n".join(lines)
+
+
+def run(name: str, base: Profile, args, levels: list[int]) -> list[dict]:
+    """One deployment: its profile (measured now, with ``--measure-profile``), then every level's rows."""
+    layout = layouts(args)[name]
+    with DEPLOYMENTS[name](args) as served:
+        profile = measured_profile(served, base, layout, args.max_tokens) if args.measure_profile else base
+        if args.out and args.measure_profile:
+            profiles.save(profile, args.out / f"profile-{name}.json")
+        return [compare(name, level, measure_level(served, profile, layout, level, args, seed=i * 1000))
+                for i, level in enumerate(levels)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Simulated against measured: req/s and TTFT, two deployments.")
     parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--measure-profile", action="store_true",
+                        help="measure each deployment's CPU by load right before its levels (clients.plan.loads)")
     parser.add_argument("--deployments", default="single,hosts")
     parser.add_argument("--levels", default="1,4,16", help="closed-loop concurrencies")
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each level (the table: their medians)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--image-sizes", type=_sizes, default=_sizes("64x48,80x64,96x96,112x112"))
@@ -139,18 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(v) for v in args.levels.split(",")]
     chosen = args.deployments.split(",")
-    if "hosts" in chosen and (os.geteuid() != 0 or max(levels) > WORKERS):
+    if "hosts" in chosen and (os.geteuid() != 0 or max(levels + list(loads.LOADS)) > WORKERS):
         parser.error(f"hosts: needs root (network namespaces) and levels of at most {WORKERS}")
-    profile = profiles.load(args.profile)
-    rows = []
+    if args.repeats < 1 or any(name not in DEPLOYMENTS for name in chosen):
+        parser.error(f"--repeats: 1 or more; --deployments: of {', '.join(DEPLOYMENTS)}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    base, rows = profiles.load(args.profile), []
+    started, load = time.strftime("%F %T"), os.getloadavg()
     for name in chosen:
-        measured = (measure_single if name == "single" else measure_hosts)(args, levels)
-        rows += compare(measured, [predict(profile, layouts(args)[name], lv, args) for lv in levels])
+        rows += run(name, base, args, levels)
     text = table(rows)
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "validation.json").write_text(json.dumps(rows, indent=1))
+        doc = {"command": " ".join(["python -m clients.plan.validate", *(argv if argv is not None else sys.argv[1:])]),
+               "started": started, "ended": time.strftime("%F %T"), "load_average": {"started": load, "ended": os.getloadavg()},
+               "rows": rows}
+        (args.out / "validation.json").write_text(json.dumps(doc, indent=1))
         (args.out / "validation.md").write_text(text + "\n")
     return 0
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import simpy
 
-from clients.plan.profile import Profile
+from clients.plan.profile import Line, Profile
 from clients.plan.resources import Cores
 from clients.plan.simulate import Layout, Simulation, simulate
 from clients.plan.workload import parse
@@ -125,3 +125,73 @@ def test_goodput_counts_only_requests_within_the_slo():
     assert result["req_per_s"] == pytest.approx(100.0)
     assert result["goodput"] == pytest.approx(10.0)
     assert not math.isnan(result["ttft_p50_ms"])
+
+
+def by_load(base: Profile, share: float = 1.0, cores: float = 0, **rows) -> Profile:
+    """``base`` with ``by_load`` rows (``process=[[load, ms per request, ms per token], ...]``)."""
+    return Profile({**base.doc, "by_load": rows, "before_first_token": share, "cores": cores, "frontend_threads": 1})
+
+
+def test_costs_by_load_are_read_between_rows_on_a_log_scale_and_held_beyond_the_ends():
+    p = by_load(profile(), stub=[[2, 10.0, 1.0], [8, 4.0, 0.5], [1, 12.0, 2.0]])
+    assert p.cost("stub", 1).base == pytest.approx(12.0) and p.cost("stub", 0.5).slope == pytest.approx(2.0)
+    assert p.cost("stub", 4).base == pytest.approx(7.0)  # halfway from 2 to 8 on a log scale
+    assert p.cost("stub", 4).slope == pytest.approx(0.75)
+    assert p.cost("stub", 100).base == pytest.approx(4.0)
+    assert p.cost("frontend", 3).base == 0.0  # no row, no line: none
+    intervals = Profile({**p.doc, "send_interval_by_load": [[1, 2.0], [16, 6.0]]})
+    assert intervals.send_interval(4) == pytest.approx(4.0) and p.send_interval(4) == 0.0
+    assert by_load(profile(client=(3.0, 0.5))).cost("client", 16) == Line(3.0, 0.5)  # no row: the line
+
+
+def test_the_engines_per_request_work_after_the_end_is_on_its_thread():
+    # all of the engine's 10 ms per request after the end (share 0), on its one thread: four clients are served at
+    # 100 requests/s however many wait (off the thread, on devices of their own, they would be served at once)
+    p = by_load(profile(), share=0.0, engine=[[1, 10.0, 0.0]])
+    result = simulate(Layout(split="E+PD"), p, workload("closed", 200, output=1, concurrency=4))
+    assert result["req_per_s"] == pytest.approx(100.0, rel=0.03)
+    assert result["utilisation"]["pd"] == pytest.approx(1.0, rel=0.03)
+
+
+def test_the_frontend_and_the_orchestrator_work_in_parallel():
+    # 10 ms of tritonserver's and 10 ms of the orchestrator's per request, each its own thread: a pipeline of two
+    # 10 ms stages serves 100 requests/s (one thread doing both: 50)
+    p = by_load(profile(), orchestrator=[[1, 10.0, 0.0]], frontend=[[1, 10.0, 0.0]])
+    result = simulate(Layout(split="E+PD"), p, workload("closed", 200, output=1, concurrency=8))
+    assert result["req_per_s"] == pytest.approx(100.0, rel=0.03)
+    assert result["utilisation"]["frontend"] == pytest.approx(1.0, rel=0.03)
+
+
+def test_background_load_takes_cores_from_the_deployment():
+    # one client thread of 10 ms per request: on 2 cores 100 requests/s; with 1.5 cores busy elsewhere, at half speed
+    p = by_load(profile(), cores=2, client=[[1, 10.0, 0.0]])
+    closed = workload("closed", 50, output=1, concurrency=1)
+    assert simulate(Layout(split="E+PD"), p, closed)["req_per_s"] == pytest.approx(100.0, rel=0.01)
+    assert simulate(Layout(split="E+PD"), p.with_cores(0.5), closed)["req_per_s"] == pytest.approx(50.0, rel=0.01)
+
+
+def test_the_background_takes_its_cores_window_by_window():
+    env = simpy.Environment()
+    cores, ends = Cores(env, 2, (1.0, [1.5, 0.0, 1.9])), {}
+
+    def job(name, seconds, start=0.0):
+        yield env.timeout(start)
+        yield from cores.work(seconds)
+        ends[name] = env.now
+
+    env.process(job("a", 1.0))
+    env.process(job("b", 0.25, start=2.0))
+    env.run()
+    # a: alone with 1.5 threads' worth of other work on 2 cores, at 2 / 2.5 = 0.8 in the first second; then at full
+    # speed, its last 0.2 s; b in the third window at 2 / 2.9
+    assert ends == pytest.approx({"a": 1.2, "b": 2.0 + 0.25 * 2.9 / 2})
+    assert cores.busy == pytest.approx(1.25)
+
+
+def test_a_busy_stub_merges_the_steps_it_has_not_sent_yet():
+    # steps: the prefill 1 ms, then a token every 1.5 ms (t = 1, 2.5, 4, 5.5, 7, 8.5, 10); the stub takes 2.9 ms per
+    # response: it sends token 1 at 3.9, then what it has when free: tokens 2 (6.8), 3-4 (9.7), 5-6 (12.6), 7 (15.5)
+    costs = dict(prefill=(1.0, 0.0), decode=(1.5, 0.0), stub=(0.0, 2.9))
+    result = simulate(Layout(split="E+PD"), profile(**costs), workload("closed", 1, output=7, concurrency=1))
+    assert result["ttft_p50_ms"] == pytest.approx(3.9)
+    assert result["e2e_p50_ms"] == pytest.approx(15.5)  # one response a token: 1 + 7 x 2.9 = 21.3

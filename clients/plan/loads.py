@@ -1,0 +1,158 @@
+"""CPU per process by load, measured on a running deployment (``deployments.Served``), and the machine's background.
+
+``phase``: one closed loop of requests; read around it: every process's CPU (``clients.bench.proc_cpu``, nanosecond
+schedstat), the streamed responses per request, and the whole machine's busy time (``/proc/stat``, idle and iowait
+excepted), whose part not spent by the deployment's processes or this one (the load generator) is the background:
+other agents' work on the shared machine, sampled by ``WINDOW`` (``Background``), which the simulator replays as
+cores the deployment does not get (``Profile.with_background``).
+
+``by_load``: closed loops at each of ``LOADS`` with short and long answers; per process (``LABELS``), CPU per request
+``c = R + units x U`` at both lengths gives the process's ms per request ``R`` and per unit ``U`` at that load: the
+profile's ``by_load`` rows (``clients.plan.profile``). Units: tokens for the engine, streamed responses for the
+stub and the processes after it (vLLM merges the steps a busy stub has not sent yet: fewer responses than tokens
+under load). The stub's and the engine's rows are by the requests in flight on one replica (the load over the
+replicas). The decode step by batch is the engine's row: ``U`` per token at each load (``decode_line``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from clients.bench.load import synthetic_requests
+from clients.bench.proc_cpu import per_request, snapshot_of
+from clients.bench.report import percentile
+from clients.plan.profile import Line, fit
+
+LOADS = (1, 2, 8, 24)
+SHORT, LONG = 16, 80
+LABELS = {"load generator": "client", "stub epd": "orchestrator", "tritonserver": "frontend", "stub pd": "stub",
+          "EngineCore pd": "engine"}
+REPLICA = ("stub", "engine")  # by a replica's share of the load
+_TICK = os.sysconf("SC_CLK_TCK")
+WINDOW = 0.1  # seconds of a background sample
+CORES = os.cpu_count() or 1
+
+
+def machine_busy() -> float:
+    """Core-seconds the whole machine has been busy (``/proc/stat``'s cpu line less idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _TICK
+
+
+def _ticks(pids: list[int]) -> float:
+    """CPU seconds so far of ``pids`` at the 10 ms ticks of ``/proc/<pid>/stat`` (cheap enough to read often)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
+
+class Background(threading.Thread):
+    """Samples, every ``WINDOW`` seconds, the cores the machine was busy with beyond ``pids`` (and this process)."""
+
+    def __init__(self, pids: list[int]):
+        super().__init__(daemon=True)
+        self.pids, self.series, self.halt = [*pids, os.getpid()], [], threading.Event()
+
+    def run(self) -> None:
+        last = (time.perf_counter(), machine_busy(), _ticks(self.pids))
+        while not self.halt.wait(WINDOW):
+            now = (time.perf_counter(), machine_busy(), _ticks(self.pids))
+            elapsed = now[0] - last[0]
+            self.series.append(min(CORES, max(0.0, (now[1] - last[1] - now[2] + last[2]) / elapsed)))
+            last = now
+
+    def stop(self) -> list[float]:
+        self.halt.set()
+        self.join()
+        return [round(v, 3) for v in self.series]
+
+
+def phase(served, requests: list, concurrency: int) -> dict:
+    """``requests`` in a closed loop of ``concurrency``: the samples, errors, wall seconds, CPU ms per request per
+    label, the background cores (the machine's busy time not the deployment's, over the wall time) and their series
+    by ``WINDOW`` (``Background``)."""
+    pids = served.pids()
+    sampler = Background(pids)
+    cpu0, busy0 = snapshot_of(pids), machine_busy()
+    sampler.start()
+    samples, errors, wall = served.run(requests, concurrency)
+    series = sampler.stop()
+    cpu1, busy1 = snapshot_of(pids), machine_busy()
+    own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
+    return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
+            "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series,
+            "responses": responses(samples, requests)}
+
+
+def responses(samples: list, requests: list) -> float:
+    """Streamed responses per request (fewer than tokens where the stub merged steps); tokens where not counted."""
+    counted = [s.responses for s in samples if getattr(s, "responses", 0)]
+    if counted:
+        return sum(counted) / len(counted)
+    return sum(s.tokens for s in samples) / len(samples) if samples else 0.0
+
+
+def requests_for(count: int, tokens: int, seed: int, sizes=((64, 64),)) -> list:
+    return synthetic_requests(count, 1, list(sizes), tokens, first=seed)
+
+
+def split(short: float, long: float, units: tuple[float, float] = (SHORT, LONG)) -> tuple[float, float]:
+    """(ms per request, ms per unit) from CPU per request at the short and long answers' ``units`` (tokens, or
+    responses) per request."""
+    more = units[1] - units[0]
+    unit = max(0.0, (long - short) / more) if more > 0.5 else 0.0
+    return max(0.0, short - units[0] * unit), unit
+
+
+def rows(phases: dict[int, dict[int, dict]], replicas: int, long: int = LONG) -> dict[str, list[list[float]]]:
+    """The ``by_load`` rows from phases by load then tokens (``SHORT`` and ``long``): the engine per token, the stub
+    and the processes after it per response (``phase``'s ``responses``)."""
+    out: dict[str, list[list[float]]] = {}
+    for load, by_tokens in sorted(phases.items()):
+        short, full = by_tokens[SHORT], by_tokens[long]
+        for label, process in LABELS.items():
+            units = (SHORT, long) if process == "engine" else (short["responses"], full["responses"])
+            request, token = split(short["cpu"].get(label, 0.0), full["cpu"].get(label, 0.0), units)
+            scope = load / replicas if process in REPLICA else load
+            out.setdefault(process, []).append([round(scope, 3), round(request, 3), round(token, 4)])
+    return out
+
+
+def decode_line(engine_rows: list[list[float]]) -> Line:
+    """The decode step by batch, fitted through (batch, batch x ms per token) of the engine's rows."""
+    fitted = fit([(load, load * token) for load, _, token in engine_rows])
+    return Line(max(0.0, fitted.base), max(0.0, fitted.slope))
+
+
+def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
+    """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
+    are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
+    "series": its background, "merging": per load the long answers' responses per request, requests and background
+    (``clients.plan.measure.fit_intervals``), "phases": what each read}``."""
+    phases: dict[int, dict[int, dict]] = {}
+    for load in loads:
+        count = max(32, 6 * load)
+        for tokens in (SHORT, long):
+            got = phase(served, requests_for(count, tokens, seed), load)
+            seed += count
+            if got["errors"]:
+                raise RuntimeError(f"by_load: {len(got['errors'])} requests failed: {got['errors'][0]}")
+            phases.setdefault(load, {})[tokens] = got
+            print(f"{served.name} profile load {load} tokens {tokens}: {got['cpu']} bg {got['background']:.2f}",
+                  flush=True)
+    table = rows(phases, served.replicas, long)
+    first = phases[min(loads)][SHORT]
+    light = percentile([s.ttft * 1000 for s in first["samples"]], 50)
+    summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3),
+                                    "responses": round(p["responses"], 2)}
+               for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
+    merging = {load: {"responses": by_tokens[long]["responses"], "count": len(by_tokens[long]["samples"]),
+                      "series": by_tokens[long]["series"], "step_s": WINDOW} for load, by_tokens in phases.items()}
+    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"], "merging": merging}

@@ -1,0 +1,72 @@
+"""A validation run's predictions again, from its files, with where the time goes (docs/planning.md, "Checked against
+measured runs"): which stage the model gets wrong where a row misses.
+
+    python -m clients.plan.replay docs/results/data/plan-2026-12-05/run3
+
+Reads ``validation.json`` and ``profile-<topology>.json`` (``clients.plan.validate --measure-profile --out``), predicts
+every repetition again on its recorded background (the simulator is deterministic: the figures equal the recorded
+ones, which is checked), and prints per row the medians over the repetitions, measured against predicted: the
+orchestrator's encoder call (``encode_ms``), its first chunk (measured: from its start; predicted: the engine's first
+token, from the client's send) and the client's TTFT.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from clients.bench.replicas import _sizes
+from clients.plan import profile as profiles
+from clients.plan.validate import FIGURES, layouts, predict
+
+
+def _median(values: list) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def replay_row(row: dict, profile, args) -> dict:
+    """The row's repetitions predicted again: stage medians measured and predicted, and the largest difference from
+    the recorded predictions (0 where the run's files reproduce it)."""
+    layout = layouts(args)[row["topology"]]
+    predicted = [predict(profile.with_background(0.1, rep["series"]), layout, row["concurrency"], args)
+                 for rep in row["repeats"]]
+    drift = max(abs(p[key] - rep["predicted"][key]) / rep["predicted"][key]
+                for p, rep in zip(predicted, row["repeats"]) for key in FIGURES)
+    measured = [rep.get("stages_p50_ms", {}) for rep in row["repeats"]]
+    return {"topology": row["topology"], "c": row["concurrency"], "drift": drift,
+            "encode": (_median([m.get("encode_ms") for m in measured]), _median([p["encode_p50_ms"] for p in predicted])),
+            "first": (_median([m.get("first_chunk_ms") for m in measured]),
+                      _median([p["emitted_p50_ms"] for p in predicted])),
+            "ttft": (row["ttft_p50_ms"]["measured"], _median([p["ttft_p50_ms"] for p in predicted]))}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| topology | c | encoder call ms measured / predicted | first chunk (engine's first token) ms | "
+             "TTFT p50 ms |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k][0]:.0f} / {r[k][1]:.0f}" for k in ("encode", "first", "ttft")]
+        lines.append(f"| {r['topology']} | {r['c']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
+    parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--image-sizes", type=_sizes, default=_sizes("64x48,80x64,96x96,112x112"))
+    parser.add_argument("--pd-replicas", type=int, default=2)
+    args = parser.parse_args(argv)
+    doc = json.loads((args.run / "validation.json").read_text())
+    rows = [replay_row(row, profiles.load(args.run / f"profile-{row['topology']}.json"), args) for row in doc["rows"]]
+    print(table(rows))
+    worst = max(r["drift"] for r in rows)
+    print(f"largest difference from the recorded predictions: {worst:.1%}")
+    return 0 if worst < 1e-6 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

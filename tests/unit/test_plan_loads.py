@@ -1,0 +1,47 @@
+"""CPU by load (clients.plan.loads) on cases computed by hand: per request and per token from two answer lengths,
+the rows' scope (a replica's stub and engine), the decode step by batch, and a phase's CPU read at a fine clock."""
+import time
+
+import pytest
+
+from clients.plan import loads
+from clients.plan.deployments import Served
+
+
+def cpu(per_request: float, per_token: float) -> dict:
+    """Phases at both lengths: the stub's CPU by tokens, the client's by responses (half the tokens)."""
+    return {tokens: {"cpu": {"stub pd": per_request + tokens * per_token, "load generator": 2 * per_request + tokens},
+                     "responses": tokens / 2} for tokens in (loads.SHORT, loads.LONG)}
+
+
+def test_two_answer_lengths_give_the_cost_per_request_and_per_token():
+    assert loads.split(4 + 16 * 1.0, 4 + 80 * 1.0) == pytest.approx((4.0, 1.0))
+    assert loads.split(20.0, 10.0) == pytest.approx((20.0, 0.0))  # fewer for more tokens: noise, no negative cost
+    assert loads.split(5.0, 7.0, (1.0, 1.0)) == pytest.approx((5.0, 0.0))  # as many units: no cost per unit
+
+
+def test_rows_of_a_replicas_processes_are_by_its_share_of_the_load():
+    rows = loads.rows({1: cpu(10.0, 0.5), 8: cpu(4.0, 0.25)}, replicas=2)
+    assert rows["stub"] == [[0.5, 10.0, 1.0], [4.0, 4.0, 0.5]]  # per response: two tokens' cost
+    assert rows["client"] == [[1, 20.0, 2.0], [8, 8.0, 2.0]]  # per response
+    assert rows["engine"] == [[0.5, 0.0, 0.0], [4.0, 0.0, 0.0]]
+
+
+def test_the_decode_step_by_batch_is_fitted_through_the_engines_rows():
+    # a step of 0.5 ms + 0.5 ms per sequence: per token 1.0 at batch 1, 0.75 at 2, 0.5625 at 8
+    line = loads.decode_line([[1, 9.0, 1.0], [2, 9.0, 0.75], [8, 9.0, 0.5625]])
+    assert (line.base, line.slope) == pytest.approx((0.5, 0.5))
+
+
+def test_a_phase_reads_cpu_per_request_of_a_fraction_of_a_tick():
+    def run(requests, concurrency):  # 3 ms of this process's CPU per request: the load generator's
+        started = time.perf_counter()
+        for _ in requests:
+            end = time.process_time() + 0.003
+            while time.process_time() < end:
+                pass
+        return [], [], time.perf_counter() - started
+
+    got = loads.phase(Served("fake", run, lambda: []), list(range(20)), 1)
+    assert got["cpu"]["load generator"] == pytest.approx(3.0, rel=0.15)
+    assert got["background"] >= 0.0
