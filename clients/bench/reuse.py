@@ -90,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if not args.parts or (unknown := [x for x in args.parts if x not in PARTS]):
-        p.error(f"--parts: comma-separated, of {', '.join(PARTS)}; got {','.join(args.parts) or 'nothing'}")
+    unknown = [x for x in args.parts if x not in PARTS]
+    if not args.parts or unknown:
+        p.error(f"--parts: comma-separated, of {', '.join(PARTS)}; got {','.join(args.parts) or 'nothing'}"
+                + (f" ({', '.join(unknown)} unknown)" if unknown else ""))
     if not 1 <= args.images <= 7:
         p.error("--images: 1 to 7 (synthetic_requests gives request i the images of seeds 7i..7i+6)")
     for name in ("requests", "concurrency", "cold", "turns", "background_concurrency", "background_images", "lookups",
