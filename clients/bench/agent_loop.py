@@ -6,7 +6,8 @@ and the same conversations; one per-turn table (markdown and JSON) in one run.
     .venv/bin/python -m clients.bench.agent_loop --turns 3 --pause-s 2 --out .cache/agent-loop-quick
 
 ``--conversations`` agents at once, ``--turns`` turns each (``clients.bench.agent_turns``: turn k sends the history
-with k drawn ``--screenshot`` screenshots, the assistant's tool calls and the tools' results, ``tools``, ``session_id``);
+with k drawn ``--screenshot`` screenshots, the assistant's tool calls and the tools' results, ``tools``,
+``session_id``);
 every conversation's turn k is sent at once, then the tool pause: ``--pause-s`` seconds of background traffic (new
 screenshots with long texts, ``--background-concurrency`` clients) that evicts the ordinary caches. The stacks, one
 after the other (never both on the machine): ``vllm`` (vLLM's OpenAI API server, what ``vllm serve`` runs, with the
@@ -52,7 +53,8 @@ def size(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=8, help="turns per conversation (1-16)")
     p.add_argument("--conversations", type=int, default=4, help="agents at once")
     p.add_argument("--pause-s", type=float, default=30.0, help="the tool pause between turns (background traffic)")
@@ -173,9 +175,10 @@ def report(args, topology, runs: dict) -> str:
     met = table.targets(rows, min(table.TARGET_TURN, args.turns))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     loads = {stack: run.get("load_average") for stack, run in runs.items()}
-    head = (f"{args.conversations} conversations x {args.turns} turns, one new {args.screenshot[0]}x{args.screenshot[1]} "
-            f"PNG screenshot and a tool result a turn, {args.pause_s:g} s tool pauses with {args.background_concurrency} "
-            f"background clients; ours: {args.deployment} on {args.topology.name} (held {args.held_kib} KiB); "
+    width, height = args.screenshot
+    head = (f"{args.conversations} conversations x {args.turns} turns, one new {width}x{height} PNG screenshot and a "
+            f"tool result a turn, {args.pause_s:g} s tool pauses with {args.background_concurrency} background "
+            f"clients; ours: {args.deployment} on {args.topology.name} (held {args.held_kib} KiB); "
             f"{args.max_tokens} greedy tokens; load average before/after each stack: {loads}")
     text = head + "\n\n" + table.markdown(rows, met) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """The agent-loop benchmark's bookkeeping (``clients.bench.agent_loop``): one record per conversation turn, one count
 per turn from ours' encoder metrics, the per-turn table (markdown) and the targets of issue 41.
 
-A record: ``stack`` (``VLLM`` or ``OURS``), ``turn`` (1-based), ``conversation``, ``images`` (the request's), ``ttft_ms``,
-``prompt_tokens``, ``cached_tokens``, ``epd_media`` (ours' usage extension, None on vLLM's server) and ``error``.
+A record: ``stack`` (``VLLM`` or ``OURS``), ``turn`` (1-based), ``conversation``, ``images`` (the request's),
+``ttft_ms``, ``prompt_tokens``, ``cached_tokens``, ``epd_media`` (ours' usage extension, None on vLLM's server) and
+``error``.
 A turn's count (``counts[stack][turn]``): ``encoded``, the encoder's ``epd_encoder_items_total`` moved over the turn
 (every conversation's turn k runs at once, nothing else runs meanwhile: the movement is theirs), and
 ``encoder_cache_hits`` (``epd_encoder_cache_hits_total``: items the encoder's own cache served); none for vLLM's

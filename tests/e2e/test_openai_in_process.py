@@ -126,7 +126,8 @@ def test_llm_reports_the_prompt_tokens_its_prefix_cache_covered(served):
     timings): the same request twice, the second covered by the prefix cache."""
     _, bases = served
     sdk = _sdk(bases["llm"])
-    long = [{"role": "user", "content": [*CASES["image"][0]["content"], {"type": "text", "text": "Describe it. " * 40}]}]
+    text = {"type": "text", "text": "Describe it. " * 40}
+    long = [{"role": "user", "content": [*CASES["image"][0]["content"], text]}]
     got = [sdk.chat.completions.create(model="llm", messages=long, max_tokens=2, temperature=0.0).usage
            for _ in range(2)]  # longer than one of vLLM's blocks (128 tokens on CPU): the prefix cache keeps whole ones
     assert got[0].prompt_tokens_details is not None and got[1].prompt_tokens_details.cached_tokens > 0, got

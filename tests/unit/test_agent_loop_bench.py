@@ -83,8 +83,9 @@ def test_each_turn_counts_its_own_encodes_not_the_backgrounds(monkeypatch):
 
 
 def _records(stack: str, ttfts: dict[int, list[float]], encoded: int = 1) -> list[dict]:
+    media = lambda k: {"items": k, "reused": k - encoded, "encoded": encoded} if stack == "ours" else None  # noqa: E731
     usage = lambda k: {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2},  # noqa: E731
-                       "epd_media": {"items": k, "reused": k - encoded, "encoded": encoded} if stack == "ours" else None}
+                       "epd_media": media(k)}
     return [table.record(stack, k, i, SimpleNamespace(ttft=t, usage=usage(k), error=None))
             for k, values in ttfts.items() for i, t in enumerate(values)]
 
