@@ -184,7 +184,8 @@ _OUTPUTS = (Tensor("text_output", STRING, -1, "text_output", Form.TEXT, optional
             # the generated tokens' log probabilities (sampling parameter ``logprobs``), those of this response's
             # tokens only: a JSON list (backend.engine.logprobs), on every response of a request that asked for them
             Tensor("logprobs", STRING, -1, "logprobs", Form.JSON),
-            Tensor("timings", STRING, -1, "timings", Form.JSON, _ALL - {LLM}),  # an orchestrator's stage breakdown
+            # an orchestrator's stage breakdown; llm's: cached_tokens alone (a request with media)
+            Tensor("timings", STRING, -1, "timings", Form.JSON, _ALL),
             Tensor("kv_transfer_params", STRING, -1, "kv_transfer_params", Form.JSON, _PD_STAGES))
 
 # The encoder (backend.triton.models.encoder): one item per batch row (an image, or the modality's item it names:

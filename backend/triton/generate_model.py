@@ -97,7 +97,8 @@ class GenerateModel:
         ``answer(raw, parameters, sink)`` (``frontend.openai.in_process``), if the config has an ``openai_port``."""
         if getattr(self.settings, "openai_port", 0):
             serve_for = in_process_endpoint("openai")  # frontend.openai.in_process, plugged in (no upward import)
-            self.openai = serve_for(self.name, self.settings, answer, self.host.submit, self.metrics, self.instances)
+            self.openai = serve_for(self.name, self.settings, answer, self.host.submit, self.metrics, self.instances,
+                                    self.engine_args["model"])
 
     async def answer(self, raw, parameters: dict, sink) -> None:
         """One request of the in-process OpenAI endpoint, as ``execute`` answers one (on the engine's loop)."""
@@ -130,7 +131,9 @@ class GenerateModel:
         return {NICE_ENV: str(nice)} if nice else {}
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        return request
+        """``llm``'s: a request with media gets its final response's ``timings`` with ``cached_tokens`` (prompt
+        tokens vLLM's prefix cache covered: ``usage.prompt_tokens_details`` of the OpenAI endpoint)."""
+        return replace(request, timings=request.timings or {}) if request.items else request
 
     def answer_lookup(self, sender, params: dict, tag: bool) -> bool:
         """Answer the request if it is a lookup of held embeddings (``HELD_PARAMETER``); False: it is not one."""

@@ -165,7 +165,7 @@ class Run:
         """One of ours: tritonserver + the OpenAI endpoint; driven through the endpoint, then over gRPC, at each
         concurrency."""
         started = time.monotonic()
-        with stacks.ours_running(self.ours_topology, name, self.log_dir) as (base_url, grpc_url, model, groups):
+        with stacks.ours_running(self.ours_topology, name, self.log_dir) as (base_url, grpc_url, model, groups, _):
             self.up(name, started)
             for i, c in enumerate(self.args.concurrency):
                 self.drive(name, "openai", base_url, model, groups, c, warm=i == 0)
@@ -175,7 +175,7 @@ class Run:
         if self.args.no_in_process:
             return
         started = time.monotonic()
-        with stacks.ours_running(self.ours_topology, name, self.log_dir, in_process=True) as (base_url, _, model, groups):
+        with stacks.ours_running(self.ours_topology, name, self.log_dir, in_process=True) as (base_url, _, model, groups, _):
             self.up(f"{name} (endpoint in process)", started)
             for i, c in enumerate(self.args.concurrency):
                 self.drive(name, "openai-in", base_url, model, groups, c, warm=i == 0)

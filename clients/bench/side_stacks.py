@@ -30,6 +30,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from backend.deploy.local_server import ROOT
 
@@ -235,11 +236,21 @@ def running(servers: list[Server], log_dir: Path, start_timeout: float = 600.0, 
         shutil.rmtree(ipc, ignore_errors=True)
 
 
+class OursStack(NamedTuple):
+    """What ``ours_running`` yields."""
+
+    base_url: str  # the OpenAI endpoint's
+    grpc_url: str
+    model: str
+    groups: dict[str, list[int]]  # process group name -> [pid]
+    metrics_url: str  # tritonserver's Prometheus metrics
+
+
 @contextlib.contextmanager
-def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
+def ours_running(topology, row: str, log_dir: Path, in_process: bool = False, endpoint_flags: tuple[str, ...] = ()):
     """tritonserver serving ``topology`` rendered for ``row``'s deployment alone (``OURS``) and ``frontend.openai``
-    in front of it (``in_process``: the endpoint in the served model's process instead, topology ``openai_port``), on
-    free 127.0.0.1 ports. Yields (OpenAI base URL, gRPC URL, model name, {group: [pid]}); stops both on exit
+    in front of it (started with ``endpoint_flags`` too; ``in_process``: the endpoint in the served model's process
+    instead, topology ``openai_port``), on free 127.0.0.1 ports. Yields an ``OursStack``; stops both on exit
     (TritonServer stops its own process group)."""
     import tempfile
 
@@ -258,13 +269,15 @@ def ours_running(topology, row: str, log_dir: Path, in_process: bool = False):
                           env={**os.environ, "TMPDIR": tmp}) as server:
             if in_process:
                 wait_healthy(f"http://127.0.0.1:{port}/health", 120)
-                yield f"http://127.0.0.1:{port}", server.grpc_url, model, {"tritonserver group": [server.proc.pid]}
+                yield OursStack(f"http://127.0.0.1:{port}", server.grpc_url, model,
+                                {"tritonserver group": [server.proc.pid]}, server.metrics_url)
                 return
-            endpoint = start_openai_process(port, server.grpc_url, "--models", model)
+            endpoint = start_openai_process(port, server.grpc_url, "--models", model, *endpoint_flags)
             try:
                 wait_healthy(f"http://127.0.0.1:{port}/health", 120, endpoint)
-                yield (f"http://127.0.0.1:{port}", server.grpc_url, model,
-                       {"tritonserver group": [server.proc.pid], "openai endpoint": [endpoint.pid]})
+                yield OursStack(f"http://127.0.0.1:{port}", server.grpc_url, model,
+                                {"tritonserver group": [server.proc.pid], "openai endpoint": [endpoint.pid]},
+                                server.metrics_url)
             finally:
                 endpoint.terminate()
                 try:

@@ -30,6 +30,7 @@ from backend.request.generate import RawGenerateInputs, raw_inputs
 from frontend.openai import translate
 from frontend.openai.app import Piece, make_app
 from frontend.openai.metrics import Clock
+from frontend.openai.tools import ToolSupport
 from frontend.openai.translate import ApiError, GenerateCall
 
 Start = Callable[[RawGenerateInputs, dict, "QueueSink"], Coroutine]
@@ -146,12 +147,14 @@ class InProcessEndpoint:
     ``timeout`` seconds for the requests in flight)."""
 
     def __init__(self, model: str, start: Start, submit: Callable[[Coroutine], Future], host: str, port: int,
-                 timer=None, shared: bool = False):
+                 timer=None, shared: bool = False, tokenizer: str | None = None):
         import uvicorn
 
         self.backend = LocalBackend(model, start, timer)
         self.socket = bound_socket(host, port, shared)
-        config = uvicorn.Config(make_app(self.backend), log_level="warning", lifespan="on", loop="none",
+        tools = ToolSupport(tokenizer) if tokenizer else None  # the served checkpoint's: tool calls as the separate one
+        self.app = make_app(self.backend, tools)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", loop="none",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.served = submit(self.server.serve(sockets=[self.socket]))
@@ -166,14 +169,15 @@ class InProcessEndpoint:
 
 
 def serve_for(model: str, settings, start: Start, submit: Callable[[Coroutine], Future], timer,
-              instances: int) -> InProcessEndpoint | None:
+              instances: int, checkpoint: str | None = None) -> InProcessEndpoint | None:
     """The endpoint of a model whose settings (``backend.protocol.settings.OpenAISettings``) have an ``openai_port``,
     on its loop (``submit``), answered by ``start``; None without one. ``instances``: how many instances of the model
-    Triton runs (more than one share the port)."""
+    Triton runs (more than one share the port). ``checkpoint``: the served checkpoint's folder, whose tokenizer the
+    tool calls parse with (``frontend.openai.tools``; None: requests with tools are 400 naming ``tools``)."""
     if not getattr(settings, "openai_port", 0):
         return None
     return InProcessEndpoint(model, start, submit, settings.openai_host, settings.openai_port, timer,
-                             shared=instances > 1)
+                             shared=instances > 1, tokenizer=checkpoint)
 
 
 def bound_socket(host: str, port: int, shared: bool = False) -> socket.socket:

@@ -98,3 +98,37 @@ def test_health_models_and_the_models_metrics(served):
         # the requests count where Triton's requests of the model count (its RequestMetrics)
         assert metric(server, "epd_requests_total", model=model, outcome="ok") > 0
 
+
+
+@pytest.mark.parametrize("model", ["llm", "epd"])
+def test_tool_calls_in_process_with_the_served_checkpoints_tokenizer(served, model):
+    """Tools in the model's own endpoint (it parses with its checkpoint's tokenizer, as ``--tokenizer`` gives the
+    separate one): a named function is generated under its schema, whole and streamed; ``auto`` answers."""
+    _, bases = served
+    sdk = _sdk(bases[model])
+    tool = {"type": "function", "function": {"name": "click", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    named = {"type": "function", "function": {"name": "click"}}
+    ask = dict(model=model, messages=CASES["image"], tools=[tool], max_tokens=24, temperature=0.0)
+    whole = sdk.chat.completions.create(tool_choice=named, **ask)
+    call = whole.choices[0].message.tool_calls[0]
+    assert call.function.name == "click" and isinstance(json.loads(call.function.arguments)["x"], int)
+    streamed = "".join(c.function.arguments for chunk in sdk.chat.completions.create(tool_choice=named, stream=True,
+                                                                                    **ask)
+                       for choice in chunk.choices for c in (choice.delta.tool_calls or []))
+    assert streamed == call.function.arguments
+    auto = sdk.chat.completions.create(**ask)
+    assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_llm_reports_the_prompt_tokens_its_prefix_cache_covered(served):
+    """``llm``'s ``usage.prompt_tokens_details.cached_tokens`` on a request with media (its final response's
+    timings): the same request twice, the second covered by the prefix cache."""
+    _, bases = served
+    sdk = _sdk(bases["llm"])
+    text = {"type": "text", "text": "Describe it. " * 40}
+    long = [{"role": "user", "content": [*CASES["image"][0]["content"], text]}]
+    got = [sdk.chat.completions.create(model="llm", messages=long, max_tokens=2, temperature=0.0).usage
+           for _ in range(2)]  # longer than one of vLLM's blocks (128 tokens on CPU): the prefix cache keeps whole ones
+    assert got[0].prompt_tokens_details is not None and got[1].prompt_tokens_details.cached_tokens > 0, got
+    assert "epd_media" not in (got[1].model_extra or {})

@@ -51,7 +51,7 @@ def test_each_kind_takes_its_media_form():
     assert names(generate.input_tensors("prefill"))[-5:] == ["original_media", "image", "video", "audio",
                                                              "kv_transfer_params"]
     assert generate.output_names("llm") == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                            "logprobs"]
+                                            "logprobs", "timings"]  # llm's: cached_tokens alone
     assert "logprobs" in generate.output_names("epd") and "logprobs" in generate.output_names("decode")
     assert generate.output_names("prefill")[-2:] == ["timings", "kv_transfer_params"]
 

@@ -30,8 +30,9 @@ class Script:
     """A request function that sends ``pieces`` (then a final one), or raises ``error`` into the sink, and records
     what it was given and whether it saw a cancel."""
 
-    def __init__(self, pieces=("a", "b"), error: Exception | None = None, hold: bool = False):
-        self.pieces, self.error, self.hold = pieces, error, hold
+    def __init__(self, pieces=("a", "b"), error: Exception | None = None, hold: bool = False,
+                 last: tuple[str, str] = ("c", "length")):
+        self.pieces, self.error, self.hold, self.last = pieces, error, hold, last
         self.given: list[tuple[RawGenerateInputs, dict]] = []
         self.cancelled = asyncio.Event()
 
@@ -49,7 +50,8 @@ class Script:
                 self.cancelled.set()
                 sink.close()
                 return
-        sink.send(ResponseChunk("c", finish_reason="length", num_input_tokens=5, num_output_tokens=3), final=True)
+        sink.send(ResponseChunk(self.last[0], finish_reason=self.last[1], num_input_tokens=5, num_output_tokens=3),
+                  final=True)
 
 
 async def _post(script: Script, body: dict) -> httpx.Response:
@@ -125,3 +127,35 @@ def test_the_topology_port_renders_into_the_one_served_deployment(tmp_path):
     colocated = default.with_orchestrator("colocated").only("E+PD", openai_port=9000)
     files = render_files(colocated, Path("/tmp/repo"))
     assert [n for n, t in files.items() if "openai_port" in t] == ["epd/config.pbtxt"]
+
+
+def test_tools_in_process_parse_with_the_served_checkpoints_tokenizer():
+    """The model gives its checkpoint (``serve_for``'s ``checkpoint``): an ``auto`` answer is parsed by vLLM's hermes
+    parser as by the separate endpoint; without one a request with tools is 400 naming ``tools``."""
+    from concurrent.futures import Future
+
+    from frontend.openai.in_process import InProcessEndpoint
+
+    def submit(coroutine):  # the server is not run: the test talks to its application
+        coroutine.close()
+        return Future()
+
+    call = '<tool_call>\n{"name": "click", "arguments": {"x": 3}}\n</tool_call>'
+    tool = {"type": "function", "function": {"name": "click", "parameters": {"type": "object"}}}
+    body = {**BODY, "tools": [tool]}
+    answers = {}
+    for tokenizer in (str(ROOT / "models" / "tiny-qwen2-vl"), None):
+        endpoint = InProcessEndpoint("m", Script((call,), last=("", "stop")), submit, "127.0.0.1", 0,
+                                     tokenizer=tokenizer)
+        try:
+            async def post():
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=endpoint.app), base_url="http://t") as c:
+                    return await c.post("/v1/chat/completions", json=body)
+
+            answers[tokenizer is not None] = asyncio.run(post())
+        finally:
+            endpoint.socket.close()
+    choice = answers[True].json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", answers[True].text
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "click", "arguments": '{"x": 3}'}]
+    assert answers[False].status_code == 400 and answers[False].json()["error"]["param"] == "tools"

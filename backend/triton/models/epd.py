@@ -61,7 +61,8 @@ class TritonPythonModel:
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
             serve_for = in_process_endpoint("openai")  # frontend.openai.in_process, plugged in (no upward import)
             self.openai = serve_for(args["model_name"], settings, self.orchestrator.answerer(self.metrics),
-                                    self.loop.submit, self.metrics, instance_count(json.loads(args["model_config"])))
+                                    self.loop.submit, self.metrics, instance_count(json.loads(args["model_config"])),
+                                    str(model_dir))
 
     def execute(self, requests):
         orchestrate(requests, self.orchestrator, self.metrics, self.loop.submit, self.cancels)
