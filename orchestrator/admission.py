@@ -7,11 +7,13 @@ so the stage's own queue stays short and the order in which it gets work is the 
 
 A request is refused before any work when it cannot start in time: at its arrival (``Admission.check``) each gate it
 will pass estimates its wait there (the units ahead of it, of its priority or higher, beyond the budget, over the rate
-the stage has been letting units through: ``budget / mean time in the stage``); if their sum is longer than the request
-may wait (until its deadline, and at most ``max_queue_seconds`` in all gates together), it is answered at once:
-``Overloaded`` (429 over OpenAI) with ``retry_after``, the estimate. A request let in to a queue by the estimate waits
-for its turn: it is refused the same way only if it waits ``Gate.PATIENCE`` times its bound (the estimate was far
-off), so refusals come at arrival, fast; one whose deadline strikes while it waits gets ``DeadlineExceeded``. A gate with no budget admits everything at once.
+the stage has been letting units through: ``budget / mean time in the stage``; and at least as long as the oldest of
+those has waited already); if their sum is longer than the request may wait (until its deadline, and at most
+``max_queue_seconds`` of waiting in all gates together: its ``Allowance``), it is answered at once: ``Overloaded``
+(429 over OpenAI) with ``retry_after``, the estimate. A gate it reaches later refuses it the same way, at once, when its
+estimate there is longer than what is left of the allowance. A request let in to a queue waits for its turn: never
+refused after a wait (refusals come at arrival, fast), only answered ``DeadlineExceeded`` if its deadline strikes
+while it waits. A gate with no budget admits everything at once.
 
 A request that alone costs more than the budget is let in when nothing else is in flight (the request limits bound
 it already). No Triton import: unit-tested (``tests/unit/test_admission.py``).
@@ -102,7 +104,6 @@ class Gate:
     the stages get them)."""
 
     HOLD_WEIGHT = 0.1  # the mean time in the stage: an exponentially weighted mean over the calls that left
-    PATIENCE = 4  # a request let in to the queue waits up to this many times its bound (see _enter)
 
     def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
                  observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
@@ -181,18 +182,15 @@ class Gate:
         waiter = _Waiter(cost, priority, asyncio.get_running_loop().create_future(), now)
         heapq.heappush(self._queue, (priority, next(self._order), waiter))
         self._dispatch()
-        # let in by the estimate, it waits up to PATIENCE times its bound before it is refused (the estimate was far
-        # off), and never past its deadline: a refusal comes at arrival, fast, not after a wait
-        patience = min(may_wait * self.PATIENCE, deadline - now if deadline is not None else math.inf)
+        # let in by the estimate, it waits for its turn until its deadline: a refusal comes at arrival, fast, never
+        # after a wait (the age of the queue's head in the estimate keeps the queue short when the stage slows down)
         try:
-            async with asyncio.timeout(None if math.isinf(patience) else patience):
+            async with asyncio.timeout(None if deadline is None else max(0.0, deadline - now)):
                 await asyncio.shield(waiter.future)
         except TimeoutError:
-            if not self._settle(waiter):  # let in as the bound struck: it goes on
+            if not self._settle(waiter):  # let in as the deadline struck: it goes on (the stage checks it)
                 return
-            past_deadline = deadline is not None and self.clock() >= deadline
-            self.refuse(priority, "deadline" if past_deadline else "queue", deadline,
-                         self.estimate_wait(cost, priority), may_wait)
+            self.refuse(priority, "deadline", deadline)
         except BaseException:  # cancelled while waiting (its client went away)
             if not self._settle(waiter):
                 self.units, self.bytes = self.units - cost.units, self.bytes - cost.bytes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -75,6 +76,8 @@ def run(args) -> dict:
     from clients.bench.side_stacks import wait_healthy
 
     topology = load(Path(args.topology), "cpu")
+    if args.engine_nice is not None:
+        topology = dataclasses.replace(topology, engine_nice=args.engine_nice)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     *server_ports, port, port_open = free_ports(5)
@@ -116,7 +119,7 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                    "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
             runs.append(row)
             print(_line(row), flush=True)
-    return {"split": args.split, "endpoint": args.endpoint, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+    return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
 
 
@@ -144,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--capacity-concurrency", type=int, default=16)
     parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--engine-nice", type=int, choices=range(20), metavar="0-19",
+                        help="the engines' niceness, over the topology's engine_nice")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["process", "in-process"], default="process",
                         help="python -m frontend.openai as its own process serving both, or the endpoint in each "
