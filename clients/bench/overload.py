@@ -78,6 +78,7 @@ def run(args) -> dict:
     topology = load(Path(args.topology), "cpu")
     if args.engine_nice is not None:
         topology = dataclasses.replace(topology, engine_nice=args.engine_nice)
+    args.engine_nice = topology.engine_nice  # recorded with the results
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     *server_ports, port, port_open = free_ports(5)
