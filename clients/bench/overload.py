@@ -105,8 +105,8 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
     for model in DEPLOYMENTS:  # warm-up
         await light_ttft(bases[model], model, 2, args)
     light = await light_ttft(bases["epd_open"], "epd_open", 8, args)
-    capacity, _ = await closed_loop_rate(bases["epd_open"], "epd_open", args.capacity_concurrency, args.capacity_requests,
-                                         args.max_tokens, args.image_size, 7)
+    capacity = args.capacity or (await closed_loop_rate(bases["epd_open"], "epd_open", args.capacity_concurrency,
+                                                        args.capacity_requests, args.max_tokens, args.image_size, 7))[0]
     print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
           f"capacity {capacity:.2f} req/s", flush=True)
     runs = []
@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--high-share", type=float, default=0.2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--capacity", type=float, default=0,
+                        help="the capacity (req/s) the loads are multiples of (0: measured, closed loop on epd_open); "
+                             "given, two runs (e.g. --engine-nice 0 and 10) offer the same rates")
     parser.add_argument("--capacity-concurrency", type=int, default=16)
     parser.add_argument("--capacity-requests", type=int, default=96)
     parser.add_argument("--engine-nice", type=int, choices=range(20), metavar="0-19",

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
                         "are refused)")
     parser.add_argument("--tool-parser", help="vLLM's tool parser (default: the checkpoint family's, e.g. hermes)")
     parser.add_argument("--max-n", type=int, default=8, help="the most choices a request may ask for (n)")
+    parser.add_argument("--shed-window-ms", type=float, default=50.0,
+                        help="after a model refuses a request for load (429), refuse its requests of that priority "
+                             "or lower here for this long (frontend.openai.shedding; 0: off)")
     parser.add_argument("--with-parent", action="store_true", help="exit when the parent process exits")
     parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                         help="uvicorn's event loop (auto: uvloop where installed)")
@@ -38,13 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from frontend.openai.app import create_app
+    from frontend.openai.shedding import Shedding
     from frontend.openai.tools import ToolSupport
 
     from frontend.openai import translate
 
     translate.MAX_N = args.max_n
     tools = ToolSupport(args.tokenizer, args.tool_parser) if args.tokenizer else None
-    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools), host=args.host,
+    shedding = Shedding(args.shed_window_ms / 1000)
+    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools, shedding), host=args.host,
                 port=args.port, loop=args.loop, log_level="warning")
 
 

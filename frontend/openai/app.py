@@ -14,12 +14,13 @@ from typing import Any, AsyncIterator, NamedTuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from backend.protocol.generate import ERROR_CODES_PARAMETER, GenerateInputs
+from backend.protocol.generate import ERROR_CODES_PARAMETER, PRIORITY_PARAMETER, GenerateInputs
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs
 from frontend.openai import translate
 from frontend.openai.choices import interleaved
 from frontend.openai.logprobs import text_length
 from frontend.openai.metrics import Clock, Metrics
+from frontend.openai.shedding import Shedding
 from frontend.openai.tools import ToolSupport
 from frontend.openai.translate import ApiError, GenerateCall
 
@@ -243,16 +244,17 @@ async def _bind_tools(call: GenerateCall, tools: ToolSupport | None) -> None:
     call.structured_param = call.output.error_field()
 
 
-def create_app(grpc_url: str, models: list[str], tools: ToolSupport | None = None) -> FastAPI:
+def create_app(grpc_url: str, models: list[str], tools: ToolSupport | None = None,
+               shedding: Shedding | None = None) -> FastAPI:
     """The application for tritonserver's gRPC endpoint ``grpc_url`` serving ``models`` (``tools``: its tool
-    calling, ``frontend.openai.tools``)."""
-    return make_app(Backend(grpc_url, models), tools)
+    calling, ``frontend.openai.tools``; ``shedding``: refusals for load answered here, ``frontend.openai.shedding``)."""
+    return make_app(Backend(grpc_url, models), tools, shedding)
 
 
-def make_app(backend, tools: ToolSupport | None = None) -> FastAPI:
+def make_app(backend, tools: ToolSupport | None = None, shedding: Shedding | None = None) -> FastAPI:
     """The application over ``backend``: ``Backend`` (tritonserver's gRPC endpoint) or one with its ``models``,
     ``generate``, ``ready`` and ``close`` (``frontend.openai.in_process.LocalBackend``: a model's own process)."""
-    metrics = Metrics()
+    metrics, shedding = Metrics(), shedding or Shedding()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -277,6 +279,7 @@ def make_app(backend, tools: ToolSupport | None = None) -> FastAPI:
             call.parameters.update(translate.urgency(body, request.headers))
             call.parameters.update(translate.session(body, request.headers))
             model = call.model
+            shedding.check(model, call.parameters.get(PRIORITY_PARAMETER, 0))
             if call.stream:
                 responses = interleaved([backend.generate(choice, clock) for choice in calls])
                 try:
@@ -296,6 +299,8 @@ def make_app(backend, tools: ToolSupport | None = None) -> FastAPI:
             return response
         except ApiError as err:
             metrics.done(model, err.status, started)
+            if call is not None:
+                shedding.refused(model, call.parameters.get(PRIORITY_PARAMETER, 0), err)
             return _error_response(translate.in_client_terms(err, call))
 
     @app.post("/v1/chat/completions")
