@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                         help="the capacity (req/s) the loads are multiples of (0: measured, closed loop on epd_open); "
                              "given, two runs (e.g. --engine-nice 0 and 10) offer the same rates")
     parser.add_argument("--capacity-concurrency", type=int, default=16)
-    parser.add_argument("--capacity-requests", type=int, default=96)
+    parser.add_argument("--capacity-requests", type=int, default=192)
     parser.add_argument("--engine-nice", type=int, choices=range(20), metavar="0-19",
                         help="the engines' niceness, over the topology's engine_nice")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
