@@ -37,11 +37,12 @@ def test_a_phase_reads_cpu_per_request_of_a_fraction_of_a_tick():
     def run(requests, concurrency):  # 3 ms of this process's CPU per request: the load generator's
         started = time.perf_counter()
         for _ in requests:
-            end = time.process_time() + 0.003
-            while time.process_time() < end:
+            end = time.thread_time() + 0.003  # this thread's: the background sampler's thread spends more
+            while time.thread_time() < end:
                 pass
         return [], [], time.perf_counter() - started
 
     got = loads.phase(Served("fake", run, lambda: []), list(range(20)), 1)
-    assert got["cpu"]["load generator"] == pytest.approx(3.0, rel=0.15)
+    # 3 ms and what else this process spends meanwhile: a 10 ms tick would read 0 or 10
+    assert 2.9 <= got["cpu"]["load generator"] <= 4.5
     assert got["background"] >= 0.0
