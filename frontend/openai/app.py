@@ -272,6 +272,9 @@ def make_app(backend, tools: ToolSupport | None = None, shedding: Shedding | Non
                 body = await request.json()
             except ValueError:
                 raise ApiError(400, "body: not valid JSON", param="body") from None
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                model = body["model"]  # for the metrics, whatever happens next
+            shedding.check_body(body)  # before the request is read any further: a refusal costs little here
             call = make_call(body, set(backend.models))
             calls = call.choices()
             for choice in calls:
@@ -279,7 +282,6 @@ def make_app(backend, tools: ToolSupport | None = None, shedding: Shedding | Non
             call.parameters.update(translate.urgency(body, request.headers))
             call.parameters.update(translate.session(body, request.headers))
             model = call.model
-            shedding.check(model, call.parameters.get(PRIORITY_PARAMETER, 0))
             if call.stream:
                 responses = interleaved([backend.generate(choice, clock) for choice in calls])
                 try:

@@ -29,6 +29,15 @@ class Shedding:
         if self.window > 0 and err.code == "overloaded" and not isinstance(err, EndpointRefusal):
             self._refused[(model, priority)] = (self.clock(), err)
 
+    def check_body(self, body) -> None:
+        """``check`` for a request body as it came (its ``model`` and ``priority``), before it is translated; a body
+        whose priority is no integer >= 0 is left to the translation's error."""
+        if not self._refused or not isinstance(body, dict):
+            return
+        priority = body.get("priority", 0)
+        if isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
+            self.check(str(body.get("model")), priority)
+
     def check(self, model: str, priority: int) -> None:
         """Raise the remembered refusal when a request of ``priority`` to ``model`` comes within the window of a
         refusal of its priority or a higher one."""

@@ -83,3 +83,14 @@ def test_other_errors_and_a_window_of_zero_shed_nothing_here():
     with pytest.raises(EndpointRefusal):  # the same refusal with a window
         shedding.check("m", 1)
     shedding.check("other", 1)  # another model's requests are its own
+
+
+def test_the_endpoint_refuses_before_it_reads_the_request_any_further():
+    """Within the window a request is refused on its model and priority alone: its messages are not even checked
+    (a body the translation would refuse with 400 gets the 429 here); after the window it gets its 400."""
+    model, clock = Model(), Clock()
+    low, broken = {**BODY, "priority": 1}, {**BODY, "priority": 1, "messages": "not a list"}
+    answers = _post_all(model, clock, [low, broken], between=0.0)
+    assert [a.status_code for a in answers] == [429, 429] and model.reached == [1]
+    clock.now += 0.05
+    assert _post_all(model, clock, [broken])[0].status_code == 400
