@@ -76,7 +76,7 @@ def test_health_and_metadata(server):
         "text_input", "messages", "image", "video", "audio", "stream", "sampling_parameters", "exclude_input_in_output",
         "return_num_input_tokens", "return_num_output_tokens"}
     assert {o["name"] for o in meta["outputs"]} == {"text_output", "finish_reason", "num_input_tokens",
-                                                   "num_output_tokens", "logprobs"}
+                                                   "num_output_tokens", "logprobs", "timings"}
 
 
 def test_reference_depends_on_the_image(expected):

@@ -76,7 +76,9 @@ def assert_answers(sdk, model: str, messages, want: tuple[str, int, int]) -> Non
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert (text, chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == want
-    assert len([c for c in chunks if c.choices]) > 2  # streamed, not one piece
+    # streamed, not one piece: the role and the end at least (a busy engine may hand all 12 tokens over in one step's
+    # output, as vLLM merges the deltas a slow reader has not taken: more pieces are load-dependent; seen in CI)
+    assert len([c for c in chunks if c.choices]) >= 2
 
 
 @pytest.mark.parametrize("model", ["llm", "epd"])
