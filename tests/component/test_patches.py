@@ -63,12 +63,25 @@ PATCHED = {"EPD_ENGINE_IDLE_WAIT_MS": str(int(IDLE_WAIT_S * 1000)), "EPD_GLOO_SH
 VLLM_OWN = {"EPD_ENGINE_IDLE_WAIT_MS": "", "EPD_GLOO_SHARED_DEVICE": "0"}
 
 
-def _run(script: str, env: dict[str, str], *argv: str) -> tuple[dict, str]:
+def _start(script: str, env: dict[str, str], *argv: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **env}
-    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+    return subprocess.Popen([sys.executable, "-c", script, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> tuple[dict, str]:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _run(script: str, env: dict[str, str], *argv: str) -> tuple[dict, str]:
+    return _result(_start(script, env, *argv))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +91,16 @@ def engines() -> dict[str, tuple[dict, str]]:
     pytest.importorskip("vllm")
     pytest.importorskip("nixl")
     common = {"EPD_NIXL_POLL_DELAY_US": "5000"}
-    return {name: _run(ENGINE, {**common, **env}) for name, env in (("vllm", VLLM_OWN), ("patched", PATCHED))}
+    # both at once: each start is one process importing vLLM after another (host, then its EngineCore), one core
+    # each, so on 2 cores the pair takes one's time (CI: 62 s one after the other)
+    started = {name: _start(ENGINE, {**common, **env}) for name, env in (("vllm", VLLM_OWN), ("patched", PATCHED))}
+    try:
+        return {name: _result(proc) for name, proc in started.items()}
+    finally:  # one failed: the other stopped too
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_a_real_engine_core_holding_a_finished_request_waits_instead_of_stepping(engines):

@@ -1,5 +1,7 @@
-"""E2E fixtures: one real tritonserver (free ports on 127.0.0.1) for the session, always stopped, and
-checked for leaked /dev/shm files and processes afterwards; reference outputs from in-process vLLM."""
+"""E2E fixtures: one real tritonserver for the session, started as the README tells users to start it
+(``.venv/bin/tritonserver --model-repository model_repository`` with its own port flags: free ports on 127.0.0.1, the
+caller's environment without anything a harness might set for the orchestrators), always stopped, and checked for
+leaked /dev/shm files and processes afterwards; reference outputs from in-process vLLM."""
 from __future__ import annotations
 
 import base64
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.deploy.local_server import ROOT, TritonServer
+from backend.deploy.local_server import DEFAULT_REPOSITORY, Ports, ROOT, TritonServer, VENV
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import GenerateResult, generate
 from tests.timeline import made_during
@@ -109,10 +111,44 @@ def settled_orphans(before: set[str], seconds: float = 5.0) -> set[str]:
     return left
 
 
+def clone_model(repo: Path, model: str, name: str, parameters: dict[str, str] | None = None, instances: int | None = None,
+                drop: tuple[str, ...] = ()) -> None:
+    """``repo/model`` copied as ``repo/name`` with ``parameters`` set, the parameters whose keys start with one of
+    ``drop`` removed and, if given, ``instances`` CPU instances: variants of one rendered stage served beside it in
+    one server (an engine start each saved where a test would otherwise start a server per variant)."""
+    import re
+    import shutil
+
+    shutil.copytree(repo / model, repo / name)
+    config = repo / name / "config.pbtxt"
+    text = config.read_text().replace(f'name: "{model}"', f'name: "{name}"')
+    if instances is not None:
+        text, found = re.subn(r"instance_group \[ \{ count: \d+ kind: KIND_CPU \} \]",
+                              f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]", text)
+        assert found == 1, (name, "instance_group")
+    for key, value in (parameters or {}).items():
+        text, found = re.subn(rf'(parameters {{ key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert found == 1, (name, key)
+    for prefix in drop:
+        text = re.sub(rf'parameters {{ key: "{prefix}[^"]*" value: {{ string_value: "[^"]*" }} }}\n', "", text)
+    config.write_text(text)
+
+
+def user_env() -> dict[str, str]:
+    """The caller's environment without anything a test harness might have set for the orchestrators."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+
+
+def readme_command(ports: Ports) -> list[str]:
+    """The README's ``.venv/bin/tritonserver --model-repository model_repository --http-port ...`` on ``ports``."""
+    return [str(VENV / "bin" / "tritonserver"), "--model-repository", str(DEFAULT_REPOSITORY),
+            "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = TritonServer(log_path=log)
+    srv = TritonServer(ports=(ports := Ports.free()), log_path=log, env=user_env(), argv=readme_command(ports))
     before = _shm()
     try:
         srv.start(timeout=300)

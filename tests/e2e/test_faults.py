@@ -25,7 +25,8 @@ from backend.deploy.topology import load
 from backend.protocol import errors
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import GenerateError, generate
-from tests.e2e.conftest import _shm, _shm_of_this_process, held_shm, left_behind, metric, settled_orphans
+from tests.e2e.conftest import (_shm, _shm_of_this_process, clone_model, held_shm, left_behind, metric,
+                               settled_orphans)
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
@@ -42,22 +43,6 @@ VARIANTS = {"expiring": ({"lease_seconds": "0.001"}, 1),
             "two": ({}, 2)}
 
 
-def _clone(repo, model: str, name: str, parameters: dict[str, str], instances: int = 1) -> None:
-    """``repo/model`` copied as ``repo/name`` with ``parameters`` and ``instances`` in its configuration."""
-    import re
-    import shutil
-
-    shutil.copytree(repo / model, repo / name)
-    config = repo / name / "config.pbtxt"
-    text = config.read_text().replace(f'name: "{model}"', f'name: "{name}"')
-    text = text.replace("instance_group [ { count: 1 kind: KIND_CPU } ]",
-                        f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]")
-    for key, value in parameters.items():
-        text, found = re.subn(rf'(parameters {{ key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-        assert found == 1, (name, key)
-    config.write_text(text)
-
-
 @pytest.fixture(scope="module")
 def e_pd_server(tmp_path_factory):
     """E+PD with an encoder and an orchestrator of each of ``VARIANTS`` (``encoder_<name>``, ``epd_<name>``)."""
@@ -66,8 +51,8 @@ def e_pd_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("e-pd-faults") / "repo"
     render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu"), repo)
     for name, (parameters, instances) in VARIANTS.items():
-        _clone(repo, "encoder", f"encoder_{name}", parameters, instances)
-        _clone(repo, "epd", f"epd_{name}", {"encoder_model": f"encoder_{name}"})
+        clone_model(repo, "encoder", f"encoder_{name}", parameters, instances)
+        clone_model(repo, "epd", f"epd_{name}", {"encoder_model": f"encoder_{name}"})
     shutil.rmtree(repo / "encoder")
     shutil.rmtree(repo / "epd")
     before = _shm()

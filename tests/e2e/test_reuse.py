@@ -69,12 +69,13 @@ def converse(server, model: str, seeds: list[int], session: str | None, demand_a
     for)."""
     parameters = {**({"session_id": session} if session else {}),
                   **({"epd_demand_aware": demand_aware} if demand_aware is not None else {})}
-    out = []
+    out, before = [], encodes(server)
     for k in range(len(seeds)):
-        before = encodes(server)
         result = ask(server, model, parameters=parameters or None,
                      **turn([screenshot(s) for s in seeds[:k + 1]], f"step {k}: what changed?"))
-        out.append((result, encodes(server) - before))
+        after = encodes(server)  # also the next turn's "before": one settled reading per turn
+        out.append((result, after - before))
+        before = after
     return out
 
 

@@ -1,12 +1,12 @@
 """E2E: the README's ways of starting the server, run as a user runs them, on ports other than Triton's
-defaults: ``make serve`` with the port variables and ``.venv/bin/tritonserver`` with tritonserver's own flags.
+defaults: ``make serve`` with the port variables and ``.venv/bin/tritonserver`` with tritonserver's own flags (the
+session server, started that way).
 Through each, an image request to ``epd`` (E+PD) and ``epd_disagg`` (E/P/D) gives ``llm``'s tokens: the
 orchestrators find their stages on whatever gRPC port the server has (``backend.deploy.server_address``), with no
 environment variable set for them. A server without gRPC refuses to load ``epd``, saying why."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import urllib.request
 
@@ -16,18 +16,13 @@ from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
 from backend.deploy.ports import free_ports
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import generate
-from tests.e2e.conftest import _shm, settled_orphans
+from tests.e2e.conftest import _shm, readme_command, settled_orphans, user_env
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.e2e
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
-
-
-def _user_env() -> dict[str, str]:
-    """The caller's environment without anything a test harness might have set for the orchestrators."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
 
 
 def _same_tokens_through_every_deployment(server: TritonServer) -> None:
@@ -75,7 +70,7 @@ def _openai_answers_as_triton(server: TritonServer, port: int) -> None:
 
 def test_make_serve_on_other_ports(tmp_path):
     ports, (openai_port,) = Ports.free(), free_ports(1)
-    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
+    env = {**user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
            "OPENAI_PORT": str(openai_port)}
     server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env,
                           argv=[shutil.which("make") or "make", "-C", str(ROOT), "serve"])
@@ -91,7 +86,7 @@ def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
     (the endpoint in epd's own process, colocated orchestrator): an image chat request through it gives what Triton's
     generate of the same model gives; the server stops clean."""
     ports, (openai_port,) = Ports.free(), free_ports(1)
-    env = {**_user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    env = {**user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
     argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / "cpu-e-pd-openai.yaml"), "--openai-port", str(openai_port)]
     server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv)
@@ -102,15 +97,11 @@ def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
     assert f"(in the served model's process) on http://127.0.0.1:{openai_port}/v1" in (tmp_path / "server.log").read_text()
 
 
-def test_tritonserver_run_directly_with_its_own_flags(tmp_path):
-    ports = Ports.free()
-    argv = [str(VENV / "bin" / "tritonserver"), "--model-repository", str(ROOT / "model_repository"),
-            "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
-    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=_user_env(), argv=argv)
-    before = _shm()
-    with server:
-        _same_tokens_through_every_deployment(server)
-    _stopped_clean(server, before)
+def test_tritonserver_run_directly_with_its_own_flags(server):
+    """The README's ``.venv/bin/tritonserver --model-repository model_repository --http-port ...`` is how the suite's
+    session server starts (``tests/e2e/conftest.py``): its stop is checked clean there, at the session's end."""
+    assert server.argv == readme_command(server.ports)
+    _same_tokens_through_every_deployment(server)
 
 
 def test_a_server_without_grpc_refuses_epd_naming_the_stage(tmp_path):
@@ -123,7 +114,7 @@ def test_a_server_without_grpc_refuses_epd_naming_the_stage(tmp_path):
     argv = [str(VENV / "bin" / "tritonserver"), f"--model-repository={repo}", "--allow-grpc=false",
             "--exit-on-error=false", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
             f"--metrics-port={ports.metrics}"]
-    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=_user_env(), argv=argv)
+    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=user_env(), argv=argv)
     server.is_ready = server._metrics_up  # not ready by design (epd failed): wait for the endpoints
     before = _shm()
     with server:

@@ -9,7 +9,6 @@ Counts come from the encoders' metrics (``epd_encoder_items_total``: tower outpu
 two instances. Skipped where Mooncake is not installed (scripts/setup_mooncake.sh)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,8 @@ from backend.deploy.local_server import Ports, ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.tier_service import mooncake_paths
 from backend.deploy.topology import load
-from tests.e2e.conftest import _shm_of_this_process, assert_same_answer, held_shm, left_behind, metric, metrics
+from tests.e2e.conftest import (_shm_of_this_process, assert_same_answer, clone_model, held_shm, left_behind, metric,
+                               metrics)
 from tests.e2e.test_epd import CASES, ask
 from tests.images import image_bytes
 
@@ -43,6 +43,10 @@ def tier_server(tmp_path_factory):
         pytest.skip("Mooncake is not installed (scripts/setup_mooncake.sh makes .venv-mooncake)")
     repo = tmp_path_factory.mktemp("tier") / "repo"
     render(load(TOPOLOGY, "cpu"), repo)
+    # E+PD without the tier beside it, over the same pd engine: `encoder_local` (the encoder with no tier_* parameter,
+    # its two instances) and `epd_local` asking it
+    clone_model(repo, "encoder", "encoder_local", drop=("tier_",))
+    clone_model(repo, "epd", "epd_local", {"encoder_model": "encoder_local"})
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         assert server.tier is not None, "the topology has a tier: TritonServer must have started it"
         pids = (server.tier.master.process.pid, server.tier.holder.process.pid)
@@ -137,26 +141,23 @@ def test_an_item_one_instance_encoded_is_served_to_the_other_from_the_tier(tier_
     assert seen["epd_tier_hits_total"] + seen.get("epd_encoder_cache_hits_total", 0) == REASSIGNED, seen
 
 
-def test_without_the_tier_a_reassigned_item_is_encoded_again(tmp_path):
-    """The same topology without its ``tier:`` block (E+PD alone), the same requests: the images the other instance
-    gets are encoded again. A deployment without the tier still serves (and exports no tier metrics)."""
-    repo = tmp_path / "repo"
-    render(replace(load(TOPOLOGY, "cpu").only("E+PD"), tier={}), repo)
-    assert "tier_" not in (repo / "encoder" / "config.pbtxt").read_text()
-    with TritonServer(repo, log_path=tmp_path / "server.log") as server:
-        assert server.tier is None
-        with pytest.raises(AssertionError, match="not exported"):
-            metric(server, "epd_tier_connected", model="encoder")
-        before = metrics(server, ("epd_encoder_items_total", "epd_encoder_cache_hits_total"), model="encoder")
-        for seed in range(100, 100 + REASSIGNED):
-            data = new_image(seed)
-            ask(server, "epd", **one_image(data)), ask(server, "epd", **one_image(data))
-        time.sleep(2.0)  # refreshed once a second
-        seen = moved(before, metrics(server, ("epd_encoder_items_total", "epd_encoder_cache_hits_total"),
-                                     model="encoder"))
+def test_without_the_tier_a_reassigned_item_is_encoded_again(tier_server):
+    """E+PD without the tier (``encoder_local``: the topology's encoder without its ``tier_*`` parameters, two
+    instances, beside the tier's in the same server), the same requests: the images the other instance gets are
+    encoded again. An encoder without the tier still serves, and exports no tier metrics."""
+    config = (tier_server.repository / "encoder_local" / "config.pbtxt").read_text()
+    assert "tier_" not in config and "count: 2 kind: KIND_CPU" in config
+    with pytest.raises(AssertionError, match="not exported"):
+        metric(tier_server, "epd_tier_connected", model="encoder_local")
+    names = ("epd_encoder_items_total", "epd_encoder_cache_hits_total")
+    before = metrics(tier_server, names, model="encoder_local")
+    for seed in range(100, 100 + REASSIGNED):
+        data = new_image(seed)
+        ask(tier_server, "epd_local", **one_image(data)), ask(tier_server, "epd_local", **one_image(data))
+    time.sleep(2.0)  # refreshed once a second
+    seen = moved(before, metrics(tier_server, names, model="encoder_local"))
     print(f"{REASSIGNED} images asked for twice each, per-instance caches only:", seen)
     assert seen["epd_encoder_items_total"] > REASSIGNED, seen  # re-encodes
-    assert not server.stragglers, server.stragglers
 
 
 PLANT = '''
