@@ -8,7 +8,8 @@
 # (--eager: the cheapest start that is the same on both; ours' GPU encoder tower then runs eager too), the topology's
 # other engine settings (bf16, max_num_seqs 64, max_model_len 32768, 16 GiB of KV each). Results into $OUT: side.log,
 # tables.md, results.json, logs.tgz (every server's and the proxy's log); SECONDS (default 540) bounds the run, which
-# then reports the rows that finished.
+# then reports the rows that finished. IMAGE_PREPROCESS=gpu|nvjpeg: ours' encoders preprocess images on the GPU
+# (side_by_side --image-preprocess; vLLM's encoder has no such choice).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
@@ -25,7 +26,7 @@ timeout -s TERM -k 30 "$SECONDS_MAX" .venv/bin/python -m clients.bench.side_by_s
     --topology topologies/checkpoint-gpu.yaml --checkpoint "$CKPT" --eager --parallel-start --interleave \
     --images-per-request 4 --image-size 448,672,896 --max-tokens 128 --concurrency "$C" --requests "$N" \
     --warmup 4 --no-grpc --start-timeout 300 --proxy /tmp/vllm-proxy/disagg_epd_proxy.py --rows "$ROWS" \
-    --out "$OUT/side" 2>&1 | tee "$OUT/side.log"
+    ${IMAGE_PREPROCESS:+--image-preprocess "$IMAGE_PREPROCESS"} --out "$OUT/side" 2>&1 | tee "$OUT/side.log"
 rc=${PIPESTATUS[0]}
 # $OUT returns at most 8 files, 2 folders down: the servers' logs as one archive
 tar czf "$OUT/logs.tgz" -C "$OUT/side" logs 2>/dev/null && rm -rf "$OUT/side/logs"

@@ -186,6 +186,7 @@ class Run:
                 "image_size": a.image_size, "images_per_request": a.images_per_request,
                 "image_format": a.image_format, "max_tokens": a.max_tokens, "topology": str(a.topology),
                 "checkpoint": str(self.topology.checkpoint), "engine_args_over_topology": overrides(a),
+                "image_preprocess": self.topology.stages["encoder"].image_preprocess,
                 "parallel_start": a.parallel_start, "proxy": str(a.proxy or ""), "poll_delay_us": self.poll_delay_us,
                 "grpc": not a.no_grpc, "in_process": not a.no_in_process, "colocated": a.colocated,
                 "started_s": self.started_s, "ec_items": self.ec_items, "failed": self.failed,
@@ -206,7 +207,15 @@ def run_topology(args):
     from backend.deploy.topology import load
 
     topology = load(args.topology, machine=args.machine, checkpoint=args.checkpoint)
-    return replace(topology, engine_args={**topology.engine_args, **overrides(args)})
+    topology = replace(topology, engine_args={**topology.engine_args, **overrides(args)})
+    if args.image_preprocess is None:
+        return topology
+    encoder = topology.stages["encoder"]
+    if args.image_preprocess != "cpu" and encoder.device != "gpu":
+        raise SystemExit(f"--image-preprocess {args.image_preprocess}: the topology's encoder is on the "
+                         f"{encoder.device}; GPU preprocessing needs stages.encoder.device: gpu")
+    return replace(topology, stages={**topology.stages,
+                                     "encoder": replace(encoder, image_preprocess=args.image_preprocess)})
 
 
 def distinct(rows: list[dict]) -> str:
@@ -280,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engines.add_argument("--eager", action="store_true", help="every engine of both sides eager (enforce_eager)")
     engines.add_argument("--compile", action="store_true",
                          help="every engine of both sides compiled, CUDA graphs (ours: the GPU encoder's tower too)")
+    parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
+                        help="ours' encoders' stages.encoder.image_preprocess laid over the topology's (gpu, nvjpeg: "
+                             "a GPU encoder; vLLM's encoder has no such choice)")
     parser.add_argument("--interleave", action="store_true",
                         help="run each of ours right after its vLLM counterpart (a run cut short keeps whole pairs)")
     parser.add_argument("--parallel-start", action="store_true",

@@ -246,6 +246,13 @@ def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(t
     assert ours["enforce_eager"] is True and ours["kv_cache_memory_bytes"] == 17179869184
     on_cpu = side_stacks.vllm_stack("vllm-e-p-d", load(TOPOLOGY), Path("/x/p.py"), [1] * 6, Path("/e"), 1)
     assert json.loads(flags(on_cpu[2].argv)["kv-transfer-config"])["kv_buffer_device"] == "cpu"  # as before
+    assert topology.stages["encoder"].image_preprocess == "cpu"  # the topology's
+    nvjpeg = run_topology(parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--rows", "epd",
+                                      "--image-preprocess", "nvjpeg"]))
+    assert nvjpeg.stages["encoder"].image_preprocess == "nvjpeg"
+    assert "image_preprocess" in render_files(nvjpeg.only("E+PD"), tmp_path / "nvjpeg")["encoder/config.pbtxt"]
+    with pytest.raises(SystemExit, match="needs stages.encoder.device: gpu"):
+        run_topology(parse_args(["--rows", "epd", "--image-preprocess", "gpu"]))  # the CPU topology's encoder
     with pytest.raises(SystemExit):
         parse_args(["--eager", "--compile"])
     with pytest.raises(SystemExit):
