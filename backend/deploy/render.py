@@ -15,6 +15,7 @@ from backend.protocol import generate
 from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage
 
+KV_TRANSFER = ("nixl_poll_delay_us", "kv_lease_seconds")  # the transfer section's keys for KV engines (prefill, decode)
 GENERATED_KEY = "_generated"  # model.json's note of where it comes from (JSON has no comments; not an engine argument)
 
 
@@ -107,7 +108,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         delay = 0 if topology.video_split > 1 else 2000
         body += f"max_batch_size: 32\n{_encoder_batching(topology, delay)}\n"
         body += _io("input", generate.ENCODER_INPUTS) + _io("output", generate.ENCODER_OUTPUTS) + "\n" + _instances(spec) + "\n"
-        transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k != "nixl_poll_delay_us"}
+        transfer = {k: _fmt(v) for k, v in topology.transfer.items() if k not in KV_TRANSFER}
         # the tower runs in the engines' dtype (a bfloat16 checkpoint served in float32: the engines' own tower
         # computes in float32, and embeddings of another dtype would change the tokens)
         dtype = topology.engine_args.get("dtype")
@@ -130,7 +131,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # decode over gRPC; this model's engine is prefill's (a KV producer)
         if kind.disaggregation is Disaggregation.E_P_D:
             params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
-                          nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
+                          **_kv_transfer(topology))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         params.update(_nice(topology))
@@ -162,7 +163,7 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
     params.update(_nice(topology))
     if kind.role.spec.kv_role:
-        params.update(nixl_side_channel_port="", nixl_poll_delay_us=_fmt(topology.transfer["nixl_poll_delay_us"]))
+        params.update(nixl_side_channel_port="", **_kv_transfer(topology))
     if kind.role.spec.pulls_embeddings:  # a consumer: its copies (the reuse block)
         params.update({k: _fmt(v) for k, v in topology.reuse.items() if k != "demand_aware"})
     if kind.role is Stage.LLM:
@@ -185,6 +186,11 @@ def _encoder_batching(topology: Topology, delay_us: int) -> str:
     return (f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}\n  priority_levels: {levels}\n"
             f"  default_priority_level: {levels}\n  default_queue_policy {{ timeout_action: REJECT "
             f"default_timeout_microseconds: {timeout_us} allow_timeout_override: true }}\n}}\n")
+
+
+def _kv_transfer(topology: Topology) -> dict[str, str]:
+    """A KV engine model's NixlConnector settings from the topology's transfer section (``KV_TRANSFER``)."""
+    return {k: _fmt(topology.transfer[k]) for k in KV_TRANSFER}
 
 
 def _nice(topology) -> dict[str, str]:

@@ -29,7 +29,7 @@ ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a de
 HOSTS = {d.value: d.host.value for d in Disaggregation}  # deployment -> the stage that can host its orchestrator
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
 TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
-                     **defaults(KvEngineSettings, "nixl_poll_delay_us")}
+                     **defaults(KvEngineSettings, "nixl_poll_delay_us", "kv_lease_seconds")}
 LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos", "max_audios"),
                   **defaults(MediaSettings, "max_image_pixels", "max_item_bytes", "max_video_frames", "max_video_seconds",
                              "max_audio_seconds"),

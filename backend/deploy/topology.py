@@ -108,6 +108,9 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise TopologyError(f"{path}: {key}.{k}: expected a positive number, got {v!r}")
         sections[key] = {**section_defaults, **section}
+    lease = sections["transfer"]["kv_lease_seconds"]
+    if not isinstance(lease, int) or lease < 6:  # the consumer renews it every sixth of it, in whole seconds
+        raise TopologyError(f"{path}: transfer.kv_lease_seconds: expected whole seconds, at least 6, got {lease!r}")
     engine_args = doc.get("engine_args") or {}
     if not isinstance(engine_args, dict) or "model" in engine_args:
         raise TopologyError(f"{path}: engine_args: expected a mapping of vLLM engine arguments (the model is 'checkpoint')")

@@ -87,12 +87,14 @@ def metadata_only_engine_args(model_json: dict[str, Any]) -> dict[str, Any]:
     return {**METADATA_ONLY_ENGINE_DEFAULTS, **model_json, "enable_mm_embeds": True}
 
 
-def kv_transfer_config(role: str, on_gpu: bool) -> dict[str, Any]:
+def kv_transfer_config(role: str, on_gpu: bool, lease_seconds: int = 30) -> dict[str, Any]:
     """vLLM's NixlConnector settings of a ``kv_producer`` (prefill) or ``kv_consumer`` (decode) engine: KV
     buffers in host memory on CPU, in device memory on GPU; a KV that cannot be loaded fails the request
-    (decode has no embeddings to recompute it with)."""
+    (decode has no embeddings to recompute it with); a finished request's KV kept ``lease_seconds`` for a decode
+    that has not read it (the connector's ``kv_lease_duration``; both sides need the same: the consumer renews it
+    every sixth of it while it waits)."""
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cuda" if on_gpu else "cpu",
-            "kv_load_failure_policy": "fail"}
+            "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"kv_lease_duration": int(lease_seconds)}}
 
 
 @functools.lru_cache(maxsize=1)

@@ -75,6 +75,9 @@ class KvEngineSettings(EngineSettings):
 
     nixl_side_channel_port: int | None = None  # None: a free port
     nixl_poll_delay_us: int = 5000  # how long NIXL agents sleep between polls (backend.engine.patches)
+    # how long a producer (prefill) keeps a finished request's KV for a decode that has not read it yet, renewed by
+    # the decode's heartbeats (every sixth of it) while it does: NixlConnector's kv_lease_duration (vLLM's default)
+    kv_lease_seconds: int = 30
     engine_idle_wait_ms: float | None = None  # None: the role's (backend.protocol.stages.RoleSpec.idle_wait_ms)
 
 

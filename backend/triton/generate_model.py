@@ -212,7 +212,7 @@ class MetadataOnlyModel(GenerateModel):
     def engine_args_from(self, model_json):
         args = metadata_only_engine_args(model_json)
         if self.spec.kv_role:
-            args["kv_transfer_config"] = kv_transfer_config(self.spec.kv_role, self.on_gpu)
+            args["kv_transfer_config"] = kv_transfer_config(self.spec.kv_role, self.on_gpu, self.settings.kv_lease_seconds)
         return args
 
     def process_env(self):

@@ -250,6 +250,7 @@ def test_an_encoder_instance_killed_mid_request_affects_only_its_requests(two_en
 
 
 DEADLINE = 2.0  # seconds: the E/P/D faults server's request deadline (limits.request_timeout_seconds)
+KV_LEASE = 6  # seconds: how long its prefill keeps a KV no decode read (transfer.kv_lease_seconds; vLLM's: 30)
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +260,8 @@ def epd_faults_server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("epd-faults") / "repo"
     topology = load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu")
     stages = {**topology.stages, "encoder": dataclasses.replace(topology.stages["encoder"], instances=1)}
-    render(dataclasses.replace(topology, stages=stages, limits={**topology.limits, "request_timeout_seconds": DEADLINE}), repo)
+    render(dataclasses.replace(topology, stages=stages, limits={**topology.limits, "request_timeout_seconds": DEADLINE},
+                               transfer={**topology.transfer, "kv_lease_seconds": KV_LEASE}), repo)
     before = _shm()
     with TritonServer(repo, log_path=repo.parent / "server.log",
                       extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server:
@@ -355,7 +357,7 @@ def test_a_request_s_own_deadline_stops_prefill_and_decode_and_is_counted_there(
 def test_an_unavailable_stage_fails_requests_clearly_until_it_is_back(epd_faults_server, stage):
     """With `decode` (or `prefill`) unloaded, E/P/D requests fail with UNAVAILABLE naming the stage (after the
     orchestrator's one retry), the server keeps serving, and once the stage is loaded again requests succeed.
-    The KV prefill kept for the decode that never came goes back at the end of vLLM's KV lease (30 s)."""
+    The KV prefill kept for the decode that never came goes back at the end of its KV lease (``KV_LEASE``)."""
     import tritonclient.http as httpclient
 
     server = epd_faults_server
@@ -384,7 +386,7 @@ def test_an_unavailable_stage_fails_requests_clearly_until_it_is_back(epd_faults
     again = _ask(server, case)
     assert not isinstance(again, GenerateError), again
     assert again.text == want.text
-    while any(_kv_usage(server).values()) and time.monotonic() < failed_at + 45:
+    while any(_kv_usage(server).values()) and time.monotonic() < failed_at + KV_LEASE + 15:
         time.sleep(0.5)
     assert _kv_usage(server) == {"prefill": 0.0, "decode": 0.0}
 

@@ -50,5 +50,31 @@ def test_kv_buffers_live_where_the_engine_runs():
     from backend.engine.host import kv_transfer_config
 
     assert kv_transfer_config("kv_producer", on_gpu=False) == {
-        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"kv_lease_duration": 30}}  # vLLM's own default unless the topology says
     assert kv_transfer_config("kv_consumer", on_gpu=True)["kv_buffer_device"] == "cuda"
+    assert kv_transfer_config("kv_consumer", False, 6)["kv_connector_extra_config"] == {"kv_lease_duration": 6}
+
+
+def test_the_kv_lease_is_rendered_for_both_kv_engines_and_checked(tmp_path):
+    """``transfer.kv_lease_seconds`` reaches prefill and decode (they must agree: decode renews the lease prefill
+    keeps) and the colocated E/P/D host; anything but whole seconds >= 6 is refused naming the key."""
+    import dataclasses
+
+    import yaml
+
+    from backend.deploy.render import render_files
+    from backend.deploy.topology import TopologyError, load
+
+    topology = load(ROOT / "topologies" / "cpu-e-p-d.yaml", "cpu")
+    assert topology.transfer["kv_lease_seconds"] == 30
+    files = render_files(dataclasses.replace(topology, transfer={**topology.transfer, "kv_lease_seconds": 8}), tmp_path)
+    for model in ("prefill", "decode"):
+        assert 'key: "kv_lease_seconds" value: { string_value: "8" }' in files[f"{model}/config.pbtxt"], model
+    assert "kv_lease_seconds" not in files["encoder/config.pbtxt"]
+    doc = yaml.safe_load((ROOT / "topologies" / "cpu-e-p-d.yaml").read_text())
+    for bad in (5, 7.5):
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**doc, "checkpoint": str(ROOT / "models" / "tiny-qwen2-vl"),
+                                                           "transfer": {**doc["transfer"], "kv_lease_seconds": bad}}))
+        with pytest.raises(TopologyError, match="transfer.kv_lease_seconds: expected whole seconds, at least 6"):
+            load(tmp_path / "bad.yaml", "cpu")

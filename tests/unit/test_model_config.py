@@ -116,7 +116,8 @@ def test_values_convert_one_way():
 def test_defaults_are_the_renderer_s():
     assert TRANSFER_DEFAULTS == {"pool_bytes": EncoderSettings.pool_bytes, "lease_seconds": EncoderSettings.lease_seconds,
                                  "alloc_timeout_seconds": EncoderSettings.alloc_timeout_seconds,
-                                 "nixl_poll_delay_us": KvEngineSettings.nixl_poll_delay_us}
+                                 "nixl_poll_delay_us": KvEngineSettings.nixl_poll_delay_us,
+                                 "kv_lease_seconds": KvEngineSettings.kv_lease_seconds}
     assert LIMIT_DEFAULTS == {"max_images": ProxySettings.max_images, "max_image_pixels": EngineSettings.max_image_pixels,
                               "max_item_bytes": EncoderSettings.max_item_bytes, "max_videos": ProxySettings.max_videos,
                               "max_video_frames": EngineSettings.max_video_frames,
