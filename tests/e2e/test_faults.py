@@ -418,3 +418,36 @@ def test_a_restarted_encoder_is_a_new_producer_its_consumers_reach(epd_faults_se
     again = _ask(server, dict(case, images=[image_bytes(96, 64, seed=5)]))
     assert not isinstance(again, GenerateError), again
     assert again.text == want.text and again.timings["encoders"] != encoders  # another producer agent
+
+
+def test_openai_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(epd_faults_server):
+    """``frontend.openai`` in front of this server (explicit model control): the encoder unloaded, /health answers
+    503 naming it while ``epd`` itself is still READY, and a chat request with an image is a 503 error object; loaded
+    again, 200 and answered."""
+    import openai
+    import tritonclient.http as httpclient
+
+    from tests.e2e.conftest import openai_endpoint
+    from tests.e2e.test_openai import CASES, _health
+
+    server = epd_faults_server
+    with openai_endpoint(server.grpc_url, models="epd") as base:
+        status, ready = _health(base)
+        assert status == 200 and ready["ready"]["encoder"] and all(ready["ready"].values()), ready
+        control = httpclient.InferenceServerClient(server.http_url)  # closed before the stop: an open HTTP
+        try:  # connection holds tritonserver 30 s at exit, then it kills the stubs (a vLLM semaphore leaked so)
+            control.unload_model("encoder")
+            deadline = time.monotonic() + 60
+            while _health(base)[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _health(base) == (503, {"ready": {**ready["ready"], "encoder": False}})
+            sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as info:
+                sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY)
+            assert info.value.status_code == 503, info.value
+        finally:
+            _wait_unloaded(control, "encoder")
+            control.load_model("encoder")
+            control.close()
+        assert _health(base)[0] == 200
+        assert sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY).choices[0].message.content

@@ -306,39 +306,6 @@ def _health(base: str) -> tuple[int, dict]:
         return failed.code, json.loads(failed.read())
 
 
-def test_health_is_503_while_a_stage_is_down_and_requests_needing_it_are_503(tmp_path):
-    """A server of its own in explicit model control (E+PD alone): the encoder unloaded, /health answers 503 naming it
-    while ``epd`` itself is still READY, and a chat request with an image is a 503 error object; loaded again, 200."""
-    import tritonclient.http as httpclient
-
-    from backend.deploy.local_server import TritonServer
-    from backend.deploy.render import render
-    from backend.deploy.topology import load
-
-    repo = tmp_path / "repo"
-    render(load(ROOT / "topologies" / "cpu-e-pd.yaml", "cpu").only("E+PD"), repo)
-    with TritonServer(repo, log_path=tmp_path / "server.log",
-                      extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server, \
-            openai_endpoint(server.grpc_url, models="epd") as base:
-        assert _health(base) == (200, {"ready": {"encoder": True, "pd": True, "epd": True}})
-        control = httpclient.InferenceServerClient(server.http_url)  # closed before the stop: an open HTTP
-        try:  # connection holds tritonserver 30 s at exit, then it kills the stubs (a vLLM semaphore leaked so)
-            control.unload_model("encoder")
-            deadline = time.monotonic() + 60
-            while _health(base)[0] == 200 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert _health(base) == (503, {"ready": {"encoder": False, "pd": True, "epd": True}})
-            sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.APIStatusError) as info:
-                sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY)
-            assert info.value.status_code == 503, info.value
-            control.load_model("encoder")
-        finally:
-            control.close()
-        assert _health(base)[0] == 200
-        assert sdk.chat.completions.create(model="epd", messages=CASES["image"], **GREEDY).choices[0].message.content
-
-
 def test_the_floor_tool_measures_the_endpoint_s_grpc_side_against_the_session_server(server):
     """``clients.tools.openai_http_floor --grpc-url``: the endpoint's ``Backend`` in process, paired with the plain
     gRPC client on ``epd``: both paths answer every request (a failed one raises), and the differences come with
