@@ -147,11 +147,11 @@ class Gate:
             return
         started = self.clock()
         await self._enter(cost, priority, deadline, started, allowance)
-        entered = time.perf_counter()
+        entered, waited = time.perf_counter(), self.clock() - started
         if allowance is not None:
-            allowance.spend(self.clock() - started)
+            allowance.spend(waited)
         if self.observer is not None:
-            self.observer.admitted(self.stage, priority, self.clock() - started)
+            self.observer.admitted(self.stage, priority, waited)
         try:
             yield
         finally:

@@ -22,12 +22,12 @@ class EndpointRefusal(ApiError):
 class Shedding:
     def __init__(self, window: float = 0.05, clock: Callable[[], float] = time.monotonic):
         self.window, self.clock = window, clock
-        self._refused: dict[tuple[str, int], tuple[float, ApiError]] = {}  # (model, priority) -> when, the refusal
+        self._refused: dict[str, dict[int, tuple[float, ApiError]]] = {}  # model -> priority -> when, the refusal
 
     def refused(self, model: str, priority: int, err: ApiError) -> None:
         """``model`` answered a request of ``priority`` with ``err``; remembered if it is a refusal for load."""
         if self.window > 0 and err.code == "overloaded" and not isinstance(err, EndpointRefusal):
-            self._refused[(model, priority)] = (self.clock(), err)
+            self._refused.setdefault(model, {})[priority] = (self.clock(), err)
 
     def check_body(self, body) -> None:
         """``check`` for a request body as it came (its ``model`` and ``priority``), before it is translated; a body
@@ -41,11 +41,16 @@ class Shedding:
     def check(self, model: str, priority: int) -> None:
         """Raise the remembered refusal when a request of ``priority`` to ``model`` comes within the window of a
         refusal of its priority or a higher one."""
+        refused = self._refused.get(model)
+        if not refused:
+            return
         now = self.clock()
-        for (name, shed), (when, err) in list(self._refused.items()):
+        for shed, (when, err) in list(refused.items()):
             if now - when >= self.window:
-                del self._refused[(name, shed)]
-            elif name == model and shed <= priority:
+                del refused[shed]
+                if not refused:
+                    del self._refused[model]
+            elif shed <= priority:
                 raise EndpointRefusal(err.status, f"{err.message} (answered by the endpoint: {model} refused a priority "
                                f"{shed} request {1000 * (now - when):.0f} ms ago)", err.type, err.param, err.code,
                                err.retry_after)
