@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -252,3 +253,13 @@ def write_files(out: Path, files: dict[str, str]) -> None:
         (out / relative).write_text(text)
 
 
+def copy_model(source: Path, model: str, repo: Path, name: str) -> Path:
+    """The rendered ``source/model`` written as ``repo/name``: a second model of the same stage under another name
+    beside the first (a variant with other parameters, the same orchestrator without budgets); returns its config."""
+    shutil.copytree(Path(source) / model, Path(repo) / name)
+    config = Path(repo) / name / "config.pbtxt"
+    text, found = re.subn(rf'^name: "{re.escape(model)}"$', f'name: "{name}"', config.read_text(), flags=re.M)
+    if found != 1:
+        raise ValueError(f"{config}: no name: \"{model}\" line to rename")
+    config.write_text(text)
+    return config

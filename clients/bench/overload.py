@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dic
     """``split`` with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
     ``epd_open``: the same orchestrator without budgets over the same stages. ``openai_ports``: model -> the port of
     the OpenAI endpoint in that orchestrator's process (none: none there)."""
-    from backend.deploy.render import render
+    from backend.deploy.render import copy_model, render
 
     ports, model = openai_ports or {}, "epd"
     admission = {**topology.admission, **({"max_queue_ms": max_queue_ms} if max_queue_ms else {})}
@@ -48,9 +47,7 @@ def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dic
     with tempfile.TemporaryDirectory() as other:
         render(topology.only(split, admission={"priority_levels": admission.get("priority_levels", 4)},
                              openai_port=ports.get(f"{model}_open", 0)), Path(other))
-        shutil.copytree(Path(other) / model, repo / f"{model}_open")
-    config = repo / f"{model}_open" / "config.pbtxt"
-    config.write_text(config.read_text().replace(f'name: "{model}"', f'name: "{model}_open"'))
+        copy_model(Path(other), model, repo, f"{model}_open")
 
 
 def server_rss(pid: int) -> int:

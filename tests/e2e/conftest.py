@@ -117,11 +117,11 @@ def clone_model(repo: Path, model: str, name: str, parameters: dict[str, str] | 
     ``drop`` removed and, if given, ``instances`` CPU instances: variants of one rendered stage served beside it in
     one server (an engine start each saved where a test would otherwise start a server per variant)."""
     import re
-    import shutil
 
-    shutil.copytree(repo / model, repo / name)
-    config = repo / name / "config.pbtxt"
-    text = config.read_text().replace(f'name: "{model}"', f'name: "{name}"')
+    from backend.deploy.render import copy_model
+
+    config = copy_model(repo, model, repo, name)
+    text = config.read_text()
     if instances is not None:
         text, found = re.subn(r"instance_group \[ \{ count: \d+ kind: KIND_CPU \} \]",
                               f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]", text)

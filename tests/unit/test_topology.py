@@ -360,3 +360,17 @@ def test_engine_nice_renders_into_every_engine_model_and_nothing_else(tmp_path):
 def test_a_bad_engine_nice_is_refused_naming_the_key(tmp_path, nice):
     with pytest.raises(TopologyError, match=r"engine_nice: expected an integer from 0 \(as the server\) to 19, got"):
         load(_write(tmp_path, {**BASE, "engine_nice": nice}), "cpu")
+
+
+def test_a_rendered_model_copied_under_another_name_is_renamed_and_nothing_else(tmp_path):
+    from backend.deploy.render import copy_model, render
+
+    render(load(DEFAULT, "cpu"), tmp_path / "repo")
+    config = copy_model(tmp_path / "repo", "encoder", tmp_path / "repo", "encoder_b")
+    original = (tmp_path / "repo" / "encoder" / "config.pbtxt").read_text()
+    assert config.read_text() == original.replace('name: "encoder"', 'name: "encoder_b"') != original
+    assert (tmp_path / "repo" / "encoder_b" / "1" / "model.py").read_text() == \
+        (tmp_path / "repo" / "encoder" / "1" / "model.py").read_text()
+    (tmp_path / "repo" / "pd" / "config.pbtxt").write_text("no name line\n")
+    with pytest.raises(ValueError, match='no name: "pd" line'):
+        copy_model(tmp_path / "repo", "pd", tmp_path / "other", "pd_b")
