@@ -96,8 +96,13 @@ class ToolSupport:
                 from vllm.tool_parsers import ToolParserManager
                 from vllm.tool_parsers.utils import get_json_schema_from_tools
 
+                try:  # vLLM 0.32's; where it is missing (0.26) a required answer's calls come in its last chunk
+                    from vllm.tool_parsers.streaming import extract_required_tool_call_streaming as required_stream
+                except ImportError:
+                    required_stream = None
                 self._loaded = (AutoTokenizer.from_pretrained(self.path), ToolParserManager.get_tool_parser(
-                    self.parser_name), ChatCompletionRequest, get_json_schema_from_tools, make_tool_call_id)
+                    self.parser_name), ChatCompletionRequest, get_json_schema_from_tools, make_tool_call_id,
+                    required_stream)
             return self._loaded
 
     async def output(self, request: ToolRequest, model: str) -> "ToolOutput":
@@ -119,8 +124,9 @@ class ToolOutput:
     ``message(text)`` (a whole answer's message fields), ``delta(text, final)`` (a stream chunk's delta) and
     ``finish(reason)``."""
 
-    def __init__(self, request: ToolRequest, model: str, tokenizer, parser_class, request_class, schema_of, new_id):
-        self.request, self.new_id = request, new_id
+    def __init__(self, request: ToolRequest, model: str, tokenizer, parser_class, request_class, schema_of, new_id,
+                 required_stream=None):
+        self.request, self.new_id, self.required_stream = request, new_id, required_stream
         self.vllm_request = request_class(model=model, messages=[{"role": "user", "content": ""}], tools=request.tools,
                                           tool_choice=_vllm_choice(request), parallel_tool_calls=request.parallel)
         self.schema = schema_of(self.vllm_request.tool_choice, self.vllm_request.tools, request.parallel)
@@ -166,16 +172,33 @@ class ToolOutput:
         if self.request.named:
             return self._named_delta(text) if text else {}
         if self.request.choice == "required":
-            if not final:
-                return {}
-            message = self.message(self.text)
-            return {**message, "tool_calls": [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]}
+            return self._required_delta(previous, final)
         if self.parser is not None:
             found = self.parser.extract_tool_calls_streaming(previous, self.text, text, [], [], [], self.vllm_request)
             doc = {} if found is None else found.model_dump(exclude_none=True)
             self.called = self.called or bool(doc.get("tool_calls"))
             return {k: v for k, v in doc.items() if k in ("content", "tool_calls") and v not in ("", [])}
         return {"content": text} if text else {}
+
+    def _required_delta(self, previous: str, final: bool) -> dict[str, Any]:
+        """A ``required`` answer streamed as vLLM streams it (``extract_required_tool_call_streaming``): each call once
+        its name is generated (with its id and the arguments so far), then its arguments as they grow: the text of
+        its ``parameters`` as generated, where the whole answer gives them re-serialised."""
+        if self.required_stream is None:  # the calls at the end, from the whole answer
+            if not final:
+                return {}
+            message = self.message(self.text)
+            return {**message, "tool_calls": [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]}
+        found, _ = self.required_stream(previous_text=previous, current_text=self.text, tool_call_idx=None,
+                                        tool_call_id_type="random")
+        if found is None:
+            return {}
+        calls = [call.model_dump(exclude_none=True) for call in found.tool_calls]
+        for call in calls:
+            if "id" in call:
+                call["id"] = self.new_id()  # the endpoint's ids, as its whole answers have
+        self.called = self.called or bool(calls)
+        return {"tool_calls": calls}
 
     def _named_delta(self, text: str) -> dict[str, Any]:
         call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}

@@ -409,10 +409,14 @@ def test_required_tool_calls_and_auto_through_vllm_s_hermes_parser(sdk):
     import jsonschema
 
     whole, got, streamed, reasons = _tool_answers(sdk, "epd_disagg", tool_choice="required", parallel_tool_calls=False)
-    assert got == streamed and reasons[0] == reasons[1], (got, streamed, reasons)
+    assert reasons[0] == reasons[1], (got, streamed, reasons)
     if reasons[0] == "length":  # vLLM's schema of the calls leaves the objects open: the random weights may not close one
         assert not got and whole.choices[0].message.content.startswith("["), whole
+        assert len(streamed) <= 1  # streamed as generated (vLLM's): a call whose name came out was sent
     else:
+        # streamed as vLLM streams them: each call once its name is out, then its parameters' text as generated (the
+        # whole answer re-serialises them: the same JSON)
+        assert [(n, json.loads(a)) for n, a in got] == [(n, json.loads(a)) for n, a in streamed], (got, streamed)
         assert len(got) == 1 and reasons[0] == "tool_calls", (got, reasons)
         schema = {"weather": WEATHER, "click": CLICK}[got[0][0]]["function"]["parameters"]
         jsonschema.validate(json.loads(got[0][1]), schema)

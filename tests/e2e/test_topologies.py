@@ -1,5 +1,6 @@
 """E2E: a 2E+1P+1D rendering (topologies/cpu-e-p-d.yaml) in its own tritonserver serves concurrent
-requests with the in-process vLLM reference's tokens, with items spread over both encoder instances."""
+requests with ``llm``'s tokens (the session server's, same checkpoint and engine arguments; ``llm`` itself is checked
+against the in-process vLLM reference in test_llm.py), with items spread over both encoder instances."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -33,13 +34,14 @@ def two_encoder_server(tmp_path_factory):
     assert server.stop_seconds < 25, f"stop took {server.stop_seconds:.0f} s; see {repo.parent / 'server.log'}"
 
 
-def test_two_encoders_serve_concurrent_requests(two_encoder_server, reference):
-    expected = reference.run([dict(case, sampling=GREEDY) for case in CASES])
+def test_two_encoders_serve_concurrent_requests(two_encoder_server, server):
+    expected = [generate(server.grpc_url, "llm", GenerateInputs(sampling=GREEDY, **case), timeout=120).text
+                for case in CASES]
     url = two_encoder_server.grpc_url
     ask = lambda case: generate(url, "epd", GenerateInputs(sampling=GREEDY, **case), timeout=120)
     with ThreadPoolExecutor(len(CASES)) as pool:
         results = list(pool.map(ask, CASES * 2))
-    assert [r.text for r in results] == [e["text"] for e in expected] * 2
+    assert [r.text for r in results] == expected * 2
     encoders = {name for r in results for name in r.timings["encoders"]}
     assert len(encoders) == 2, encoders  # both encoder instances produced embeddings
     assert all(r.timings["prefill_ms"] > 0 for r in results)

@@ -84,7 +84,19 @@ def test_named_and_required_go_through_vllm_s_schemas(support):
     required = _output(support, tool_choice="required", parallel_tool_calls=False)
     schema = required.sampling()["structured_outputs"]["json"]
     assert schema["type"] == "array" and schema["maxItems"] == 1 and required.error_field() == "tools"
-    answer = '[{"name": "click", "parameters": {}}]'
-    assert required.delta(answer, False) == {}
-    assert required.delta("", True)["tool_calls"][0]["function"] == {"name": "click", "arguments": "{}"}
+    answer = '[{"name": "weather", "parameters": {"city":"Oslo"}}, {"name": "click", "parameters": {}}]'
+    assert required.message(answer)["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    required = _output(support, tool_choice="required")
+    deltas = [required.delta(answer[i:i + 5], final=i + 5 >= len(answer)) for i in range(0, len(answer), 5)]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    announced = [c for c in calls if "id" in c]  # each call once, as soon as its name is out (vLLM's streaming)
+    assert [(c["index"], c["function"]["name"], c["type"]) for c in announced] == [(0, "weather", "function"),
+                                                                                    (1, "click", "function")]
+    assert deltas.index(next(d for d in deltas if d.get("tool_calls"))) < len(deltas) - 3  # not only at the end
+    for index, arguments in ((0, '{"city":"Oslo"}'), (1, "{}")):  # the parameters' text as generated
+        assert "".join(c["function"].get("arguments", "") for c in calls if c["index"] == index) == arguments
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in announced) and announced[0]["id"] != announced[1]["id"]
     assert required.finish("stop") == "tool_calls"
+    last = tools.ToolOutput(tools.parse({"tools": [CLICK, WEATHER], "tool_choice": "required"}), "llm",
+                            *support._load()[:5])  # a vLLM without the streaming function (0.26): at the end
+    assert last.delta(answer, False) == {} and len(last.delta("", True)["tool_calls"]) == 2
