@@ -1,6 +1,6 @@
 """Planning the E:P:D split for an SLO (issue 40; docs/planning.md): stage profiles measured against a running
 deployment (``measure``), a discrete-event simulator of a topology under a workload (``simulate``, on SimPy), its check
-against measured runs (``clients.bench.plan_validate``), a planner that picks the replicas per stage and writes the
+against measured runs (``validate``), a planner that picks the replicas per stage and writes the
 topology and its Kubernetes base (``planner``), and the at-scale comparison on paper (``scale``).
 
 Here, under ``clients/``, because it is what an operator runs against a server and for a deployment (profiles are

@@ -1,6 +1,6 @@
 """Measure a stage profile (``clients.plan.profile``) against a running E+PD deployment.
 
-    python -m clients.plan.measure --out docs/results/data/plan-2026-12-06/profile-cpu.json   # starts one server
+    python -m clients.plan.measure --out docs/results/data/plan-2026-12-05/profile-cpu.json   # starts one server
     python -m clients.plan.measure --url 127.0.0.1:8001 --metrics http://127.0.0.1:8002/metrics --pid PID --out P.json
 
 Every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured

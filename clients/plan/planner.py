@@ -22,6 +22,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from backend.deploy.schema import ENGINE_DEFAULTS
 from clients.plan import profile as profiles
 from clients.plan import workload as workloads
 from clients.plan.profile import Profile
@@ -137,12 +138,15 @@ def targets(sim: Simulation, profile: Profile, workload: Workload, factor: float
     mean_items = sum(len(r.items) for r in requests) / len(requests)
     tokens_per_item = (sum(profile.tokens(i) for r in requests for i in r.items) / max(1, sum(len(r.items) for r in requests)))
     context = sum(r.prompt_tokens + r.output_tokens / 2 for r in requests) / len(requests) + mean_items * tokens_per_item
-    kv_cache = float(profile.doc.get("kv_cache_bytes", 0)) or 1.0
+    # the engines' KV cache: the profile's, else what the written topology gives them (emit writes no engine_args)
+    kv_cache = float(profile.doc.get("kv_cache_bytes") or ENGINE_DEFAULTS["kv_cache_memory_bytes"])
+    kv_source = "kv_cache_bytes" if profile.doc.get("kv_cache_bytes") else "the topology's default kv_cache_memory_bytes"
     out = {}
     for stage, replicas in sim.tiers.items():
         batch = sum(e.batched for e, _ in replicas) / max(1, sum(e.steps for e, _ in replicas))
-        out[stage] = {"metric": "epd_vllm_kv_cache_usage", "target": f"{max(1, round(1000 * min(1.0, batch * context * profile.doc.get('kv_bytes_per_token', 0) / kv_cache)))}m",
-                      "from": f"mean batch {batch:.1f} x {context:.0f} tokens x kv_bytes_per_token / kv_cache_bytes"}
+        used = batch * context * float(profile.doc.get("kv_bytes_per_token", 0)) / kv_cache
+        out[stage] = {"metric": "epd_vllm_kv_cache_usage", "target": f"{max(1, round(1000 * min(1.0, used)))}m",
+                      "from": f"mean batch {batch:.1f} x {context:.0f} tokens x kv_bytes_per_token / {kv_source}"}
     if sim.layout.split != "llm":
         rate = result["served"] / wall * mean_items / len(sim.encoders)
         held = max(0.001, sum(e.busy for e in sim.encoders) / max(1, result["served"] * mean_items))

@@ -33,8 +33,16 @@ def baseline(option: str, gpus: int) -> Layout:
     return Layout(split="E/P/D", encoders=third, prefill=third, decode=gpus - 2 * third)
 
 
+def _rounded(value, digits: int | None = None):
+    """``round`` that keeps NaN (no request served: no percentile) as None."""
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
 def cell(profile, workload, budget: int, simulate: int) -> dict:
     """The three options at one budget: layout label, goodput, TTFT and TPOT p90, per option."""
+    if profile.cores:  # the planner budgets a CPU profile's cores, unsliced: scaling by GPUs would not hold
+        raise ValueError(f"{profile.doc.get('name')}: a CPU profile ({profile.cores} cores); the at-scale tables "
+                         "need a GPU profile")
     orchestrators = max(1, math.ceil(min(budget, SLICE) / 8))
     base = Layout(orchestrators=orchestrators, encoder_instances=4, transfer_path="nixl")
     need = demands(profile, workload, base.max_num_seqs)
@@ -56,8 +64,8 @@ def cell(profile, workload, budget: int, simulate: int) -> dict:
             result, _ = run(layout, profile, small)
             label = baseline(option, budget).label()
         out[option] = {"layout": label, "goodput": round(result.get("goodput", 0.0) * factor, 2),
-                       "ttft_p90_ms": round(result.get("ttft_p90_ms", float("nan"))),
-                       "tpot_p90_ms": round(result.get("tpot_p90_ms", float("nan")), 1)}
+                       "ttft_p90_ms": _rounded(result.get("ttft_p90_ms")),
+                       "tpot_p90_ms": _rounded(result.get("tpot_p90_ms"), 1)}
     return out
 
 
@@ -67,9 +75,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         p, e, lm = r["planned"], r["1:1:1"], r["llm"]
         ratio = f"{p['goodput'] / lm['goodput']:.2f}x" if lm["goodput"] else "-"
+        ttft = {k: "-" if r[k]["ttft_p90_ms"] is None else r[k]["ttft_p90_ms"] for k in OPTIONS}
         lines.append(f"| {r['workload']} | {r['gpus']} | {r['rate']} | {p['layout']} | {p['goodput']} | "
-                     f"{p['ttft_p90_ms']} | {e['goodput']} | {e['ttft_p90_ms']} | {lm['goodput']} | "
-                     f"{lm['ttft_p90_ms']} | {ratio} |")
+                     f"{ttft['planned']} | {e['goodput']} | {ttft['1:1:1']} | {lm['goodput']} | "
+                     f"{ttft['llm']} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@ picks when one stage is the bottleneck, and the topology and Kubernetes base it 
 import pytest
 
 from clients.plan.planner import candidates, capacity, demands, plan
+from clients.plan.profile import Profile
 from clients.plan.simulate import Layout
 from clients.plan.workload import parse
 from tests.unit.test_plan_simulate import profile
@@ -61,3 +62,26 @@ def test_the_plan_is_written_as_a_topology_and_a_kubernetes_base(tmp_path):
         f"averageValue: \"{result['targets']['encoder']['target']}\"" in text or \
         f"averageValue: {result['targets']['encoder']['target']}" in text
     assert "replicas: 4" in text and problems == []
+
+
+def test_the_engines_autoscaler_target_without_the_profile_s_kv_size_is_the_written_topology_s():
+    """A profile without ``kv_cache_bytes`` (the measured CPU ones): the engines' KV target is computed against the KV
+    size the written topology gives them (the renderer's default), not saturated at 1000m."""
+    doc = {**heavy_encoder().doc, "kv_bytes_per_token": 1024}
+    result = plan(Profile(doc).check(), workload(60.0), 5, "goodput", ("E+PD",), Layout(max_num_seqs=4), simulate=2)
+    target = result["targets"]["pd"]
+    assert target["target"] != "1000m" and "default kv_cache_memory_bytes" in target["from"], target
+    sized = plan(Profile({**doc, "kv_cache_bytes": 1 << 20}).check(), workload(60.0), 5, "goodput", ("E+PD",),
+                 Layout(max_num_seqs=4), simulate=2)
+    assert int(sized["targets"]["pd"]["target"][:-1]) > int(target["target"][:-1])  # 1 MiB of KV: fuller
+
+
+def test_the_at_scale_cells_take_a_gpu_profile_and_keep_no_percentile_as_none():
+    from clients.plan import scale
+
+    with pytest.raises(ValueError, match="CPU profile"):
+        scale.cell(Profile({**heavy_encoder().doc, "cores": 2}), workload(1.0), 8, 1)
+    assert scale._rounded(float("nan")) is None and scale._rounded(12.34, 1) == 12.3 and scale._rounded(None) is None
+    row = {"workload": "w", "gpus": 8, "rate": 1.0, **{k: {"layout": "x", "goodput": 0.0, "ttft_p90_ms": None,
+                                                            "tpot_p90_ms": None} for k in scale.OPTIONS}}
+    assert "| - |" in scale.table([row])
