@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
-from clients.bench.replicas import _sizes
 from clients.plan import profile as profiles
-from clients.plan.validate import FIGURES, layouts, predict
+from clients.plan.loads import WINDOW
+from clients.plan.validate import COMMAND, FIGURES, arguments, layouts, predict
+
+
+def run_arguments(command: str) -> argparse.Namespace:
+    """The arguments the run was made with (its workload: requests, tokens, image sizes, replicas), read back from
+    the command its ``validation.json`` records, with ``validate``'s own parser."""
+    words = shlex.split(command)
+    if words[:len(COMMAND.split())] != COMMAND.split():
+        raise ValueError(f"not a clients.plan.validate command: {command!r}")
+    return arguments().parse_args(words[len(COMMAND.split()):])
 
 
 def _median(values: list) -> float:
@@ -31,9 +41,9 @@ def replay_row(row: dict, profile, args) -> dict:
     """The row's repetitions predicted again: stage medians measured and predicted, and the largest difference from
     the recorded predictions (0 where the run's files reproduce it)."""
     layout = layouts(args)[row["topology"]]
-    predicted = [predict(profile.with_background(0.1, rep["series"]), layout, row["concurrency"], args)
+    predicted = [predict(profile.with_background(WINDOW, rep["series"]), layout, row["concurrency"], args)
                  for rep in row["repeats"]]
-    drift = max(abs(p[key] - rep["predicted"][key]) / rep["predicted"][key]
+    drift = max(abs(p[key] - rep["predicted"][key]) / max(abs(rep["predicted"][key]), 1e-9)
                 for p, rep in zip(predicted, row["repeats"]) for key in FIGURES)
     measured = [rep.get("stages_p50_ms", {}) for rep in row["repeats"]]
     return {"topology": row["topology"], "c": row["concurrency"], "drift": drift,
@@ -55,13 +65,10 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
     parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--image-sizes", type=_sizes, default=_sizes("64x48,80x64,96x96,112x112"))
-    parser.add_argument("--pd-replicas", type=int, default=2)
-    args = parser.parse_args(argv)
-    doc = json.loads((args.run / "validation.json").read_text())
-    rows = [replay_row(row, profiles.load(args.run / f"profile-{row['topology']}.json"), args) for row in doc["rows"]]
+    run = parser.parse_args(argv).run
+    doc = json.loads((run / "validation.json").read_text())
+    args = run_arguments(doc["command"])
+    rows = [replay_row(row, profiles.load(run / f"profile-{row['topology']}.json"), args) for row in doc["rows"]]
     print(table(rows))
     worst = max(r["drift"] for r in rows)
     print(f"largest difference from the recorded predictions: {worst:.1%}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -135,7 +136,8 @@ def run(name: str, base: Profile, args, levels: list[int]) -> list[dict]:
                 for i, level in enumerate(levels)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (also how ``replay`` reads a run's own arguments back from its ``validation.json``)."""
     parser = argparse.ArgumentParser(description="Simulated against measured: req/s and TTFT, two deployments.")
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--measure-profile", action="store_true",
@@ -150,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="the single server's")
     parser.add_argument("--pd-replicas", type=int, default=2, help="the hosts deployment's pd hosts")
     parser.add_argument("--out", type=Path)
+    return parser
+
+
+COMMAND = "python -m clients.plan.validate"  # validation.json's command starts so
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments()
     args = parser.parse_args(argv)
     levels = [int(v) for v in args.levels.split(",")]
     chosen = args.deployments.split(",")
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.out:
-        doc = {"command": " ".join(["python -m clients.plan.validate", *(argv if argv is not None else sys.argv[1:])]),
+        doc = {"command": shlex.join([*COMMAND.split(), *(argv if argv is not None else sys.argv[1:])]),
                "started": started, "ended": time.strftime("%F %T"), "load_average": {"started": load, "ended": os.getloadavg()},
                "rows": rows}
         (args.out / "validation.json").write_text(json.dumps(doc, indent=1))

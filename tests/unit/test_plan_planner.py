@@ -85,3 +85,19 @@ def test_the_at_scale_cells_take_a_gpu_profile_and_keep_no_percentile_as_none():
     row = {"workload": "w", "gpus": 8, "rate": 1.0, **{k: {"layout": "x", "goodput": 0.0, "ttft_p90_ms": None,
                                                             "tpot_p90_ms": None} for k in scale.OPTIONS}}
     assert "| - |" in scale.table([row])
+
+
+def test_a_replay_reads_the_run_s_own_arguments_back():
+    """``clients.plan.replay`` predicts a run again with the workload it was made with: the arguments come from the
+    command its validation.json records (validate's own parser), not from defaults of its own."""
+    import shlex
+
+    from clients.plan.replay import run_arguments
+    from clients.plan.validate import COMMAND
+
+    args = run_arguments(shlex.join([*COMMAND.split(), "--profile", "p.json", "--requests", "12", "--max-tokens", "9",
+                                     "--image-sizes", "64x48", "--pd-replicas", "3", "--out", "a dir"]))
+    assert (args.requests, args.max_tokens, args.pd_replicas, str(args.out)) == (12, 9, 3, "a dir")
+    assert run_arguments(f"{COMMAND} --profile p.json").requests == 48  # the run's defaults: validate's
+    with pytest.raises(ValueError, match="not a clients.plan.validate command"):
+        run_arguments("python -m clients.plan.measure --out x")
