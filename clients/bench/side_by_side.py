@@ -204,18 +204,19 @@ def run_topology(args):
     its engine arguments (so over every engine's, ours and vLLM's)."""
     from dataclasses import replace
 
-    from backend.deploy.topology import load
+    from backend.deploy.topology import TopologyError, _image_preprocess, load
 
     topology = load(args.topology, machine=args.machine, checkpoint=args.checkpoint)
     topology = replace(topology, engine_args={**topology.engine_args, **overrides(args)})
     if args.image_preprocess is None:
         return topology
     encoder = topology.stages["encoder"]
-    if args.image_preprocess != "cpu" and encoder.device != "gpu":
-        raise SystemExit(f"--image-preprocess {args.image_preprocess}: the topology's encoder is on the "
-                         f"{encoder.device}; GPU preprocessing needs stages.encoder.device: gpu")
-    return replace(topology, stages={**topology.stages,
-                                     "encoder": replace(encoder, image_preprocess=args.image_preprocess)})
+    try:  # the topology's own rule for the key (a GPU choice needs a GPU encoder)
+        chosen = _image_preprocess({"image_preprocess": args.image_preprocess}, "--image-preprocess", "encoder",
+                                   encoder.device)
+    except TopologyError as err:
+        raise SystemExit(str(err)) from None
+    return replace(topology, stages={**topology.stages, "encoder": replace(encoder, image_preprocess=chosen)})
 
 
 def distinct(rows: list[dict]) -> str:

@@ -251,7 +251,7 @@ def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(t
                                       "--image-preprocess", "nvjpeg"]))
     assert nvjpeg.stages["encoder"].image_preprocess == "nvjpeg"
     assert "image_preprocess" in render_files(nvjpeg.only("E+PD"), tmp_path / "nvjpeg")["encoder/config.pbtxt"]
-    with pytest.raises(SystemExit, match="needs stages.encoder.device: gpu"):
+    with pytest.raises(SystemExit, match="--image-preprocess.image_preprocess: gpu works on the encoder's GPU"):
         run_topology(parse_args(["--rows", "epd", "--image-preprocess", "gpu"]))  # the CPU topology's encoder
     with pytest.raises(SystemExit):
         parse_args(["--eager", "--compile"])
