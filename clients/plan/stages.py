@@ -15,26 +15,35 @@ from clients.plan.resources import Cores
 from clients.plan.workload import Item
 
 
-class Process:
+class Busy:
+    """What runs on the machine's ``cores`` and counts its ``busy`` seconds (the utilisation): a ``Process``, an
+    ``Encoder`` replica, an ``Engine``."""
+
+    def __init__(self, env: simpy.Environment, cores: Cores):
+        self.env, self.cores = env, cores
+        self.busy = 0.0
+
+    def _work(self, ms: float):
+        """``ms`` of work on the cores, its time counted busy (``yield from``); called by the subclasses."""
+        started = self.env.now
+        yield from self.cores.work(ms / 1000.0)
+        self.busy += self.env.now - started
+
+
+class Process(Busy):
     """A single-threaded process (a Triton stub, the orchestrator's loop, the client): one piece of work at a time,
     first come first served, on the machine's cores. ``busy``: seconds it spent working."""
 
     def __init__(self, env: simpy.Environment, cores: Cores, threads: int = 1):
-        self.env, self.cores = env, cores
+        super().__init__(env, cores)
         self.slot = simpy.Resource(env, capacity=threads)
-        self.busy = 0.0
 
     def work(self, ms: float):
         if ms <= 0:
             return
         with self.slot.request() as turn:
             yield turn
-            yield from self._run(ms)
-
-    def _run(self, ms: float):
-        started = self.env.now
-        yield from self.cores.work(ms / 1000.0)
-        self.busy += self.env.now - started
+            yield from self._work(ms)
 
     def take(self, take, ms_each: float):
         """Once a thread is free: ``take()`` what is waiting then, and work ``ms_each`` for each; returns what it
@@ -42,20 +51,21 @@ class Process:
         with self.slot.request() as turn:
             yield turn
             taken = take()
-            yield from self._run(ms_each * len(taken))
+            yield from self._work(ms_each * len(taken))
         return taken
 
 
-class Encoder:
+class Encoder(Busy):
     """One encoder replica: ``instances`` instances taking batches of up to ``max_batch`` queued items (after
     ``delay_ms``, Triton's ``max_queue_delay``), each batch ``encoder.batch`` plus its items' times."""
 
     def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, instances: int = 1,
                  max_batch: int = 32, delay_ms: float = 2.0):
-        self.env, self.cores, self.profile = env, cores, profile
+        super().__init__(env, cores)
+        self.profile = profile
         self.queue = simpy.Store(env)
         self.max_batch, self.delay = max_batch, delay_ms / 1000.0
-        self.outstanding, self.busy, self.instances = 0, 0.0, instances
+        self.outstanding, self.instances = 0, instances
         for _ in range(instances):
             env.process(self._instance())
 
@@ -75,9 +85,7 @@ class Encoder:
             while self.queue.items and len(batch) < self.max_batch:
                 batch.append((yield self.queue.get()))
             ms = self.profile.line("encoder.batch").at(len(batch)) + sum(self.profile.encode_ms(i) for i, _ in batch)
-            started = self.env.now
-            yield from self.cores.work(ms / 1000.0)
-            self.busy += self.env.now - started
+            yield from self._work(ms)
             for _, done in batch:
                 done.succeed()
 
@@ -103,7 +111,7 @@ class Sequence:
     emitted: float = 0.0  # when the engine's step made its first token
 
 
-class Engine:
+class Engine(Busy):
     """A vLLM engine, one thread: each step admits waiting sequences (priority, then arrival) while there is room
     (``max_seqs`` running, ``max_tokens`` tokens in the step), prefills them and decodes one token for every running
     one; the step's tokens then go through ``relays`` (the stub, then the processes between it and the user, each
@@ -115,7 +123,8 @@ class Engine:
 
     def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, relays: list[tuple[Process, object]],
                  max_seqs: int = 32, max_tokens: int = 8192):
-        self.env, self.cores, self.profile, self.relays = env, cores, profile, relays
+        super().__init__(env, cores)
+        self.profile, self.relays = profile, relays
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.waiting: list = []
         self.running: list[Sequence] = []
@@ -125,7 +134,7 @@ class Engine:
         self.load = lambda: self.outstanding  # the requests in flight its by-load costs are read at
         self.order = itertools.count()
         self.wake = env.event()
-        self.outstanding, self.busy, self.steps, self.batched = 0, 0.0, 0, 0  # batched: sequences over all steps
+        self.outstanding, self.steps, self.batched = 0, 0, 0  # batched: sequences over all steps
         env.process(self._loop())
         env.process(self._sender())
 
@@ -163,11 +172,6 @@ class Engine:
                 yield from self._work(ms)
             if self.waiting or self.running:
                 yield from self._step()
-
-    def _work(self, ms: float):
-        started = self.env.now
-        yield from self.cores.work(ms / 1000.0)
-        self.busy += self.env.now - started
 
     def _step_ms(self, new: list[Sequence]) -> float:
         media = sum(s.media_ms for s in new) + sum(s.prefill_ms for s in new)
