@@ -26,7 +26,7 @@ from backend.deploy.schema import ENGINE_DEFAULTS
 from clients.plan import profile as profiles
 from clients.plan import workload as workloads
 from clients.plan.profile import Profile
-from clients.plan.simulate import Layout, Simulation, summary
+from clients.plan.simulate import Layout, Simulation
 from clients.plan.workload import Workload
 
 SLICE = 16
@@ -77,9 +77,9 @@ def meets(result: dict, workload: Workload) -> bool:
 
 
 def run(layout: Layout, profile: Profile, workload: Workload) -> tuple[dict, Simulation]:
+    """The simulated run's figures (``simulate.summary``) and the simulation (``targets`` reads its stages)."""
     sim = Simulation(layout, profile, workload)
-    sim.run()
-    return summary(sim), sim
+    return sim.run(), sim
 
 
 def scaled(layout: Layout, factor: float, budget: int) -> Layout:
@@ -125,14 +125,13 @@ def plan(profile: Profile, workload: Workload, budget: int, goal: str = "goodput
     layout, result, sim = chosen
     final = scaled(layout, factor, budget) if sliced else layout
     return {"chosen": final, "slice": layout.label() if sliced else None, "result": result, "tried": tried,
-            "budget": budget, "targets": targets(sim, profile, small, factor)}
+            "budget": budget, "targets": targets(sim, result, profile, small)}
 
 
-def targets(sim: Simulation, profile: Profile, workload: Workload, factor: float) -> dict:
-    """Each tier's autoscaler target from the planned run: engines' KV-cache use at their mean batch and context
-    (``kv_cache_bytes`` of the profile), encoders' embedding bytes in flight per replica (Little's law: items per second
-    times seconds in the stage), orchestrators' requests per second per replica."""
-    result = summary(sim)
+def targets(sim: Simulation, result: dict, profile: Profile, workload: Workload) -> dict:
+    """Each tier's autoscaler target from the planned run (``sim``, its figures ``result``): engines' KV-cache use at
+    their mean batch and context (``kv_cache_bytes`` of the profile), encoders' embedding bytes in flight per replica
+    (Little's law: items per second times seconds in the stage), orchestrators' requests per second per replica."""
     wall = result["wall_s"]
     requests = workload.draw()
     mean_items = sum(len(r.items) for r in requests) / len(requests)
