@@ -12,13 +12,13 @@ from backend.deploy import kubernetes
 from backend.deploy.topology import load
 from clients.plan.simulate import Layout
 
-ROLE = {"E+PD": ("epd", ["pd"]), "E/P/D": ("epd_disagg", ["prefill", "decode"])}
+SPLITS = ("E+PD", "E/P/D")  # what the planner writes (not its llm candidates)
 
 
 def topology_doc(layout: Layout, checkpoint: str, device: str, name: str) -> dict:
     """The topology of ``layout``: its stages and one host per replica (10.77.0.x addresses, the namespaces' plan;
     a cluster's pods get their own), the orchestrator on a host of its own."""
-    if layout.split not in ROLE:
+    if layout.split not in SPLITS:
         raise ValueError(f"{layout.split}: the planner writes E+PD and E/P/D topologies")
     engines = layout.engines()
     gpu = {"device": "gpu", "gpus": [0]} if device == "gpu" else {"device": "cpu"}

@@ -34,8 +34,6 @@ from pathlib import Path
 
 from clients.plan.workload import Item
 
-MODALITIES = ("image", "video", "audio")
-PROCESSES = ("client", "orchestrator", "frontend", "stub", "engine")
 LINES = ("encoder.batch", "prefill", "decode", "decode_context", "kv_transfer", "orchestrator", "stub", "client")
 
 
