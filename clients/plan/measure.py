@@ -133,11 +133,9 @@ def calibrate(doc: dict, layout=None) -> dict:
     ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
     the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
     from clients.plan.simulate import Layout, simulate
-    from clients.plan.workload import parse
+    from clients.plan.workload import closed
 
-    workload = parse({"arrivals": {"process": "closed", "concurrency": 1}, "requests": 20,
-                      "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": SHORT,
-                               "images": {"count": 1, "sizes": [[64, 64]]}}]})
+    workload = closed(1, 20, round(doc["text_tokens"]), SHORT)
 
     def ttft(share: float) -> float:
         trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
@@ -175,13 +173,11 @@ def fit_interval(doc: dict, layout, workload, want: float, high: float = 20.0) -
 def fit_intervals(doc: dict, layout, merging: dict[int, dict], tokens: int, replicas: int) -> list[list[float]]:
     """``send_interval_by_load``: at each load of ``merging`` (``clients.plan.loads.by_load``: the long answers'
     responses per request, requests and background), the interval at which the simulated phase has its responses."""
-    from clients.plan.workload import parse
+    from clients.plan.workload import closed
 
     out = []
     for load, got in sorted(merging.items()):
-        workload = parse({"arrivals": {"process": "closed", "concurrency": load}, "requests": got["count"],
-                          "mix": [{"prompt_tokens": round(doc["text_tokens"]), "output_tokens": tokens,
-                                   "images": {"count": 1, "sizes": [[64, 64]]}}]})
+        workload = closed(load, got["count"], round(doc["text_tokens"]), tokens)
         trial = {**doc, "background": {"step_s": got["step_s"], "cores": got["series"]}}
         out.append([round(load / replicas, 3), fit_interval(trial, layout, workload, got["responses"])])
     return out

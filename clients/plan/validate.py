@@ -33,16 +33,10 @@ from clients.plan.deployments import DEPLOYMENTS
 from clients.plan.measure import calibrate, fit_intervals
 from clients.plan.profile import Profile
 from clients.plan.simulate import Layout, simulate
-from clients.plan.workload import parse
+from clients.plan.workload import closed
 
 FIGURES = ("req_per_s", "ttft_p50_ms", "ttft_p90_ms")
 TOLERANCE = 0.15
-
-
-def workload(level: int, requests: int, sizes: list[tuple[int, int]], max_tokens: int, text_tokens: int):
-    return parse({"arrivals": {"process": "closed", "concurrency": level}, "requests": requests,
-                  "mix": [{"prompt_tokens": text_tokens, "output_tokens": max_tokens,
-                           "images": {"count": 1, "sizes": [list(s) for s in sizes]}}]})
 
 
 def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profile:
@@ -87,7 +81,7 @@ def layouts(args) -> dict[str, Layout]:
 
 def predict(profile, layout: Layout, level: int, args) -> dict:
     text = round(profile.doc.get("text_tokens", 16))
-    return simulate(layout, profile, workload(level, args.requests, args.image_sizes, args.max_tokens, text))
+    return simulate(layout, profile, closed(level, args.requests, text, args.max_tokens, args.image_sizes))
 
 
 def stages(samples: list) -> dict:

@@ -240,6 +240,16 @@ def parse(doc, source: Path | None = None) -> Workload:
     return Workload(trace=read_trace(path, len(classes)), **common)
 
 
+def closed(concurrency: int, requests: int, prompt_tokens: int, output_tokens: int,
+           sizes=((64, 64),)) -> Workload:
+    """``requests`` one-image requests (a size of ``sizes`` drawn for each) from a closed loop of ``concurrency``, as
+    the measured phases send them: the workload ``clients.plan.measure`` calibrates and fits the send intervals on,
+    and each level of ``clients.plan.validate``."""
+    return parse({"arrivals": {"process": "closed", "concurrency": concurrency}, "requests": requests,
+                  "mix": [{"prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                           "images": {"count": 1, "sizes": [list(s) for s in sizes]}}]})
+
+
 def load(path: Path) -> Workload:
     """A workload file (YAML or JSON); ``WorkloadError`` naming the file and the field when it cannot be used."""
     path = Path(path)
