@@ -1,5 +1,6 @@
 """The deployments ``clients.plan.validate`` measures, each started fresh and handed out as a ``Served``: a closed loop
 of requests against it, and the processes whose CPU is its own (the rest of the machine's busy time is background).
+``clients.plan.measure`` profiles ``single`` (or a running server, as a ``Served`` of its own).
 
 ``single``: one tritonserver serving E+PD (``--topology``; the client: gRPC streaming, ``clients.bench.load``).
 ``hosts``: ``topologies/hosts-e-pd.yaml`` with ``--pd-replicas`` pd hosts, every host a network namespace of this
@@ -35,12 +36,13 @@ def grpc_run(url: str) -> Callable:
 @dataclass
 class Served:
     """A running deployment: ``run(requests, concurrency) -> (samples, errors, wall seconds)``, ``pids()`` its
-    processes now, ``replicas`` its pd engines."""
+    processes now, ``replicas`` its pd engines, ``metrics`` its server's metrics URL (``single``; "": not read)."""
 
     name: str
     run: Callable
     pids: Callable[[], list[int]]
     replicas: int = 1
+    metrics: str = ""
 
 
 @contextmanager
@@ -53,7 +55,8 @@ def single(args):
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as repo:
         render(load(Path(args.topology), "cpu").only("E+PD"), Path(repo))
         with TritonServer(Path(repo), ports=Ports(*free_ports(3)), log_path=Path(repo) / "tritonserver.log") as server:
-            yield Served("single", grpc_run(server.grpc_url), lambda: group_members(server.proc.pid))
+            yield Served("single", grpc_run(server.grpc_url), lambda: group_members(server.proc.pid),
+                         metrics=server.metrics_url)
 
 
 @contextmanager

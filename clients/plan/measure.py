@@ -18,18 +18,16 @@ the profile's ``by_load`` rows, and the decode step by batch fitted through the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from clients.bench.load import run_concurrency, synthetic_requests, synthetic_video_requests
-from clients.bench.proc_cpu import per_request, snapshot
+from clients.bench.load import synthetic_requests, synthetic_video_requests
+from clients.bench.proc_cpu import per_request, snapshot_of
 from clients.bench.report import parse_metrics, percentile
-from clients.plan.deployments import Quiet, Served, grpc_run
+from clients.plan.deployments import Served, grpc_run, single
 from clients.plan.profile import Line, Profile, fit, save
 
 SIZES = (64, 160, 256, 384)
@@ -37,14 +35,14 @@ SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
 
 
 class Session:
-    """The server under measurement: its gRPC address, metrics URL and process group."""
+    """The server under measurement (a ``deployments.Served`` with its ``metrics`` URL) and the first seed of the
+    next phase's requests."""
 
-    def __init__(self, url: str, metrics: str, pid: int):
-        self.url, self.metrics, self.pid = url, metrics, pid
-        self.seed = 1000
+    def __init__(self, served: Served):
+        self.served, self.seed = served, 1000
 
     def _tokens(self) -> float:
-        text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        text = urllib.request.urlopen(self.served.metrics, timeout=10).read().decode()
         return parse_metrics(text, "epd_vllm_prompt_tokens_total").get(("epd_vllm_prompt_tokens_total", "pd"), 0.0)
 
     def phase(self, make, count: int, concurrency: int = 1) -> dict:
@@ -52,13 +50,13 @@ class Session:
         the samples."""
         requests = make(count, self.seed)
         self.seed += count * 10
-        cpu0, tokens0 = snapshot(self.pid), self._tokens()
-        results, wall = asyncio.run(run_concurrency(self.url, "epd", concurrency, requests, Quiet()))
+        cpu0, tokens0 = snapshot_of(self.served.pids()), self._tokens()
+        samples, errors, wall = self.served.run(requests, concurrency)
         time.sleep(1.5)  # the counters are handed to Triton every 0.25 s
-        if results.errors:
-            raise RuntimeError(f"measure: {len(results.errors)} requests failed: {results.errors[0]}")
-        cpu = per_request(cpu0, snapshot(self.pid), count)
-        return {"cpu": cpu, "prompt_tokens": (self._tokens() - tokens0) / count, "samples": results.samples,
+        if errors:
+            raise RuntimeError(f"measure: {len(errors)} requests failed: {errors[0]}")
+        cpu = per_request(cpu0, snapshot_of(self.served.pids()), count)
+        return {"cpu": cpu, "prompt_tokens": (self._tokens() - tokens0) / count, "samples": samples,
                 "wall": wall, "count": count}
 
 
@@ -191,10 +189,9 @@ def nixl_line() -> dict:
 
 def by_load(session: Session) -> dict:
     """``clients.plan.loads.by_load`` on the session's server."""
-    from backend.deploy.local_server import group_members
     from clients.plan import loads
 
-    return loads.by_load(Served("measure", grpc_run(session.url), lambda: group_members(session.pid)))
+    return loads.by_load(session.served)
 
 
 def measure(session: Session, repeat: int, name: str) -> dict:
@@ -214,19 +211,18 @@ def measure(session: Session, repeat: int, name: str) -> dict:
 
 
 def _serve(args) -> dict:
-    from backend.deploy.local_server import Ports, TritonServer
-    from backend.deploy.ports import free_ports
-    from backend.deploy.render import render
-    from backend.deploy.topology import load
+    """``measure`` on a server of its own (``deployments.single``: ``--topology``'s E+PD), after a warm-up."""
+    with single(args) as served:
+        session = Session(served)
+        session.phase(images(64), 3)  # warm-up
+        return measure(session, args.repeat, args.name)
 
-    topology = load(Path(args.topology), "cpu")
-    with tempfile.TemporaryDirectory(prefix="plan-measure-") as repo:
-        render(topology.only("E+PD"), Path(repo))
-        ports = Ports(*free_ports(3))
-        with TritonServer(Path(repo), ports=ports, log_path=Path(repo) / "tritonserver.log") as server:
-            session = Session(server.grpc_url, server.metrics_url, server.proc.pid)
-            session.phase(images(64), 3)  # warm-up
-            return measure(session, args.repeat, args.name)
+
+def _running(args) -> Served:
+    """The server at ``--url`` (its metrics at ``--metrics``, its processes ``--pid``'s group)."""
+    from backend.deploy.local_server import group_members
+
+    return Served("measure", grpc_run(args.url), lambda: group_members(args.pid), metrics=args.metrics)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url and not (args.metrics and args.pid):
         parser.error("--url needs --metrics and --pid")
-    doc = measure(Session(args.url, args.metrics, args.pid), args.repeat, args.name) if args.url else _serve(args)
+    doc = measure(Session(_running(args)), args.repeat, args.name) if args.url else _serve(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save(Profile(doc).check(), args.out)
     print(json.dumps({k: v for k, v in doc.items() if k != "cpu_ms_per_request"}, indent=1))
