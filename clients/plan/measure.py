@@ -10,10 +10,11 @@ encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the 
 (``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings`` (``transfer_ms``, ``transfer_bytes``). Fitted
 (``fit``): encoder item and batch lines, media tokens per item, prefill and decode steps, the stub's, orchestrator's
 and client's per request and per streamed token, the same-host pull. Not measured here: the cross-host (NIXL) pull and
-E/P/D's KV pull (``derived`` says where they come from). ``hop``: what light-load TTFT has beyond the CPU work (the
-gRPC hops' latency), the residual of the simulator against the measured light-load TTFT. Then every process's CPU
-per request and per token by load (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short and long answers):
-the profile's ``by_load`` rows, and the decode step by batch fitted through the engine's.
+E/P/D's KV pull (``derived`` says where they come from). Then the by-load step (``with_by_load``, validate's too):
+every process's CPU per request and per token by load (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short
+and long answers): the profile's ``by_load`` rows, the decode step by batch fitted through the engine's, the stub's
+send interval at each load; and the calibration on the load-1 phase's TTFT with the background measured during it:
+``before_first_token`` and ``hop``, what light-load TTFT has beyond the CPU work (the gRPC hops' latency).
 """
 from __future__ import annotations
 
@@ -119,7 +120,6 @@ def lines(phases: dict) -> dict:
             "embedding_bytes_per_token": round(_mean(phases["image256"], "transfer_bytes") / max(media_tokens, 1), 1),
             "stub": per_request("stub", ("stub pd",), pulled), "orchestrator": per_request("orchestrator", orchestrator),
             "client": per_request("client", ("load generator",)), "text_tokens": text_tokens,
-            "light_ttft_ms": percentile([s.ttft * 1000 for s in phases["image64"]["samples"]], 50),
             "light_tpot_ms": percentile([s.tpot * 1000 for s in phases["long"]["samples"] if s.tpot], 50),
             "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
 
@@ -187,27 +187,36 @@ def nixl_line() -> dict:
     return fit([(0.25, 0.94), (1.0, 3.67), (8.0, 21.77)]).as_dict()
 
 
-def by_load(session: Session) -> dict:
-    """``clients.plan.loads.by_load`` on the session's server."""
+def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
+    """``doc`` with ``served``'s CPU by load measured now (``clients.plan.loads.by_load``, answers of ``loads.SHORT``
+    and ``long`` tokens): its rows, the decode step fitted through the engine's, the send interval at each load; then
+    calibrated on ``layout`` against the load-1 phase's TTFT with the background measured in that phase
+    (``light_background``). The by-load step of ``measure`` and of ``clients.plan.validate.measured_profile``."""
     from clients.plan import loads
 
-    return loads.by_load(session.served)
+    got = loads.by_load(served, long=long)
+    doc = {k: v for k, v in doc.items() if k != "engine_after_ms"}  # the engine's by-load row has all its CPU
+    doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
+               decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
+    doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
+    doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}
+    fitted = calibrate({**doc, "background": doc["light_background"]}, layout=layout)
+    return {k: v for k, v in fitted.items() if k != "background"}
 
 
 def measure(session: Session, repeat: int, name: str) -> dict:
-    from clients.plan.loads import LONG, decode_line
+    """The profile: the phases' lines (``lines``), then the by-load step on the same server (``with_by_load``)."""
+    from clients.plan.loads import LONG
     from clients.plan.simulate import Layout
 
-    measured, got = lines(run_phases(session, repeat)), by_load(session)
+    measured = lines(run_phases(session, repeat))
     doc = {"name": name, "kind": "cpu", "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-           **measured, "by_load": got["by_load"], "decode": decode_line(got["by_load"]["engine"]).as_dict(),
-           "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
+           **measured, "kv_bytes_per_token": 1024, "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "docs/benchmarks.md, Cross-host transfer (tcp veth p50), not this run",
                        "kv_transfer": "assumed equal to the same-host embedding pull; not measured (E/P/D not run)",
                        "kv_bytes_per_token": "tiny Qwen2-VL: 2 layers x K,V x 2 heads x 32 x fp32"}}
     doc["transfer"]["nixl"] = nixl_line()
-    doc["send_interval_by_load"] = fit_intervals(doc, Layout(), got["merging"], LONG, 1)
-    return calibrate(doc)
+    return with_by_load(doc, session.served, Layout(), LONG)
 
 
 def _serve(args) -> dict:

@@ -30,7 +30,7 @@ from clients.bench.report import percentile, summarise
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan.deployments import DEPLOYMENTS
-from clients.plan.measure import calibrate, fit_intervals
+from clients.plan.measure import with_by_load
 from clients.plan.profile import Profile
 from clients.plan.simulate import Layout, simulate
 from clients.plan.workload import closed
@@ -40,17 +40,11 @@ TOLERANCE = 0.15
 
 
 def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profile:
-    """``base`` with ``served``'s CPU by load measured now, calibrated on its light-load TTFT (with the light
-    phase's background)."""
+    """``base`` (less the CPU per request of the phases it was measured with) with ``served``'s CPU by load measured
+    now and calibrated on its light-load TTFT (``measure.with_by_load``)."""
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
-    got = loads.by_load(served, long=long)
-    doc = {k: v for k, v in base.doc.items() if k not in ("engine_after_ms", "cpu_ms_per_request")}
-    doc.update(by_load=got["by_load"], light_ttft_ms=got["light_ttft_ms"], by_load_phases=got["phases"],
-               decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
-    doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
-    doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}  # the light phase's
-    fitted = calibrate({**doc, "background": doc["light_background"]}, layout=layout)
-    return Profile({k: v for k, v in fitted.items() if k != "background"}).check()
+    doc = {k: v for k, v in base.doc.items() if k != "cpu_ms_per_request"}
+    return Profile(with_by_load(doc, served, layout, long)).check()
 
 
 def measure_level(served, profile: Profile, layout: Layout, level: int, args, seed: int) -> list[dict]:
