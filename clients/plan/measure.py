@@ -124,29 +124,22 @@ def lines(phases: dict) -> dict:
             "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
 
 
-def calibrate(doc: dict, layout=None) -> dict:
-    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout`` (default: one E+PD server)) against
-    ``light_ttft_ms``: the share of the per-request work done before the first token
-    (``before_first_token``), and ``hop``, what TTFT has beyond all of it (0 where the share is below 1); without
-    ``by_load`` rows, where even none of it before the first token is too much, the engine's per-request CPU beyond
-    the light-load prefill is moved after the request (``engine_after_ms``, on the engine's thread)."""
-    from clients.plan.simulate import Layout, simulate
+def calibrate(doc: dict, layout) -> dict:
+    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout``) against ``light_ttft_ms``: the
+    share of the per-request work done before the first token (``before_first_token``), and ``hop``, what TTFT has
+    beyond all of it (0 where the share is below 1). Called by ``with_by_load``."""
+    from clients.plan.simulate import simulate
     from clients.plan.workload import closed
 
     workload = closed(1, 20, round(doc["text_tokens"]), SHORT)
 
     def ttft(share: float) -> float:
         trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
-        return simulate(layout or Layout(), Profile(trial), workload)["ttft_p50_ms"]
+        return simulate(layout, Profile(trial), workload)["ttft_p50_ms"]
 
     low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
     share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
-    doc = {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
-    if low > measured and not doc.get("by_load"):  # the engine's CPU per request is more than its prefill: the rest is off the path, after it
-        prefill = Line(doc["prefill"]["base"], doc["prefill"]["slope"])
-        cut = min(prefill.base, low - measured)
-        doc.update(prefill=Line(prefill.base - cut, prefill.slope).as_dict(), engine_after_ms=round(cut, 3))
-    return doc
+    return {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
 
 
 def fit_interval(doc: dict, layout, workload, want: float, high: float = 20.0) -> float:
@@ -200,7 +193,7 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
                decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
     doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
     doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}
-    fitted = calibrate({**doc, "background": doc["light_background"]}, layout=layout)
+    fitted = calibrate({**doc, "background": doc["light_background"]}, layout)
     return {k: v for k, v in fitted.items() if k != "background"}
 
 

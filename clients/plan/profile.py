@@ -13,7 +13,8 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
 - ``orchestrator``, ``stub`` (an engine's Triton stub), ``client``: per request (base) and per streamed response (slope)
   of the processes between the engine and the user; ``before_first_token`` (optional): the share of those per-request
   costs spent before the first token, the rest after the last; ``hop`` (optional): latency beyond any CPU work;
-  ``engine_after_ms`` (optional): an engine's CPU per request off the tokens' path (on its thread after the request);
+  ``engine_after_ms`` (optional; profiles calibrated before the ``by_load`` rows): an engine's CPU per request off the
+  tokens' path (on its thread after the request);
   ``send_interval_ms`` or, by a replica's load, ``send_interval_by_load`` (``[load, ms]`` rows; optional): the least
   time between two sends of a stub (steps not sent yet are merged).
 ``by_load`` (optional, measured: ``clients.plan.loads``): per process (``client``, ``orchestrator``: the epd stub,
