@@ -92,7 +92,8 @@ class Profile:
 
     @property
     def send_interval_ms(self) -> float:
-        """The least time between two sends of an engine's stub (fitted: ``clients.plan.measure.fit_interval``)."""
+        """The least time between two sends of an engine's stub at every load, where the profile has no
+        ``send_interval_by_load`` (``send_interval``); ``clients.plan.measure.fit_interval`` tries it by bisection."""
         return float(self.doc.get("send_interval_ms", 0.0))
 
     def by_load(self, process: str) -> bool:
