@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -36,13 +36,15 @@ def grpc_run(url: str) -> Callable:
 @dataclass
 class Served:
     """A running deployment: ``run(requests, concurrency) -> (samples, errors, wall seconds)``, ``pids()`` its
-    processes now, ``replicas`` its pd engines, ``metrics`` its server's metrics URL (``single``; "": not read)."""
+    processes now, ``replicas`` its pd engines, ``metrics`` its server's metrics URL and ``engine_args`` the vLLM
+    engine arguments it serves with (``single``; empty: not known)."""
 
     name: str
     run: Callable
     pids: Callable[[], list[int]]
     replicas: int = 1
     metrics: str = ""
+    engine_args: dict = field(default_factory=dict)
 
 
 @contextmanager
@@ -52,11 +54,12 @@ def single(args):
     from backend.deploy.render import render
     from backend.deploy.topology import load
 
+    topology = load(Path(args.topology), "cpu").only("E+PD")
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as repo:
-        render(load(Path(args.topology), "cpu").only("E+PD"), Path(repo))
+        render(topology, Path(repo))
         with TritonServer(Path(repo), ports=Ports(*free_ports(3)), log_path=Path(repo) / "tritonserver.log") as server:
             yield Served("single", grpc_run(server.grpc_url), lambda: group_members(server.proc.pid),
-                         metrics=server.metrics_url)
+                         metrics=server.metrics_url, engine_args=topology.engine_args)
 
 
 @contextmanager

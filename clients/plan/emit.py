@@ -1,5 +1,6 @@
-"""A plan written out: the topology (with its ``hosts:`` block, one host per replica) and its Kubernetes base
-(``backend.deploy.kubernetes``, the autoscalers' targets the plan derived), both checked by the project's own loaders.
+"""A plan written out: the topology (with its ``hosts:`` block, one host per replica, and the engine arguments the plan
+assumed) and its Kubernetes base (``backend.deploy.kubernetes``, the autoscalers' targets the plan derived), both
+checked by the project's own loaders.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from clients.plan.simulate import Layout
 SPLITS = ("E+PD", "E/P/D")  # what the planner writes (not its llm candidates)
 
 
-def topology_doc(layout: Layout, checkpoint: str, device: str, name: str) -> dict:
+def topology_doc(layout: Layout, checkpoint: str, device: str, name: str, engine_args: dict) -> dict:
     """The topology of ``layout``: its stages and one host per replica (10.77.0.x addresses, the namespaces' plan;
-    a cluster's pods get their own), the orchestrator on a host of its own."""
+    a cluster's pods get their own), the orchestrator on a host of its own, its engines' ``engine_args`` (the plan's:
+    ``planner.engine_args``)."""
     if layout.split not in SPLITS:
         raise ValueError(f"{layout.split}: the planner writes E+PD and E/P/D topologies")
     engines = layout.engines()
@@ -32,7 +34,8 @@ def topology_doc(layout: Layout, checkpoint: str, device: str, name: str) -> dic
                                       "stages": [stage]}
             address += 1
     return {"name": name, "checkpoint": checkpoint, "serve": [layout.split], "stages": stages,
-            "transfer": {"pool_bytes": 67108864, "lease_seconds": 30}, "limits": {"max_images": 4}, "hosts": hosts}
+            "engine_args": engine_args, "transfer": {"pool_bytes": 67108864, "lease_seconds": 30},
+            "limits": {"max_images": 4}, "hosts": hosts}
 
 
 def write(result: dict, out: Path, checkpoint: str, device: str, name: str, max_replicas: int) -> list[str]:
@@ -40,7 +43,7 @@ def write(result: dict, out: Path, checkpoint: str, device: str, name: str, max_
     when none)."""
     out.mkdir(parents=True, exist_ok=True)
     layout: Layout = result["chosen"]
-    doc = topology_doc(layout, checkpoint, device, name)
+    doc = topology_doc(layout, checkpoint, device, name, result["engine_args"])
     path = out / "topology.yaml"
     header = (f"# {name}: written by clients.plan.planner ({layout.label()}, {result['budget']} devices budgeted);"
               f" the autoscalers' targets: plan.json\n")

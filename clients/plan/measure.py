@@ -198,7 +198,8 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
 
 
 def measure(session: Session, repeat: int, name: str) -> dict:
-    """The profile: the phases' lines (``lines``), then the by-load step on the same server (``with_by_load``)."""
+    """The profile: the phases' lines (``lines``), the server's engine arguments where known (the planner writes
+    them into its topology), then the by-load step on the same server (``with_by_load``)."""
     from clients.plan.loads import LONG
     from clients.plan.simulate import Layout
 
@@ -209,6 +210,8 @@ def measure(session: Session, repeat: int, name: str) -> dict:
                        "kv_transfer": "assumed equal to the same-host embedding pull; not measured (E/P/D not run)",
                        "kv_bytes_per_token": "tiny Qwen2-VL: 2 layers x K,V x 2 heads x 32 x fp32"}}
     doc["transfer"]["nixl"] = nixl_line()
+    if session.served.engine_args:
+        doc["engine_args"] = session.served.engine_args
     return with_by_load(doc, session.served, Layout(), LONG)
 
 

@@ -10,7 +10,8 @@ capacity (``capacity``: the requests/s of its slowest stage, replicas over that 
 the SLO per second (ties: fewer devices); ``hardware``: the fewest devices whose simulated TTFT p90 and TPOT p90 meet
 the SLO. Budgets above ``SLICE`` devices are planned on a slice of ``SLICE`` at the matching share of the rate, the
 counts then scaled (a larger pool of the same ratio queues no longer: pooling only helps).
-Written to ``--out``: ``topology.yaml`` (with its ``hosts:`` block, checked by ``backend.deploy.topology``),
+Written to ``--out``: ``topology.yaml`` (with its ``hosts:`` block, checked by ``backend.deploy.topology``; its
+``engine_args`` the profile's and the layout's batch limit: ``engine_args``),
 ``kubernetes/`` (``backend.deploy.kubernetes``'s base, its autoscalers' targets from the plan: ``targets``), and
 ``plan.json`` (the candidates simulated, the choice, the targets and how they were derived).
 """
@@ -125,21 +126,29 @@ def plan(profile: Profile, workload: Workload, budget: int, goal: str = "goodput
     layout, result, sim = chosen
     final = scaled(layout, factor, budget) if sliced else layout
     return {"chosen": final, "slice": layout.label() if sliced else None, "result": result, "tried": tried,
-            "budget": budget, "targets": targets(sim, result, profile, small)}
+            "budget": budget, "targets": targets(sim, result, profile, small),
+            "engine_args": engine_args(profile, final)}
+
+
+def engine_args(profile: Profile, layout: Layout) -> dict:
+    """The engines' vLLM arguments the plan assumed, for its topology (``emit``): the profile's
+    (``Profile.engine_args``, its KV size among them) and the layout's batch limit."""
+    return {**profile.engine_args, "max_num_seqs": layout.max_num_seqs}
 
 
 def targets(sim: Simulation, result: dict, profile: Profile, workload: Workload) -> dict:
     """Each tier's autoscaler target from the planned run (``sim``, its figures ``result``): engines' KV-cache use at
-    their mean batch and context (``kv_cache_bytes`` of the profile), encoders' embedding bytes in flight per replica
-    (Little's law: items per second times seconds in the stage), orchestrators' requests per second per replica."""
+    their mean batch and context (over their KV size: ``Profile.engine_args``), encoders' embedding bytes in flight
+    per replica (Little's law: items per second times seconds in the stage), orchestrators' requests per second per
+    replica."""
     wall = result["wall_s"]
     requests = workload.draw()
     mean_items = sum(len(r.items) for r in requests) / len(requests)
     tokens_per_item = (sum(profile.tokens(i) for r in requests for i in r.items) / max(1, sum(len(r.items) for r in requests)))
     context = sum(r.prompt_tokens + r.output_tokens / 2 for r in requests) / len(requests) + mean_items * tokens_per_item
-    # the engines' KV cache: the profile's, else what the written topology gives them (emit writes no engine_args)
-    kv_cache = float(profile.doc.get("kv_cache_bytes") or ENGINE_DEFAULTS["kv_cache_memory_bytes"])
-    kv_source = "kv_cache_bytes" if profile.doc.get("kv_cache_bytes") else "the topology's default kv_cache_memory_bytes"
+    kv = profile.engine_args.get("kv_cache_memory_bytes")  # what the written topology gives the engines
+    kv_cache = float(kv or ENGINE_DEFAULTS["kv_cache_memory_bytes"])
+    kv_source = "the profile's kv_cache_memory_bytes" if kv else "the topology's default kv_cache_memory_bytes"
     out = {}
     for stage, replicas in sim.tiers.items():
         batch = sum(e.batched for e, _ in replicas) / max(1, sum(e.steps for e, _ in replicas))

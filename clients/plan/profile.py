@@ -22,6 +22,8 @@ Every cost is a line, ``{"base": b, "slope": s}`` (milliseconds, and millisecond
 request, ms per token]`` by the requests in flight where it runs (the deployment for the first three, one replica for
 the stub and the engine), read between rows on a log scale, held beyond the ends; where present it replaces the
 per-request lines above and the engine's prefill and decode lines (``cost``).
+``engine_args`` (optional): the vLLM engine arguments its engines ran with (``measure`` records the served
+topology's); ``kv_cache_bytes`` (optional): an engine's KV cache; both go into the planned topology (``engine_args``).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
 the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
@@ -95,6 +97,15 @@ class Profile:
         """The least time between two sends of an engine's stub at every load, where the profile has no
         ``send_interval_by_load`` (``send_interval``); ``clients.plan.measure.fit_interval`` tries it by bisection."""
         return float(self.doc.get("send_interval_ms", 0.0))
+
+    @property
+    def engine_args(self) -> dict:
+        """The vLLM engine arguments the profile's engines had: its ``engine_args``, over ``kv_cache_bytes`` as
+        ``kv_cache_memory_bytes``; what neither names: the topology's defaults
+        (``backend.deploy.schema.ENGINE_DEFAULTS``, what a CPU profile's server ran with). The planner writes them into its topology and sizes the engines'
+        autoscaler target by their KV (``clients.plan.planner``)."""
+        kv = self.doc.get("kv_cache_bytes")
+        return {**({"kv_cache_memory_bytes": int(kv)} if kv else {}), **self.doc.get("engine_args", {})}
 
     def by_load(self, process: str) -> bool:
         return bool(self.doc.get("by_load", {}).get(process))

@@ -101,3 +101,28 @@ def test_a_replay_reads_the_run_s_own_arguments_back():
     assert run_arguments(f"{COMMAND} --profile p.json").requests == 48  # the run's defaults: validate's
     with pytest.raises(ValueError, match="not a clients.plan.validate command"):
         run_arguments("python -m clients.plan.measure --out x")
+
+
+def test_the_written_topology_serves_with_the_engine_args_the_plan_assumed(tmp_path):
+    """The planned topology's engines get the profile's engine arguments and KV size (a GPU profile's 16 GiB, not the
+    topology's CPU default) and the layout's batch limit, in the topology and in the Kubernetes base's rendered
+    model.json; a profile that names none leaves the topology's defaults, which its KV target is computed against."""
+    from backend.deploy.schema import ENGINE_DEFAULTS
+    from backend.deploy.topology import load
+    from clients.plan.emit import write
+
+    doc = {**heavy_encoder().doc, "kv_bytes_per_token": 1024, "kv_cache_bytes": 16 << 30,
+           "engine_args": {"dtype": "bfloat16", "enforce_eager": False}}
+    result = plan(Profile(doc).check(), workload(60.0), 5, "goodput", ("E+PD",), Layout(max_num_seqs=4), simulate=2)
+    assert write(result, tmp_path / "gpu", "../models/tiny-qwen2-vl", "gpu", "planned", 10) == []
+    args = load(tmp_path / "gpu" / "topology.yaml", "gpu").engine_args
+    assert (args["kv_cache_memory_bytes"], args["dtype"], args["enforce_eager"], args["max_num_seqs"]) == \
+        (16 << 30, "bfloat16", False, 4)
+    assert f'"kv_cache_memory_bytes": {16 << 30}' in (tmp_path / "gpu" / "kubernetes" / "pd.yaml").read_text()
+    assert "the profile's kv_cache_memory_bytes" in result["targets"]["pd"]["from"]
+
+    plain = plan(heavy_encoder(), workload(60.0), 5, "goodput", ("E+PD",), Layout(max_num_seqs=4), simulate=2)
+    write(plain, tmp_path / "cpu", "../models/tiny-qwen2-vl", "cpu", "planned", 10)
+    args = load(tmp_path / "cpu" / "topology.yaml", "cpu").engine_args
+    assert args == {**ENGINE_DEFAULTS, "max_num_seqs": 4}
+    assert "default kv_cache_memory_bytes" in plain["targets"]["pd"]["from"]
