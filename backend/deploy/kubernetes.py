@@ -88,8 +88,10 @@ def tiers(topology: Topology, prefix: str = "") -> dict[str, Tier]:
         for host in topology.hosts.values():
             held = tuple(stage for stage in STAGE_ORDER if stage in host.stages)
             groups[held] = groups.get(held, 0) + 1
-    else:
-        groups = {(stage,): 1 for stage in STAGE_ORDER if stage in topology.stages}
+    else:  # decode's engine in E/P/D's orchestrator (decode_in_process): in prefill's pods, one tier
+        together = ("prefill", "decode") if topology.decode_in_process else ()
+        groups = {((stage,) if stage not in together else together): 1
+                  for stage in STAGE_ORDER if stage in topology.stages}
     out = {}
     for held, replicas in groups.items():
         name = prefix + "-".join(held)

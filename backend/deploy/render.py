@@ -99,7 +99,10 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
     checkpoint = os.path.relpath(topology.checkpoint.resolve(), model_dir.resolve())
     per_prompt = {m.limit_field for m in modalities()}  # the engines': limit_mm_per_prompt; epd's: parameters
     limits = {k: _fmt(v) for k, v in topology.limits.items() if k not in (*per_prompt, "request_timeout_seconds")}
-    header = "".join(f"# {line}\n" for line in [generated_by(topology), *_HEADERS[kind].splitlines()])
+    text = _HEADERS[kind] + ("\nDecode's engine (a KV consumer) runs in this model's process too: its tokens reach "
+                             "the client\nwithout a stub or gRPC hop (decode_in_process)."
+                             if kind is ModelKind.COLOCATED_PREFILL and topology.decode_in_process else "")
+    header = "".join(f"# {line}\n" for line in [generated_by(topology), *text.splitlines()])
     body = f'name: "{name}"\nbackend: "python"\n'
     if kind is ModelKind.ENCODER:
         spec = topology.stages[kind.stage]
@@ -129,10 +132,11 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         params = {"engine_args": "model.json", **limits, "topology": kind.disaggregation.value,
                   "orchestrator": "colocated", "encoder_model": "encoder", "encoder_endpoint": topology.stages["encoder"].endpoint,
                   "request_timeout_seconds": _fmt(topology.limits["request_timeout_seconds"])}
-        # decode over gRPC; this model's engine is prefill's (a KV producer)
+        # decode over gRPC, or its engine here too; this model's engine is prefill's (a KV producer)
         if kind.disaggregation is Disaggregation.E_P_D:
-            params.update(decode_model="decode", decode_endpoint=topology.stages["decode"].endpoint, nixl_side_channel_port="",
-                          **_kv_transfer(topology))
+            params.update({"decode_in_process": "true"} if topology.decode_in_process else
+                          {"decode_model": "decode", "decode_endpoint": topology.stages["decode"].endpoint})
+            params.update(nixl_side_channel_port="", **_kv_transfer(topology))
         if topology.stream_interval_ms:
             params["stream_interval_ms"] = _fmt(topology.stream_interval_ms)
         params.update(_nice(topology))

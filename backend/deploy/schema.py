@@ -26,6 +26,8 @@ STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_
 REMOTE_STAGES = tuple(stage.value for d in Disaggregation for stage in d.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
 ORCHESTRATORS = ("proxy", "colocated")  # stages.<host>.orchestrator: where a deployment's orchestrator runs
+# stages.decode.orchestrator: colocated: decode's engine runs in E/P/D's orchestrator too (prefill's instances)
+IN_PROCESS_DECODE = Stage.DECODE.value
 HOSTS = {d.value: d.host.value for d in Disaggregation}  # deployment -> the stage that can host its orchestrator
 # the models' settings (backend.protocol.settings) these sections render; their defaults are the models'
 TRANSFER_DEFAULTS = {**defaults(EncoderSettings, "pool_bytes", "lease_seconds", "alloc_timeout_seconds"),
@@ -108,7 +110,9 @@ class StageSpec:
     instances: int = 1
     device: str = "cpu"
     gpus: tuple[int, ...] = ()
-    orchestrator: str = "proxy"  # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances
+    # pd / prefill (HOSTS): "colocated" runs the deployment's orchestrator in its instances; decode: "colocated" runs
+    # decode's engine in those too (E/P/D's orchestrator colocated with prefill)
+    orchestrator: str = "proxy"
     endpoint: str = "local"  # ENDPOINT_STAGES: where the orchestrators reach it (backend.deploy.server_address)
     video_decoder: str = "cpu"  # encoder: where its videos are decoded (EncoderSettings.video_decoder; nvdec: gpu only)
     image_preprocess: str = "cpu"  # encoder: where its images are preprocessed (EncoderSettings.image_preprocess)
@@ -168,6 +172,23 @@ class Topology:
         return tuple(served for served in self.serve if served in HOSTS and HOSTS[served] in self.stages
                      and self.stages[HOSTS[served]].orchestrator == "colocated")
 
+    @property
+    def decode_in_process(self) -> bool:
+        """Whether decode's engine runs in E/P/D's colocated orchestrator (``stages.decode.orchestrator:
+        colocated``, with ``stages.prefill.orchestrator: colocated``): no model named ``decode`` then."""
+        return (Disaggregation.E_P_D.value in self.colocated and IN_PROCESS_DECODE in self.stages
+                and self.stages[IN_PROCESS_DECODE].orchestrator == "colocated")
+
+    def with_decode_in_process(self) -> "Topology":
+        """This topology with decode's engine in E/P/D's orchestrator (which must be colocated with prefill): decode's
+        instances and device become prefill's, whose instances it runs in."""
+        if Disaggregation.E_P_D.value not in self.colocated:
+            raise TopologyError(f"{self.name}: decode in process: E/P/D's orchestrator must be colocated with prefill")
+        if self.hosts:
+            raise TopologyError(f"{self.name}: decode in process: its hosts block places the stages; edit the file")
+        prefill = self.stages[Stage.PREFILL.value]
+        return replace(self, stages={**self.stages, IN_PROCESS_DECODE: replace(prefill, orchestrator="colocated")})
+
     def with_orchestrator(self, where: str, deployment: str = "E+PD") -> "Topology":
         """This topology with ``deployment``'s orchestrator ``proxy`` or ``colocated``: the settings of the stages the
         deployments then use (an ``epd`` stage nothing uses is dropped; a proxy orchestrator without one gets the
@@ -195,7 +216,8 @@ class Topology:
                 if stage == Stage.ORCHESTRATOR.value:
                     name = "epd" if "epd" not in out else "epd_disagg"
                     out[name] = ModelKind.orchestrator(Disaggregation(deployment), deployment in colocated)
-                elif not (deployment in colocated and stage == HOSTS[deployment]):
+                elif not (deployment in colocated and stage == HOSTS[deployment]
+                          or stage == IN_PROCESS_DECODE and self.decode_in_process):
                     out[stage] = ModelKind(stage)
         return out
 

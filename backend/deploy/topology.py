@@ -59,8 +59,8 @@ from backend.deploy.hosts import cli as hosts_cli, parse_hosts
 from backend.deploy.render import render
 from backend.deploy.schema import (ADMISSION_DEFAULTS, DEPLOYMENTS, ENDPOINT_STAGES, ENGINE_DEFAULTS, GPU_STAGES, HOSTS, LIMIT_DEFAULTS,
                                    MAX_INSTANCES, ORCHESTRATORS, REUSE_DEFAULTS, ROOT, STAGE_KEYS, TIER_DEFAULTS,
-                                   TOP_KEYS, TRANSFER_DEFAULTS, StageSpec, Topology, TopologyError, check_keys,
-                                   deployment_stages)
+                                   TOP_KEYS, TRANSFER_DEFAULTS, IN_PROCESS_DECODE, StageSpec, Topology, TopologyError,
+                                   check_keys, deployment_stages)
 from backend.deploy.server_address import EndpointError, LOCAL, check_endpoint
 from backend.protocol.settings import ImagePreprocess, VideoDecoder
 from backend.protocol.stages import Stage
@@ -136,7 +136,28 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                         openai_port=openai_port, engine_nice=nice, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
                         reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve),
                         admission=_admission(doc.get("admission"), f"{path}: admission"), source=_source(path))
+    topology = _decode_in_process(topology, doc, f"{path}: stages.{IN_PROCESS_DECODE}")
     return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))
+
+
+def _decode_in_process(topology: Topology, doc: dict, where: str) -> Topology:
+    """``stages.decode.orchestrator: colocated`` runs decode's engine in each instance of E/P/D's orchestrator, which
+    prefill's instances host: it needs that orchestrator colocated, one server (no hosts block), and decode's
+    instances and device as prefill's (given so, or not given: then taken from prefill)."""
+    spec = topology.stages.get(IN_PROCESS_DECODE)
+    if spec is None or spec.orchestrator != "colocated":
+        return topology
+    if not topology.decode_in_process:
+        raise TopologyError(f"{where}.orchestrator: colocated runs decode's engine in E/P/D's orchestrator; it needs "
+                            f"stages.prefill.orchestrator: colocated")
+    if doc.get("hosts"):
+        raise TopologyError(f"{where}.orchestrator: colocated: not with a hosts block (decode runs where prefill does)")
+    given = {k for k in ("instances", "device", "gpus") if k in ((doc.get("stages") or {}).get(IN_PROCESS_DECODE) or {})}
+    prefill = topology.stages["prefill"]
+    if given and (spec.instances, spec.device, spec.gpus) != (prefill.instances, prefill.device, prefill.gpus):
+        raise TopologyError(f"{where}: decode's engine runs in prefill's instances: give it prefill's instances, "
+                            f"device and gpus, or none of them")
+    return topology.with_decode_in_process()
 
 
 def _admission(doc, where: str) -> dict[str, Any]:
@@ -242,8 +263,9 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     if gpus and device != "gpu":
         raise TopologyError(f"{where}.gpus: only for device: gpu")
     orchestrator = doc.get("orchestrator", "proxy")
-    if "orchestrator" in doc and stage not in HOSTS.values():
-        raise TopologyError(f"{where}.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator")
+    if "orchestrator" in doc and stage not in (*HOSTS.values(), IN_PROCESS_DECODE):
+        raise TopologyError(f"{where}.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator "
+                            f"(and decode's engine can run in E/P/D's)")
     if orchestrator not in ORCHESTRATORS:
         raise TopologyError(f"{where}.orchestrator: expected one of {', '.join(ORCHESTRATORS)}, got {orchestrator!r}")
     endpoint = doc.get("endpoint", LOCAL)

@@ -320,21 +320,24 @@ def release_ipc_dir(path: str) -> None:
 class EngineHost:
     CANCEL_SECONDS = 10.0  # how long shutdown waits for the loop to cancel vLLM's output handler
 
-    def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None, processes=()):
+    def __init__(self, loop: LoopThread, engine, tokenizer, ipc_dir: str | None = None, processes=(),
+                 owns_loop: bool = True):
         """``processes``: the engine's (``psutil.Process``, made by ``start``): ``shutdown`` makes sure they are gone,
-        and touches no other process of the host's."""
+        and touches no other process of the host's. ``owns_loop``: ``shutdown`` stops the loop too."""
         self._loop, self._engine, self._tokenizer, self._ipc_dir = loop, engine, tokenizer, ipc_dir
-        self._processes = list(processes)
+        self._processes, self._owns_loop = list(processes), owns_loop
 
     @classmethod
-    def start(cls, engine_args: dict[str, Any], stats_observer=None) -> "EngineHost":
-        """``stats_observer``: a ``backend.engine.stats.StatsObserver`` given vLLM's request metrics."""
+    def start(cls, engine_args: dict[str, Any], stats_observer=None, beside: "EngineHost | None" = None) -> "EngineHost":
+        """``stats_observer``: a ``backend.engine.stats.StatsObserver`` given vLLM's request metrics. ``beside``: a
+        host whose loop this engine shares (two engines one coroutine drives: E/P/D's prefill and decode in the
+        orchestrator's process); its ``shutdown`` stops this engine only, the loop stays ``beside``'s."""
         prepare_process()
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        loop = LoopThread("vllm-engine-loop")
+        loop = beside._loop if beside is not None else LoopThread("vllm-engine-loop")
         ipc_dir = private_ipc_dir()
 
         args = dict(engine_args)
@@ -355,13 +358,14 @@ class EngineHost:
         try:
             engine = loop.submit(create()).result()
         except BaseException:
-            loop.stop()
+            if beside is None:
+                loop.stop()
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
         processes = [proc for proc in psutil.Process().children(recursive=True)
                      if proc.pid not in others and _engine_process(proc)]
         tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
-        return cls(loop, engine, tokenizer, ipc_dir, processes)
+        return cls(loop, engine, tokenizer, ipc_dir, processes, owns_loop=beside is None)
 
     def submit(self, coro: Coroutine) -> Future:
         return self._loop.submit(coro)
@@ -424,7 +428,8 @@ class EngineHost:
                 self._stop_quietly(engine)
             finally:  # whatever the stop raised, the engine's processes go
                 stop_engine_processes(self._processes)
-        self._loop.stop()
+        if self._owns_loop:
+            self._loop.stop()
         # Let AsyncLLM.__del__ run now, while the interpreter is whole, not at stub exit.
         del engine
         gc.collect()

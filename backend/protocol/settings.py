@@ -211,6 +211,12 @@ class ColocatedSettings(OpenAISettings, RoutingSettings, HeldSettings, KvEngineS
     engine."""
 
     orchestrator: str = "colocated"  # written by the renderer, for the reader of config.pbtxt
+    # E/P/D: decode's engine runs in this process too (a KV consumer beside prefill's producer; topology
+    # stages.decode.orchestrator: colocated): decode's stream reaches the client without a stub or gRPC hop per token
+    decode_in_process: bool = False
+
+    def targets(self) -> dict[Stage, tuple[str, str]]:
+        return {} if self.decode_in_process else super().targets()
 
 
 S = typing.TypeVar("S")

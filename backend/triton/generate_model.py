@@ -177,6 +177,18 @@ class GenerateModel:
         bound_the_exit()
 
 
+def kv_consumer_request(request: GenerateRequest, timings: dict | None = None) -> GenerateRequest:
+    """A KV consumer's (decode's) engine request of a metadata-only one: the layouts' grids (and fields) only, with
+    zeros for embeddings where this vLLM needs a tensor (``takes_layout_only``): the KV covers the media positions."""
+    from backend.transfer.engine_inputs import (media_grids, media_kwargs, media_uuids,  # torch, as initialize's
+                                                placeholder_media_embeds)
+
+    zeros = {} if takes_layout_only() else placeholder_media_embeds(request.items)
+    grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.items).items()}
+    return replace(request, items=(), media_embeds=grids, media_kwargs=media_kwargs(request.items),
+                   media_uuids=media_uuids(request.items), timings=timings or None)
+
+
 class MetadataOnlyModel(GenerateModel):
     """A vLLM model fed metadata-only media (``image_layouts``), as its role's spec says (``self.spec``):
     ``pd`` and ``prefill`` pull each item's embeddings before submitting (``pulls_embeddings``); ``decode`` submits
@@ -215,19 +227,24 @@ class MetadataOnlyModel(GenerateModel):
             args["kv_transfer_config"] = kv_transfer_config(self.spec.kv_role, self.on_gpu, self.settings.kv_lease_seconds)
         return args
 
-    def process_env(self):
-        if not self.spec.kv_role:
+    def process_env(self, spec: RoleSpec | None = None):
+        """``spec``: the role of the engine about to start (None: this model's, ``self.spec``)."""
+        spec = spec or self.spec
+        if not spec.kv_role:
             return super().process_env()
         settings: KvEngineSettings = self.settings  # a kv_role's model reads KvEngineSettings (or a subclass)
         port = settings.nixl_side_channel_port if settings.nixl_side_channel_port is not None else free_ports()[0]
         # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)
-        wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else self.spec.idle_wait_ms
+        wait = settings.engine_idle_wait_ms if settings.engine_idle_wait_ms is not None else spec.idle_wait_ms
         return {**super().process_env(), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
                 POLL_DELAY_ENV: str(settings.nixl_poll_delay_us),
                 "EPD_ENGINE_IDLE_WAIT_MS": "" if wait is None else f"{wait:g}",
                 "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
-    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+    async def prepare(self, request: GenerateRequest, spec: RoleSpec | None = None) -> GenerateRequest:
+        """``spec``: the role of the engine the request is for (None: this model's; E/P/D's decode in a colocated
+        orchestrator's process passes decode's)."""
+        spec = spec or self.spec
         layouts = sum(isinstance(item, LayoutMetadata) for item in request.items)
         if layouts < len(request.items):  # media decoded here (takes_media): the engine processes them
             if layouts:
@@ -243,15 +260,10 @@ class MetadataOnlyModel(GenerateModel):
                                              request.media_io)
             self.metrics.media_decodes(decode_counter.count)
             timings["media_ms"] = round(seconds * 1000, 3)
-        from backend.transfer.engine_inputs import media_grids, media_kwargs, media_uuids  # torch, as initialize's
+        from backend.transfer.engine_inputs import media_kwargs, media_uuids  # torch, as initialize's
 
-        if not self.spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
-            from backend.transfer.engine_inputs import placeholder_media_embeds
-
-            zeros = {} if takes_layout_only() else placeholder_media_embeds(request.items)
-            grids = {name: (zeros.get(name), grid) for name, grid in media_grids(request.items).items()}
-            return replace(request, items=(), media_embeds=grids, media_kwargs=media_kwargs(request.items),
-                           media_uuids=media_uuids(request.items), timings=timings or None)
+        if not spec.pulls_embeddings:  # a KV consumer: its KV covers the media positions
+            return kv_consumer_request(request, timings)
 
         started = time.perf_counter()
         embeds, taken = await asyncio.get_running_loop().run_in_executor(self.pulls, self._pull, request)

@@ -50,6 +50,7 @@ ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 INTERLEAVED = ("vllm-single", "llm", "vllm-e-pd", "epd", "vllm-e-p-d", "epd_disagg", "vllm-e-p-d-delay")
 NEEDS_PROXY = ("vllm-e-pd", "vllm-e-p-d", "vllm-e-p-d-delay")
 WARMUP_SEED = 10**6
+DECODE = "decode"  # --colocated: decode's engine in E/P/D's colocated orchestrator too
 MODES = {"vllm-single": "baseline", "vllm-e-pd": "E+PD", "vllm-e-p-d": "E/P/D", "vllm-e-p-d-delay": "E/P/D",
          **stacks.OURS}  # row -> the topology deployment whose engine settings it runs with
 
@@ -61,8 +62,10 @@ class Run:
         self.args = args
         self.topology = run_topology(args)
         self.ours_topology = self.topology  # ours: the deployments of --colocated with their orchestrator colocated
-        for mode in args.colocated:
+        for mode in (m for m in args.colocated if m != DECODE):
             self.ours_topology = self.ours_topology.with_orchestrator("colocated", mode)
+        if DECODE in args.colocated:
+            self.ours_topology = self.ours_topology.with_decode_in_process()
         self.poll_delay_us = (args.poll_delay_us if args.poll_delay_us is not None
                               else int(self.topology.transfer.get("nixl_poll_delay_us", 5000)))
         n, sizes, images, fmt = args.requests, args.image_size, args.images_per_request, args.image_format
@@ -300,9 +303,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--poll-delay-us", type=int,
                         help="NIXL poll delay of vllm-e-p-d-delay (default: the topology's transfer.nixl_poll_delay_us)")
     parser.add_argument("--no-grpc", action="store_true", help="drive ours through the OpenAI endpoint only")
-    parser.add_argument("--colocated", default="E+PD,E/P/D",
+    parser.add_argument("--colocated", default=f"E+PD,E/P/D,{DECODE}",
                         help="our deployments (comma-separated: E+PD, E/P/D; '' for none) whose orchestrator runs in "
-                             "its host stage's process (topology stages.<pd|prefill>.orchestrator: colocated)")
+                             "its host stage's process (topology stages.<pd|prefill>.orchestrator: colocated); "
+                             f"{DECODE!r} after E/P/D: decode's engine in that process too "
+                             "(stages.decode.orchestrator: colocated)")
     parser.add_argument("--no-in-process", action="store_true",
                         help="leave out ours with the OpenAI endpoint in the served model's process (openai-in rows)")
     parser.add_argument("--profile", action="store_true",
@@ -322,8 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--proxy is vLLM's file: keep it outside this repository")
     args.rows = [r for r in (INTERLEAVED if args.interleave else ROWS) if r in rows]  # the reference first
     args.colocated = [m for m in args.colocated.split(",") if m]
-    if bad := [m for m in args.colocated if m not in ("E+PD", "E/P/D")]:
-        parser.error(f"--colocated: {', '.join(bad)}: expected E+PD and/or E/P/D")
+    if bad := [m for m in args.colocated if m not in ("E+PD", "E/P/D", DECODE)]:
+        parser.error(f"--colocated: {', '.join(bad)}: expected E+PD and/or E/P/D (and {DECODE})")
+    if DECODE in args.colocated and "E/P/D" not in args.colocated:
+        parser.error(f"--colocated: {DECODE} runs decode's engine in E/P/D's colocated orchestrator: list E/P/D too")
     if missing := unservable(args.topology, args.rows, args.machine):
         parser.error(f"{args.topology} cannot serve {', '.join(missing)} alone; leave them out of --rows")
     return args

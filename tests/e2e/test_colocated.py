@@ -1,9 +1,11 @@
 """E2E: the colocated orchestrators in their own tritonserver: E+PD (``stages.pd.orchestrator: colocated``,
-model ``epd``: the orchestrator and the pd engine in one stub) and E/P/D (``stages.prefill.orchestrator:
-colocated``, model ``epd_disagg``: the orchestrator and prefill's engine in one stub, ``decode`` a model of its
-own asked over gRPC); encoders are a separate model (BLS). Against ``llm`` in the same server: the same tokens
-(greedy) for varied requests, streaming and not; a client cancel aborts the engine request; an encoder error
-is a clear INVALID_ARG naming the item; nothing leaks."""
+model ``epd``: the orchestrator and the pd engine in one stub) and E/P/D with both engines in the orchestrator's
+process (``stages.prefill.orchestrator: colocated`` and ``stages.decode.orchestrator: colocated``, model
+``epd_disagg``: the orchestrator, prefill's engine and decode's, the KV moved between them through NIXL); encoders
+are a separate model (BLS). Against ``llm`` in the same server: the same tokens (greedy) for varied requests,
+streaming and not; a client cancel aborts the engine request; an encoder error is a clear INVALID_ARG naming the
+item; nothing leaks. (E/P/D's orchestrator beside prefill with ``decode`` a model of its own, asked over gRPC:
+``tests/unit/test_local_stages.py`` and the renderings' tests.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -26,19 +28,22 @@ from tests.e2e.test_epd import CASES, ask, img
 pytestmark = pytest.mark.e2e
 
 
-# model -> the models whose processes do its stages' media work and transfers: E+PD's engine pulls the embeddings
-# (in epd); E/P/D's prefill (in epd_disagg) pulls them, decode takes layouts only
-MODELS = {"epd": ("epd",), "epd_disagg": ("epd_disagg", "decode")}
-DECODER = {"epd": "epd", "epd_disagg": "decode"}  # the model whose engine samples the client's tokens
+# model -> its engines, each doing a naive consumer's media work when metadata-only is off: E+PD's pd engine; E/P/D's
+# prefill (which pulls the embeddings) and decode (layouts only), both in epd_disagg's process
+ENGINES = {"epd": 1, "epd_disagg": 2}
+MODELS = list(ENGINES)
+# the vLLM metrics' model label of the engine that samples the client's tokens (decode's: decode_model's name)
+DECODER = {"epd": "epd", "epd_disagg": "decode"}
 
 
 @pytest.fixture(scope="module")
 def colocated_server(tmp_path_factory):
-    """llm beside E+PD colocated (encoder + epd) and E/P/D colocated (epd_disagg + decode), rendered from
-    topologies/cpu-e-pd-colocated.yaml and cpu-e-p-d-colocated.yaml."""
+    """llm beside E+PD colocated (encoder + epd) and E/P/D with both engines in its orchestrator (epd_disagg),
+    rendered from topologies/cpu-e-pd-colocated.yaml and cpu-e-p-d-one-process.yaml."""
     repo = tmp_path_factory.mktemp("colocated") / "repo"
     topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
-    e_p_d = load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu")
+    e_p_d = load(ROOT / "topologies" / "cpu-e-p-d-one-process.yaml", "cpu")
+    assert e_p_d.decode_in_process
     render(dataclasses.replace(topology, serve=("baseline", "E+PD", "E/P/D"),
                                stages={**topology.stages, **e_p_d.stages, "llm": StageSpec()}), repo)
     (port,) = free_ports(1)  # epd (colocated) also serves the OpenAI endpoint from its process, as openai_port renders
@@ -61,7 +66,7 @@ def baseline(colocated_server):
 def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server):
     client = httpclient.InferenceServerClient(colocated_server.http_url)
     models = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
-    assert models == {"llm", "encoder", "epd", "epd_disagg", "decode"}  # no pd, no prefill: their engines run in epd*
+    assert models == {"llm", "encoder", "epd", "epd_disagg"}  # no pd, prefill, decode: their engines run in epd*
     for model in MODELS:
         inputs = {i["name"] for i in client.get_model_metadata(model)["inputs"]}
         assert inputs == {i["name"] for i in client.get_model_metadata("llm")["inputs"]}  # the clients' interface
@@ -85,7 +90,7 @@ def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, n
 @pytest.mark.parametrize("model", list(MODELS))
 def test_logprobs_are_the_baseline_s(colocated_server, model):
     """The sampling parameter ``logprobs``: llm's entries, streaming (each response its tokens') and not; E/P/D's from
-    decode (a model of its own), not from prefill's one token in epd_disagg."""
+    decode's engine, not from prefill's one token."""
     sampling = {"temperature": 0.0, "max_tokens": 8, "logprobs": 3}
     want = ask(colocated_server, "llm", **CASES["chat_one_image"], sampling=sampling)
     assert len(want.logprobs) == want.num_output_tokens == 8
@@ -106,8 +111,8 @@ def test_http_streaming_and_concurrent_requests(colocated_server, baseline, mode
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_timing_breakdown_and_metadata_only(colocated_server, model):
-    puller = MODELS[model][0]  # the process that pulls the embeddings
-    decodes = {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]}
+    puller = model  # the process that pulls the embeddings (pd's or prefill's engine)
+    decodes = metric(colocated_server, "epd_media_decodes_total", model=model)
     moved = metric(colocated_server, "epd_transfer_bytes_total", model=puller)
     got = ask(colocated_server, model, **CASES["two_images"])
     t = got.timings
@@ -121,20 +126,21 @@ def test_timing_breakdown_and_metadata_only(colocated_server, model):
         assert time.monotonic() < deadline, "the pulled bytes never reached the metrics"
         time.sleep(0.1)
     time.sleep(2 * CounterBatch.FLUSH_SECONDS)
-    assert {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]} == decodes  # the encoder decodes
+    assert metric(colocated_server, "epd_media_decodes_total", model=model) == decodes  # the encoder decodes
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_metadata_only_off_gives_the_same_tokens_and_decodes_here(colocated_server, baseline, model):
     """Naive EPD (request parameter epd_metadata_only=false): the engine side also gets the client's media and
-    decodes them itself (E+PD: in epd's one process; E/P/D: in epd_disagg (prefill) and in decode, each by the item count)."""
+    decodes them itself (E+PD: pd's engine; E/P/D: prefill's and decode's, both in epd_disagg's process), each engine
+    by the item count."""
     case, want = CASES["chat_data_url_and_tensor"], baseline["chat_data_url_and_tensor"]
-    decodes = lambda: {m: metric(colocated_server, "epd_media_decodes_total", model=m) for m in MODELS[model]}
+    decodes = lambda: metric(colocated_server, "epd_media_decodes_total", model=model)
     before = decodes()
     off = ask(colocated_server, model, **case, parameters={"epd_metadata_only": False})
     assert (off.text, off.num_input_tokens, off.num_output_tokens) == (want.text, want.num_input_tokens, want.num_output_tokens)
     assert 0 < off.timings["media_ms"] < off.timings["total_ms"]
-    want_decodes = {m: value + 2 for m, value in before.items()}
+    want_decodes = before + 2 * ENGINES[model]
     deadline = time.monotonic() + 5  # counters come in batches (CounterBatch)
     while decodes() != want_decodes and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -155,7 +161,7 @@ def test_an_encoder_error_is_a_clear_invalid_arg_naming_the_item(colocated_serve
 @pytest.mark.parametrize("model", list(MODELS))
 def test_cancelling_aborts_the_engine_request(colocated_server, baseline, model):
     sampled = lambda: metric(colocated_server, "epd_vllm_generation_tokens_total", model=DECODER[model])
-    cancelled = lambda: metric(colocated_server, "epd_requests_total", model=DECODER[model], outcome="cancelled")
+    cancelled = lambda: metric(colocated_server, "epd_requests_total", model=model, outcome="cancelled")
     tokens_before, cancelled_before = sampled(), cancelled()
     prefilled_before = metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd_disagg")
     result = ask(colocated_server, model, prompt="Count.", images=[img(3)], stream=True, cancel_after_chunks=3,
@@ -170,7 +176,7 @@ def test_cancelling_aborts_the_engine_request(colocated_server, baseline, model)
         time.sleep(0.5)
     assert cancelled() == cancelled_before + 1
     assert 3 <= generated - tokens_before < 1000, f"the engine sampled {generated - tokens_before} tokens after a cancel"
-    if model == "epd_disagg":  # prefill (in epd_disagg) ran its one token, and nothing more
+    if model == "epd_disagg":  # prefill's engine ran its one token, and nothing more
         assert metric(colocated_server, "epd_vllm_generation_tokens_total", model="epd_disagg") == prefilled_before + 1
     assert ask(colocated_server, model, **CASES["one_image_portrait"]).text == baseline["one_image_portrait"].text
 

@@ -91,6 +91,11 @@ def test_without_hosts_each_stage_is_a_tier_and_the_endpoints_are_service_names(
     assert list(tiers(load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu"))) == ["encoder", "prefill", "decode"]
     assert param(colocated, "prefill", "epd", "decode_endpoint") == "decode.epd.svc.cluster.local:8001"
     assert param(colocated, "prefill", "epd", "encoder_endpoint") == "encoder.epd.svc.cluster.local:8001"
+    in_process = load(ROOT / "topologies" / "cpu-e-p-d-colocated.yaml", "cpu").with_decode_in_process()
+    assert list(tiers(in_process)) == ["encoder", "prefill-decode"]  # decode's engine runs in prefill's pods
+    both = manifests(in_process)
+    assert param(both, "prefill-decode", "epd", "decode_in_process") == "true"
+    assert sorted(p.split("/")[0] for p in repository(both, "prefill-decode") if p.endswith("config.pbtxt")) == ["epd"]
 
 
 def test_hosts_with_the_same_stages_are_one_tier_of_that_many_replicas(tmp_path):

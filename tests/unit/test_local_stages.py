@@ -11,7 +11,7 @@ from backend.request.generate import RawGenerateInputs, RequestLimits
 from backend.engine.serving import Outcome
 from backend.protocol.stages import Disaggregation, Stage
 from orchestrator.core import Identity, Orchestrator
-from orchestrator.local_stages import LocalStages
+from orchestrator.local_stages import LocalEngine, LocalStages
 from tests.fakes import FakeEngine, FakeLayoutResolver, FakePull, FakeSink, FakeStages, RecordingObserver
 
 IDENTITY = Identity("qwen2_vl:test", '{"max_pixels":12544}')
@@ -244,3 +244,29 @@ def test_e_p_d_asking_the_local_stage_for_e_pd_s_generate_goes_remote():
         return [c.text_output async for c in stages.generate(RawGenerateInputs(prompt="x"), Stage.PD)]
 
     assert asyncio.run(chunks()) == ["a", "b"] and remote.stages_called == [Stage.PD]
+
+
+# -- E/P/D with decode's engine here too (decode_in_process) -----------------------------------------------------------
+
+def test_e_p_d_with_decode_here_streams_decode_s_engine_with_prefill_s_handle_and_nothing_goes_remote():
+    prefill, decode, decode_pull = prefill_engine(), FakeEngine(pieces=["d", "e"]), FakePull()
+    remote = FakeStages()
+    stages = LocalStages(remote, prefill, FakeLayoutResolver(), RequestLimits(max_images=4), prepare=FakePull(),
+                         local=Stage.PREFILL, others={Stage.DECODE: LocalEngine(decode, FakeLayoutResolver(), decode_pull)})
+    raw = RawGenerateInputs(prompt=f"{PH}Describe.", images=(b"A",), stream=True, sampling='{"max_tokens": 5}')
+    outcome, sink = run(stages, raw)
+    assert outcome is Outcome.OK and remote.stages_called == [] and len(remote.encoded) == 1
+    [request] = decode_pull.seen  # decode parsed the layouts and prefill's handle, with the client's settings
+    assert request.items == ('{"layout": 0}',) and request.kv_transfer_params == HANDLE and request.stream
+    assert request.sampling == {"max_tokens": 5}
+    assert [(c.text_output, final) for c, final in sink.chunks] == [("d", False), ("e", True)]
+    assert prefill.requests == decode.requests == 1
+
+
+def test_e_p_d_client_cancel_during_decode_here_aborts_decode_s_engine_request():
+    decode = FakeEngine(pieces=["t"] * 50)
+    stages = LocalStages(FakeStages(), prefill_engine(), FakeLayoutResolver(), RequestLimits(max_images=4),
+                         prepare=FakePull(), local=Stage.PREFILL,
+                         others={Stage.DECODE: LocalEngine(decode, FakeLayoutResolver())})
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True), FakeSink(cancel_after=2))
+    assert outcome is Outcome.CANCELLED and len(sink.chunks) == 2 and len(decode.aborted) == 1

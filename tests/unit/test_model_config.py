@@ -18,7 +18,7 @@ from backend.protocol.settings import (LOCAL, ColocatedSettings, ConfigError, En
 from backend.protocol.stages import Disaggregation, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPOLOGIES = ["default", "cpu-e-pd-colocated", "cpu-e-p-d-colocated", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-tier"]
+TOPOLOGIES = ["default", "cpu-e-pd-colocated", "cpu-e-p-d-colocated", "cpu-e-p-d-one-process", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-tier"]
 _PARAMETER = re.compile(r'^parameters \{ key: "([^"]*)" value: \{ string_value: "([^"]*)" \} \}$', re.M)
 
 

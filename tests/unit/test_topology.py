@@ -23,7 +23,7 @@ def test_committed_repository_is_the_rendering_of_the_default_topology():
     assert on_disk == expected, "re-render: python -m backend.deploy.topology render topologies/default.yaml --out model_repository"
 
 
-@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated",
+@pytest.mark.parametrize("name", ["default", "cpu-e-pd", "cpu-e-p-d", "cpu-e-pd-colocated", "cpu-e-p-d-colocated", "cpu-e-p-d-one-process",
                                   "cpu-e-pd-tier", "hosts-e-pd", "hosts-e-p-d"])
 def test_cpu_topologies_validate(name):
     load(ROOT / "topologies" / f"{name}.yaml", "cpu")
@@ -98,6 +98,41 @@ def test_e_p_d_orchestrator_colocated_with_prefill_renders_one_epd_model_with_pr
                        ("encoder_model", "encoder"), ("nixl_poll_delay_us", "5000")):
         assert f'key: "{key}" value: {{ string_value: "{value}" }}' in config, key
     assert json.loads(files["epd/model.json"]) == json.loads(files["decode/model.json"])  # prefill's = decode's args
+
+
+def test_decode_colocated_runs_its_engine_in_e_p_d_s_orchestrator_and_has_no_model(tmp_path):
+    doc = yaml.safe_load((ROOT / "topologies" / "cpu-e-p-d-colocated.yaml").read_text())
+    doc["checkpoint"] = str(ROOT / "models" / "tiny-qwen2-vl")
+    doc["stages"]["prefill"]["instances"] = 2
+    doc["stages"]["decode"] = {"orchestrator": "colocated"}  # instances and device: prefill's
+    topology = load(_write(tmp_path, doc), "cpu")
+    assert topology.decode_in_process and topology.stages["decode"].instances == 2
+    assert topology.models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated"}
+    files = render_files(topology, Path("/r"))
+    assert not any(name.startswith(("decode/", "prefill/")) for name in files)
+    config = files["epd/config.pbtxt"]
+    assert 'key: "decode_in_process" value: { string_value: "true" }' in config and "decode_model" not in config
+    assert 'key: "nixl_poll_delay_us" value: { string_value: "5000" }' in config and "decode_in_process)" in config
+    assert "count: 2 kind: KIND_CPU" in config
+    same = load(DEFAULT, "cpu").with_orchestrator("colocated", "E/P/D").with_decode_in_process()
+    assert same.models() == {"llm": "llm", "encoder": "encoder", "pd": "pd", "epd": "epd:E+PD", "epd_disagg": "epd:E/P/D:colocated"}
+    assert same.only("E/P/D").models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prefill": {}}, "it needs stages.prefill.orchestrator: colocated"),
+    ({"decode": {"orchestrator": "colocated", "instances": 2}}, "give it prefill's instances, device and gpus"),
+    ({"encoder": {"orchestrator": "colocated"}}, "only pd .E\\+PD's. or prefill .E/P/D's. can host an orchestrator"),
+])
+def test_decode_colocated_needs_prefill_s_orchestrator_and_instances(tmp_path, change, message):
+    doc = yaml.safe_load((ROOT / "topologies" / "cpu-e-p-d-colocated.yaml").read_text())
+    doc["checkpoint"] = str(ROOT / "models" / "tiny-qwen2-vl")
+    doc["stages"]["decode"] = {"orchestrator": "colocated"}
+    doc["stages"].update(change)
+    with pytest.raises(TopologyError, match=message):
+        load(_write(tmp_path, doc), "cpu")
+    with pytest.raises(TopologyError, match="E/P/D's orchestrator must be colocated with prefill"):
+        load(DEFAULT, "cpu").with_decode_in_process()
 
 
 def test_each_deployment_places_its_own_orchestrator():
@@ -187,7 +222,7 @@ BASE = {"checkpoint": "m", "serve": ["E+PD"], "stages": {"encoder": {"instances"
     ({"stages": {"encoder": {}, "pd": {"orchestrator": "colocated"}, "epd": {}}}, "stages: epd not used by serve"),
     ({"stages": {"encoder": {"orchestrator": "colocated"}, "pd": {}, "epd": {}}}, "stages.encoder.orchestrator: only pd (E+PD's) or prefill"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {}, "decode": {"orchestrator": "colocated"}, "epd": {}}},
-     "stages.decode.orchestrator: only pd (E+PD's) or prefill (E/P/D's) can host an orchestrator"),
+     "stages.decode.orchestrator: colocated runs decode's engine in E/P/D's orchestrator; it needs stages.prefill"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "colocated"}, "decode": {}, "epd": {}}},
      "stages: epd not used by serve ['E/P/D'] (uses decode, encoder, prefill) (prefill.orchestrator is colocated"),
     ({"serve": ["E/P/D"], "stages": {"encoder": {}, "prefill": {"orchestrator": "beside"}, "decode": {}, "epd": {}}},

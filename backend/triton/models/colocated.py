@@ -9,7 +9,10 @@ it (``backend.triton.generate_model.MetadataOnlyModel``: engine, vLLM metrics, t
 - E/P/D: prefill's engine (NixlConnector ``kv_producer``, prefill's role spec in ``backend.protocol.stages``); ``prepare``
   pulls the embeddings by handle, as for pd. Decode stays a model of its own, asked over the server's gRPC
   endpoint (``triton_stages``; the ``decode_endpoint`` parameter, ``local``: this server's, ``backend.deploy.server_address``)
-  with prefill's ``kv_transfer_params``; its stream is relayed to the client.
+  with prefill's ``kv_transfer_params``; its stream is relayed to the client. Or, with ``decode_in_process``
+  (topology ``stages.decode.orchestrator: colocated``), decode's engine (``kv_consumer``) runs here too, on the same
+  event loop: the KV still moves between the two EngineCores through NIXL, and decode's tokens reach the client
+  without a stub, tritonserver or gRPC hop each.
 
 Same Triton interface as ``llm`` and the proxy orchestrator ``epd``. Media go to the ``encoder`` model over BLS,
 the host stage runs in process (``orchestrator.local_stages.LocalStages``): one stub hop and one gRPC round trip
@@ -19,6 +22,7 @@ Adapter only: the logic is ``orchestrator.core`` and ``orchestrator.local_stages
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,12 +31,15 @@ import triton_python_backend_utils as pb_utils
 from backend.encode.checkpoint import model_identity, processing_options
 from backend.protocol.settings import ColocatedSettings
 from backend.protocol.stages import Disaggregation
+from backend.engine.host import EngineHost, kv_transfer_config
+from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
+from backend.triton.metrics import EngineMetrics
 from backend.deploy.server_address import EndpointError
 from backend.triton.io import orchestrate
 from orchestrator.admission import Admission
 from orchestrator.core import Identity, Orchestrator
-from orchestrator.local_stages import LocalStages
+from orchestrator.local_stages import LocalEngine, LocalStages
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
 
 
@@ -40,19 +47,23 @@ class TritonPythonModel(MetadataOnlyModel):
     SETTINGS = ColocatedSettings
 
     def initialize(self, args):
-        self.watch = None
+        self.watch, self.decode = None, None
         super().initialize(args)  # the engine (the host stage's, role_spec), the consumer, the metrics, self.limits
         settings, disaggregation = self.settings, self.settings.disaggregation
-        if disaggregation is Disaggregation.E_PD and self.encoders is None:
+        if not self.urls and self.encoders is None:
             remote = BlsEncoders(settings.encoder_model)
         else:  # decode (E/P/D) or the encoders (encoder_endpoint) on other servers, or on several
             remote = triton_stages(self.urls, settings.encoder_model, decode_model=settings.decode_model,
                                    encoders=self.encoders, health_seconds=settings.health_seconds())
             self.watch = self.host.submit(remote.watch())
+        others = {}
+        if settings.decode_in_process:
+            self.decode = self.start_decode(args)
+            others[Stage.DECODE] = LocalEngine(self.decode, self.resolver, self.prepare_decode)
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
                                   interval=self.stream_interval, local=disaggregation.host,
-                                  held=self.held.lookup if self.held is not None else None)
+                                  held=self.held.lookup if self.held is not None else None, others=others)
         self.orchestrator = Orchestrator(
             self.stages, Identity(model_identity(checkpoint), processing_options(checkpoint)), self.limits,
             disaggregation, deadline=settings.request_timeout_seconds, metadata_only=settings.metadata_only,
@@ -60,9 +71,30 @@ class TritonPythonModel(MetadataOnlyModel):
             admission=Admission(settings, self.metrics))
         self.serve_openai(self.orchestrator.answerer(self.metrics))
 
+    def start_decode(self, args) -> EngineHost:
+        """E/P/D's decode engine in this process (``decode_in_process``): a KV consumer with this model's engine
+        arguments, its own NIXL side channel and idle wait, on the host engine's loop; its vLLM metrics labelled
+        as the ``decode`` model's would be (``decode_model``)."""
+        if self.settings.disaggregation is not Disaggregation.E_P_D:
+            raise pb_utils.TritonModelException(f"{self.name}: decode_in_process: only an E/P/D orchestrator has decode")
+        spec = self.decode_spec = replace(Stage.DECODE.spec, takes_media=False)
+        for key, value in self.process_env(spec).items():  # before its EngineCore starts
+            os.environ[key] = value
+        engine_args = {**self.engine_args, "kv_transfer_config": kv_transfer_config(
+            spec.kv_role, self.on_gpu, self.settings.kv_lease_seconds)}
+        self.decode_metrics = EngineMetrics(self.settings.decode_model, self.metric_batch,
+                                            args.get("model_instance_name", ""))
+        return EngineHost.start(engine_args, stats_observer=self.decode_metrics, beside=self.host)
+
+    async def prepare_decode(self, request):
+        """Decode's engine request, as the ``decode`` model prepares it: the layouts' grids only (its KV covers the
+        media positions), after the media work of a naive consumer where metadata-only is off."""
+        return await self.prepare(request, self.decode_spec)
+
     def check_settings(self):
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
-            self.urls = stage_urls(self.settings.targets(), self.settings.disaggregation.generators[1:])
+            self.urls = stage_urls(self.settings.targets(), [
+                stage for stage in self.settings.disaggregation.generators[1:] if stage in self.settings.targets()])
             self.encoders = encoder_urls(self.settings.encoder_model, self.settings.encoder_endpoint)
         except EndpointError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
@@ -83,4 +115,7 @@ class TritonPythonModel(MetadataOnlyModel):
             self.host.submit(self.stages.aclose()).result(timeout=5)
         except Exception as exc:  # noqa: BLE001 - unloading anyway
             pb_utils.Logger.log_warn(f"{self.name}: closing the stage client: {exc}")
+        if self.decode is not None:  # before the host engine's, whose loop it runs on
+            self.decode.shutdown()
+            self.decode_metrics.close()
         super().finalize()
