@@ -1,7 +1,11 @@
 """E2E: a video split across two encoder instances (``video_split: 2``) in a real tritonserver: ``epd`` (E+PD) and
 ``epd_disagg`` (E/P/D) give the ``llm`` baseline's tokens, and the unsplit path's (metadata-only off encodes each video whole), for videos of many
-temporal patches, of one (one part is empty), and two at once; the parts come from two encoder instances."""
+temporal patches, of one (one part is empty), and two at once; the parts come from two encoder instances. On the same
+server (its two encoders, E/P/D, ``llm``): concurrent image requests through E/P/D give ``llm``'s tokens with items
+spread over both encoder instances."""
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,6 +17,7 @@ from clients.bench.video_split import split_topology
 from clients.triton_client import generate
 from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
 from tests.e2e.test_video import GREEDY, V, user
+from tests.images import image_bytes
 from tests.videos import make_video
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +40,8 @@ def split_server(tmp_path_factory):
         held = held_shm(server.proc.pid) - _shm_of_this_process()
     assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
+    # every model unloads (two encoder instances once shared their metrics and aborted at unload: 60 s stops)
+    assert server.stop_seconds < 25, f"stop took {server.stop_seconds:.0f} s; see {repo.parent / 'server.log'}"
 
 
 def ask(server, model: str, videos, **kw):
@@ -70,3 +77,22 @@ def test_the_parts_come_from_both_encoder_instances(split_server):
             for i in range(4)]
     print("encoders per request:", seen)
     assert sum(len(encoders) == 2 for encoders in seen) >= 3, seen
+
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_CASES = [dict(prompt=f"<|im_start|>user\n{PH}{PH}Compare {i}.<|im_end|>\n<|im_start|>assistant\n",
+                    images=[image_bytes(64 + 8 * i, 48, seed=200 + i), image_bytes(112, 56 + 8 * i, seed=300 + i)])
+               for i in range(8)]
+
+
+def test_two_encoders_serve_concurrent_e_p_d_image_requests_with_llm_s_tokens(split_server):
+    sampling = {"temperature": 0.0, "max_tokens": 12}
+    ask_image = lambda model, case: generate(split_server.grpc_url, model, GenerateInputs(sampling=sampling, **case),
+                                             timeout=120)
+    expected = [ask_image("llm", case).text for case in IMAGE_CASES]
+    with ThreadPoolExecutor(len(IMAGE_CASES)) as pool:
+        results = list(pool.map(lambda case: ask_image("epd_disagg", case), IMAGE_CASES * 2))
+    assert [r.text for r in results] == expected * 2
+    encoders = {name for r in results for name in r.timings["encoders"]}
+    assert len(encoders) == 2, encoders  # both encoder instances produced embeddings
+    assert all(r.timings["prefill_ms"] > 0 for r in results)
