@@ -182,10 +182,17 @@ def _admission(topology: Topology, *keys: str) -> dict[str, str]:
 
 
 def _encoder_batching(topology: Topology, delay_us: int) -> str:
-    """The encoder's dynamic batcher: one queue per priority class (Triton's level 1 first: a request's epd_priority
-    + 1, as the orchestrators send it over gRPC; requests without one, BLS calls among them, take the last level),
-    a request's own timeout honoured in the queue (its deadline: rejected there once it passes). Triton lets a
-    request's timeout only shorten the queue's own, so that is the request timeout (no request waits longer)."""
+    """The encoder's dynamic batcher. With an ``admission`` block: one queue per priority class (Triton's level 1
+    first: a request's epd_priority + 1, as the orchestrators send it over gRPC; requests without one, BLS calls among
+    them, take the last level), a request's own timeout honoured in the queue (its deadline: rejected there once it
+    passes; Triton lets a request's timeout only shorten the queue's own, so that is the request timeout). Without
+    one: a single queue and no policy, because Triton 2.51's batcher cannot prefetch the next batch through priority
+    levels or a queue policy (``PriorityQueue``: ``support_prefetching_`` false), and then a request queued while the
+    instance is busy waited up to its 500 ms idle wait for the instance to take it (measured: 510-545 ms in the
+    encoder's queue for one request of four sent at once, in two bursts out of six; docs/results/epd.md). The
+    encoder still checks each request's deadline before it starts (``orchestrator.admission.URGENCY``)."""
+    if not topology.admission:
+        return f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}\n}}\n"
     levels = topology.admission.get("priority_levels", ADMISSION_DEFAULTS["priority_levels"])
     timeout_us = int(topology.limits["request_timeout_seconds"] * 1e6)
     return (f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}\n  priority_levels: {levels}\n"

@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", type=Path, default=ROOT / "topologies" / "cpu-reuse.yaml",
                    help="a topology with a reuse: block; both sides' engine settings")
     p.add_argument("--deployment", choices=("epd", "epd_disagg"), default="epd", help="ours")
+    p.add_argument("--orchestrator", choices=("colocated", "proxy"), default="colocated",
+                   help="ours' orchestrator: beside the engine that consumes the embeddings (pd's; E/P/D: prefill's, "
+                        "with decode's engine in that process too), or a model of its own")
+    p.add_argument("--endpoint", choices=("in-process", "separate"), default="in-process",
+                   help="ours' OpenAI endpoint: in the served model's process (openai_port) or frontend.openai")
     p.add_argument("--stacks", default=f"{table.VLLM},{table.OURS}", help="which to run, in order")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "agent-loop", help="table.md, results.json")
@@ -92,6 +97,11 @@ def run_topology(args):
     topology = load(args.topology)
     if not topology.reuse:
         raise SystemExit(f"{args.topology} has no reuse: block: no sessions to measure (docs/reuse.md)")
+    if args.orchestrator == "colocated":
+        split = "E+PD" if args.deployment == "epd" else "E/P/D"
+        topology = topology.with_orchestrator("colocated", split)
+        if split == "E/P/D":
+            topology = topology.with_decode_in_process()
     return replace(topology, limits={**topology.limits, "max_images": max(args.turns, topology.limits["max_images"])},
                    reuse={**topology.reuse, "held_bytes": args.held_kib * 1024})
 
@@ -161,9 +171,11 @@ def run_vllm(args, topology) -> dict:
 
 
 def run_ours(args, topology) -> dict:
-    """tritonserver + ``frontend.openai`` (with the checkpoint's tokenizer), driven, stopped."""
+    """tritonserver with its endpoint in the served model's process (``--endpoint in-process``: tools parsed with the
+    served checkpoint's tokenizer) or ``frontend.openai`` (given the checkpoint's tokenizer), driven, stopped."""
     flags = ("--tokenizer", str(topology.checkpoint.resolve()))
-    with stacks.ours_running(topology, args.deployment, args.logs / table.OURS, endpoint_flags=flags) as ours:
+    with stacks.ours_running(topology, args.deployment, args.logs / table.OURS, in_process=args.endpoint == "in-process",
+                             endpoint_flags=flags) as ours:
         return drive(ours.base_url, ours.model, table.OURS, args, ours.metrics_url)
 
 
@@ -178,7 +190,8 @@ def report(args, topology, runs: dict) -> str:
     width, height = args.screenshot
     head = (f"{args.conversations} conversations x {args.turns} turns, one new {width}x{height} PNG screenshot and a "
             f"tool result a turn, {args.pause_s:g} s tool pauses with {args.background_concurrency} background "
-            f"clients; ours: {args.deployment} on {args.topology.name} (held {args.held_kib} KiB); "
+            f"clients; ours: {args.deployment} on {args.topology.name} (held {args.held_kib} KiB; orchestrator "
+            f"{args.orchestrator}, endpoint {args.endpoint}); "
             f"{args.max_tokens} greedy tokens; load average before/after each stack: {loads}")
     text = head + "\n\n" + table.markdown(rows, met) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)

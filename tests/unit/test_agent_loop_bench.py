@@ -28,6 +28,12 @@ def test_the_topology_takes_every_turns_images_and_the_cut_recent_items_budget()
     topology = run_topology(parse_args(["--turns", "12", "--held-kib", "64"]))
     assert topology.limits["max_images"] == 12 and topology.reuse["held_bytes"] == 64 * 1024
     assert topology.reuse["session_seconds"] > 0
+    assert "E+PD" in topology.colocated and topology.models()["epd"] == "epd:E+PD:colocated"  # the default
+    proxy = run_topology(parse_args(["--orchestrator", "proxy"]))
+    assert "E+PD" not in proxy.colocated and proxy.models()["epd"] == "epd:E+PD"
+    e_p_d = run_topology(parse_args(["--deployment", "epd_disagg"]))
+    assert e_p_d.decode_in_process and e_p_d.only("E/P/D").models() == {"encoder": "encoder",
+                                                                        "epd": "epd:E/P/D:colocated"}
 
 
 def test_turn_k_carries_k_screenshots_and_k_minus_1_tool_calls_with_their_results():

@@ -365,7 +365,10 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     assert 'key: "priority_levels"' not in encoder and "  priority_levels: 2\n  default_priority_level: 2\n" in encoder
     assert ("default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 300000000 "
             "allow_timeout_override: true }") in encoder
-    assert not any("in_flight" in text for text in render_files(load(DEFAULT, "cpu"), Path("/r")).values())
+    default = render_files(load(DEFAULT, "cpu"), Path("/r"))
+    assert not any("in_flight" in text for text in default.values())
+    # no admission block: one queue and no policy (Triton's batcher then prefetches: no 500 ms idle waits)
+    assert "dynamic_batching {\n  max_queue_delay_microseconds: 2000\n}\n" in default["encoder/config.pbtxt"]
 
 
 @pytest.mark.parametrize("admission, message", [
