@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.deploy.ports import free_ports
+
 VENV_ENV, LIBS_ENV = "EPD_MOONCAKE_VENV", "EPD_MOONCAKE_LIBS"
 # how the launcher tells the encoder instances where the tier it started is (EncoderSettings.tier_master: "" reads them)
 MASTER_ENV, METADATA_ENV = "EPD_TIER_MASTER", "EPD_TIER_METADATA"
@@ -31,9 +33,9 @@ LOG = logging.getLogger("epd.tier")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for the store's listeners, below the ephemeral range (``backend.deploy.ports``: one ``bind(0)`` handed
+    out could be any outgoing connection's local port by the time the store binds it)."""
+    return free_ports()[0]
 
 
 def mooncake_paths() -> tuple[Path, Path, str] | None:

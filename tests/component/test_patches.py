@@ -20,18 +20,16 @@ from backend.deploy.local_server import ROOT
 pytestmark = pytest.mark.component
 
 ENGINE = r'''
-import json, os, socket, sys, time
+import json, os, sys, time
 from pathlib import Path
 import psutil
+from backend.deploy.ports import free_ports
 from backend.engine.host import EngineHost, _engine_process, kv_transfer_config, load_engine_args
 from backend.request.generate import GenerateRequest
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1")
+# below the ephemeral range (backend.deploy.ports): a port bind(0) picked could be taken by one of the EngineCore's
+# own connections before its NIXL handshake listener binds it, and vLLM then waits for that listener for good
+os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_ports()[0]), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1")
 args = load_engine_args(Path("model_repository/prefill/model.json"))
 host = EngineHost.start({**args, "kv_transfer_config": kv_transfer_config("kv_producer", False)})
 
