@@ -75,8 +75,6 @@ class TritonPythonModel(MetadataOnlyModel):
         """E/P/D's decode engine in this process (``decode_in_process``): a KV consumer with this model's engine
         arguments, its own NIXL side channel and idle wait, on the host engine's loop; its vLLM metrics labelled
         as the ``decode`` model's would be (``decode_model``)."""
-        if self.settings.disaggregation is not Disaggregation.E_P_D:
-            raise pb_utils.TritonModelException(f"{self.name}: decode_in_process: only an E/P/D orchestrator has decode")
         spec = self.decode_spec = replace(Stage.DECODE.spec, takes_media=False)
         for key, value in self.process_env(spec).items():  # before its EngineCore starts
             os.environ[key] = value
@@ -92,6 +90,8 @@ class TritonPythonModel(MetadataOnlyModel):
         return await self.prepare(request, self.decode_spec)
 
     def check_settings(self):
+        if self.settings.decode_in_process and self.settings.disaggregation is not Disaggregation.E_P_D:
+            raise pb_utils.TritonModelException(f"{self.name}: decode_in_process: only an E/P/D orchestrator has decode")
         try:  # E/P/D: decode's address, before the engine starts (a wrong one fails the load at once)
             self.urls = stage_urls(self.settings.targets(), [
                 stage for stage in self.settings.disaggregation.generators[1:] if stage in self.settings.targets()])
