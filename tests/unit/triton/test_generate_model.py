@@ -187,3 +187,15 @@ def test_finalize_stops_the_engine_and_hands_over_the_metrics(load, pb):
     model.finalize()
     assert host.stopped and not hasattr(model, "metrics")
     assert pb.series("epd_requests_total", model=name, instance=f"{name}_0", outcome="ok").value == 1
+
+
+def test_decode_in_process_on_an_e_pd_orchestrator_is_refused_before_any_engine_starts(pb, tmp_path, monkeypatch):
+    from backend.triton.models import colocated
+
+    started = []
+    monkeypatch.setattr(generate_model.EngineHost, "start", lambda *a, **k: started.append(a) or None)
+    args = model_args(tmp_path, parameters={"engine_args": "model.json", "topology": "E+PD",
+                                            "orchestrator": "colocated", "decode_in_process": "true"})
+    with pytest.raises(pb.TritonModelException, match="decode_in_process: only an E/P/D orchestrator has decode"):
+        colocated.TritonPythonModel().initialize(args)
+    assert started == []
