@@ -304,3 +304,16 @@ def test_rows_through_the_in_process_endpoint_get_the_openai_requests_reference_
     assert parse_args(["--rows", "llm", "--colocated", ""]).colocated == []
     with pytest.raises(SystemExit):
         parse_args(["--rows", "llm", "--colocated", "E+P"])
+
+
+def test_ours_default_runs_e_p_d_with_decode_in_the_orchestrator_s_process(capsys):
+    from clients.bench.side_by_side import Run
+
+    args = parse_args(["--rows", "epd_disagg"])
+    assert args.colocated == ["E+PD", "E/P/D", "decode"]
+    ours = Run(args).ours_topology
+    assert ours.decode_in_process and ours.only("E/P/D").models() == {"encoder": "encoder", "epd": "epd:E/P/D:colocated"}
+    assert not Run(parse_args(["--rows", "epd_disagg", "--colocated", "E+PD,E/P/D"])).ours_topology.decode_in_process
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "epd_disagg", "--colocated", "decode"])
+    assert "list E/P/D too" in capsys.readouterr().err
