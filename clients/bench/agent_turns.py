@@ -90,7 +90,7 @@ async def ask(client, model: str, messages: list[dict], max_tokens: int, session
             model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body=extra, **more)
         async for chunk in stream:
-            if ttft is None and any(c.delta.content or c.delta.tool_calls for c in chunk.choices):
+            if ttft is None and chunk.choices:  # the first choice chunk: side_client.first_token_event's rule
                 ttft = time.monotonic() - started
             if chunk.usage is not None:
                 usage = chunk.usage.model_dump()

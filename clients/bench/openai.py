@@ -31,6 +31,7 @@ import urllib.request
 from backend.protocol.generate import GenerateInputs
 from clients.bench.load import Results, _read_response, _request, run_concurrency
 from clients.bench.report import Sample, percentile
+from clients.bench.side_client import first_token_event
 
 
 def _messages(seed: int, images: int, size: tuple[int, int]) -> list[dict]:
@@ -66,9 +67,9 @@ async def _openai_one(session, url: str, model: str, messages, max_tokens: int) 
                 return None, doc["error"]["message"]
             if doc.get("usage"):
                 tokens = doc["usage"]["completion_tokens"]
+            ttft = ttft or (time.perf_counter() - started if first_token_event(doc) else None)
             if doc.get("choices") and doc["choices"][0]["delta"].get("content"):
                 responses += 1
-                ttft = ttft or time.perf_counter() - started
     return None, "stream ended before [DONE]"
 
 

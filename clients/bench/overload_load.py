@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from clients.bench.report import percentile
-from clients.bench.side_client import Request, chat_body, parse_sse_line, request_set
+from clients.bench.side_client import Request, chat_body, first_token_event, parse_sse_line, request_set
 
 CLASSES = {"high": 0, "low": 1}  # class -> priority
 
@@ -65,8 +65,7 @@ async def _one(session, url: str, body: dict, fate: Fate, timeout: float) -> Non
                         if "error" in event:
                             fate.error = str(event["error"])[:200]
                             break
-                        if fate.ttft is None and any((c.get("delta") or {}).get("content")
-                                                     for c in event.get("choices") or []):
+                        if fate.ttft is None and first_token_event(event):
                             fate.ttft = time.perf_counter() - started
     except TimeoutError:
         fate.status, fate.error = None, "hung"

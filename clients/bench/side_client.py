@@ -83,6 +83,14 @@ def parse_sse_line(line: bytes) -> dict | str | None:
     return "[DONE]" if payload == b"[DONE]" else json.loads(payload)
 
 
+def first_token_event(event) -> bool:
+    """Whether a parsed stream event is one a first token's time can be read from: any chunk with a choice, as
+    vLLM's own benchmark client reads TTFT (both servers send their first choice chunk, role and content, when the
+    engine gives its first token). Not "the first non-empty text": a random-weight checkpoint's tokens often decode
+    to "" (the H100 run of 2026-12-05 read TTFT = the whole request that way, TPOT 0)."""
+    return isinstance(event, dict) and bool(event.get("choices"))
+
+
 async def _one_openai(session, url: str, body: dict) -> tuple[Sample | None, str | None]:
     started = time.perf_counter()
     ttft, chunks, tokens, responses = None, [], None, 0
@@ -97,12 +105,13 @@ async def _one_openai(session, url: str, body: dict) -> tuple[Sample | None, str
                 break
             if "error" in event:
                 return None, f"error in stream: {str(event['error'])[:300]}"
+            if ttft is None and first_token_event(event):
+                ttft = time.perf_counter() - started
             for choice in event.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece:
                     responses += 1
                     chunks.append(piece)
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
     latency = time.perf_counter() - started
