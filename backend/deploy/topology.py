@@ -279,14 +279,16 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     except EndpointError as exc:
         raise TopologyError(f"{where.rsplit(': ', 1)[0]}: {exc}") from None
     return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint, _video_decoder(doc, where, stage, device),
-                     _image_preprocess(doc, where, stage, device))
+                     image_preprocess(doc, where, stage, device))
 
 
 def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:
     return _encoder_gpu_choice(doc, where, stage, device, "video_decoder", VideoDecoder, "decodes videos")
 
 
-def _image_preprocess(doc: dict, where: str, stage: str, device: str) -> str:
+def image_preprocess(doc: dict, where: str, stage: str, device: str) -> str:
+    """The encoder's ``image_preprocess`` (``doc``: its stage's block; ``where`` names it in errors): also the rule
+    ``clients.bench.side_by_side --image-preprocess`` lays over a topology."""
     return _encoder_gpu_choice(doc, where, stage, device, "image_preprocess", ImagePreprocess, "preprocesses images")
 
 

@@ -83,10 +83,8 @@ class GenerateModel:
         self.metric_batch = CounterBatch()  # this model's counters, handed to Triton a few times a second
         instance = args.get("model_instance_name", "")  # a label of each instance's metrics (metric_labels)
         self.metrics = RequestMetrics(self.name, self.metric_batch, instance)
-        for key, value in self.process_env().items():  # before the engine (and its EngineCore child) starts
-            os.environ[key] = value
         self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
-        self.host = EngineHost.start(self.engine_args, stats_observer=self.engine_metrics)
+        self.host = self.start_engine(self.engine_args, self.engine_metrics)
         self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
         self.openai = None  # the OpenAI endpoint in this process (serve_openai), if the config asks for one
         if self.ROLE is Stage.LLM:
@@ -125,8 +123,17 @@ class GenerateModel:
     def engine_args_from(self, model_json: dict[str, Any]) -> dict[str, Any]:
         return model_json
 
-    def process_env(self) -> dict[str, str]:
-        """Variables set before the engine starts (its EngineCore child inherits them)."""
+    def start_engine(self, engine_args: dict[str, Any], metrics: EngineMetrics, spec: RoleSpec | None = None,
+                     beside: EngineHost | None = None) -> EngineHost:
+        """An engine of ``spec``'s role (None: this model's), started after this process's environment is set for
+        that role (``process_env``: its EngineCore child inherits it); ``beside``: a host whose loop it shares."""
+        for key, value in self.process_env(spec).items():
+            os.environ[key] = value
+        return EngineHost.start(engine_args, stats_observer=metrics, beside=beside)
+
+    def process_env(self, spec: RoleSpec | None = None) -> dict[str, str]:
+        """Variables set before the engine of ``spec``'s role (None: this model's) starts (its EngineCore child
+        inherits them)."""
         nice = self.settings.engine_nice
         return {NICE_ENV: str(nice)} if nice else {}
 
@@ -222,16 +229,20 @@ class MetadataOnlyModel(GenerateModel):
         return LayoutMedia(identity, width)
 
     def engine_args_from(self, model_json):
-        args = metadata_only_engine_args(model_json)
-        if self.spec.kv_role:
-            args["kv_transfer_config"] = kv_transfer_config(self.spec.kv_role, self.on_gpu, self.settings.kv_lease_seconds)
-        return args
+        return self.with_kv_role(metadata_only_engine_args(model_json), self.spec)
+
+    def with_kv_role(self, engine_args: dict[str, Any], spec: RoleSpec) -> dict[str, Any]:
+        """``engine_args`` with vLLM's NixlConnector in ``spec``'s KV role (none: as they are)."""
+        if not spec.kv_role:
+            return engine_args
+        return {**engine_args, "kv_transfer_config": kv_transfer_config(spec.kv_role, self.on_gpu,
+                                                                         self.settings.kv_lease_seconds)}
 
     def process_env(self, spec: RoleSpec | None = None):
         """``spec``: the role of the engine about to start (None: this model's, ``self.spec``)."""
         spec = spec or self.spec
         if not spec.kv_role:
-            return super().process_env()
+            return super().process_env(spec)
         settings: KvEngineSettings = self.settings  # a kv_role's model reads KvEngineSettings (or a subclass)
         port = settings.nixl_side_channel_port if settings.nixl_side_channel_port is not None else free_ports()[0]
         # EngineCore: after a step that ran no model, wait up to this long for new input (patch_idle_wait)

@@ -207,7 +207,7 @@ def run_topology(args):
     its engine arguments (so over every engine's, ours and vLLM's)."""
     from dataclasses import replace
 
-    from backend.deploy.topology import TopologyError, _image_preprocess, load
+    from backend.deploy.topology import TopologyError, image_preprocess, load
 
     topology = load(args.topology, machine=args.machine, checkpoint=args.checkpoint)
     topology = replace(topology, engine_args={**topology.engine_args, **overrides(args)})
@@ -215,8 +215,8 @@ def run_topology(args):
         return topology
     encoder = topology.stages["encoder"]
     try:  # the topology's own rule for the key (a GPU choice needs a GPU encoder)
-        chosen = _image_preprocess({"image_preprocess": args.image_preprocess}, "--image-preprocess", "encoder",
-                                   encoder.device)
+        chosen = image_preprocess({"image_preprocess": args.image_preprocess}, "--image-preprocess", "encoder",
+                                  encoder.device)
     except TopologyError as err:
         raise SystemExit(str(err)) from None
     return replace(topology, stages={**topology.stages, "encoder": replace(encoder, image_preprocess=chosen)})

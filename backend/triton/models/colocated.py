@@ -22,7 +22,6 @@ Adapter only: the logic is ``orchestrator.core`` and ``orchestrator.local_stages
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import triton_python_backend_utils as pb_utils
 from backend.encode.checkpoint import model_identity, processing_options
 from backend.protocol.settings import ColocatedSettings
 from backend.protocol.stages import Disaggregation
-from backend.engine.host import EngineHost, kv_transfer_config
+from backend.engine.host import EngineHost
 from backend.protocol.stages import Stage
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.triton.metrics import EngineMetrics
@@ -76,13 +75,9 @@ class TritonPythonModel(MetadataOnlyModel):
         arguments, its own NIXL side channel and idle wait, on the host engine's loop; its vLLM metrics labelled
         as the ``decode`` model's would be (``decode_model``)."""
         spec = self.decode_spec = replace(Stage.DECODE.spec, takes_media=False)
-        for key, value in self.process_env(spec).items():  # before its EngineCore starts
-            os.environ[key] = value
-        engine_args = {**self.engine_args, "kv_transfer_config": kv_transfer_config(
-            spec.kv_role, self.on_gpu, self.settings.kv_lease_seconds)}
         self.decode_metrics = EngineMetrics(self.settings.decode_model, self.metric_batch,
                                             args.get("model_instance_name", ""))
-        return EngineHost.start(engine_args, stats_observer=self.decode_metrics, beside=self.host)
+        return self.start_engine(self.with_kv_role(self.engine_args, spec), self.decode_metrics, spec, beside=self.host)
 
     async def prepare_decode(self, request):
         """Decode's engine request, as the ``decode`` model prepares it: the layouts' grids only (its KV covers the
