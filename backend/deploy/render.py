@@ -178,7 +178,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 
 def _admission(topology: Topology, *keys: str) -> dict[str, str]:
     """The ``admission`` block's settings given in the topology (``keys``: only those), as parameters."""
-    return {k: _fmt(v) for k, v in topology.admission.items() if not keys or k in keys}
+    return {k: _fmt(v) for k, v in topology.admission.items()
+            if (k in keys if keys else k != "encoder_queue")}  # encoder_queue: the encoder's batcher, not a parameter
 
 
 def _encoder_batching(topology: Topology, delay_us: int) -> str:
@@ -190,8 +191,10 @@ def _encoder_batching(topology: Topology, delay_us: int) -> str:
     levels or a queue policy (``PriorityQueue``: ``support_prefetching_`` false), and then a request queued while the
     instance is busy waited up to its 500 ms idle wait for the instance to take it (measured: 510-545 ms in the
     encoder's queue for one request of four sent at once, in two bursts out of six; docs/results/epd.md). The
-    encoder still checks each request's deadline before it starts (``orchestrator.admission.URGENCY``)."""
-    if not topology.admission:
+    encoder still checks each request's deadline before it starts (``orchestrator.admission.URGENCY``). An
+    ``admission`` block with ``encoder_queue: fifo`` keeps the single queue: the orchestrators' gates still let
+    encodes in by priority, but an encoder shared with other servers' orchestrators then serves them in arrival order."""
+    if topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"]) == "fifo" or not topology.admission:
         return f"dynamic_batching {{\n  max_queue_delay_microseconds: {delay_us}\n}}\n"
     levels = topology.admission.get("priority_levels", ADMISSION_DEFAULTS["priority_levels"])
     timeout_us = int(topology.limits["request_timeout_seconds"] * 1e6)

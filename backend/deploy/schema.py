@@ -48,7 +48,11 @@ REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "ses
 # priority classes every model takes (AdmissionBudgets, PrioritySettings; ensemble.admission); no block: no budgets
 ADMISSION_DEFAULTS = {**defaults(RoutingSettings, "priority_levels", "encoder_items_in_flight", "encoder_bytes_in_flight",
                                  "generator_requests_in_flight", "decode_requests_in_flight", "max_queue_ms",
-                                 "high_priority_reserve_percent")}
+                                 "high_priority_reserve_percent"),
+                      # the encoder's Triton queue: one per priority class (priority) or one (fifo: the orchestrators'
+                      # gates still let encodes in by priority; render._encoder_batching says why it is a choice)
+                      "encoder_queue": "priority"}
+ENCODER_QUEUES = ("priority", "fifo")
 # engines schedule by priority (vLLM's scheduling_policy): a request's priority reaches them (equal ones: first come)
 ENGINE_DEFAULTS = {"scheduling_policy": "priority", "dtype": "float32", "enforce_eager": True, "max_model_len": 4096, "max_num_seqs": 32,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni", "seed": 0,

@@ -57,7 +57,7 @@ import yaml
 
 from backend.deploy.hosts import cli as hosts_cli, parse_hosts
 from backend.deploy.render import render
-from backend.deploy.schema import (ADMISSION_DEFAULTS, DEPLOYMENTS, ENDPOINT_STAGES, ENGINE_DEFAULTS, GPU_STAGES, HOSTS, LIMIT_DEFAULTS,
+from backend.deploy.schema import (ADMISSION_DEFAULTS, DEPLOYMENTS, ENCODER_QUEUES, ENDPOINT_STAGES, ENGINE_DEFAULTS, GPU_STAGES, HOSTS, LIMIT_DEFAULTS,
                                    MAX_INSTANCES, ORCHESTRATORS, REUSE_DEFAULTS, ROOT, STAGE_KEYS, TIER_DEFAULTS,
                                    TOP_KEYS, TRANSFER_DEFAULTS, IN_PROCESS_DECODE, StageSpec, Topology, TopologyError,
                                    check_keys, deployment_stages)
@@ -178,6 +178,8 @@ def _admission(doc, where: str) -> dict[str, Any]:
             raise TopologyError(f"{where}.{key}: expected a percentage from 0 to below 100, got {value!r}")
         if key.endswith("_in_flight") and not (isinstance(value, int) and number and value >= 0):
             raise TopologyError(f"{where}.{key}: expected an integer >= 0 (0: no bound), got {value!r}")
+        if key == "encoder_queue" and value not in ENCODER_QUEUES:
+            raise TopologyError(f"{where}.{key}: expected one of {', '.join(ENCODER_QUEUES)}, got {value!r}")
     return dict(doc)
 
 

@@ -69,13 +69,17 @@ async def light_ttft(base: str, model: str, count: int, args) -> list[float]:
 def run(args) -> dict:
     from backend.deploy.local_server import Ports, TritonServer, start_openai_process
     from backend.deploy.ports import free_ports
+    from backend.deploy.schema import ADMISSION_DEFAULTS
     from backend.deploy.topology import load
     from clients.bench.side_stacks import wait_healthy
 
     topology = load(Path(args.topology), "cpu")
     if args.engine_nice is not None:
         topology = dataclasses.replace(topology, engine_nice=args.engine_nice)
+    if args.encoder_queue is not None:
+        topology = dataclasses.replace(topology, admission={**topology.admission, "encoder_queue": args.encoder_queue})
     args.engine_nice = topology.engine_nice  # recorded with the results
+    args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     *server_ports, port, port_open = free_ports(5)
@@ -117,7 +121,8 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                    "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
             runs.append(row)
             print(_line(row), flush=True)
-    return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+    return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
+            "encoder_queue": args.encoder_queue, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
 
 
@@ -150,6 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity-requests", type=int, default=192)
     parser.add_argument("--engine-nice", type=int, choices=range(20), metavar="0-19",
                         help="the engines' niceness, over the topology's engine_nice")
+    parser.add_argument("--encoder-queue", choices=["priority", "fifo"],
+                        help="the encoder's Triton queue, over the topology's admission.encoder_queue (docs/results/"
+                             "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["process", "in-process"], default="process",
                         help="python -m frontend.openai as its own process serving both, or the endpoint in each "

@@ -369,6 +369,12 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     assert not any("in_flight" in text for text in default.values())
     # no admission block: one queue and no policy (Triton's batcher then prefetches: no 500 ms idle waits)
     assert "dynamic_batching {\n  max_queue_delay_microseconds: 2000\n}\n" in default["encoder/config.pbtxt"]
+    # encoder_queue: fifo keeps the budgets and the engines' priorities, and the encoder's single queue
+    fifo = render_files(load(_write(tmp_path, {**doc, "admission": {**doc["admission"], "encoder_queue": "fifo"}}),
+                             "cpu"), Path("/r"))
+    assert "dynamic_batching {\n  max_queue_delay_microseconds: 2000\n}\n" in fifo["encoder/config.pbtxt"]
+    assert "priority_levels" not in fifo["encoder/config.pbtxt"]
+    assert fifo["epd/config.pbtxt"] == files["epd/config.pbtxt"] and "encoder_queue" not in fifo["epd/config.pbtxt"]
 
 
 @pytest.mark.parametrize("admission, message", [
@@ -377,6 +383,7 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     ({"encoder_items_in_flight": -1}, "admission.encoder_items_in_flight: expected an integer >= 0"),
     ({"decode_requests_in_flight": 1.5}, "admission.decode_requests_in_flight: expected an integer >= 0"),
     ({"max_queue_ms": "1s"}, "admission.max_queue_ms: expected a number of ms >= 0"),
+    ({"encoder_queue": "lifo"}, "admission.encoder_queue: expected one of priority, fifo"),
     ([1], "admission: expected a mapping"),
 ])
 def test_a_bad_admission_block_is_refused_naming_the_key(tmp_path, admission, message):
