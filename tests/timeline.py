@@ -28,10 +28,3 @@ def made_during(path: str) -> str:
     test = next((name for name, start, end in RAN if start <= made <= end), "no test (between tests)")
     return f"{path} (made {when}, during {test})"
 
-
-def by_file() -> list[tuple[str, float, int]]:
-    """(test file, seconds, tests) over what ran, the most seconds first."""
-    files: dict[str, list[float]] = {}
-    for test, start, end in RAN:
-        files.setdefault(test.split("::")[0], []).append(end - start)
-    return sorted(((name, sum(times), len(times)) for name, times in files.items()), key=lambda row: -row[1])

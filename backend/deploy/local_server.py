@@ -170,20 +170,31 @@ def remove_python_envs(before: set[str], window: list[float | None]) -> list[str
     if start is None:
         return []
     ready = ready or time.time()
-    candidates = python_envs() - before
-    if not candidates:
-        return []
-    running = _tritonserver_starts()
     removed = []
-    for path in sorted(candidates):
+    for path, made in unowned_python_envs(before).items():
         try:
-            made = os.stat(path).st_ctime
-            if start - 1 <= made <= ready + 1 and not any(made - BACKEND_INIT_S <= t <= made + 1 for t in running):
+            if start - 1 <= made <= ready + 1:
                 os.rmdir(path)  # empty, or left alone (a model's extracted EXECUTION_ENV_PATH)
                 removed.append(path)
         except OSError:
             continue
     return removed
+
+
+def unowned_python_envs(before: set[str]) -> dict[str, float]:
+    """The Python-backend directories new since ``before`` that no running tritonserver can have made (none started
+    within ``BACKEND_INIT_S`` before the directory was), with the time each was made."""
+    candidates = python_envs() - before
+    running = _tritonserver_starts() if candidates else []
+    unowned = {}
+    for path in sorted(candidates):
+        try:
+            made = os.stat(path).st_ctime
+        except OSError:
+            continue
+        if not any(made - BACKEND_INIT_S <= t <= made + 1 for t in running):
+            unowned[path] = made
+    return unowned
 
 
 def _tritonserver_starts() -> list[float]:

@@ -18,7 +18,7 @@ from devtools.tiny.model import build_like
 from tests.e2e.conftest import _shm, settled_orphans
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.memory_heavy]
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = {"temperature": 0.0, "max_tokens": 12}

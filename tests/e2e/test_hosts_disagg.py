@@ -16,7 +16,7 @@ from tests.e2e.test_hosts import GREEDY, request
 from tests.hosts_deploy import HostsDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.memory_heavy]
 
 
 def test_e_p_d_across_three_hosts_gives_llm_s_tokens_with_embeddings_and_kv_over_nixl(server, tmp_path):
