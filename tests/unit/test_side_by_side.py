@@ -1,6 +1,7 @@
 """``clients.bench.side_by_side``'s pure parts: the same engine settings in vLLM's command lines as in ours, the
 stacks' shapes, rows, token equality, ratios, the tables, the CPU accounting, the requests and SSE parsing, and the
 arguments (no server, no proxy)."""
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -165,6 +166,47 @@ def test_sse_lines():
     assert side_client.parse_sse_line(b'data: {"choices": []}\n') == {"choices": []}
     assert side_client.parse_sse_line(b"data: [DONE]\n") == "[DONE]"
     assert side_client.parse_sse_line(b"\n") is None and side_client.parse_sse_line(b": ping\n") is None
+
+
+class _Stream:
+    """An aiohttp-like response whose SSE lines come ``gap`` seconds apart."""
+
+    def __init__(self, lines: list[bytes], gap: float):
+        self.status, self.lines, self.gap = 200, lines, gap
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    @property
+    def content(self):
+        async def lines():
+            for line in self.lines:
+                await asyncio.sleep(self.gap)
+                yield line
+        return lines()
+
+
+class _Session:
+    def __init__(self, stream: _Stream):
+        self.stream = stream
+
+    def post(self, url, json):
+        return self.stream
+
+
+def test_ttft_is_the_first_chunk_with_a_choice_even_when_its_text_is_empty():
+    """A random checkpoint's first tokens may decode to "": TTFT is still the first token's chunk (vLLM's benchmark
+    client's rule), not the first visible text (which read the whole request as TTFT on the GPU)."""
+    chunk = lambda text: b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}).encode()
+    lines = [chunk(""), chunk(""), chunk(""), chunk("a"), b'data: {"choices": [], "usage": {"completion_tokens": 4}}',
+             b"data: [DONE]"]
+    sample, error = asyncio.run(side_client._one_openai(_Session(_Stream(lines, 0.05)), "u", {}))
+    assert error is None and sample.tokens == 4 and sample.text == "a"
+    assert 0.04 <= sample.ttft < 0.12 and sample.latency >= 0.25, (sample.ttft, sample.latency)
+    assert not side_client.first_token_event({"choices": [], "usage": {}}) and not side_client.first_token_event("[DONE]")
 
 
 def test_arguments(tmp_path):
