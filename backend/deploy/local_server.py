@@ -311,6 +311,8 @@ class TritonServer:
                     self.regions |= stub_regions(self.proc.pid)
                     return self
                 time.sleep(0.25)
+            # what each of its processes was doing (a model that never finished loading), into the log first
+            report_native_stacks(group_members(self.proc.pid), self.log_path)
             raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
         except BaseException as exc:  # whatever ends the wait (Ctrl-C too): nothing of the server is left behind
             self.stop()  # the stubs and their regions go too

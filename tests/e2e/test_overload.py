@@ -74,6 +74,7 @@ def in_background(call) -> dict:
     out: dict = {}
 
     def run():
+        out["started"] = time.perf_counter()
         try:
             out["result"] = call()
         except Exception as exc:  # noqa: BLE001 - the test reads it
@@ -86,9 +87,22 @@ def in_background(call) -> dict:
 
 @pytest.mark.parametrize("model", ["pd", "epd"])
 def test_a_high_priority_request_is_answered_before_low_ones_queued_earlier(server, model):
-    """pd: vLLM's own priority scheduling (one sequence at a time); epd: the orchestrator's queue for pd (budget 1)."""
+    """pd: vLLM's own priority scheduling (one sequence at a time); epd: the orchestrator's queue for pd (budget 1).
+    The scenario needs the first request still running when the high one is sent; on a starved machine (the suite's
+    other worker) it may end first, and then the scenario is set up once more (at most twice in all)."""
+    for _ in range(2):
+        first, low, high = _one_behind_another(server, model)
+        if high["started"] < first["ended"]:
+            break
+    assert high["started"] < first["ended"], "the first request ended before the high one was sent, twice"
+    assert first["ended"] < high["ended"] < min(call["ended"] for call in low), \
+        "the high-priority request waited for the low ones"
+
+
+def _one_behind_another(server, model):
+    """A long first request (priority 1), two low ones (1) queued behind it, then a high one (0)."""
     started = threading.Event()
-    first = in_background(lambda: ask(server, model, {**SHORT, "max_tokens": 1500, "ignore_eos": True}, {"epd_priority": 1},
+    first = in_background(lambda: ask(server, model, {**SHORT, "max_tokens": 3000, "ignore_eos": True}, {"epd_priority": 1},
                                       on_text=lambda _: started.set()))
     assert started.wait(60)
     image = model == "epd"  # pd takes layouts, not media: text only
@@ -101,8 +115,7 @@ def test_a_high_priority_request_is_answered_before_low_ones_queued_earlier(serv
     for call in (first, *low, high):
         call["thread"].join(120)
         assert "error" not in call, call.get("error")
-    assert first["ended"] < high["ended"] < min(call["ended"] for call in low), \
-        "the high-priority request waited for the low ones (or the first ended before the others queued)"
+    return first, low, high
 
 
 def test_a_request_past_its_deadline_is_answered_before_any_encode(server):
