@@ -17,9 +17,9 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
-# The files that take longest (docs/results/ci-time.md), first: `make test` runs the suite on two xdist workers, each
-# taking the next file as it finishes one (--dist loadfile --no-loadscope-reorder), so the long ones start early and
-# the many short unit files fill the end. The memory-heavy ones apart in the list (see memory_heavy_alone).
+# The files that take longest (docs/results/ci-time.md), first, when the suite runs on xdist workers (`make test
+# TEST_WORKERS=2`: each takes the next file as it finishes one, --dist loadfile --no-loadscope-reorder), so the long
+# ones start early and the many short unit files fill the end. The memory-heavy ones apart (memory_heavy_alone).
 SLOW_FIRST = ("tests/e2e/test_faults.py", "tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py",
               "tests/e2e/test_tier.py", "tests/e2e/test_reuse.py", "tests/e2e/test_serving_commands.py",
               "tests/e2e/test_hosts.py", "tests/component/test_patches.py", "tests/e2e/test_audio.py",
@@ -30,6 +30,8 @@ FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-u
 
 
 def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "numprocesses", None):  # one process: the order as collected
+        return
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
