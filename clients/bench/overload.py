@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from backend.deploy.schema import ENCODER_QUEUES
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
 from clients.bench.report import percentile
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity-requests", type=int, default=192)
     parser.add_argument("--engine-nice", type=int, choices=range(20), metavar="0-19",
                         help="the engines' niceness, over the topology's engine_nice")
-    parser.add_argument("--encoder-queue", choices=["priority", "fifo"],
+    parser.add_argument("--encoder-queue", choices=ENCODER_QUEUES,
                         help="the encoder's Triton queue, over the topology's admission.encoder_queue (docs/results/"
                              "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
