@@ -12,15 +12,65 @@ from tests.timeline import ran
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Set-up (module and session servers starting), call and teardown of each test, timed (tests.timeline)."""
+    """Set-up (module and session servers starting), call and teardown of each test, timed (tests.timeline), inside
+    its module's locks (ModuleLocks): taken before the module's first test sets anything up (the session server
+    included, where this module is the first to need it), dropped after its last test's teardown."""
+    MODULE_LOCKS.enter(item)
     with ran(item.nodeid):
         yield
+    if nextitem is None or nextitem.module is not item.module:
+        MODULE_LOCKS.leave()
+
+
+class ModuleLocks:
+    """What a test module may run beside, on either xdist worker (`make test TEST_WORKERS=2`) or in another pytest
+    session of this machine; flock()s on files in pytest's temporary root, which the kernel drops with the process.
+    - ``memory_heavy`` (servers of real checkpoint shapes: ~11 GiB; several hosts' servers): never two at once: two
+      took CI's 24 GiB and the kernel's OOM killer an EngineCore.
+    - ``solo`` (fault and overload tests whose timings a busy neighbour broke: engines killed and stages reloaded,
+      docs/results/ci-time.md): runs while no other module runs. Every other module holds a shared lock while it runs;
+      a solo module takes it exclusively. A turnstile in front (held by a solo module from its wait to its end, passed
+      through by the others) keeps a stream of short modules from starving it: flock has no writer preference."""
+
+    def __init__(self):
+        self.held = []
+
+    def enter(self, item):
+        if self.held:
+            return
+        import fcntl
+
+        root = Path(item.config._tmp_path_factory.getbasetemp()).parent
+
+        def lock(name, mode):
+            handle = open(root / name, "a")
+            fcntl.flock(handle, mode)
+            self.held.append(handle)
+            return handle
+
+        if item.get_closest_marker("solo") is not None:
+            lock("turnstile.lock", fcntl.LOCK_EX)
+            lock("solo.lock", fcntl.LOCK_EX)
+        else:
+            turnstile = lock("turnstile.lock", fcntl.LOCK_EX)
+            lock("solo.lock", fcntl.LOCK_SH)
+            self.held.remove(turnstile)
+            turnstile.close()
+        if item.get_closest_marker("memory_heavy") is not None:
+            lock("memory-heavy.lock", fcntl.LOCK_EX)
+
+    def leave(self):
+        while self.held:
+            self.held.pop().close()
+
+
+MODULE_LOCKS = ModuleLocks()
 
 
 # The files that take longest (docs/results/ci-time.md), first, when the suite runs on xdist workers (`make test
 # TEST_WORKERS=2`: each takes the next file as it finishes one, --dist loadfile --no-loadscope-reorder), so the long
-# ones start early and the many short unit files fill the end. The memory-heavy ones apart (memory_heavy_alone).
-SLOW_FIRST = ("tests/e2e/test_faults.py", "tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py",
+# ones start early and the many short unit files fill the end. The memory-heavy and solo ones apart (ModuleLocks).
+SLOW_FIRST = ("tests/e2e/test_faults.py", "tests/e2e/test_overload.py", "tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py",
               "tests/e2e/test_tier.py", "tests/e2e/test_reuse.py", "tests/e2e/test_serving_commands.py",
               "tests/e2e/test_hosts.py", "tests/component/test_patches.py", "tests/e2e/test_audio.py",
               "tests/e2e/test_epd.py", "tests/e2e/test_colocated.py", "tests/e2e/test_omni.py",
@@ -34,23 +84,6 @@ def pytest_collection_modifyitems(config, items):
         return
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memory_heavy_alone(request, tmp_path_factory):
-    """A module marked ``memory_heavy`` (servers of real checkpoint shapes: ~11 GiB; several hosts' servers) runs
-    while no other such module does, on either xdist worker or in another pytest session of this machine: two at once
-    took CI's 24 GiB and the kernel's OOM killer an EngineCore. An exclusive lock on a file in pytest's temporary root
-    (the kernel drops it with the process)."""
-    if request.node.get_closest_marker("memory_heavy") is None:
-        yield
-        return
-    import fcntl
-
-    root = tmp_path_factory.getbasetemp().parent
-    with open(root / "memory-heavy.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def pytest_runtest_logreport(report):

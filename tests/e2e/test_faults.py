@@ -29,7 +29,7 @@ from tests.e2e.conftest import (_shm, _shm_of_this_process, clone_model, held_sh
                                settled_orphans)
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.solo]  # timing-bound: engines killed, stages reloaded (ModuleLocks)
 
 GREEDY = {"temperature": 0.0, "max_tokens": 4}
 

@@ -24,7 +24,7 @@ from clients.triton_client import GenerateError, generate
 from tests.e2e.conftest import metric
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.solo]  # timing-bound: priority order, shed latency (ModuleLocks)
 
 LONG = {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}  # seconds of decoding on the tiny model
 SHORT = {"temperature": 0.0, "max_tokens": 4}
