@@ -9,7 +9,8 @@
 # other engine settings (bf16, max_num_seqs 64, max_model_len 32768, 16 GiB of KV each). Results into $OUT: side.log,
 # tables.md, results.json, logs.tgz (every server's and the proxy's log); SECONDS (default 540) bounds the run, which
 # then reports the rows that finished. IMAGE_PREPROCESS=gpu|nvjpeg: ours' encoders preprocess images on the GPU
-# (side_by_side --image-preprocess; vLLM's encoder has no such choice).
+# (side_by_side --image-preprocess; vLLM's encoder has no such choice). ENGINES=compile: every engine of both sides
+# compiled with CUDA graphs (--compile; ours' GPU encoder towers torch.compiled) instead of eager.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
@@ -23,7 +24,7 @@ mkdir -p /tmp/vllm-proxy "$OUT"
 cp .cache/vllm-proxy/disagg_epd_proxy.py /tmp/vllm-proxy/
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader > "$OUT/gpu-before.txt" 2>&1
 timeout -s TERM -k 30 "$SECONDS_MAX" .venv/bin/python -m clients.bench.side_by_side \
-    --topology topologies/checkpoint-gpu.yaml --checkpoint "$CKPT" --eager --parallel-start --interleave \
+    --topology topologies/checkpoint-gpu.yaml --checkpoint "$CKPT" "--${ENGINES:-eager}" --parallel-start --interleave \
     --images-per-request 4 --image-size 448,672,896 --max-tokens 128 --concurrency "$C" --requests "$N" \
     --warmup 4 --no-grpc --start-timeout 300 --proxy /tmp/vllm-proxy/disagg_epd_proxy.py --rows "$ROWS" \
     ${IMAGE_PREPROCESS:+--image-preprocess "$IMAGE_PREPROCESS"} --out "$OUT/side" 2>&1 | tee "$OUT/side.log"

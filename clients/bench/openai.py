@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import os
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import urllib.request
 from backend.protocol.generate import GenerateInputs
 from clients.bench.load import Results, _read_response, _request, run_concurrency
 from clients.bench.report import Sample, percentile
-from clients.bench.side_client import first_token_event
+from clients.bench.side_client import messages_body as chat_body, stream_chat
 
 
 def _messages(seed: int, images: int, size: tuple[int, int]) -> list[dict]:
@@ -42,35 +41,8 @@ def _messages(seed: int, images: int, size: tuple[int, int]) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": f"Request {seed}: what is in it?"}]}]
 
 
-def chat_body(model: str, messages, max_tokens: int) -> dict:
-    """The benchmark's chat request: greedy, ``max_tokens`` tokens whatever the text (``ignore_eos``), streamed with
-    the usage chunk."""
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-
-
 async def _openai_one(session, url: str, model: str, messages, max_tokens: int) -> tuple[Sample | None, str | None]:
-    body = chat_body(model, messages, max_tokens)
-    started, ttft, tokens, responses = time.perf_counter(), None, 0, 0
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            return None, f"HTTP {resp.status}: {(await resp.text())[:200]}"
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                latency = time.perf_counter() - started
-                return Sample(ttft or latency, latency, tokens, {}, responses), None
-            doc = json.loads(line[6:])
-            if "error" in doc:
-                return None, doc["error"]["message"]
-            if doc.get("usage"):
-                tokens = doc["usage"]["completion_tokens"]
-            ttft = ttft or (time.perf_counter() - started if first_token_event(doc) else None)
-            if doc.get("choices") and doc["choices"][0]["delta"].get("content"):
-                responses += 1
-    return None, "stream ended before [DONE]"
+    return await stream_chat(session, url + "/v1/chat/completions", chat_body(model, messages, max_tokens))
 
 
 async def run_openai(url: str, model: str, concurrency: int, messages: list, max_tokens: int) -> tuple[Results, float]:

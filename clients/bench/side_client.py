@@ -57,12 +57,18 @@ def data_url(image: bytes) -> str:
     return f"data:{mime};base64," + base64.b64encode(image).decode()
 
 
-def chat_body(model: str, request: Request, max_tokens: int) -> dict:
-    """The OpenAI streaming chat-completions body of ``request`` (usage in the last chunk)."""
-    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in request.images]
+def messages_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """The benchmarks' OpenAI chat-completions body: greedy, ``max_tokens`` tokens whatever the text (``ignore_eos``),
+    streamed with the usage chunk last."""
     return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": request.text}]}]}
+            "temperature": 0.0, "ignore_eos": True, "messages": messages}
+
+
+def chat_body(model: str, request: Request, max_tokens: int) -> dict:
+    """The OpenAI streaming chat-completions body of ``request``."""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in request.images]
+    return messages_body(model, [{"role": "user", "content": [*parts, {"type": "text", "text": request.text}]}],
+                         max_tokens)
 
 
 def grpc_inputs(request: Request, max_tokens: int):
@@ -91,7 +97,10 @@ def first_token_event(event) -> bool:
     return isinstance(event, dict) and bool(event.get("choices"))
 
 
-async def _one_openai(session, url: str, body: dict) -> tuple[Sample | None, str | None]:
+async def stream_chat(session, url: str, body: dict) -> tuple[Sample | None, str | None]:
+    """POST ``body`` to the chat-completions ``url`` and read its stream: (the sample, None), or (None, the error: a
+    status, an error event, a stream that ended before [DONE]). TTFT at the first chunk with a choice
+    (``first_token_event``); tokens from the usage chunk, else the chunks with text."""
     started = time.perf_counter()
     ttft, chunks, tokens, responses = None, [], None, 0
     async with session.post(url, json=body) as resp:
@@ -114,6 +123,8 @@ async def _one_openai(session, url: str, body: dict) -> tuple[Sample | None, str
                     chunks.append(piece)
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
+        else:
+            return None, "stream ended before [DONE]"
     latency = time.perf_counter() - started
     return Sample(ttft if ttft is not None else latency, latency, tokens if tokens is not None else responses,
                   responses=responses, text="".join(chunks)), None
@@ -135,7 +146,7 @@ async def run_openai(base_url: str, model: str, requests: list[Request], concurr
         while not queue.empty():
             index, request = queue.get_nowait()
             try:
-                sample, error = await _one_openai(session, url, chat_body(model, request, max_tokens))
+                sample, error = await stream_chat(session, url, chat_body(model, request, max_tokens))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 sample, error = None, f"{type(exc).__name__}: {exc}"
             if sample is not None:

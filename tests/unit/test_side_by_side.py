@@ -203,10 +203,16 @@ def test_ttft_is_the_first_chunk_with_a_choice_even_when_its_text_is_empty():
     chunk = lambda text: b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}).encode()
     lines = [chunk(""), chunk(""), chunk(""), chunk("a"), b'data: {"choices": [], "usage": {"completion_tokens": 4}}',
              b"data: [DONE]"]
-    sample, error = asyncio.run(side_client._one_openai(_Session(_Stream(lines, 0.05)), "u", {}))
+    sample, error = asyncio.run(side_client.stream_chat(_Session(_Stream(lines, 0.05)), "u", {}))
     assert error is None and sample.tokens == 4 and sample.text == "a"
     assert 0.04 <= sample.ttft < 0.12 and sample.latency >= 0.25, (sample.ttft, sample.latency)
     assert not side_client.first_token_event({"choices": [], "usage": {}}) and not side_client.first_token_event("[DONE]")
+
+
+def test_a_stream_cut_before_done_is_an_error_not_a_short_sample():
+    chunk = b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]}).encode()
+    sample, error = asyncio.run(side_client.stream_chat(_Session(_Stream([chunk, chunk], 0.0)), "u", {}))
+    assert sample is None and error == "stream ended before [DONE]"
 
 
 def test_arguments(tmp_path):
