@@ -4,9 +4,8 @@ call, so a request's answer must not depend on its neighbours).
 
 What is exact and what is bounded (fp32, the tiny checkpoints, 2 CPU threads):
 - the layout (grid, modality, video part, video timing) and the processors' pixels: bitwise;
-- the embeddings: within ``atol = rtol = 1e-6`` (``BOUND``). The tower's matrix products sum in an order that oneDNN /
-  MKL choose by the number of rows in the batch, so one item's rows move by a few float32 ulps with its neighbours
-  (measured 2026-12-04: at most 1.2e-6 on embeddings up to 2.8 in size, the same pixels fed alone and batched).
+- the embeddings: within ``tests.bounds.BATCH_BOUND`` (a few float32 ulps: the tower's matrix products sum in an order
+  that oneDNN / MKL choose by the number of rows in the batch).
 
 Videos of different frame counts, sizes and frame rates in one call, sampled by the loader or left to the processor
 (``do_sample_frames``: Qwen3-VL), and video parts: one Qwen3-VL processor call for several videos once sampled an
@@ -27,9 +26,9 @@ from backend.request.video import decode_video, video_processor_for
 from clients.audios import make_audio
 from clients.images import make_image
 from devtools.tiny.families import DEFAULT_OUT, FAMILIES, build_family
+from tests.bounds import BATCH_BOUND as BOUND
 from tests.videos import make_video
 
-BOUND = dict(atol=1e-6, rtol=1e-6)
 VISION = ("qwen2_vl", *FAMILIES)
 IMAGES = [(64, 48), (28, 560), (200, 150), (30, 30), (560, 28)]  # (width, height): strips and the smallest
 # (width, height, frames, fps): sampled by the loader (6 of 45), or all kept (the first: 4 frames at 4 fps, and
