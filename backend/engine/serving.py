@@ -114,8 +114,11 @@ async def stream_generation(engine: GenerationEngine, request: GenerateRequest, 
 
 class Chunker:
     """Engine deltas -> the responses a client gets (``stream_generation``'s rules, also used by an in-process
-    generator stage): streaming sends the first text at once, then at most one response per ``interval``
-    seconds (and the final one); non-streaming sends one final response, the prompt in front unless
+    generator stage): streaming sends the first token's response at once, even where its text is still "" (a token
+    that starts a multi-byte character, a special token): the client's first token then comes when the engine gives
+    it, as vLLM's OpenAI server sends its first chunk (2026-12-05 on an H100: a random checkpoint's tokens decoded to
+    "" and ours' E+PD answered its first chunk with the last token, TTFT = the whole request); then responses with
+    text at most one per ``interval`` seconds (and the final one); non-streaming sends one final response, the prompt in front unless
     ``exclude_input_in_output``. A request that asked for ``logprobs`` gets on each response the entries of the
     tokens whose text it carries (steps merged into one response: their tokens' entries together; a step whose
     tokens added no text yet: with the next response's), the generated tokens only (not the prompt in front)."""
@@ -125,6 +128,7 @@ class Chunker:
         self.pieces: list[str] = []
         self.logprobs: list[dict] | None = [] if request.sampling.get("logprobs") is not None else None
         self.last_sent = float("-inf")
+        self.started = False  # the first token's response is sent
 
     def add(self, delta: GenerationDelta) -> ResponseChunk | None:
         """The response to send after ``delta``, or None (nothing to send yet)."""
@@ -134,8 +138,8 @@ class Chunker:
             self.logprobs.extend(delta.logprobs or ())
         if request.stream:
             now = time.monotonic()
-            if delta.finished or (any(pieces) and now - self.last_sent >= self.interval):
-                self.last_sent = now
+            if delta.finished or not self.started or (any(pieces) and now - self.last_sent >= self.interval):
+                self.last_sent, self.started = now, True
                 chunk = self._chunk(delta, "".join(pieces))
                 pieces.clear()
                 return chunk
