@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from backend.deploy.schema import ADMISSION_DEFAULTS, ModelKind, StageSpec, Topology
+from backend.deploy.schema import ADMISSION_DEFAULTS, ADMISSION_PARAMETERS, ModelKind, StageSpec, Topology
 from backend.protocol import generate
 from backend.protocol.modality import modalities
 from backend.protocol.stages import Disaggregation, Stage
@@ -177,9 +177,9 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
 
 
 def _admission(topology: Topology, *keys: str) -> dict[str, str]:
-    """The ``admission`` block's settings given in the topology (``keys``: only those), as parameters."""
-    return {k: _fmt(v) for k, v in topology.admission.items()
-            if (k in keys if keys else k != "encoder_queue")}  # encoder_queue: the encoder's batcher, not a parameter
+    """The ``admission`` block's orchestrator settings given in the topology (``keys``: only those), as parameters
+    (``encoder_queue`` is the encoder's batcher: ``_encoder_batching``)."""
+    return {k: _fmt(v) for k, v in topology.admission.items() if k in (keys or ADMISSION_PARAMETERS)}
 
 
 def _encoder_batching(topology: Topology, delay_us: int) -> str:
