@@ -255,7 +255,9 @@ class GrpcStageCalls:
                             raise from_triton_error(error, model)
                         chunk = _chunk(result)
                         finished = chunk.finish_reason is not None or _is_final(result)
-                        if chunk.text_output or chunk.finish_reason is not None:
+                        # every response but a bare final flag (after an in-band cancel): a first token's response
+                        # may have no text yet and still carries its token's logprobs (Chunker sends it at once)
+                        if not finished or chunk.finish_reason is not None or chunk.text_output or chunk.logprobs:
                             yield chunk
                         if finished:
                             return
