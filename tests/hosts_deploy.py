@@ -21,6 +21,7 @@ import yaml
 from backend.deploy.hosts import HostPlan, host_plan
 from backend.deploy.local_server import Ports, TritonServer, server_env
 from backend.deploy.schema import Topology
+from backend.deploy.stacks import report_native_stacks
 from backend.deploy.topology import load
 from backend.protocol.generate import GenerateInputs
 from backend.protocol.settings import RoutingSettings
@@ -149,11 +150,22 @@ class HostsDeployment:
 
     def ask(self, model: str, inputs: GenerateInputs, url: str | None = None) -> GenerateResult | GenerateError:
         """One HTTP generate request from the client host; the error the server answered is returned, not raised."""
-        return self.client.submit(_ask, url or self.url(), model, inputs).result()
+        return self.submit(model, inputs, url).result()
 
     def submit(self, model: str, inputs: GenerateInputs, url: str | None = None):
-        """``ask`` without waiting: its future."""
-        return self.client.submit(_ask, url or self.url(), model, inputs)
+        """``ask`` without waiting: its future. A request the server never finishes (the client's timeout) prints the
+        native stacks of the asked host's processes first (the failing test's output shows them), then raises."""
+        url = url or self.url()
+
+        def asked():
+            try:
+                return _ask(url, model, inputs)
+            except TimeoutError:
+                name = next((n for n, server in self.servers.items() if server.http_url == url), None)
+                if name is not None:
+                    report_native_stacks(self.network.pids(name), self.servers[name].log_path)
+                raise
+        return self.client.submit(asked)
 
     def metric(self, name: str, metric: str, **labels) -> float:
         """``metric`` on host ``name``'s metrics endpoint, summed over the series carrying ``labels``."""
