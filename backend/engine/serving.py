@@ -116,9 +116,9 @@ class Chunker:
     """Engine deltas -> the responses a client gets (``stream_generation``'s rules, also used by an in-process
     generator stage): streaming sends the first token's response at once, even where its text is still "" (a token
     that starts a multi-byte character, a special token): the client's first token then comes when the engine gives
-    it, as vLLM's OpenAI server sends its first chunk (2026-12-05 on an H100: a random checkpoint's tokens decoded to
-    "" and ours' E+PD answered its first chunk with the last token, TTFT = the whole request); then responses with
-    text at most one per ``interval`` seconds (and the final one); non-streaming sends one final response, the prompt in front unless
+    it, as vLLM's OpenAI server sends its first chunk (on an H100 a random checkpoint's answers began with tokens that
+    decode to "", and ours' E+PD sent its first chunk with the last token); then responses with text at most one per
+    ``interval`` seconds (and the final one); non-streaming sends one final response, the prompt in front unless
     ``exclude_input_in_output``. A request that asked for ``logprobs`` gets on each response the entries of the
     tokens whose text it carries (steps merged into one response: their tokens' entries together; a step whose
     tokens added no text yet: with the next response's), the generated tokens only (not the prompt in front)."""
