@@ -67,6 +67,7 @@ from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
 from orchestrator.admission import Admission, Allowance, Cost, Urgency, URGENCY
+from orchestrator.health import cancelled_here
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,12 @@ class Orchestrator:
         except (DeadlineExceeded, Overloaded) as exc:
             state.outcome = Outcome.EXPIRED if isinstance(exc, DeadlineExceeded) else Outcome.SHED
             sink.send_error(exc)
+        except asyncio.CancelledError:
+            if cancelled_here():  # the model unloading: the request is still completed, or it would never unload
+                sink.close()
+                raise
+            # a call under it was cancelled (grpc.aio, a closed channel): the request's error, not a silent end
+            sink.send_error(Unavailable(f"a stage call was cancelled while {state.phase}"))
         except Exception as exc:
             sink.send_error(exc)
         finally:

@@ -30,8 +30,17 @@ class Lost(Exception):
     """The replica a call waits on was lost."""
 
 
+def cancelled_here() -> bool:
+    """Whether the running task itself is being cancelled; a ``CancelledError`` otherwise came from a call under it
+    (grpc.aio raises it from a call cancelled locally, e.g. by its channel closing when its replica was lost)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def unless(awaitable, lost: asyncio.Event):
-    """``awaitable``'s result, or ``Lost`` (``awaitable`` cancelled) if ``lost`` is or gets set first."""
+    """``awaitable``'s result, or ``Lost`` (``awaitable`` cancelled) if ``lost`` is or gets set first, or is set when
+    ``awaitable`` failed: the lost replica's channel closes at once (``on_lost``), which cancels the calls on it, and
+    that may end the call in the same turn of the loop as ``lost`` wakes this task."""
     call = asyncio.ensure_future(awaitable)
     if lost.is_set():
         call.cancel()
@@ -46,6 +55,8 @@ async def unless(awaitable, lost: asyncio.Event):
         waiter.cancel()
     if not call.done():
         call.cancel()
+        raise Lost
+    if lost.is_set() and (call.cancelled() or call.exception() is not None):
         raise Lost
     return call.result()
 
@@ -107,4 +118,4 @@ async def watch(calls: HealthCalls, sets: list[tuple[ReplicaSet, bool]], health_
     return reached
 
 
-__all__ = ["Unreachable", "Lost", "unless", "HealthCalls", "prober", "watch"]
+__all__ = ["Unreachable", "Lost", "cancelled_here", "unless", "HealthCalls", "prober", "watch"]

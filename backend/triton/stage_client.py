@@ -54,7 +54,7 @@ from backend.triton.io import ERROR_CODES_PARAMETER, from_triton_error
 from backend.triton.grpc_stream import StreamPool, cancel_in_band, grpc_inputs, single_request_stream
 from backend.protocol.stages import Stage
 from orchestrator.admission import URGENCY, Urgency
-from orchestrator.health import Lost, Unreachable, unless
+from orchestrator.health import Lost, Unreachable, cancelled_here, unless
 from orchestrator.replicas import PROBE_SECONDS, Replica
 from orchestrator.routing import RoutedStages
 
@@ -87,8 +87,9 @@ def _chunk(result) -> ResponseChunk:
 
 async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asyncio.Event | None = None):
     """The stream's items; a gRPC failure of the call itself (server not listening at ``url``, connection
-    lost) is UNAVAILABLE naming the stage and the endpoint (see ``grpc_url`` above), and so is ``lost`` set
-    while waiting (the replica stopped answering health checks: ``orchestrator.replicas``)."""
+    lost, the call cancelled under this task by its channel closing) is UNAVAILABLE naming the stage and the
+    endpoint (see ``grpc_url`` above), and so is ``lost`` set while waiting (the replica stopped answering health
+    checks: ``orchestrator.replicas``)."""
     import grpc
 
     iterator = stream.__aiter__()
@@ -99,6 +100,11 @@ async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asynci
             return
         except Lost:
             raise Unreachable(f"stage {model} at {url} was lost (it stopped answering health checks)") from None
+        except asyncio.CancelledError:
+            if cancelled_here():
+                raise
+            raise Unreachable(f"stage {model} at {url}: the call was cancelled under the request (its channel "
+                              f"closed: the replica was lost)") from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise

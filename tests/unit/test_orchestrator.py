@@ -367,3 +367,31 @@ def test_the_answerer_checks_the_run_options_and_runs_the_request():
     good = FakeSink()
     asyncio.run(answer(RawGenerateInputs(prompt="hi"), {"epd_encode": True}, good))
     assert good.errors == [] and good.chunks[-1][1] is True
+
+
+def test_a_stage_call_cancelled_under_the_request_is_its_error_and_the_request_is_completed():
+    """A ``CancelledError`` from a call under the request (grpc.aio: its channel closed) is not a cancel of the
+    request's task: the client gets an error naming the phase instead of a stream that never ends."""
+    stages = FakeStages(generate_error=asyncio.CancelledError(), generate_failures=1, fail_after_chunks=1)
+    outcome, sink = run(stages, RawGenerateInputs(prompt="x", stream=True))
+    assert outcome is Outcome.ERROR and sink.finals == 1
+    [error] = sink.errors
+    assert isinstance(error, Unavailable) and "cancelled while generating" in str(error)
+
+
+def test_a_request_whose_task_is_cancelled_is_still_completed():
+    """The model unloading cancels the loop's tasks: each request still gets its final flag (a decoupled request
+    without one keeps Triton from unloading the model)."""
+    async def scenario():
+        stages, sink = FakeStages(encode_delay=10), FakeSink()
+        task = asyncio.ensure_future(Orchestrator(stages, IDENTITY, RequestLimits()).run(
+            RawGenerateInputs(prompt="x", images=(b"a",)), sink))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return sink
+    sink = asyncio.run(scenario())
+    assert sink.closed == 1 and sink.finals == 1

@@ -107,3 +107,36 @@ def test_a_request_whose_deadline_passed_in_the_encoder_s_queue_is_a_deadline_no
     assert isinstance(error, DeadlineExceeded) and "encoder's queue at h:1" in str(error)
     lost = _call_failed("encoder", "h:1", _TritonError("failed to connect to all addresses", "StatusCode.UNAVAILABLE"))
     assert isinstance(lost, Unreachable) and lost.lost
+
+
+def test_a_stream_call_cancelled_under_the_request_is_unreachable_and_a_cancel_of_the_request_stays_one():
+    """grpc.aio raises ``CancelledError`` from a call its closed channel cancelled (a lost replica's, or a demand-aware
+    lookup's on it): the call failed, UNAVAILABLE naming the stage; the request's own task cancelled still cancels."""
+    from backend.triton.stage_client import _unavailable_if_unreachable
+    from orchestrator.health import Unreachable
+
+    class CancelledStream:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise asyncio.CancelledError
+
+    async def read():
+        return [item async for item in _unavailable_if_unreachable(CancelledStream(), "pd", "10.0.0.5:8001")]
+
+    with pytest.raises(Unreachable, match="stage pd at 10.0.0.5:8001: the call was cancelled"):
+        asyncio.run(read())
+
+    class Waiting(CancelledStream):
+        async def __anext__(self):
+            await asyncio.sleep(10)
+
+    async def cancelled_reader():
+        task = asyncio.ensure_future(anext(_unavailable_if_unreachable(Waiting(), "pd", "10.0.0.5:8001")))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):  # not Unreachable: the request's own cancel
+        asyncio.run(cancelled_reader())
