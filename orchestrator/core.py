@@ -312,7 +312,8 @@ class Orchestrator:
             if not self._lookup_failed:
                 self._lookup_failed = True
                 log.warning("demand-aware lookup at %s failed (%s); encoding as without it (logged once)",
-                            self.disaggregation.generators[0].value, exc)
+                            self.disaggregation.generators[0].value,
+                            f"no answer within {self.LOOKUP_SECONDS:g} s" if isinstance(exc, TimeoutError) else exc)
             found = {}
         found = {key: text for key, text in found.items() if key in asked and isinstance(text, str)}
         state.timings.update(held=len(found), lookup_ms=_ms(started))
