@@ -11,6 +11,7 @@ requests, readiness and metrics, as a client on another machine would. No pytest
 from __future__ import annotations
 
 import os
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,7 @@ class HostsDeployment:
         self.topology, self.network, self.workdir = topology, network, Path(workdir)
         self.plans = host_plan(topology, self.workdir / "hosts")
         self.client = network.executor(CLIENT, workers=32)
+        self._stacks_lock, self._stacks_reported = threading.Lock(), set()
         self.servers: dict[str, HostServer] = {}
         self.start_timeout = start_timeout
 
@@ -162,8 +164,11 @@ class HostsDeployment:
                 return _ask(url, model, inputs)
             except TimeoutError:
                 name = next((n for n, server in self.servers.items() if server.http_url == url), None)
-                if name is not None:
-                    report_native_stacks(self.network.pids(name), self.servers[name].log_path)
+                with self._stacks_lock:  # once per host: requests timing out together would ptrace it at once (EPERM)
+                    first = name is not None and name not in self._stacks_reported
+                    self._stacks_reported.add(name)
+                    if first:
+                        report_native_stacks(self.network.pids(name), self.servers[name].log_path)
                 raise
         return self.client.submit(asked)
 
