@@ -119,8 +119,7 @@ def test_a_stack_that_failed_leaves_its_columns_empty():
 
 def test_the_ttft_target_is_on_the_ratio_itself_not_its_rounding():
     """166.3 / 332.4 ms is 0.5003: shown as 0.5, but above the issue's bound (a run of 2026-12-06 printed "met")."""
-    from clients.bench.agent_table import OURS, VLLM, targets
     new_only = {"encoded": 4, "conversations": 4, "usage_encoded": 4, "errors": 0}
-    row = {"turn": 8, VLLM: {}, OURS: new_only, "p90_ratio_exact": 166.3 / 332.4, "p90_ratio": 0.5}
-    assert not targets([row])["ttft_p90_met"] and targets([row])["ttft_p90_ratio"] == 0.5
-    assert targets([{**row, "p90_ratio_exact": 0.4999}])["ttft_p90_met"]
+    row = {"turn": 8, table.VLLM: {}, table.OURS: new_only, "p90_ratio_exact": 166.3 / 332.4, "p90_ratio": 0.5}
+    assert not table.targets([row])["ttft_p90_met"] and table.targets([row])["ttft_p90_ratio"] == 0.5
+    assert table.targets([{**row, "p90_ratio_exact": 0.4999}])["ttft_p90_met"]
