@@ -135,6 +135,39 @@ def clone_model(repo: Path, model: str, name: str, parameters: dict[str, str] | 
     config.write_text(text)
 
 
+SESSION_TOPOLOGY = ROOT / "topologies" / "default.yaml"  # what model_repository/ (the session server's) is rendered from
+
+
+def assert_session_engines(topology, stages) -> None:
+    """``topology``'s engines of ``stages`` are rendered with the session server's engine arguments (checkpoint and
+    limits per prompt included): that server's engine of the stage (its ``llm`` for ``llm``) answers as theirs would."""
+    from backend.deploy.render import GENERATED_KEY, render_engine_args
+    from backend.deploy.topology import load
+
+    session = load(SESSION_TOPOLOGY, "cpu")
+    args = lambda t, stage: {k: v for k, v in json.loads(render_engine_args(t, stage, ROOT)).items() if k != GENERATED_KEY}
+    for stage in stages:
+        assert args(topology, stage) == args(session, stage), f"{topology.name}: its {stage} is not the session server's"
+
+
+def render_on_session_engines(topology, server, repo: Path) -> list[str]:
+    """Render ``topology``'s encoders and orchestrators into ``repo``, its engine stages (pd, prefill, decode) reached
+    at the session server's gRPC endpoint instead of engines of its own: a module server that varies only the encoder
+    or the orchestrator saves an engine start per engine stage (~20 s of CPU each). The session server's engines are
+    the same checkpoint and engine arguments (checked), so answers are those of engines of its own; its ``llm`` is the
+    baseline to ask (an ``llm`` of the topology is not rendered). Returns the models written."""
+    from dataclasses import replace
+
+    from backend.deploy.render import render
+    from backend.deploy.schema import REMOTE_STAGES
+
+    engines = {stage for stage in REMOTE_STAGES if stage in topology.stages}
+    assert_session_engines(topology, engines)
+    topology = replace(topology, stages={name: replace(spec, endpoint=server.grpc_url) if name in engines else spec
+                                         for name, spec in topology.stages.items()})
+    return render(topology, repo, [name for name, kind in topology.models().items() if kind.engine is None or kind.colocated])
+
+
 def user_env() -> dict[str, str]:
     """The caller's environment without anything a test harness might have set for the orchestrators."""
     return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}

@@ -2,7 +2,7 @@
 model ``epd``: the orchestrator and the pd engine in one stub) and E/P/D with both engines in the orchestrator's
 process (``stages.prefill.orchestrator: colocated`` and ``stages.decode.orchestrator: colocated``, model
 ``epd_disagg``: the orchestrator, prefill's engine and decode's, the KV moved between them through NIXL); encoders
-are a separate model (BLS). Against ``llm`` in the same server: the same tokens (greedy) for varied requests,
+are a separate model (BLS). Against ``llm`` (the session server's: the same checkpoint and engine arguments): the same tokens (greedy) for varied requests,
 streaming and not; a client cancel aborts the engine request; an encoder error is a clear INVALID_ARG naming the
 item; nothing leaks. (E/P/D's orchestrator beside prefill with ``decode`` a model of its own, asked over gRPC:
 ``tests/unit/test_local_stages.py`` and the renderings' tests.)"""
@@ -18,11 +18,11 @@ import tritonclient.http as httpclient
 from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
-from backend.deploy.schema import StageSpec
 from backend.deploy.topology import load
 from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError
-from tests.e2e.conftest import _shm_of_this_process, assert_same_logprobs, held_shm, left_behind, metric
+from tests.e2e.conftest import _shm_of_this_process, assert_same_logprobs, assert_session_engines, held_shm, left_behind, \
+    metric
 from tests.e2e.test_epd import CASES, ask, img
 
 pytestmark = pytest.mark.e2e
@@ -38,14 +38,16 @@ DECODER = {"epd": "epd", "epd_disagg": "decode"}
 
 @pytest.fixture(scope="module")
 def colocated_server(tmp_path_factory):
-    """llm beside E+PD colocated (encoder + epd) and E/P/D with both engines in its orchestrator (epd_disagg),
-    rendered from topologies/cpu-e-pd-colocated.yaml and cpu-e-p-d-one-process.yaml."""
+    """E+PD colocated (encoder + epd) and E/P/D with both engines in its orchestrator (epd_disagg), rendered from
+    topologies/cpu-e-pd-colocated.yaml and cpu-e-p-d-one-process.yaml; their baseline is the session server's ``llm``
+    (``baseline``)."""
     repo = tmp_path_factory.mktemp("colocated") / "repo"
     topology = load(ROOT / "topologies" / "cpu-e-pd-colocated.yaml", "cpu")
     e_p_d = load(ROOT / "topologies" / "cpu-e-p-d-one-process.yaml", "cpu")
     assert e_p_d.decode_in_process
-    render(dataclasses.replace(topology, serve=("baseline", "E+PD", "E/P/D"),
-                               stages={**topology.stages, **e_p_d.stages, "llm": StageSpec()}), repo)
+    assert_session_engines(topology, ("pd",))
+    assert_session_engines(e_p_d, ("prefill",))
+    render(dataclasses.replace(topology, serve=("E+PD", "E/P/D"), stages={**topology.stages, **e_p_d.stages}), repo)
     (port,) = free_ports(1)  # epd (colocated) also serves the OpenAI endpoint from its process, as openai_port renders
     with open(repo / "epd" / "config.pbtxt", "a") as config:
         config.write(f'parameters {{ key: "openai_port" value: {{ string_value: "{port}" }} }}\n')
@@ -59,17 +61,19 @@ def colocated_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(colocated_server):
-    return {name: ask(colocated_server, "llm", **inputs) for name, inputs in CASES.items()}
+def baseline(server):
+    """The session server's ``llm``: the engines in ``colocated_server``'s orchestrators have its arguments."""
+    return {name: ask(server, "llm", **inputs) for name, inputs in CASES.items()}
 
 
-def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server):
+def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server, server):
     client = httpclient.InferenceServerClient(colocated_server.http_url)
     models = {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
-    assert models == {"llm", "encoder", "epd", "epd_disagg"}  # no pd, prefill, decode: their engines run in epd*
+    assert models == {"encoder", "epd", "epd_disagg"}  # no pd, prefill, decode: their engines run in epd*
+    llm = httpclient.InferenceServerClient(server.http_url).get_model_metadata("llm")
     for model in MODELS:
         inputs = {i["name"] for i in client.get_model_metadata(model)["inputs"]}
-        assert inputs == {i["name"] for i in client.get_model_metadata("llm")["inputs"]}  # the clients' interface
+        assert inputs == {i["name"] for i in llm["inputs"]}  # the clients' interface
 
 
 def test_baseline_depends_on_the_image(baseline):
@@ -88,11 +92,11 @@ def test_colocated_epd_returns_the_baseline_tokens(colocated_server, baseline, n
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_logprobs_are_the_baseline_s(colocated_server, model):
+def test_logprobs_are_the_baseline_s(colocated_server, server, model):
     """The sampling parameter ``logprobs``: llm's entries, streaming (each response its tokens') and not; E/P/D's from
     decode's engine, not from prefill's one token."""
     sampling = {"temperature": 0.0, "max_tokens": 8, "logprobs": 3}
-    want = ask(colocated_server, "llm", **CASES["chat_one_image"], sampling=sampling)
+    want = ask(server, "llm", **CASES["chat_one_image"], sampling=sampling)
     assert len(want.logprobs) == want.num_output_tokens == 8
     for stream in (True, False):
         got = ask(colocated_server, model, **CASES["chat_one_image"], sampling=sampling, stream=stream)
@@ -182,7 +186,7 @@ def test_cancelling_aborts_the_engine_request(colocated_server, baseline, model)
 
 
 
-def test_the_openai_endpoint_in_the_colocated_process_answers_as_llm(colocated_server):
+def test_the_openai_endpoint_in_the_colocated_process_answers_as_llm(colocated_server, server):
     """``openai_port`` on the colocated ``epd``: the endpoint runs on its engine's loop and calls its orchestrator;
     its streamed greedy answers to image requests equal ``llm``'s over Triton's gRPC, and it lists its own model."""
     import asyncio
@@ -196,6 +200,6 @@ def test_the_openai_endpoint_in_the_colocated_process_answers_as_llm(colocated_s
     assert [m["id"] for m in models["data"]] == ["epd"]
     requests = request_set(0, 3, 96)
     samples, errors, _ = asyncio.run(run_openai(base, "epd", requests, 3, 8))
-    want, want_errors, _ = asyncio.run(run_grpc(colocated_server.grpc_url, "llm", requests, 3, 8))
+    want, want_errors, _ = asyncio.run(run_grpc(server.grpc_url, "llm", requests, 3, 8))
     assert not errors and not want_errors and len(samples) == len(want) == 3
     assert {s.index: s.text for s in samples} == {s.index: s.text for s in want}

@@ -1,5 +1,5 @@
 """E2E: the shared embedding tier (docs/tier.md) in a real tritonserver on ``topologies/cpu-e-pd-tier.yaml`` (two encoder
-instances, E+PD and the ``llm`` baseline): ``TritonServer`` starts the tier's Mooncake master and holder before
+instances and E+PD's orchestrator; its pd and the ``llm`` baseline are the session server's): ``TritonServer`` starts the tier's Mooncake master and holder before
 tritonserver and stops them after it. ``epd`` gives ``llm``'s tokens with the tier on; 16 concurrent cold requests for
 one new image are encoded once across both instances; an item one instance encoded is served to the other from the
 tier; a corrupt entry planted in the store is dropped and encoded again; a killed master fails no request. And
@@ -24,7 +24,7 @@ from backend.deploy.render import render
 from backend.deploy.tier_service import mooncake_paths
 from backend.deploy.topology import load
 from tests.e2e.conftest import (_shm_of_this_process, assert_same_answer, clone_model, held_shm, left_behind, metric,
-                               metrics)
+                               metrics, render_on_session_engines)
 from tests.e2e.test_epd import CASES, ask
 from tests.images import image_bytes
 
@@ -38,23 +38,25 @@ COUNTED = ("epd_encoder_items_total", "epd_encoder_cache_hits_total", "epd_tier_
 
 
 @pytest.fixture(scope="module")
-def tier_server(tmp_path_factory):
+def tier_server(server, tmp_path_factory):
+    """The topology's encoders (with the tier) and ``epd``; its pd and ``llm`` are the session server's
+    (``render_on_session_engines``: the same checkpoint and engine arguments)."""
     if mooncake_paths() is None:
         pytest.skip("Mooncake is not installed (scripts/setup_mooncake.sh makes .venv-mooncake)")
     repo = tmp_path_factory.mktemp("tier") / "repo"
-    render(load(TOPOLOGY, "cpu"), repo)
+    render_on_session_engines(load(TOPOLOGY, "cpu"), server, repo)
     # E+PD without the tier beside it, over the same pd engine: `encoder_local` (the encoder with no tier_* parameter,
     # its two instances) and `epd_local` asking it
     clone_model(repo, "encoder", "encoder_local", drop=("tier_",))
     clone_model(repo, "epd", "epd_local", {"encoder_model": "encoder_local"})
-    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
-        assert server.tier is not None, "the topology has a tier: TritonServer must have started it"
-        pids = (server.tier.master.process.pid, server.tier.holder.process.pid)
-        yield server
-        held = held_shm(server.proc.pid) - _shm_of_this_process()
-    assert server.tier is None and not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in pids), \
+    with TritonServer(repo, log_path=repo.parent / "server.log") as tiered:
+        assert tiered.tier is not None, "the topology has a tier: TritonServer must have started it"
+        pids = (tiered.tier.master.process.pid, tiered.tier.holder.process.pid)
+        yield tiered
+        held = held_shm(tiered.proc.pid) - _shm_of_this_process()
+    assert tiered.tier is None and not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in pids), \
         "the tier's master and holder must stop with the server"
-    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    assert not tiered.stragglers, f"processes outlived tritonserver: {tiered.stragglers}"
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
 
 
@@ -92,19 +94,20 @@ def one_image(data: bytes, text: str = "What is this?") -> dict:
                 images=[data])
 
 
-def test_both_instances_are_connected_and_epd_gives_the_llm_tokens(tier_server):
-    assert metric(tier_server, "epd_tier_connected", model="encoder") == 2
+def test_both_instances_are_connected_and_epd_gives_the_llm_tokens(tier_server, server):
+    # the gauge is refreshed once a second: a server of encoders alone is ready before it is first exported
+    assert _wait(lambda: metric(tier_server, "epd_tier_connected", model="encoder") == 2)
     before = counts(tier_server)
     for name in SAME:
-        assert_same_answer(ask(tier_server, "epd", **CASES[name]), ask(tier_server, "llm", **CASES[name]))
+        assert_same_answer(ask(tier_server, "epd", **CASES[name]), ask(server, "llm", **CASES[name]))
     delta = moved(before, counts(tier_server))
     print("tier counts over the llm comparison:", delta)
     assert delta["epd_tier_misses_total"] >= 1 and "epd_tier_errors_total" not in delta
 
 
-def test_sixteen_concurrent_cold_requests_for_one_image_are_encoded_once(tier_server):
+def test_sixteen_concurrent_cold_requests_for_one_image_are_encoded_once(tier_server, server):
     data = new_image(1, (160, 120))
-    want = ask(tier_server, "llm", **one_image(data))
+    want = ask(server, "llm", **one_image(data))
     before = counts(tier_server)
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda _: ask(tier_server, "epd", **one_image(data)), range(16)))
@@ -180,7 +183,7 @@ store.close()
 '''
 
 
-def test_a_planted_corrupt_entry_is_dropped_and_encoded_again(tier_server, tmp_path):
+def test_a_planted_corrupt_entry_is_dropped_and_encoded_again(tier_server, server, tmp_path):
     """Entries written straight into the store under the content keys of two images nobody sent yet: one not an
     entry at all, one well formed with a payload byte flipped. Both are detected, dropped, and encoded again."""
     garbage, flipped = new_image(200), new_image(201, (64, 112))
@@ -196,7 +199,7 @@ def test_a_planted_corrupt_entry_is_dropped_and_encoded_again(tier_server, tmp_p
     bad_before = {r: metric(tier_server, "epd_tier_bad_entries_total", model="encoder", reason=r)
                   for r in ("format", "integrity")}
     for data in (garbage, flipped):
-        assert_same_answer(ask(tier_server, "epd", **one_image(data)), ask(tier_server, "llm", **one_image(data)))
+        assert_same_answer(ask(tier_server, "epd", **one_image(data)), ask(server, "llm", **one_image(data)))
     delta = moved(before, counts(tier_server))
     bad = {r: metric(tier_server, "epd_tier_bad_entries_total", model="encoder", reason=r) - bad_before[r]
            for r in bad_before}
@@ -207,7 +210,7 @@ def test_a_planted_corrupt_entry_is_dropped_and_encoded_again(tier_server, tmp_p
 OTHER = ROOT / "models" / "tiny-qwen2.5-vl"  # another model of the same embedding width (128): its entries would fit
 
 
-def test_two_checkpoints_on_one_tier_never_get_each_others_entries(tier_server, tmp_path):
+def test_two_checkpoints_on_one_tier_never_get_each_others_entries(tier_server, server, tmp_path):
     """A second server on another checkpoint (tiny Qwen2.5-VL, embeddings as wide as tiny Qwen2-VL's, so a crossed
     entry would even fit), its encoder on this server's tier (the topology's ``tier: {master, metadata}``: a tier run
     elsewhere, nothing started): the same images asked of both never hit the other's entries (the content key
@@ -224,7 +227,7 @@ def test_two_checkpoints_on_one_tier_never_get_each_others_entries(tier_server, 
     with TritonServer(repo, log_path=tmp_path / "server.log") as second:
         assert second.tier is None and metric(second, "epd_tier_connected", model="encoder") == 1
         for data in images[:2]:  # the first server puts its entries first
-            assert_same_answer(ask(tier_server, "epd", **one_image(data)), ask(tier_server, "llm", **one_image(data)))
+            assert_same_answer(ask(tier_server, "epd", **one_image(data)), ask(server, "llm", **one_image(data)))
         _plant_crossed(tier_server, tmp_path / "crossed")
         before = counts(second)
         for data in images:
@@ -265,7 +268,7 @@ def _plant_crossed(server, path) -> None:
     assert "PLANTED True" in done.stdout, done.stderr[-3000:]
 
 
-def test_a_killed_master_fails_no_request_and_is_counted(tier_server):
+def test_a_killed_master_fails_no_request_and_is_counted(tier_server, server):
     """The master dies (SIGKILL) while the server runs: the next requests' items are encoded locally, each answer
     still the baseline's; the instances count the failed call and skip the tier after it (``tier_retry_seconds``)."""
     before = counts(tier_server)
@@ -276,7 +279,7 @@ def test_a_killed_master_fails_no_request_and_is_counted(tier_server):
         got = [ask(tier_server, "epd", **one_image(data)) for data in images]
         seconds = time.perf_counter() - started
         for answer, data in zip(got, images):
-            assert_same_answer(answer, ask(tier_server, "llm", **one_image(data)))
+            assert_same_answer(answer, ask(server, "llm", **one_image(data)))
         delta = moved(before, counts(tier_server))
         print(f"master killed: 3 requests in {seconds:.1f} s;", delta)
         assert delta["epd_encoder_items_total"] == 3 and delta["epd_tier_errors_total"] >= 1, delta

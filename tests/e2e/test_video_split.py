@@ -1,7 +1,7 @@
 """E2E: a video split across two encoder instances (``video_split: 2``) in a real tritonserver: ``epd`` (E+PD) and
 ``epd_disagg`` (E/P/D) give the ``llm`` baseline's tokens, and the unsplit path's (metadata-only off encodes each video whole), for videos of many
 temporal patches, of one (one part is empty), and two at once; the parts come from two encoder instances. On the same
-server (its two encoders, E/P/D, ``llm``): concurrent image requests through E/P/D give ``llm``'s tokens with items
+server (its two encoders, E/P/D; the engines and ``llm`` are the session server's): concurrent image requests through E/P/D give ``llm``'s tokens with items
 spread over both encoder instances."""
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backend.deploy.local_server import ROOT, TritonServer
-from backend.deploy.render import render
+from backend.deploy.local_server import TritonServer
 from backend.deploy.topology import load
 from backend.protocol.generate import GenerateInputs
 from clients.bench.video_split import split_topology
 from clients.triton_client import generate
-from tests.e2e.conftest import _shm_of_this_process, held_shm, left_behind
+from tests.e2e.conftest import SESSION_TOPOLOGY, _shm_of_this_process, held_shm, left_behind, render_on_session_engines
 from tests.e2e.test_video import GREEDY, V, user
 from tests.images import image_bytes
 from tests.videos import make_video
@@ -30,18 +29,19 @@ CLIPS = {
 
 
 @pytest.fixture(scope="module")
-def split_server(tmp_path_factory):
+def split_server(server, tmp_path_factory):
+    """Two encoder instances and the orchestrators with ``video_split: 2``; the engines (pd, prefill, decode) and the
+    ``llm`` baseline are the session server's (``render_on_session_engines``)."""
     repo = tmp_path_factory.mktemp("video-split") / "repo"
-    render(split_topology(load(ROOT / "topologies" / "default.yaml", "cpu"), ("baseline", "E+PD", "E/P/D"), encoders=2,
-                          split=2),
-           repo)
-    with TritonServer(repo, log_path=repo.parent / "server.log") as server:
-        yield server
-        held = held_shm(server.proc.pid) - _shm_of_this_process()
-    assert not server.stragglers, f"processes outlived tritonserver: {server.stragglers}"
+    render_on_session_engines(split_topology(load(SESSION_TOPOLOGY, "cpu"), ("E+PD", "E/P/D"), encoders=2, split=2),
+                              server, repo)
+    with TritonServer(repo, log_path=repo.parent / "server.log") as split:
+        yield split
+        held = held_shm(split.proc.pid) - _shm_of_this_process()
+    assert not split.stragglers, f"processes outlived tritonserver: {split.stragglers}"
     assert not (leaked := left_behind(held)), f"/dev/shm entries leaked by the server: {sorted(leaked)}"
     # every model unloads (two encoder instances once shared their metrics and aborted at unload: 60 s stops)
-    assert server.stop_seconds < 25, f"stop took {server.stop_seconds:.0f} s; see {repo.parent / 'server.log'}"
+    assert split.stop_seconds < 25, f"stop took {split.stop_seconds:.0f} s; see {repo.parent / 'server.log'}"
 
 
 def ask(server, model: str, videos, **kw):
@@ -51,8 +51,9 @@ def ask(server, model: str, videos, **kw):
 
 
 @pytest.fixture(scope="module")
-def baseline(split_server):
-    return {name: ask(split_server, "llm", videos) for name, videos in CLIPS.items()}
+def baseline(server):
+    """The session server's ``llm`` (``split_server``'s engines are that server's)."""
+    return {name: ask(server, "llm", videos) for name, videos in CLIPS.items()}
 
 
 @pytest.mark.parametrize("model", ["epd", "epd_disagg"])
@@ -85,13 +86,13 @@ IMAGE_CASES = [dict(prompt=f"<|im_start|>user\n{PH}{PH}Compare {i}.<|im_end|>\n<
                for i in range(8)]
 
 
-def test_two_encoders_serve_concurrent_e_p_d_image_requests_with_llm_s_tokens(split_server):
+def test_two_encoders_serve_concurrent_e_p_d_image_requests_with_llm_s_tokens(split_server, server):
     sampling = {"temperature": 0.0, "max_tokens": 12}
-    ask_image = lambda model, case: generate(split_server.grpc_url, model, GenerateInputs(sampling=sampling, **case),
-                                             timeout=120)
-    expected = [ask_image("llm", case).text for case in IMAGE_CASES]
+    ask_image = lambda srv, model, case: generate(srv.grpc_url, model, GenerateInputs(sampling=sampling, **case),
+                                                  timeout=120)
+    expected = [ask_image(server, "llm", case).text for case in IMAGE_CASES]
     with ThreadPoolExecutor(len(IMAGE_CASES)) as pool:
-        results = list(pool.map(lambda case: ask_image("epd_disagg", case), IMAGE_CASES * 2))
+        results = list(pool.map(lambda case: ask_image(split_server, "epd_disagg", case), IMAGE_CASES * 2))
     assert [r.text for r in results] == expected * 2
     encoders = {name for r in results for name in r.timings["encoders"]}
     assert len(encoders) == 2, encoders  # both encoder instances produced embeddings
