@@ -40,9 +40,10 @@ LIMIT_DEFAULTS = {**defaults(ProxySettings, "max_images", "max_videos", "max_aud
 TIER_DEFAULTS = {"bytes": 0, **{k.removeprefix("tier_"): v for k, v in defaults(
     EncoderSettings, "tier_master", "tier_metadata", "tier_call_timeout_seconds", "tier_retry_seconds",
     "tier_claim_seconds").items()}}
-# reuse: {held_bytes, session_seconds, session_bytes, demand_aware}: the consumers' copies of what they pulled
-# (HeldSettings; backend.transfer.held) and demand-aware encoding at the orchestrators (docs/tier.md); no block: off
-REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "session_bytes"),
+# reuse: {held_bytes, session_seconds, session_bytes, session_kv_bytes, demand_aware}: the consumers' copies of what
+# they pulled (HeldSettings; backend.transfer.held), their engines' KV of conversations (backend.engine.session_kv) and
+# demand-aware encoding at the orchestrators (docs/tier.md); no block: off
+REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "session_bytes", "session_kv_bytes"),
                   **defaults(RoutingSettings, "demand_aware")}
 # admission: {priority_levels, <stage>_in_flight budgets, max_queue_ms}: the orchestrators' admission by budget and the
 # priority classes every model takes (AdmissionBudgets, PrioritySettings; ensemble.admission); no block: no budgets

@@ -326,6 +326,7 @@ class EngineHost:
         and touches no other process of the host's. ``owns_loop``: ``shutdown`` stops the loop too."""
         self._loop, self._engine, self._tokenizer, self._ipc_dir = loop, engine, tokenizer, ipc_dir
         self._processes, self._owns_loop = list(processes), owns_loop
+        self.session_key: str | None = None  # kv_transfer_params' key for a request's session (backend.engine.session_kv)
 
     @classmethod
     def start(cls, engine_args: dict[str, Any], stats_observer=None, beside: "EngineHost | None" = None) -> "EngineHost":
@@ -365,7 +366,13 @@ class EngineHost:
         processes = [proc for proc in psutil.Process().children(recursive=True)
                      if proc.pid not in others and _engine_process(proc)]
         tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
-        return cls(loop, engine, tokenizer, ipc_dir, processes, owns_loop=beside is None)
+        host = cls(loop, engine, tokenizer, ipc_dir, processes, owns_loop=beside is None)
+        connector = engine_args.get("kv_transfer_config")
+        from backend.engine.session_kv import CONNECTOR, SESSION_KEY
+
+        if isinstance(connector, dict) and connector.get("kv_connector") == CONNECTOR:
+            host.session_key = SESSION_KEY  # the engine keeps conversations' KV: tell it each request's
+        return host
 
     def submit(self, coro: Coroutine) -> Future:
         return self._loop.submit(coro)
@@ -381,7 +388,10 @@ class EngineHost:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+        kv_params = request.kv_transfer_params
+        if self.session_key is not None and request.session_id:
+            kv_params = {**(kv_params or {}), self.session_key: request.session_id}
+        extra = {"kv_transfer_params": kv_params} if kv_params else None
         try:
             params = SamplingParams(**_engine_sampling(request.sampling), output_kind=RequestOutputKind.DELTA,
                                     extra_args=extra)

@@ -88,6 +88,9 @@ class HeldSettings:
     held_bytes: int = 0  # recently pulled items kept, least recently used evicted first (0: none kept)
     session_seconds: float = 0  # a conversation's (session_id) items are kept this long after its last turn (0: not)
     session_bytes: int = 0  # the budget of those; over it, the sessions idle longest lose their protection first
+    # the engine's KV of conversations' prompts kept this long too, in a store of this size in the EngineCore's host
+    # memory (backend.engine.session_kv; 0: not kept): a later turn prefills only what it adds
+    session_kv_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,22 @@ class MetadataOnlyModel(GenerateModel):
         return LayoutMedia(identity, width)
 
     def engine_args_from(self, model_json):
-        return self.with_kv_role(metadata_only_engine_args(model_json), self.spec)
+        return self.with_session_kv(self.with_kv_role(metadata_only_engine_args(model_json), self.spec))
+
+    def with_session_kv(self, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """``engine_args`` with the connector that keeps conversations' KV (``backend.engine.session_kv``) where the
+        reuse settings ask for it (``session_kv_bytes`` and ``session_seconds``) and the engine has no KV connector
+        yet (a KV producer's NIXL: not combined)."""
+        settings = self.settings  # a consumer's are HeldSettings; decode's (no copies) are not
+        if not (self.spec.pulls_embeddings and getattr(settings, "session_kv_bytes", 0) and settings.session_seconds):
+            return engine_args
+        if "kv_transfer_config" in engine_args:
+            pb_utils.Logger.log_warn(f"{self.name}: session_kv_bytes: its engine has a KV connector already "
+                                     "(NIXL): conversations' KV not kept")
+            return engine_args
+        from backend.engine.session_kv import connector_config
+
+        return {**engine_args, "kv_transfer_config": connector_config(settings.session_kv_bytes, settings.session_seconds)}
 
     def with_kv_role(self, engine_args: dict[str, Any], spec: RoleSpec) -> dict[str, Any]:
         """``engine_args`` with vLLM's NixlConnector in ``spec``'s KV role (none: as they are)."""

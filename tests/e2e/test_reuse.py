@@ -2,8 +2,8 @@
 ``topologies/cpu-reuse.yaml``: E+PD through the proxy orchestrator ``epd`` (it asks ``pd`` over gRPC which items it holds), E/P/D
 through ``epd_disagg`` colocated with prefill (it asks its own engine's copies in process), the ``llm`` baseline.
 
-The recent-items budget is cut to a few items here (``held_bytes``), so other traffic evicts what no conversation
-keeps. Counts come from the metrics: the encoder's tower outputs (``epd_encoder_items_total``), the orchestrators'
+The recent-items budget is cut to a few items here (``held_bytes``), and the engines' KV cache to 8,192 tokens, so
+other traffic evicts what no conversation keeps. Counts come from the metrics: the encoder's tower outputs (``epd_encoder_items_total``), the orchestrators'
 ``epd_demand_skipped_total``, the consumers' ``epd_held_hits_total``; and from each final response's timings
 (``held``: items sent as the consumer's copy)."""
 from __future__ import annotations
@@ -27,13 +27,16 @@ pytestmark = pytest.mark.e2e
 TOPOLOGY = ROOT / "topologies" / "cpu-reuse.yaml"
 RECENT_BYTES = 4 * 12 * 128 * 4  # about four of the test images' embeddings (12 tokens x 128 x float32)
 DEPLOYMENTS = ("epd", "epd_disagg")
+KV_BYTES = 8 << 20  # 8,192 tokens of the tiny model's KV (1 KiB a token)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("reuse") / "repo"
     topology = load(TOPOLOGY, "cpu")
-    render(replace(topology, reuse={**topology.reuse, "held_bytes": RECENT_BYTES}), repo)
+    # a KV cache of 8,192 tokens (the engines'), so that a little other traffic evicts the prefix caches
+    render(replace(topology, reuse={**topology.reuse, "held_bytes": RECENT_BYTES},
+                   engine_args={**topology.engine_args, "kv_cache_memory_bytes": KV_BYTES}), repo)
     with TritonServer(repo, log_path=repo.parent / "server.log") as server:
         yield server
         held = held_shm(server.proc.pid) - _shm_of_this_process()
@@ -118,6 +121,36 @@ def test_a_conversation_keeps_its_items_through_other_traffic_and_one_without_a_
     after = metrics(server, ("epd_demand_skipped_total", "epd_held_hits_total"))
     assert after["epd_demand_skipped_total"] - before["epd_demand_skipped_total"] == 1
     assert after["epd_held_hits_total"] - before["epd_held_hits_total"] == 1
+
+
+def test_a_conversation_s_kv_is_kept_through_other_traffic_and_one_without_a_session_is_prefilled_again(server):
+    """``reuse.session_kv_bytes``: pd's engine keeps the KV of conversations' prompts (``backend.engine.session_kv``).
+    After other traffic evicted pd's prefix cache, a conversation's next turn loads its first turn's blocks instead
+    of prefilling them (the final response's ``cached_tokens``, whole 128-token blocks) and one without a session is
+    prefilled again; both answer as ``llm``."""
+    notes = " ".join(f"note {i}" for i in range(150))  # several KV blocks of text after the screenshot
+
+    def chat(seeds: list[int], session: str | None):
+        inputs = dict(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": notes}]},
+                                {"role": "assistant", "content": "click(1, 2)"},
+                                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "step 1"}]}][
+                          :1 if len(seeds) == 1 else 3], images=[screenshot(s) for s in seeds])
+        return ask(server, "epd", parameters={"session_id": session} if session else None, **inputs), inputs
+
+    first, _ = chat([400], "kv-agent")
+    chat([401], None)
+    for i in range(4):  # other users: 4 x ~3,000 tokens, more than pd's KV cache holds
+        ask(server, "epd", prompt=" ".join(f"w{i}x{j}" for j in range(700)))
+    kept, kept_inputs = chat([400, 402], "kv-agent")
+    loose, loose_inputs = chat([401, 403], None)
+    block = 128
+    print("first turn's prompt", first.num_input_tokens, "cached at the next turn: kept", kept.timings["cached_tokens"],
+          "without a session", loose.timings["cached_tokens"])
+    assert first.num_input_tokens >= 2 * block
+    assert kept.timings["cached_tokens"] >= (first.num_input_tokens - 1) // block * block, kept.timings
+    assert loose.timings["cached_tokens"] == 0, "other traffic did not evict the prefix cache: the test sees nothing"
+    assert_same_answer(kept, ask(server, "llm", **kept_inputs))
+    assert_same_answer(loose, ask(server, "llm", **loose_inputs))
 
 
 @pytest.mark.parametrize("value", [17, "", "x" * 257])
