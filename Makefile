@@ -20,9 +20,9 @@ serve: setup
 demo: setup
 	$(PY) -m clients.demo
 
-# The suite in one process (TEST_WORKERS=0, CI's default), or on TEST_WORKERS xdist workers, each taking the next test
-# file as it finishes one, the slowest first (tests/conftest.py): 24.6 min instead of ~30 for .ci/run on 2 cores, but
-# 2 of 3 fresh-clone runs on two workers had failures that one process has not shown (docs/results/ci-time.md).
-TEST_WORKERS ?= 0
+# The suite on TEST_WORKERS xdist workers (2, CI's default; 0: one process), each taking the next test file as it
+# finishes one, the slowest first; fault and overload modules alone, memory-heavy ones one at a time (tests/conftest.py).
+# A fresh-clone .ci/run on 2 cores: 31.2 min on two workers against 38.9 in one process (docs/results/ci-time.md).
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
