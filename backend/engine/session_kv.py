@@ -37,7 +37,9 @@ SESSION_KEY = "epd_session"  # a request's kv_transfer_params entry: its convers
 
 def connector_config(session_kv_bytes: int, session_seconds: float) -> dict[str, Any]:
     """The engine argument ``kv_transfer_config`` that gives an engine this connector."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "backend.engine.session_kv_connector", "kv_role": "kv_both",
+    # a load the worker could not do (its KV cache's layout not understood) is recomputed, never served
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "backend.engine.session_kv_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"session_kv_bytes": int(session_kv_bytes),
                                           "session_seconds": float(session_seconds)}}
 

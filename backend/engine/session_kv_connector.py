@@ -48,6 +48,7 @@ class SessionKVConnector(KVConnectorBase_V1):
             self._loads: list[tuple[int, int]] = []
         else:
             self._layers: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}  # name -> (KV, block dim, store)
+            self._failed: set[int] = set()  # block ids a load could not fill (vLLM recomputes them)
 
     # -- scheduler side -----------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -135,12 +136,19 @@ class SessionKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
-        if not meta.loads or not self._layers:
+        if not meta.loads:
+            return
+        if not self._layers:  # the KV cache's layout was not understood (register_kv_caches): nothing is loaded
+            self._failed.update(block for _, block in meta.loads)
             return
         slots = torch.tensor([s for s, _ in meta.loads], dtype=torch.long)
         block_ids = torch.tensor([b for _, b in meta.loads], dtype=torch.long)
         for kv, dim, store in self._layers.values():
             kv.index_copy_(dim, block_ids.to(kv.device), store.index_select(0, slots).movedim(0, dim).to(kv.device))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
