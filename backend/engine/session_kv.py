@@ -58,7 +58,7 @@ class SessionBlocks:
         self.seconds, self._clock = seconds, clock
         self._index: "collections.OrderedDict[Any, _Slot]" = collections.OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
-        self.hits = self.saves = 0
+        self.hits = 0  # blocks handed out for loads
 
     def __len__(self) -> int:
         return len(self._index)
@@ -99,7 +99,6 @@ class SessionBlocks:
                 return None
             slot = self._index.pop(victim).slot
         self._index[block_hash] = _Slot(slot, self._clock())
-        self.saves += 1
         return slot
 
     def expire(self) -> None:

@@ -35,16 +35,16 @@ class SessionKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         groups = kv_cache_config.kv_cache_groups
-        self.enabled = len(groups) == 1 and type(groups[0].kv_cache_spec).__name__ == "FullAttentionSpec"
+        enabled = len(groups) == 1 and type(groups[0].kv_cache_spec).__name__ == "FullAttentionSpec"
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(1, self.num_blocks)
-        self.slots = int(extra.get("session_kv_bytes", 0)) // max(1, block_bytes) if self.enabled else 0
-        if not self.enabled:
+        self.slots = int(extra.get("session_kv_bytes", 0)) // max(1, block_bytes) if enabled else 0
+        if not enabled:
             log.warning("%s: %d KV cache groups (%s): conversations' KV not kept", CONNECTOR, len(groups),
                         ", ".join(type(g.kv_cache_spec).__name__ for g in groups))
         if role is KVConnectorRole.SCHEDULER:
             self.index = SessionBlocks(self.slots, float(extra.get("session_seconds", 0)))
             self._requests: dict[str, _Request] = {}
-            self._matched: dict[str, tuple[int, int]] = {}  # request id -> (first, end) block index to load
+            self._matched: dict[str, int] = {}  # request id -> the first block index of its external hit
             self._loads: list[tuple[int, int]] = []
         else:
             self._layers: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}  # name -> (KV, block dim, store)
@@ -60,14 +60,13 @@ class SessionKVConnector(KVConnectorBase_V1):
         end = self.index.match(request.block_hashes, first, (request.num_tokens - 1) // self.block_size)
         if end == first:
             return 0, False
-        self._matched[request.request_id] = (first, end)
+        self._matched[request.request_id] = first
         return (end - first) * self.block_size, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        matched = self._matched.pop(request.request_id, None)
-        if matched is None or num_external_tokens <= 0:
+        first = self._matched.pop(request.request_id, None)
+        if first is None or num_external_tokens <= 0:
             return
-        first = matched[0]
         end = first + num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0]
         slots = self.index.slots_of(request.block_hashes[first:end])
