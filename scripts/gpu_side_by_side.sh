@@ -10,10 +10,12 @@
 # tables.md, results.json, logs.tgz (every server's and the proxy's log); SECONDS (default 540) bounds the run, which
 # then reports the rows that finished. IMAGE_PREPROCESS=gpu|nvjpeg: ours' encoders preprocess images on the GPU
 # (side_by_side --image-preprocess; vLLM's encoder has no such choice). ENGINES=compile: every engine of both sides
-# compiled with CUDA graphs (--compile; ours' GPU encoder towers torch.compiled) instead of eager.
+# compiled with CUDA graphs (--compile; ours' GPU encoder towers torch.compiled) instead of eager. PROFILE=1: py-spy
+# every Python process of each row (side_by_side --profile; the call carries py-spy's binary in .cache/py-spy/, ignored)
+# -> profile.md, the collapsed stacks in logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+export PATH=$PWD/.cache/py-spy:$PATH PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
 OUT=${OUT:-/tmp/side-out}
 CKPT=${1:?checkpoint}
 C=${2:-32}
@@ -27,10 +29,11 @@ timeout -s TERM -k 30 "$SECONDS_MAX" .venv/bin/python -m clients.bench.side_by_s
     --topology topologies/checkpoint-gpu.yaml --checkpoint "$CKPT" "--${ENGINES:-eager}" --parallel-start --interleave \
     --images-per-request 4 --image-size 448,672,896 --max-tokens 128 --concurrency "$C" --requests "$N" \
     --warmup 4 --no-grpc --start-timeout 300 --proxy /tmp/vllm-proxy/disagg_epd_proxy.py --rows "$ROWS" \
-    ${IMAGE_PREPROCESS:+--image-preprocess "$IMAGE_PREPROCESS"} --out "$OUT/side" 2>&1 | tee "$OUT/side.log"
+    ${IMAGE_PREPROCESS:+--image-preprocess "$IMAGE_PREPROCESS"} ${PROFILE:+--profile} --out "$OUT/side" 2>&1 | tee "$OUT/side.log"
 rc=${PIPESTATUS[0]}
 # $OUT returns at most 8 files, 2 folders down: the servers' logs as one archive
-tar czf "$OUT/logs.tgz" -C "$OUT/side" logs 2>/dev/null && rm -rf "$OUT/side/logs"
-mv "$OUT/side/tables.md" "$OUT/side/results.json" "$OUT/" 2>/dev/null; rmdir "$OUT/side" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$OUT/side" logs $([ -d "$OUT/side/profile" ] && echo profile) 2>/dev/null \
+    && rm -rf "$OUT/side/logs" "$OUT/side/profile"
+mv "$OUT/side/tables.md" "$OUT/side/results.json" "$OUT/side/profile.md" "$OUT/" 2>/dev/null; rmdir "$OUT/side" 2>/dev/null
 ls -la "$OUT"
 echo "side_by_side exit status $rc"
