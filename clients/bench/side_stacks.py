@@ -99,6 +99,14 @@ def ec_config(role: str, directory: Path, device: str = "cpu") -> str:
 ENCODER_FLAGS = ("--no-enable-prefix-caching",)
 
 
+def encoder_settings(settings: dict) -> dict:
+    """An ec_producer's engine settings: eager always. Its work is the vision tower, which vLLM runs eager either way;
+    compiled (``--compile``), vLLM 0.26's encoder server fails at start while capturing the language model it never
+    runs (``KeyError: 'language_model.model.layers.0.self_attn.attn'`` in ``unified_kv_cache_update``, H100
+    2026-12-06)."""
+    return {**settings, "enforce_eager": True}
+
+
 def kv_config(role: str, device: str = "cpu") -> str:
     """``--kv-transfer-config`` of a NixlConnector ``kv_producer`` or ``kv_consumer``, its buffers in host memory
     (``cpu``) or in VRAM (``cuda``)."""
@@ -131,7 +139,8 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
                        ports[0])]
     if kind == "vllm-e-pd":
         settings, dev = engine_settings(topology, "E+PD", "pd"), buffer_device(topology, "pd")
-        return [Server("encoder", api_server_argv(ckpt, ports[0], settings, *ENCODER_FLAGS, "--ec-transfer-config",
+        encoder = encoder_settings(settings)
+        return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, *ENCODER_FLAGS, "--ec-transfer-config",
                                                   ec_config("ec_producer", ec_dir, dev)), ports[0]),
                 Server("pd", api_server_argv(ckpt, ports[1], metadata_only_engine_args(settings), "--ec-transfer-config",
                                              ec_config("ec_consumer", ec_dir, dev)), ports[1]),
@@ -142,7 +151,7 @@ def vllm_stack(kind: str, topology, proxy: Path, ports: list[int], ec_dir: Path,
     prefill = metadata_only_engine_args(engine_settings(topology, "E/P/D", "prefill"))
     decode = metadata_only_engine_args(engine_settings(topology, "E/P/D", "decode"))
     p_dev, d_dev = buffer_device(topology, "prefill"), buffer_device(topology, "decode")
-    encoder = engine_settings(topology, "E/P/D", "prefill")
+    encoder = encoder_settings(engine_settings(topology, "E/P/D", "prefill"))
     return [Server("encoder", api_server_argv(ckpt, ports[0], encoder, *ENCODER_FLAGS, "--ec-transfer-config",
                                               ec_config("ec_producer", ec_dir, p_dev)), ports[0]),
             Server("prefill", api_server_argv(ckpt, ports[1], prefill, "--ec-transfer-config",

@@ -91,6 +91,19 @@ def test_the_stacks_connectors_and_proxy():
     assert flags(shipped[3].argv)["decode-servers-urls"] == "http://127.0.0.1:3"
 
 
+def test_compiled_engines_leave_vllms_encoders_eager():
+    from dataclasses import replace
+
+    topology = load(TOPOLOGY)
+    compiled = replace(topology, engine_args={**topology.engine_args, "enforce_eager": False})
+    for kind in ("vllm-e-pd", "vllm-e-p-d"):
+        servers = {s.name: flags(s.argv) for s in
+                   side_stacks.vllm_stack(kind, compiled, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/ec"), 1)}
+        assert servers["encoder"].get("enforce-eager") is True and "no-enforce-eager" not in servers["encoder"], kind
+        engines = [name for name in servers if name not in ("encoder", "proxy")]
+        assert engines and all(servers[name].get("no-enforce-eager") is True for name in engines), kind
+
+
 def test_vllm_processes_run_without_the_projects_switches(monkeypatch):
     monkeypatch.setenv("EPD_ENGINE_QUICK_EXIT", "1")
     env = side_stacks.process_env(side_stacks.Server("x", [], 1, {"VLLM_PLUGINS": "epd_patches"}))
