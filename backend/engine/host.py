@@ -367,10 +367,9 @@ class EngineHost:
                      if proc.pid not in others and _engine_process(proc)]
         tokenizer = AutoTokenizer.from_pretrained(engine_args.get("tokenizer") or engine_args["model"])
         host = cls(loop, engine, tokenizer, ipc_dir, processes, owns_loop=beside is None)
-        connector = engine_args.get("kv_transfer_config")
-        from backend.engine.session_kv import CONNECTOR, SESSION_KEY
+        from backend.engine.session_kv import SESSION_KEY, keeps_sessions
 
-        if isinstance(connector, dict) and connector.get("kv_connector") == CONNECTOR:
+        if keeps_sessions(engine_args.get("kv_transfer_config")):
             host.session_key = SESSION_KEY  # the engine keeps conversations' KV: tell it each request's
         return host
 

@@ -44,6 +44,33 @@ def connector_config(session_kv_bytes: int, session_seconds: float) -> dict[str,
                                           "session_seconds": float(session_seconds)}}
 
 
+MULTI = "MultiConnector"  # vLLM's connector that runs several (here: NIXL's and this one) side by side
+
+
+def with_session_connector(existing: dict[str, Any] | None, session_kv_bytes: int,
+                           session_seconds: float) -> dict[str, Any]:
+    """``kv_transfer_config`` that keeps conversations' KV beside an engine's ``existing`` one (None: this connector
+    alone): E/P/D's prefill has vLLM's NixlConnector (kv_producer), so the two run under vLLM's MultiConnector, NIXL
+    first (it loads nothing on a prefill; this connector loads a conversation's kept blocks, NIXL sends decode every
+    block of the prompt, loaded ones included)."""
+    ours = connector_config(session_kv_bytes, session_seconds)
+    if not existing:
+        return ours
+    return {"kv_connector": MULTI, "kv_role": existing.get("kv_role", "kv_both"),
+            "kv_load_failure_policy": ours["kv_load_failure_policy"],
+            "kv_connector_extra_config": {"connectors": [existing, ours]}}
+
+
+def keeps_sessions(kv_transfer_config: Any) -> bool:
+    """Whether an engine with ``kv_transfer_config`` has this connector (alone or under MultiConnector)."""
+    if not isinstance(kv_transfer_config, dict):
+        return False
+    if kv_transfer_config.get("kv_connector") == MULTI:
+        children = kv_transfer_config.get("kv_connector_extra_config", {}).get("connectors", [])
+        return any(keeps_sessions(child) for child in children)
+    return kv_transfer_config.get("kv_connector") == CONNECTOR
+
+
 # -- the index (the scheduler's half; plain Python, unit-tested apart) ---------------------------------------------
 @dataclass
 class _Slot:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole)
+                                                              KVConnectorRole, SupportsHMA)
 
 from backend.engine.session_kv import CONNECTOR, SessionBlocks, session_of
 
@@ -28,7 +28,12 @@ class _Request:
     saved: int = 0  # prompt blocks before this one are held (saved, or found held)
 
 
-class SessionKVConnector(KVConnectorBase_V1):
+class SessionKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Keeps a session's prompt blocks (module docstring). ``SupportsHMA``: vLLM keeps its hybrid KV cache manager
+    on, as for NIXL alone, so that E/P/D's prefill (this connector beside NIXL's under MultiConnector) and decode
+    (NIXL alone) agree on it: NIXL's handshake refuses peers that differ (its compatibility hash); the connector
+    itself works on one full-attention group only (others: it keeps nothing)."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -117,6 +122,9 @@ class SessionKVConnector(KVConnectorBase_V1):
         self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids)
 
     # -- worker side ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -233,18 +233,15 @@ class MetadataOnlyModel(GenerateModel):
 
     def with_session_kv(self, engine_args: dict[str, Any]) -> dict[str, Any]:
         """``engine_args`` with the connector that keeps conversations' KV (``backend.engine.session_kv``) where the
-        reuse settings ask for it (``session_kv_bytes`` and ``session_seconds``) and the engine has no KV connector
-        yet (a KV producer's NIXL: not combined)."""
+        reuse settings ask for it (``session_kv_bytes`` and ``session_seconds``): pd's engine, and prefill's beside
+        its NIXL connector (vLLM's MultiConnector)."""
         settings = self.settings  # a consumer's are HeldSettings; decode's (no copies) are not
         if not (self.spec.pulls_embeddings and getattr(settings, "session_kv_bytes", 0) and settings.session_seconds):
             return engine_args
-        if "kv_transfer_config" in engine_args:
-            pb_utils.Logger.log_warn(f"{self.name}: session_kv_bytes: its engine has a KV connector already "
-                                     "(NIXL): conversations' KV not kept")
-            return engine_args
-        from backend.engine.session_kv import connector_config
+        from backend.engine.session_kv import with_session_connector
 
-        return {**engine_args, "kv_transfer_config": connector_config(settings.session_kv_bytes, settings.session_seconds)}
+        return {**engine_args, "kv_transfer_config": with_session_connector(
+            engine_args.get("kv_transfer_config"), settings.session_kv_bytes, settings.session_seconds)}
 
     def with_kv_role(self, engine_args: dict[str, Any], spec: RoleSpec) -> dict[str, Any]:
         """``engine_args`` with vLLM's NixlConnector in ``spec``'s KV role (none: as they are)."""

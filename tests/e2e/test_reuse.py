@@ -123,11 +123,13 @@ def test_a_conversation_keeps_its_items_through_other_traffic_and_one_without_a_
     assert after["epd_held_hits_total"] - before["epd_held_hits_total"] == 1
 
 
-def test_a_conversation_s_kv_is_kept_through_other_traffic_and_one_without_a_session_is_prefilled_again(server):
-    """``reuse.session_kv_bytes``: pd's engine keeps the KV of conversations' prompts (``backend.engine.session_kv``).
-    After other traffic evicted pd's prefix cache, a conversation's next turn loads its first turn's blocks instead
-    of prefilling them (the final response's ``cached_tokens``, whole 128-token blocks) and one without a session is
-    prefilled again; both answer as ``llm``."""
+@pytest.mark.parametrize("model", DEPLOYMENTS)
+def test_a_conversation_s_kv_is_kept_through_other_traffic_and_one_without_a_session_is_prefilled_again(server, model):
+    """``reuse.session_kv_bytes``: the engine that prefills (pd's; E/P/D's prefill, its connector beside NIXL's under
+    vLLM's MultiConnector) keeps the KV of conversations' prompts (``backend.engine.session_kv``). After other
+    traffic evicted its prefix cache, a conversation's next turn loads its first turn's blocks instead of prefilling
+    them (the final response's ``cached_tokens``, whole 128-token blocks: on E/P/D prefill's, which decode reports)
+    and one without a session is prefilled again; both answer as ``llm``."""
     notes = " ".join(f"note {i}" for i in range(150))  # several KV blocks of text after the screenshot
 
     def chat(seeds: list[int], session: str | None):
@@ -135,17 +137,18 @@ def test_a_conversation_s_kv_is_kept_through_other_traffic_and_one_without_a_ses
                                 {"role": "assistant", "content": "click(1, 2)"},
                                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "step 1"}]}][
                           :1 if len(seeds) == 1 else 3], images=[screenshot(s) for s in seeds])
-        return ask(server, "epd", parameters={"session_id": session} if session else None, **inputs), inputs
+        return ask(server, model, parameters={"session_id": session} if session else None, **inputs), inputs
 
-    first, _ = chat([400], "kv-agent")
-    chat([401], None)
-    for i in range(4):  # other users: 4 x ~3,000 tokens, more than pd's KV cache holds
-        ask(server, "epd", prompt=" ".join(f"w{i}x{j}" for j in range(700)))
-    kept, kept_inputs = chat([400, 402], "kv-agent")
-    loose, loose_inputs = chat([401, 403], None)
+    base = 400 if model == "epd" else 500  # each deployment its own screenshots and session
+    first, _ = chat([base], f"kv-agent-{model}")
+    chat([base + 1], None)
+    for i in range(4):  # other users: 4 x ~3,000 tokens, more than the engine's KV cache holds
+        ask(server, model, prompt=" ".join(f"w{i}x{j}" for j in range(700)))
+    kept, kept_inputs = chat([base, base + 2], f"kv-agent-{model}")
+    loose, loose_inputs = chat([base + 1, base + 3], None)
     block = 128
-    print("first turn's prompt", first.num_input_tokens, "cached at the next turn: kept", kept.timings["cached_tokens"],
-          "without a session", loose.timings["cached_tokens"])
+    print(model, "first turn's prompt", first.num_input_tokens, "cached at the next turn: kept",
+          kept.timings["cached_tokens"], "without a session", loose.timings["cached_tokens"])
     assert first.num_input_tokens >= 2 * block
     assert kept.timings["cached_tokens"] >= (first.num_input_tokens - 1) // block * block, kept.timings
     assert loose.timings["cached_tokens"] == 0, "other traffic did not evict the prefix cache: the test sees nothing"

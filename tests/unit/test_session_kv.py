@@ -3,7 +3,8 @@ held, which slot a new block takes, what expires). The connector around it, with
 ``tests/component/test_session_kv.py``."""
 from __future__ import annotations
 
-from backend.engine.session_kv import SessionBlocks, connector_config, session_of
+from backend.engine.session_kv import (SessionBlocks, connector_config, keeps_sessions, session_of,
+                                      with_session_connector)
 
 
 class Clock:
@@ -169,3 +170,15 @@ def test_a_kv_cache_laid_out_otherwise_loads_nothing_and_reports_the_blocks_for_
 def test_an_engine_without_exactly_one_kv_cache_group_keeps_nothing(groups):
     other = _connector("SCHEDULER", kv_bytes=1 << 20, groups=groups)
     assert other.slots == 0 and other.get_num_new_matched_tokens(_request("r", ["h0"], BLOCK + 1), 0) == (0, False)
+
+
+def test_beside_nixl_both_connectors_run_under_vllms_multiconnector():
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    alone = with_session_connector(None, 1 << 20, 60)
+    assert alone == connector_config(1 << 20, 60) and keeps_sessions(alone)
+    both = with_session_connector(nixl, 1 << 20, 60)
+    assert both["kv_connector"] == "MultiConnector" and both["kv_role"] == "kv_producer"
+    assert both["kv_connector_extra_config"]["connectors"] == [nixl, alone]  # NIXL's settings as they were
+    assert both["kv_load_failure_policy"] == "recompute" and keeps_sessions(both)
+    assert not keeps_sessions(nixl) and not keeps_sessions(None) and not keeps_sessions(
+        {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [nixl]}})
