@@ -249,7 +249,8 @@ def report(run: Run) -> str:
     sizes = "/".join(str(s) for s in a.image_size)
     images = (f"one {sizes}x{sizes} {a.image_format}" if a.images_per_request == 1 and len(a.image_size) == 1 else
               f"{a.images_per_request} {a.image_format} image(s) of {sizes} px a side")
-    engines = {True: "; engines eager (--eager)", False: "; engines compiled (--compile)"}.get(
+    engines = {True: "; engines eager (--eager)",
+               False: "; engines compiled (--compile; vLLM's encoder servers eager: side_stacks.encoder_settings)"}.get(
         overrides(a).get("enforce_eager"), "")
     text = (f"\n{a.requests} streaming chat requests per row at concurrency {', '.join(map(str, a.concurrency))}, "
             f"{images} and {a.max_tokens} greedy tokens (ignore_eos) each, the same seeded requests for every "
