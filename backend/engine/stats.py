@@ -59,6 +59,7 @@ class StatsDelta:
     kv_transfers: int = 0  # KV reads the engine's connector completed (NIXL: the consumer, decode, reads)
     kv_transfer_bytes: int = 0
     kv_failed_transfers: int = 0
+    kv_connector_hit_tokens: int = 0  # prompt tokens the KV connector supplied (scheduler: external prefix-cache hits)
 
     SAMPLED = ("ttft", "inter_token", "queue", "prefill", "decode")
 
@@ -84,11 +85,24 @@ def kv_transfer_counts(connector_stats) -> tuple[int, int, int]:
     """(transfers, bytes, failed transfers) of one step's ``SchedulerStats.kv_connector_stats``: the payload of
     vLLM's NixlConnector stats (``NixlKVConnectorStats.data``: a list entry per transfer), None or another
     connector's payload: zeros. Checked on vLLM 0.32 (CPU); on 0.26 (GPU) not checked: a SchedulerStats without the
-    field counts nothing (``getattr`` in the logger)."""
+    field counts nothing (``getattr`` in the logger). Under vLLM's MultiConnector, the connectors' payloads summed."""
     if not isinstance(connector_stats, dict):
         return 0, 0, 0
+    if "bytes_transferred" not in connector_stats and "num_failed_transfers" not in connector_stats:
+        # vLLM's MultiConnector: a payload per connector, by name (E/P/D's prefill: NIXL's and the session store's)
+        counts = [kv_transfer_counts(child) for child in connector_stats.values()]
+        return tuple(sum(column) for column in zip((0, 0, 0), *counts))  # type: ignore[return-value]
     sizes = connector_stats.get("bytes_transferred") or ()
     return len(sizes), int(sum(sizes)), len(connector_stats.get("num_failed_transfers") or ())
+
+
+def connector_hit_tokens(scheduler_stats) -> int:
+    """Prompt tokens one step's scheduling took from the engine's KV connector (vLLM's
+    ``SchedulerStats.connector_prefix_cache_stats.hits``, new requests and preempted ones; a new object each step):
+    a conversation's kept blocks on pd or prefill (``backend.engine.session_kv``), prefill's KV on decode (NIXL).
+    0 without a connector or on a vLLM without the field."""
+    stats = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+    return int(getattr(stats, "hits", 0) or 0) + int(getattr(stats, "preempted_hits", 0) or 0) if stats else 0
 
 
 def stat_logger_factory(observer: StatsObserver) -> Callable:
@@ -111,6 +125,7 @@ def stat_logger_factory(observer: StatsObserver) -> Callable:
                 delta.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers = kv_transfer_counts(
                     getattr(scheduler_stats, "kv_connector_stats", None))
+                delta.kv_connector_hit_tokens = connector_hit_tokens(scheduler_stats)
             observer.engine_stats(delta)
 
         def log_engine_initialized(self):

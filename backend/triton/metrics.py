@@ -316,7 +316,8 @@ class EngineMetrics:
 
     A gauge, ``epd_vllm_kv_cache_usage`` (fraction of KV blocks held by requests), and counters, all labelled
     ``model`` (and ``instance``): ``epd_vllm_prompt_tokens_total``, ``epd_vllm_generation_tokens_total``, the KV
-    connector's transfers (``epd_vllm_kv_transfers_total``, ``_kv_transfer_bytes_total``, ``_kv_failed_transfers_total``),
+    connector's transfers (``epd_vllm_kv_transfers_total``, ``_kv_transfer_bytes_total``, ``_kv_failed_transfers_total``)
+    and the prompt tokens it supplied (``epd_vllm_kv_connector_hit_tokens_total``),
     and a ``_seconds_total`` / ``_count_total`` pair per timing, summary style (mean = rate of the first /
     rate of the second): ``epd_vllm_time_to_first_token``, ``epd_vllm_time_per_output_token`` (between
     consecutive tokens), ``epd_vllm_queue_time``, ``epd_vllm_prefill_time``, ``epd_vllm_decode_time``; and a
@@ -349,7 +350,10 @@ class EngineMetrics:
               pb_utils.MetricFamily(name="epd_vllm_kv_transfer_bytes_total", kind=counter,
                                     description="Bytes of the KV cache transfers the engine's connector completed"),
               pb_utils.MetricFamily(name="epd_vllm_kv_failed_transfers_total", kind=counter,
-                                    description="KV cache transfers the engine's connector failed")]
+                                    description="KV cache transfers the engine's connector failed"),
+              pb_utils.MetricFamily(name="epd_vllm_kv_connector_hit_tokens_total", kind=counter,
+                                    description="Prompt tokens whose KV the engine's connector supplied instead of a "
+                                                "prefill (pd, prefill: conversations' kept KV; decode: prefill's)")]
         self._families += kv
         self._kv_transfers = tuple(family.Metric(labels=labels) for family in kv)
         usage = pb_utils.MetricFamily(name="epd_vllm_kv_cache_usage", kind=pb_utils.MetricFamily.GAUGE,
@@ -386,7 +390,8 @@ class EngineMetrics:
         if self._closed:
             return
         amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens),
-                   *zip(self._kv_transfers, (delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers))]
+                   *zip(self._kv_transfers, (delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers,
+                                         delta.kv_connector_hit_tokens))]
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
             amounts += [(seconds, samples.seconds), (count, samples.count)]

@@ -54,7 +54,8 @@ VLLM_COUNTERS = ("prompt_tokens_total", "generation_tokens_total") + tuple(
                                         "decode_time") for part in ("seconds", "count"))
 
 
-KV_COUNTERS = ("epd_vllm_kv_transfers_total", "epd_vllm_kv_transfer_bytes_total", "epd_vllm_kv_failed_transfers_total")
+KV_COUNTERS = ("epd_vllm_kv_transfers_total", "epd_vllm_kv_transfer_bytes_total", "epd_vllm_kv_failed_transfers_total",
+               "epd_vllm_kv_connector_hit_tokens_total")
 
 
 def _vllm_counters(server, model: str) -> dict[str, float]:
@@ -106,9 +107,12 @@ def test_vllm_request_metrics_move_by_the_right_amounts(server):
     # the KV connector's transfers: decode read the one E/P/D request's KV from prefill over NIXL; nobody else read any
     kv = {model: {name: value - kv_before[model][name] for name, value in metrics(server, KV_COUNTERS, model=model).items()}
           for model in models}
-    transfers, nbytes, failed = KV_COUNTERS
+    transfers, nbytes, failed, hits = KV_COUNTERS
     assert kv["decode"][transfers] >= 1 and kv["decode"][nbytes] > 0 and kv["decode"][failed] == 0, kv
     assert all(kv[model][transfers] == kv[model][nbytes] == 0 for model in ("llm", "pd", "prefill")), kv
+    # decode's prompt came from prefill over NIXL (all of it but the last token, which decode computes)
+    assert kv["decode"][hits] >= via_pd_decode.num_input_tokens - 1, kv
+    assert all(kv[model][hits] == 0 for model in ("llm", "pd", "prefill")), kv  # no conversation's KV kept here
 
 
 HISTOGRAMS = ("epd_request_ttft_seconds", "epd_request_duration_seconds", "epd_encode_duration_seconds",

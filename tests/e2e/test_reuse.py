@@ -140,20 +140,40 @@ def test_a_conversation_s_kv_is_kept_through_other_traffic_and_one_without_a_ses
         return ask(server, model, parameters={"session_id": session} if session else None, **inputs), inputs
 
     base = 400 if model == "epd" else 500  # each deployment its own screenshots and session
+    # the engine that prefills and keeps the conversation's KV: pd's; E/P/D's prefill engine is in epd_disagg's
+    # model here (its orchestrator colocated with it), so its metrics carry that model's name
+    stage = "pd" if model == "epd" else "epd_disagg"
+    hit_tokens = lambda: metrics(server, ("epd_vllm_kv_connector_hit_tokens_total",), model=stage)[  # noqa: E731
+        "epd_vllm_kv_connector_hit_tokens_total"]
     first, _ = chat([base], f"kv-agent-{model}")
     chat([base + 1], None)
     for i in range(4):  # other users: 4 x ~3,000 tokens, more than the engine's KV cache holds
         ask(server, model, prompt=" ".join(f"w{i}x{j}" for j in range(700)))
+    before = hit_tokens()
     kept, kept_inputs = chat([base, base + 2], f"kv-agent-{model}")
+    loaded = _settled(hit_tokens, before)
     loose, loose_inputs = chat([base + 1, base + 3], None)
     block = 128
     print(model, "first turn's prompt", first.num_input_tokens, "cached at the next turn: kept",
           kept.timings["cached_tokens"], "without a session", loose.timings["cached_tokens"])
     assert first.num_input_tokens >= 2 * block
     assert kept.timings["cached_tokens"] >= (first.num_input_tokens - 1) // block * block, kept.timings
+    assert loaded - before >= (first.num_input_tokens - 1) // block * block, (before, loaded)  # the engine's metric
     assert loose.timings["cached_tokens"] == 0, "other traffic did not evict the prefix cache: the test sees nothing"
     assert_same_answer(kept, ask(server, "llm", **kept_inputs))
     assert_same_answer(loose, ask(server, "llm", **loose_inputs))
+
+
+def _settled(read, before: float) -> float:
+    """``read()`` once it moved past ``before`` and stopped moving (the engines' counters come in batches)."""
+    last = read()
+    for _ in range(20):
+        time.sleep(0.3)
+        now = read()
+        if now == last and now > before:
+            return now
+        last = now
+    return last
 
 
 @pytest.mark.parametrize("value", [17, "", "x" * 257])

@@ -64,6 +64,8 @@ def test_nixl_s_transfer_stats_become_kv_transfer_counts():
     connector.record_failed_transfer()
     assert kv_transfer_counts(connector.to_dict()) == (2, 16384, 1)
     assert kv_transfer_counts(None) == kv_transfer_counts({"other": 1}) == (0, 0, 0)
+    # under MultiConnector (E/P/D's prefill with the conversations' store): a payload per connector
+    assert kv_transfer_counts({"NixlConnector": connector.to_dict(), "SessionKVConnector": {}}) == (2, 16384, 1)
 
     seen = []
 
@@ -75,3 +77,21 @@ def test_nixl_s_transfer_stats_become_kv_transfer_counts():
     logger.record(stats.SchedulerStats(kv_cache_usage=0.5, kv_connector_stats=connector.to_dict()), None)
     logger.record(stats.SchedulerStats(kv_cache_usage=0.5), None)
     assert [(d.kv_transfers, d.kv_transfer_bytes, d.kv_failed_transfers) for d in seen] == [(2, 16384, 1), (0, 0, 0)]
+
+
+def test_the_connector_s_prefix_cache_hits_become_hit_tokens():
+    """vLLM's ``connector_prefix_cache_stats`` of a step (the tokens a KV connector supplied at scheduling: a
+    conversation's kept blocks, prefill's KV on decode) -> ``kv_connector_hit_tokens``; none: 0."""
+    seen = []
+
+    class Observer:
+        def engine_stats(self, delta):
+            seen.append(delta)
+
+    hits = stats.PrefixCacheStats()
+    hits.record(num_tokens=1119, num_hits=1024, preempted=False)
+    hits.record(num_tokens=300, num_hits=128, preempted=True)
+    logger = stat_logger_factory(Observer())(None, 0)
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.5, connector_prefix_cache_stats=hits), None)
+    logger.record(stats.SchedulerStats(kv_cache_usage=0.5), None)
+    assert [d.kv_connector_hit_tokens for d in seen] == [1152, 0]

@@ -102,12 +102,15 @@ def test_encoder_metrics_copy_counters_as_increments_and_gauges_as_values(pb):
 
 def test_engine_metrics_report_a_step_and_nothing_after_close(pb):
     metrics = EngineMetrics("decode")
-    delta = StatsDelta(prompt_tokens=7, generation_tokens=3, kv_cache_usage=0.25, kv_transfers=1)
+    delta = StatsDelta(prompt_tokens=7, generation_tokens=3, kv_cache_usage=0.25, kv_transfers=1,
+                       kv_connector_hit_tokens=6)
     delta.queue.add([0.01, 0.02])
     metrics.engine_stats(delta)
     metrics.close()
     labels = {"model": "decode"}
     assert pb.series("epd_vllm_prompt_tokens_total", **labels).value == 7
+    assert pb.series("epd_vllm_kv_transfers_total", **labels).value == 1
+    assert pb.series("epd_vllm_kv_connector_hit_tokens_total", **labels).value == 6
     assert pb.series("epd_vllm_kv_cache_usage", **labels).value == 0.25 and metrics.kv_cache_usage == 0.25
     assert pb.series("epd_vllm_queue_duration_seconds", **labels).observations == [0.01, 0.02]
     assert pb.series("epd_vllm_queue_time_count_total", **labels).value == 2
