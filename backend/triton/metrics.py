@@ -355,7 +355,7 @@ class EngineMetrics:
                                     description="Prompt tokens whose KV the engine's connector supplied instead of a "
                                                 "prefill (pd, prefill: conversations' kept KV; decode: prefill's)")]
         self._families += kv
-        self._kv_transfers = tuple(family.Metric(labels=labels) for family in kv)
+        self._kv_counters = tuple(family.Metric(labels=labels) for family in kv)
         usage = pb_utils.MetricFamily(name="epd_vllm_kv_cache_usage", kind=pb_utils.MetricFamily.GAUGE,
                                       description="Fraction of the engine's KV cache blocks held by requests, as of its last step")
         self._families.append(usage)
@@ -383,14 +383,14 @@ class EngineMetrics:
         else:
             self._batch.flush()
         self._timings, self._prompt, self._generation, self._kv_usage, self._queue = {}, None, None, None, None
-        self._kv_transfers = ()
+        self._kv_counters = ()
         self._families = []
 
     def engine_stats(self, delta) -> None:
         if self._closed:
             return
         amounts = [(self._prompt, delta.prompt_tokens), (self._generation, delta.generation_tokens),
-                   *zip(self._kv_transfers, (delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers,
+                   *zip(self._kv_counters, (delta.kv_transfers, delta.kv_transfer_bytes, delta.kv_failed_transfers,
                                          delta.kv_connector_hit_tokens))]
         for key, (seconds, count) in self._timings.items():
             samples = getattr(delta, key)
