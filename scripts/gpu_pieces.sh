@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=$(realpath -m "${1:-.cache/gpu}")
 LEAN=${LEAN:-/work/shared/gpu/vllm-0.26-lean.txt}
-PIECE=${PIECE:-55M}  # the tree that travels was 4.9 MiB on 2026-12-04: a 59 MiB piece beside it was refused
+PIECE=${PIECE:-45M}  # the tree that travels was 4.9 MiB on 2026-12-04 (59 MiB pieces refused), 8.6 MiB on 2026-12-06 (55 refused)
 PY=${PY:-.venv/bin/python}
 PLATFORMS=()
 for n in 2_35 2_34 2_31 2_28 2_27 2_24 2_17; do PLATFORMS+=(--platform "manylinux_${n}_x86_64"); done
