@@ -190,12 +190,12 @@ async def _events(calls: list[GenerateCall], responses, head: tuple, answered) -
             async for index, piece in pieces:
                 call = calls[index]
                 counts[index], timings = piece.counts or counts[index], piece.timings or timings
-                event = None
-                if piece.text or piece.reason or piece.logprobs or first[index]:
-                    event = _sse(translate.chunk(call, piece.text, piece.reason, first=first[index],
-                                                 logprobs=piece.logprobs, offset=offset[index]))
+                event = _sse(translate.role_chunk(call)) if first[index] and call.chat else ""
+                if piece.text or piece.reason or piece.logprobs or (first[index] and not call.chat):
+                    event += _sse(translate.chunk(call, piece.text, piece.reason, logprobs=piece.logprobs,
+                                                  offset=offset[index]))
                     offset[index] += text_length(piece.logprobs or [])
-                    first[index] = False
+                first[index] = False
                 finals += piece.final
                 if finals == len(calls):
                     tail += [event] if event else []

@@ -301,32 +301,42 @@ def _logprobs(call: GenerateCall, entries: list[dict] | None, offset: int) -> di
     return logprob_shapes.completion(entries or [], offset)
 
 
-def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool, first: bool = False,
+def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: bool,
             logprobs: dict | None = None) -> dict:
     if not call.chat:
         return {"index": call.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     output, reason = call.output, finish_reason(reason)
     if delta:
         content = output.delta(text or "", reason is not None) if output else ({"content": text} if text else {})
-        content = {"role": "assistant", "content": "", **content} if first else content
     else:
         content = {"role": "assistant", **(output.message(text or "") if output else {"content": text})}
     reason = output.finish(reason) if output else reason
     return {"index": call.index, "delta" if delta else "message": content, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chunk(call: GenerateCall, text: str | None, reason: str | None = None, first: bool = False,
+def role_chunk(call: GenerateCall) -> dict:
+    """A chat stream's first object for a choice: the role alone, before its first text (as vLLM's server and
+    OpenAI send it)."""
+    return {**_chunk_head(call), "choices": [{"index": call.index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}],
+            **({"usage": None} if call.include_usage else {})}
+
+
+def _chunk_head(call: GenerateCall) -> dict:
+    return {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created, "model": call.model}
+
+
+def chunk(call: GenerateCall, text: str | None, reason: str | None = None,
           counts: tuple[int, int] | None = None, logprobs: list[dict] | None = None, offset: int = 0,
           timings: dict | None = None) -> dict:
     """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead.
     ``logprobs``: the entries of the chunk's tokens (the interface's), ``offset``: where in the completion's text the
     first of them starts (completions' ``text_offset``)."""
-    doc = {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
-           "created": call.created, "model": call.model}
+    doc = _chunk_head(call)
     if counts is not None:
         return {**doc, "choices": [], "usage": usage(*counts, timings)}
-    return {**doc, "choices": [_choice(call, text, reason, delta=True, first=first,
-                                       logprobs=_logprobs(call, logprobs, offset))],
+    return {**doc, "choices": [_choice(call, text, reason, delta=True, logprobs=_logprobs(call, logprobs, offset))],
             **({"usage": None} if call.include_usage else {})}
 
 

@@ -175,8 +175,8 @@ def test_the_endpoint_streams_each_chunk_with_its_tokens_logprobs():
               Piece("", None, None, None, final=True)]  # Triton's empty final response
     chat = _events({"model": "llm", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                     "logprobs": True, "top_logprobs": 1}, pieces)
-    assert [c["choices"][0]["logprobs"] for c in chat] == [shapes.chat(he), shapes.chat(llo), shapes.chat([])]
-    assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert [c["choices"][0]["logprobs"] for c in chat] == [None, shapes.chat(he), shapes.chat(llo), shapes.chat([])]
+    assert [c["choices"][0]["delta"] for c in chat[:2]] == [{"role": "assistant", "content": ""}, {"content": "a"}]
     text = _events({"model": "llm", "prompt": "hi", "stream": True, "logprobs": 1}, pieces)
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in text] == [[0], [1, 3], []]
     assert [c["choices"][0]["logprobs"]["tokens"] for c in text] == [["a"], [" b", " dog"], []]

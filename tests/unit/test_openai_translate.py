@@ -66,9 +66,10 @@ def test_errors_map_to_openai_statuses(exc, status, kind, retry):
 def test_chunks_and_completions_have_openais_shape():
     call = translate.chat_call({"model": "llm", "messages": MESSAGES, "stream": True,
                                 "stream_options": {"include_usage": True}}, SERVED)
-    first = translate.chunk(call, "He", first=True)
+    first = translate.role_chunk(call)
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant",
-                                                                                            "content": "He"}
+                                                                                            "content": ""}
+    assert translate.chunk(call, "He")["choices"][0]["delta"] == {"content": "He"}
     assert translate.chunk(call, "", "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                                  "finish_reason": "length"}
     assert translate.chunk(call, None, counts=(5, 2)) == {**{k: first[k] for k in ("id", "object", "created", "model")},
@@ -134,7 +135,7 @@ ENTRY = {"token_id": 5, "token": "He", "logprob": -0.25, "rank": 1, "top_logprob
 
 def test_chunks_and_answers_carry_their_tokens_logprobs_in_openais_shapes():
     chat = translate.chat_call({"model": "llm", "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, SERVED)
-    doc = translate.chunk(chat, "He", first=True, logprobs=[ENTRY])["choices"][0]["logprobs"]
+    doc = translate.chunk(chat, "He", logprobs=[ENTRY])["choices"][0]["logprobs"]
     assert doc == {"content": [{"token": "He", "logprob": -0.25, "bytes": [72, 101], "top_logprobs": [
         {"token": "He", "logprob": -0.25, "bytes": [72, 101]}, {"token": "A", "logprob": -2.0, "bytes": [65]}]}],
         "refusal": None}
