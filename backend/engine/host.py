@@ -63,6 +63,12 @@ PROCESS_ENV_DEFAULTS = {
     # A stopped EngineCore exits once its clean shutdown is done, without the interpreter's teardown of its heap:
     # every unload and server stop waited 2-3 s more per engine for it (backend.engine.patches.patch_quick_exit).
     "EPD_ENGINE_QUICK_EXIT": "1",
+    # The EngineCore forked from its stub, not spawned (vLLM's CPU platform sets spawn; with CUDA initialized in the
+    # stub vLLM spawns whatever this says): a spawned one imports torch and vLLM again (~6 s of CPU here) and touches
+    # ~500 MiB of new memory; forked, it shares the stub's pages. The stub has run no OpenMP region and holds no
+    # engine state when it forks. Measured on the README's server (docs/results/ci-time.md): start-up CPU of its
+    # processes 94 -> 47 s. "spawn" gives vLLM's choice back.
+    "EPD_ENGINE_START_METHOD": "fork",
     # An EngineCore exits when its stub is gone, however the stub ended: vLLM only ever stops it from the stub, so a
     # stub killed, or ended by tritonserver's exit timeout, left it running (backend.engine.patches.follow_parent).
     "EPD_ENGINE_FOLLOW_PARENT": "1",
@@ -337,6 +343,7 @@ class EngineHost:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
         loop = beside._loop if beside is not None else LoopThread("vllm-engine-loop")
         ipc_dir = private_ipc_dir()
@@ -351,7 +358,14 @@ class EngineHost:
             loggers = [stat_logger_factory(stats_observer)]
 
         async def create():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=loggers)
+            engine_args = AsyncEngineArgs(**args)
+            vllm_config = engine_args.create_engine_config()
+            start_method = os.environ.get("EPD_ENGINE_START_METHOD", "")
+            if start_method in ("fork", "spawn"):  # after the config: vLLM's CPU platform sets "spawn" there
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
+            return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                            log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
+                            stat_loggers=loggers)
 
         import psutil
 

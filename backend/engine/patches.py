@@ -19,6 +19,7 @@ agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agen
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import queue
 import sys
@@ -211,14 +212,37 @@ def lower_priority(nice: int) -> None:
             pass
 
 
-def register() -> None:
+def _as_engine_core() -> None:
+    """What only an EngineCore (a multiprocessing child of the process hosting the engine) does."""
     nice = os.environ.get(NICE_ENV)
-    if nice and multiprocessing.parent_process() is not None:  # the EngineCore (spawned), not the stub that set it
+    if nice:
         lower_priority(int(nice))
     if os.environ.get("EPD_ENGINE_QUICK_EXIT") == "1":
         patch_quick_exit()
     if os.environ.get("EPD_ENGINE_FOLLOW_PARENT") == "1":
         follow_parent()
+
+
+class _ForkedChildren:
+    """multiprocessing's after-fork registry holds its objects weakly: this one lives as long as the module, and is
+    registered once however often ``register`` runs."""
+    registered = False
+
+    @staticmethod
+    def started(_) -> None:
+        _as_engine_core()
+
+
+_FORKED_CHILDREN = _ForkedChildren()
+
+
+def register() -> None:
+    if multiprocessing.parent_process() is not None:  # a spawned EngineCore: vLLM loads the plugins in it
+        _as_engine_core()
+    elif not _ForkedChildren.registered:  # a forked one inherits the loaded plugins (vLLM loads them once a
+        # process): multiprocessing's after-fork hook runs in the child once it knows its parent, before its code
+        _ForkedChildren.registered = True
+        multiprocessing.util.register_after_fork(_FORKED_CHILDREN, _ForkedChildren.started)
     if os.environ.get("EPD_GLOO_SHARED_DEVICE") == "1":
         share_gloo_device()
     if os.environ.get("EPD_OMNI_AUDIO_EMBEDS") == "1":
