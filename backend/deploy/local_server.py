@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
@@ -435,16 +437,32 @@ def _exit_on_sigterm():
     return signal.SIG_DFL
 
 
-def render_topology(topology: Path, checkpoint: Path | None = None, openai_port: int = 0) -> tuple[Path, int]:
-    """Render ``topology`` (with ``checkpoint`` in place of its own) into ``.cache/repositories/<name>``. A topology
-    with ``openai_port`` serves the OpenAI endpoint from its served model's process: ``openai_port`` (non-zero)
-    replaces its port. Returns the repository and that in-process endpoint's port (0: the topology has none)."""
+def render_topology(topology: Path, checkpoint: Path | None = None, openai_port: int = 0,
+                    engine_args: dict[str, Any] | None = None) -> tuple[Path, int]:
+    """Render ``topology`` (with ``checkpoint`` in place of its own, ``engine_args`` laid over its own) into
+    ``.cache/repositories/<name>``. A topology with ``openai_port`` serves the OpenAI endpoint from its served model's
+    process: ``openai_port`` (non-zero) replaces its port. Returns the repository and that in-process endpoint's port
+    (0: the topology has none)."""
     served = load(topology, checkpoint=checkpoint)
+    if engine_args:
+        served = replace(served, engine_args={**served.engine_args, **engine_args})
     if served.openai_port and openai_port:
         served = replace(served, openai_port=openai_port)
     out = ROOT / ".cache" / "repositories" / served.name
     render(served, out)
     return out, served.openai_port
+
+
+def engine_arg(text: str) -> tuple[str, Any]:
+    """``--engine-arg``'s ``KEY=VALUE``: VALUE as JSON where it parses (numbers, booleans, objects), else the text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or key.strip() == "model":
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, a vLLM engine argument other than model "
+                                         "(the checkpoint is --checkpoint)")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -455,14 +473,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--openai-port", type=int, default=0,
                         help="also serve the OpenAI-compatible endpoint (frontend.openai) on this port; 0: leave it out "
                              "(with a --topology that has openai_port: that in-process endpoint's port)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", type=engine_arg,
+                        help="with --topology: a vLLM engine argument laid over the topology's engine_args for every "
+                             "engine (VALUE read as JSON where it parses, else as text), e.g. "
+                             "kv_cache_memory_bytes=268435456; repeatable")
     parser.add_argument("extra", nargs="*", help="more tritonserver arguments (after --)")
     args = parser.parse_args(argv)
     if args.checkpoint and not args.topology:
         parser.error("--checkpoint goes with --topology")
+    if args.engine_arg and not args.topology:
+        parser.error("--engine-arg goes with --topology")
     repository = args.model_repository.resolve()
     if args.topology:
         try:
-            repository, in_process = render_topology(args.topology, args.checkpoint, args.openai_port)
+            repository, in_process = render_topology(args.topology, args.checkpoint, args.openai_port,
+                                                     dict(args.engine_arg))
         except TopologyError as exc:
             parser.exit(2, f"error: {exc}\n")
         print(f"rendered {args.topology} into {repository}", flush=True)
@@ -495,8 +520,6 @@ def start_openai(port: int, grpc_port: int, repository: Path | None = None) -> s
 def checkpoint_of(repository: Path) -> Path | None:
     """The checkpoint folder a rendered repository's engines load (the first ``model.json``'s ``model``, relative
     to its folder), or None."""
-    import json
-
     for path in sorted(Path(repository).glob("*/model.json")):
         model = json.loads(path.read_text()).get("model")
         if isinstance(model, str) and model:

@@ -1,9 +1,12 @@
 """``backend.deploy.local_server.remove_python_envs``: which of tritonserver's Python-backend directories
 (``/tmp/python_env_*``) a stopped server's launcher removes. The directories are real ones in /tmp; the running
 servers' start times are given (real servers' directories: tests/e2e/test_hosts.py, whose killed hosts leave theirs)."""
+import argparse
+import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,7 +68,6 @@ def test_a_start_that_meets_something_else_on_its_port_stops_what_it_started(tmp
     other than OSError once escaped ``start`` and left the server running."""
     import signal
     import socket
-    import subprocess
     import sys
     import threading
 
@@ -102,3 +104,24 @@ def test_a_start_that_meets_something_else_on_its_port_stops_what_it_started(tmp
         for s in (server, locals().get("server2")):
             if s is not None and s.proc is not None and s.proc.poll() is None:
                 os.killpg(s.proc.pid, signal.SIGKILL)
+
+
+def test_engine_args_given_on_the_command_line_lie_over_the_topology_s(monkeypatch, tmp_path):
+    """``--engine-arg KEY=VALUE`` (JSON where it parses): every engine's model.json gets it over the topology's
+    engine_args; the checkpoint stays ``--checkpoint``'s; a malformed one or ``model`` is refused by the parser."""
+    monkeypatch.setattr(local_server, "ROOT", tmp_path)  # renders into tmp_path/.cache/repositories
+    key, value = local_server.engine_arg("kv_cache_memory_bytes=268435456")
+    assert (key, value) == ("kv_cache_memory_bytes", 268435456)
+    assert local_server.engine_arg("dtype=bfloat16") == ("dtype", "bfloat16")
+    assert local_server.engine_arg('limit={"a": 1}') == ("limit", {"a": 1})
+    for bad in ("model=/x", "no_value", "=3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            local_server.engine_arg(bad)
+    topology = Path(__file__).resolve().parents[2] / "topologies" / "checkpoint-cpu.yaml"
+    repository, _ = local_server.render_topology(topology, engine_args={key: value, "max_model_len": 4096})
+    engines = sorted(repository.glob("*/model.json"))
+    assert engines, sorted(repository.iterdir())
+    for path in engines:
+        args = json.loads(path.read_text())
+        assert (args["kv_cache_memory_bytes"], args["max_model_len"]) == (268435456, 4096), path
+        assert args["dtype"] == "float32"  # the topology's own, untouched
