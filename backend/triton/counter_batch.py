@@ -8,6 +8,39 @@ import threading
 
 log = logging.getLogger(__name__)
 
+# Set once this stub's model has finished ``initialize`` (``after_load``): until then no thread but the one running
+# ``initialize`` talks to Triton. Seen on tritonserver 2.51 (2026-12-06, docs/results/ci-time.md): a metric call from
+# a background thread while ``initialize`` still ran (a model whose start took longer than one report interval: a
+# loaded machine) hung the stub's channel to the server: the thread waited for an answer for good, the server never
+# got ``initialize``'s and never finished loading the model (``tests/e2e/test_checkpoints.py``: 2 of 6 runs on a
+# loaded machine). One model per stub process, so one gate per process.
+LOADED = threading.Event()
+LOAD_MARGIN_SECONDS = 0.25  # after ``initialize`` returns, for the stub to hand its answer to the server
+
+
+def wait_until_loaded(stop: threading.Event, poll: float = 0.05) -> bool:
+    """Block until ``LOADED`` (True) or ``stop`` (False), whichever comes first."""
+    while not LOADED.wait(poll):
+        if stop.is_set():
+            return False
+    return not stop.is_set()
+
+
+def after_load(cls):
+    """Class decorator of a Triton model: once its ``initialize`` has returned (and ``LOAD_MARGIN_SECONDS`` more),
+    ``LOADED`` is set and the metric threads (``CounterBatch``, the encoder's reporter) start handing values over.
+    On the leaf classes: a subclass's ``initialize`` goes on after its base's."""
+    initialize = cls.initialize
+
+    def initialize_then_open(self, args):
+        initialize(self, args)
+        timer = threading.Timer(LOAD_MARGIN_SECONDS, LOADED.set)
+        timer.daemon = True
+        timer.start()
+
+    cls.initialize = initialize_then_open
+    return cls
+
 
 class CounterBatch:
     """Counter increments added up in memory and handed to Triton by one thread every ``FLUSH_SECONDS``.
@@ -76,8 +109,12 @@ class CounterBatch:
         self.flush()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.FLUSH_SECONDS):
+        if not wait_until_loaded(self._stop):  # values wait, pending, until the model is loaded: then at once
+            return
+        while True:
             try:
                 self.flush()
             except Exception as exc:  # noqa: BLE001 - metrics must not take the model down
                 log.warning("metrics flush failed: %s", exc)
+            if self._stop.wait(self.FLUSH_SECONDS):
+                return

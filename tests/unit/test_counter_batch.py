@@ -2,6 +2,9 @@
 import threading
 import time
 
+import pytest
+
+from backend.triton import counter_batch
 from backend.triton.counter_batch import CounterBatch
 
 
@@ -18,7 +21,42 @@ class FakeMetric:
         self.calls.append(("set", value))
 
 
-def test_increments_are_summed_and_handed_over_by_the_flusher_thread():
+@pytest.fixture
+def loaded():
+    """The model's ``initialize`` has returned (``counter_batch.after_load``); closed again after the test."""
+    counter_batch.LOADED.set()
+    yield
+    counter_batch.LOADED.clear()
+
+
+def test_nothing_is_handed_over_before_the_model_is_loaded_and_everything_after(monkeypatch):
+    """No metric call from the flusher while ``initialize`` runs (it hung the stub's channel to tritonserver 2.51);
+    ``after_load`` opens the gate ``LOAD_MARGIN_SECONDS`` after the decorated ``initialize`` returned."""
+    monkeypatch.setattr(counter_batch, "LOAD_MARGIN_SECONDS", 0.3)
+    counter_batch.LOADED.clear()
+    metric, batch = FakeMetric(), CounterBatch()
+    seen_in_initialize = []
+
+    @counter_batch.after_load
+    class Model:
+        def initialize(self, args):
+            batch.add(metric, 2)
+            time.sleep(4 * CounterBatch.FLUSH_SECONDS)  # a slow start: several flush intervals pass
+            seen_in_initialize.append(list(metric.calls))
+
+    try:
+        Model().initialize({})
+        assert seen_in_initialize == [[]] and not counter_batch.LOADED.is_set()
+        deadline = time.monotonic() + 5
+        while sum(metric.calls) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counter_batch.LOADED.is_set() and metric.calls == [2] and metric.threads == {"metrics-flush"}
+    finally:
+        batch.close()
+        counter_batch.LOADED.clear()
+
+
+def test_increments_are_summed_and_handed_over_by_the_flusher_thread(loaded):
     a, b = FakeMetric(), FakeMetric()
     batch = CounterBatch()
     try:

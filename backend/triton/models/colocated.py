@@ -32,6 +32,7 @@ from backend.protocol.settings import ColocatedSettings
 from backend.protocol.stages import Disaggregation
 from backend.engine.host import EngineHost
 from backend.protocol.stages import Stage
+from backend.triton.counter_batch import after_load
 from backend.triton.generate_model import MetadataOnlyModel
 from backend.triton.metrics import EngineMetrics
 from backend.deploy.server_address import EndpointError
@@ -42,6 +43,7 @@ from orchestrator.local_stages import LocalEngine, LocalStages
 from backend.triton.stage_client import BlsEncoders, encoder_urls, stage_urls, triton_stages
 
 
+@after_load
 class TritonPythonModel(MetadataOnlyModel):
     SETTINGS = ColocatedSettings
 

@@ -7,9 +7,11 @@ recomputed without embeddings. P/D: an orchestrator that skips the encoders send
 """
 from backend.protocol.settings import KvEngineSettings
 from backend.protocol.stages import Stage
+from backend.triton.counter_batch import after_load
 from backend.triton.generate_model import MetadataOnlyModel
 
 
+@after_load
 class TritonPythonModel(MetadataOnlyModel):
     ROLE = Stage.DECODE
     SETTINGS = KvEngineSettings

@@ -41,6 +41,7 @@ from backend.request.video import VIDEO_DECODES
 from backend.transfer.announce import announce, directory, withdraw
 from backend.transfer.producer import EmbeddingPool
 from backend.triton.config import load_settings
+from backend.triton.counter_batch import after_load, wait_until_loaded
 from backend.triton.io import request_parameters, to_triton_error, wants_error_codes
 from backend.triton.metrics import EncoderMetrics
 
@@ -81,6 +82,7 @@ def image_device(settings: EncoderSettings, device: str, encoder) -> dict:
     return {"image_device": device, "nvjpeg": settings.image_preprocess == ImagePreprocess.NVJPEG}
 
 
+@after_load
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()
@@ -165,13 +167,17 @@ class TritonPythonModel:
         return responses
 
     def _report(self) -> None:
-        while not self._stop.wait(METRICS_SECONDS):
+        if not wait_until_loaded(self._stop):  # no metric call before initialize has returned; then one at once
+            return
+        while True:
             try:
                 self.metrics.refresh(self.service.items_encoded, self.service.encode_seconds, self.pool.stats(),
                                      self.service.cache_hits, self.tier, self.service.tier_hits,
                                      dict(VIDEO_DECODES), dict(image.IMAGE_DECODES), self.deadline_stops)
             except Exception as exc:  # noqa: BLE001 - metrics must not take the encoder down
                 pb_utils.Logger.log_warn(f"encoder metrics: {exc}")
+            if self._stop.wait(METRICS_SECONDS):
+                return
 
     def finalize(self):
         withdraw(self.announcement)

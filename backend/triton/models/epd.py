@@ -18,6 +18,7 @@ from backend.request.generate import RequestLimits
 from backend.protocol.settings import ProxySettings
 from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
+from backend.triton.counter_batch import after_load
 from backend.triton.io import orchestrate
 from backend.triton.metrics import RequestMetrics
 from orchestrator.admission import Admission
@@ -26,6 +27,7 @@ from backend.deploy.server_address import EndpointError
 from backend.triton.stage_client import encoder_urls, stage_urls, triton_stages
 
 
+@after_load
 class TritonPythonModel:
     def initialize(self, args):
         prepare_process()

@@ -7,9 +7,11 @@ receives or decodes media.
 """
 from backend.protocol.settings import PdSettings
 from backend.protocol.stages import Stage
+from backend.triton.counter_batch import after_load
 from backend.triton.generate_model import MetadataOnlyModel
 
 
+@after_load
 class TritonPythonModel(MetadataOnlyModel):
     ROLE = Stage.PD
     SETTINGS = PdSettings

@@ -7,9 +7,11 @@ the EngineCore's idle wait defaults to the role's (``backend.protocol.stages``).
 """
 from backend.protocol.settings import PrefillSettings
 from backend.protocol.stages import Stage
+from backend.triton.counter_batch import after_load
 from backend.triton.generate_model import MetadataOnlyModel
 
 
+@after_load
 class TritonPythonModel(MetadataOnlyModel):
     ROLE = Stage.PREFILL
     SETTINGS = PrefillSettings
