@@ -1,6 +1,7 @@
 """``backend.deploy.local_server.remove_python_envs``: which of tritonserver's Python-backend directories
 (``/tmp/python_env_*``) a stopped server's launcher removes. The directories are real ones in /tmp; the running
-servers' start times are given (real servers' directories: tests/e2e/test_hosts.py, whose killed hosts leave theirs)."""
+servers' start times are given (real servers' directories: tests/e2e/test_hosts.py, whose killed hosts leave theirs).
+Also: a start that meets another listener, and ``--engine-arg`` over a topology's engine arguments."""
 import argparse
 import json
 import os
@@ -125,3 +126,4 @@ def test_engine_args_given_on_the_command_line_lie_over_the_topology_s(monkeypat
         args = json.loads(path.read_text())
         assert (args["kv_cache_memory_bytes"], args["max_model_len"]) == (268435456, 4096), path
         assert args["dtype"] == "float32"  # the topology's own, untouched
+        assert Path(args["model"]).name == "tiny-qwen2-vl"  # the topology's checkpoint (no --checkpoint given)
