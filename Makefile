@@ -22,7 +22,8 @@ demo: setup
 
 # The suite on TEST_WORKERS xdist workers (2, CI's default; 0: one process), each taking the next test file as it
 # finishes one, the slowest first; fault and overload modules alone, memory-heavy ones one at a time (tests/conftest.py).
-# Fresh-clone .ci/runs on 2 cores: 31.2 and 32.7 min on two workers against 38.9 in one process (docs/results/ci-time.md).
+# Fresh-clone .ci/runs on 2 cores: 24.2 min on two workers (EngineCores forked), 31.2-33.5 before, 38.9 in one process
+# (docs/results/ci-time.md).
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
