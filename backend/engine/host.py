@@ -343,7 +343,6 @@ class EngineHost:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.executor import Executor
 
         loop = beside._loop if beside is not None else LoopThread("vllm-engine-loop")
         ipc_dir = private_ipc_dir()
@@ -363,9 +362,9 @@ class EngineHost:
             start_method = os.environ.get("EPD_ENGINE_START_METHOD", "")
             if start_method in ("fork", "spawn"):  # after the config: vLLM's CPU platform sets "spawn" there
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
-            return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                            log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
-                            stat_loggers=loggers)
+            return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=loggers,
+                                             enable_log_requests=engine_args.enable_log_requests,
+                                             disable_log_stats=engine_args.disable_log_stats)
 
         import psutil
 

@@ -317,14 +317,18 @@ def _choice(call: GenerateCall, text: str | None, reason: str | None, delta: boo
 def role_chunk(call: GenerateCall) -> dict:
     """A chat stream's first object for a choice: the role alone, before its first text (as vLLM's server and
     OpenAI send it)."""
-    return {**_chunk_head(call), "choices": [{"index": call.index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}],
-            **({"usage": None} if call.include_usage else {})}
+    return _streamed(call, {"index": call.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
 
 
 def _chunk_head(call: GenerateCall) -> dict:
     return {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
             "created": call.created, "model": call.model}
+
+
+def _streamed(call: GenerateCall, choice: dict) -> dict:
+    """A streamed object carrying one choice (``usage: null`` where the stream ends with a usage chunk)."""
+    return {**_chunk_head(call), "choices": [choice], **({"usage": None} if call.include_usage else {})}
 
 
 def chunk(call: GenerateCall, text: str | None, reason: str | None = None,
@@ -333,11 +337,9 @@ def chunk(call: GenerateCall, text: str | None, reason: str | None = None,
     """One streamed object; ``counts`` (prompt, completion tokens): the usage chunk (no choices) instead.
     ``logprobs``: the entries of the chunk's tokens (the interface's), ``offset``: where in the completion's text the
     first of them starts (completions' ``text_offset``)."""
-    doc = _chunk_head(call)
     if counts is not None:
-        return {**doc, "choices": [], "usage": usage(*counts, timings)}
-    return {**doc, "choices": [_choice(call, text, reason, delta=True, logprobs=_logprobs(call, logprobs, offset))],
-            **({"usage": None} if call.include_usage else {})}
+        return {**_chunk_head(call), "choices": [], "usage": usage(*counts, timings)}
+    return _streamed(call, _choice(call, text, reason, delta=True, logprobs=_logprobs(call, logprobs, offset)))
 
 
 def completion(call: GenerateCall, text: str, reason: str | None, counts: tuple[int, int],
