@@ -103,6 +103,16 @@ def tritonserver_argv(args: list[str]) -> list[str]:
             *(f"{flag}={value}" for flag, value in defaults.items() if flag not in given), *args]
 
 
+def log_tail(path, lines: int = 40) -> str:
+    """The last ``lines`` of a server's log, for the error that says it failed: a CI run keeps the error, not
+    the log (a clean clone's /tmp is gone when its report is read)."""
+    try:
+        text = Path(path).read_bytes()[-16384:].decode(errors="replace") if path else ""
+    except OSError:
+        return ""
+    return "\n--- the log's last lines ---\n" + "\n".join(text.splitlines()[-lines:]) if text else ""
+
+
 def exec_tritonserver() -> None:
     """The ``tritonserver`` console script: exec the real binary with the Python backend's environment."""
     argv = tritonserver_argv(sys.argv[1:])
@@ -305,7 +315,8 @@ class TritonServer:
             while time.monotonic() - started < timeout:
                 self.regions |= stub_regions(self.proc.pid)  # also those of stubs a crash at load leaves behind
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}")
+                    raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log: {self.log_path}"
+                                       f"{log_tail(self.log_path)}")
                 if self.is_ready() and self._metrics_up():
                     self.ready_seconds = time.monotonic() - started
                     self._window[1] = time.time()
@@ -315,7 +326,8 @@ class TritonServer:
                 time.sleep(0.25)
             # what each of its processes was doing (a model that never finished loading), into the log first
             report_native_stacks(group_members(self.proc.pid), self.log_path)
-            raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}")
+            raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}"
+                               f"{log_tail(self.log_path)}")
         except BaseException as exc:  # whatever ends the wait (Ctrl-C too): nothing of the server is left behind
             self.stop()  # the stubs and their regions go too
             if isinstance(exc, RuntimeError) and self.leftover_shm:

@@ -259,12 +259,36 @@ def render(topology: Topology, out: Path, models: Iterable[str] | None = None) -
 
 
 def write_files(out: Path, files: dict[str, str]) -> None:
-    """``files`` (relative path -> text) written into ``out``, which is emptied first."""
-    if out.exists():
-        shutil.rmtree(out)
+    """``out`` made to hold exactly ``files`` (relative path -> text). One that holds them already is left as it is: a
+    second launcher of the same topology (another server on other ports) rendering while the first server loads from
+    it emptied the folder under that server's stubs (2 launchers at once, 2026-12-06: ``FileNotFoundError`` in one,
+    the other's models failing to load). Otherwise the new contents are written beside it and swapped in."""
+    out = Path(out)
+    if _holds(out, files):
+        return
+    fresh = out.with_name(f".{out.name}.{os.getpid()}.new")
+    shutil.rmtree(fresh, ignore_errors=True)
     for relative, text in files.items():
-        (out / relative).parent.mkdir(parents=True, exist_ok=True)
-        (out / relative).write_text(text)
+        (fresh / relative).parent.mkdir(parents=True, exist_ok=True)
+        (fresh / relative).write_text(text)
+    old = out.with_name(f".{out.name}.{os.getpid()}.old")
+    if out.exists():
+        out.rename(old)
+    fresh.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _holds(out: Path, files: dict[str, str]) -> bool:
+    """Whether ``out`` has exactly ``files``: the same file paths, each with the same text (the bytecode Python
+    caches beside a served ``model.py`` aside)."""
+    if not out.is_dir():
+        return False
+    present = {str(path.relative_to(out)) for path in out.rglob("*")
+               if path.is_file() and "__pycache__" not in path.parts}
+    try:
+        return present == set(files) and all((out / rel).read_text() == text for rel, text in files.items())
+    except OSError:  # a file that went while it was read
+        return False
 
 
 def copy_model(source: Path, model: str, repo: Path, name: str) -> Path:

@@ -8,7 +8,8 @@ process name. CPU time is read at nanosecond resolution (``/proc/<pid>/task/*/sc
 every live thread), or from the 10 ms ticks of ``/proc/<pid>/stat`` where those are more (threads that ended since
 the process started are only in the ticks). ``per_request(before, after, requests)``: milliseconds of CPU per request per label, over the
 processes alive in both snapshots (processes of one label are summed). ``gpu_memory(server_pid)``: MiB of GPU
-memory per label (``nvidia-smi``'s compute processes; empty without a GPU).
+memory per label (``nvidia-smi``'s compute processes; empty without a GPU). ``GpuBusy``: the GPU's busy share over
+a timed window.
 """
 from __future__ import annotations
 
@@ -108,3 +109,35 @@ def gpu_memory(server_pid: int | None) -> dict[str, int]:
         if pid.strip().isdigit() and int(pid) in labels and mib.strip().isdigit():
             used[labels[int(pid)]] = used.get(labels[int(pid)], 0) + int(mib)
     return dict(sorted(used.items(), key=lambda kv: -kv[1]))
+
+
+class GpuBusy:
+    """The GPU's busy share over a timed window: ``nvidia-smi`` samples ``utilization.gpu`` (the share of the last
+    sample period in which a kernel ran, per GPU) every ``period_ms`` while the window runs; ``stop`` returns the
+    mean per GPU in percent, or ``None`` where there is no ``nvidia-smi``. A stack held back by its host shows a
+    GPU far from busy; one bound by the GPU, near 100."""
+
+    def __init__(self, period_ms: int = 250):
+        self.proc = None
+        if shutil.which("nvidia-smi") is not None:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
+                                          "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> list[float] | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return mean_busy(out)
+
+
+def mean_busy(samples: str) -> list[float] | None:
+    """``index, utilization.gpu`` lines -> the mean utilisation of each GPU index, in index order (None: no
+    sample)."""
+    per_gpu: dict[int, list[int]] = {}
+    for line in samples.splitlines():
+        index, _, busy = (part.strip() for part in line.partition(","))
+        if index.isdigit() and busy.isdigit():
+            per_gpu.setdefault(int(index), []).append(int(busy))
+    return [round(sum(v) / len(v), 1) for _, v in sorted(per_gpu.items())] or None

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from backend.deploy.local_server import ROOT
-from clients.bench import side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
+from clients.bench import proc_cpu, side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
 
 ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 INTERLEAVED = ("vllm-single", "llm", "vllm-e-pd", "epd", "vllm-e-p-d", "epd_disagg", "vllm-e-p-d-delay")
@@ -97,9 +97,11 @@ class Run:
         before = table.cpu_snapshot(watched)
         recorders = profile.Profiles(self.stack_pids(before), self.profile_dir / f"{name}-{protocol}-c{concurrency}") \
             if a.profile else None
+        gpu = proc_cpu.GpuBusy()
         samples, errors, wall = asyncio.run(send(url, model, self.sets[requests, concurrency], concurrency,
                                                  a.max_tokens))
         after = table.cpu_snapshot(watched)
+        gpu_busy = gpu.stop()
         recorded = recorders.stop() if recorders else []
         cpu = table.cpu_per_request(before, after, a.requests)
         row = table.summarise(name, protocol, samples, len(errors), wall, a.requests)
@@ -110,10 +112,13 @@ class Run:
         row["client_cpu_ms"] = cpu.pop("client")
         row["cpu_ms"], row["cpu_total_ms"] = cpu, round(sum(cpu.values()), 2)
         row["error_examples"] = errors[:3]
+        if gpu_busy is not None:
+            row["gpu_busy_pct"] = gpu_busy
         self.rows.append(row)
         print(f"{name} [{protocol}, c={concurrency}]: {row['req_per_s']:.2f} req/s, TTFT p50/p90 "
               f"{row['ttft_p50_ms']:.0f}/{row['ttft_p90_ms']:.0f} ms, CPU {row['cpu_total_ms']:.1f} ms/req {cpu}, "
-              f"{len(errors)} errors" + (f" ({errors[0][:200]})" if errors else ""), file=sys.stderr, flush=True)
+              + (f"GPU busy {gpu_busy}%, " if gpu_busy is not None else "")
+              + f"{len(errors)} errors" + (f" ({errors[0][:200]})" if errors else ""), file=sys.stderr, flush=True)
         return row
 
     @staticmethod

@@ -103,13 +103,17 @@ def _groups_cell(cpu: dict[str, float]) -> str:
 
 def results_table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: one line per row, in order."""
+    gpu = any("gpu_busy_pct" in r for r in rows)  # a GPU run: each row's GPU busy share (proc_cpu.GpuBusy)
     lines = ["| stack | protocol | c | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | CPU ms/req | CPU ms/req by "
-             "group | same text as vllm-single | errors |", "|" + "---|" * 11]
+             "group | " + ("GPU busy % | " if gpu else "") + "same text as vllm-single | errors |",
+             "|" + "---|" * (12 if gpu else 11)]
     for r in sorted(rows, key=lambda r: r.get("concurrency") or 0):  # stable: each level in run order
+        busy = f"{'/'.join(map(str, r.get('gpu_busy_pct') or ['-']))} | " if gpu else ""
         lines.append(f"| {r['name']} | {r['protocol']} | {r.get('concurrency') or '-'} | {_cell(r['req_per_s'], 2)} | "
                      f"{_cell(r['ttft_p50_ms'])} | "
                      f"{_cell(r['ttft_p90_ms'])} | {_cell(r['tpot_p50_ms'], 2)} | {_cell(r.get('cpu_total_ms'))} | "
-                     f"{_groups_cell(r.get('cpu_ms', {}))} | {_equality_cell(r.get('same_text'))} | {r['errors']} |")
+                     f"{_groups_cell(r.get('cpu_ms', {}))} | {busy}{_equality_cell(r.get('same_text'))} | "
+                     f"{r['errors']} |")
     return "\n".join(lines)
 
 

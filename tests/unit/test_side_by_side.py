@@ -137,6 +137,18 @@ def test_rows_equality_and_ratios():
     assert "| llm | grpc | vllm-single | - | 2.00x |" in side_table.ratios_table(pairs)
 
 
+def test_a_gpu_run_shows_each_row_s_gpu_busy_share():
+    from clients.bench import proc_cpu
+
+    busy = proc_cpu.mean_busy("0, 90\n1, 10\n0, 70\nnot a sample\n1, 30\n")
+    assert busy == [80.0, 20.0] and proc_cpu.mean_busy("") is None
+    rows = [side_table.summarise(name, "openai", [], 0, 1.0, 4) for name in ("vllm-e-pd", "epd")]
+    rows[0]["gpu_busy_pct"] = busy
+    text = side_table.results_table(rows)
+    assert "GPU busy %" in text and "| 80.0/20.0 |" in text and "| - |" in text.splitlines()[3]
+    assert "GPU busy" not in side_table.results_table(rows[1:])  # a CPU run: no such column
+
+
 def test_ratio_edges_and_missing_reference():
     assert side_table.ratio(1.0, 0.0) is None and side_table.ratio(None, 1.0) is None
     assert side_table.ratio(float("nan"), 1.0) is None and side_table.ratio(3.0, 2.0) == 1.5

@@ -419,3 +419,22 @@ def test_a_rendered_model_copied_under_another_name_is_renamed_and_nothing_else(
     (tmp_path / "repo" / "pd" / "config.pbtxt").write_text("no name line\n")
     with pytest.raises(ValueError, match='no name: "pd" line'):
         copy_model(tmp_path / "repo", "pd", tmp_path / "other", "pd_b")
+
+
+def test_rendering_again_leaves_a_repository_that_holds_the_same_files_alone(tmp_path):
+    """A second launcher of the same topology (another server on other ports) must not empty the folder the first
+    server's stubs load from; a rendering with other contents swaps the folder whole, stale files gone."""
+    from backend.deploy.render import write_files
+
+    out = tmp_path / "repo"
+    write_files(out, {"a/config.pbtxt": "one", "a/1/model.py": "m"})
+    cached = out / "a" / "1" / "__pycache__" / "model.pyc"  # what Python writes beside a served model.py
+    cached.parent.mkdir()
+    cached.write_text("bytecode")
+    before = (out / "a" / "config.pbtxt").stat().st_mtime_ns
+    write_files(out, {"a/config.pbtxt": "one", "a/1/model.py": "m"})
+    assert cached.exists() and (out / "a" / "config.pbtxt").stat().st_mtime_ns == before
+    write_files(out, {"a/config.pbtxt": "two", "b/config.pbtxt": "b"})
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["a/config.pbtxt", "b/config.pbtxt"] and (out / "a" / "config.pbtxt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # nothing left beside it

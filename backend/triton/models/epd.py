@@ -10,7 +10,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import model_identity, processing_options
-from backend.engine.host import prepare_process
+from backend.engine.host import bound_the_exit, prepare_process
 from backend.engine.loop import LoopThread
 from backend.protocol.modality import modalities
 from backend.request.media import MediaLimits, media_limits
@@ -82,3 +82,4 @@ class TritonPythonModel:
         self.cancels.close()
         self.metrics.close()  # pending counts, while the stub's shared memory is alive
         del self.metrics
+        bound_the_exit()  # cycles holding requests collected while the shared memory is alive, the exit bounded
