@@ -67,16 +67,18 @@ class ModuleLocks:
 MODULE_LOCKS = ModuleLocks()
 
 
-# The files that take longest (docs/results/ci-time.md), first, when the suite runs on xdist workers (`make test
-# TEST_WORKERS=2`: each takes the next file as it finishes one, --dist loadfile --no-loadscope-reorder), so the long
-# ones start early and the many short unit files fill the end. The memory-heavy and solo ones apart (ModuleLocks).
+# The files that take longest (docs/results/ci-time.md; the order: the fresh-clone run of 55e09ae), first, when the
+# suite runs on xdist workers (`make test TEST_WORKERS=2`: each takes the next file as it finishes one, --dist loadfile
+# --no-loadscope-reorder), so the long ones start early and the many short unit files fill the end. The memory-heavy
+# and solo ones apart (ModuleLocks).
 SLOW_FIRST = ("tests/e2e/test_faults.py", "tests/e2e/test_overload.py", "tests/e2e/test_checkpoints.py",
-              "tests/e2e/test_families.py",
-              "tests/e2e/test_tier.py", "tests/e2e/test_reuse.py", "tests/e2e/test_serving_commands.py",
-              "tests/e2e/test_hosts.py", "tests/component/test_patches.py", "tests/e2e/test_audio.py",
-              "tests/e2e/test_epd.py", "tests/e2e/test_colocated.py", "tests/e2e/test_omni.py",
-              "tests/e2e/test_video_split.py", "tests/e2e/test_hosts_disagg.py", "tests/e2e/test_openai.py",
-              "tests/e2e/test_differential.py", "tests/e2e/test_pd_transfer.py", "tests/e2e/test_openai_in_process.py")
+              "tests/e2e/test_families.py", "tests/e2e/test_colocated.py",
+              "tests/e2e/test_tier.py", "tests/e2e/test_reuse.py", "tests/e2e/test_audio.py",
+              "tests/e2e/test_hosts.py", "tests/e2e/test_serving_commands.py", "tests/e2e/test_omni.py",
+              "tests/e2e/test_differential.py", "tests/component/test_patches.py", "tests/e2e/test_hosts_disagg.py",
+              "tests/component/test_transfer.py", "tests/e2e/test_openai_in_process.py", "tests/e2e/test_demo.py",
+              "tests/e2e/test_openai.py", "tests/e2e/test_llm.py", "tests/e2e/test_video_split.py",
+              "tests/e2e/test_epd.py", "tests/e2e/test_pd_transfer.py")
 FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-up + call + teardown seconds
 
 
