@@ -3,6 +3,7 @@ encoder's pool and cache, vLLM's own engine figures. Increments go through ``Cou
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -25,6 +26,15 @@ def metric_labels(model_name: str, instance: str) -> dict[str, str]:
 
 def _counter(name: str, description: str):
     return pb_utils.MetricFamily(name=name, kind=pb_utils.MetricFamily.COUNTER, description=description)
+
+
+def _unless_closed(method):
+    """A ``RequestMetrics`` observer method that does nothing once its object is closed (its metrics freed)."""
+    @functools.wraps(method)
+    def observe(self, *args, **kwargs):
+        if not self._closed:
+            method(self, *args, **kwargs)
+    return observe
 
 
 # Histogram buckets (seconds) of every latency histogram: 100 us (a GPU handoff) to 60 s (a long CPU request).
@@ -107,8 +117,9 @@ class RequestMetrics:
         self._decodes_seen = 0
         self._seen_lock = threading.Lock()
         self._batch = batch or CounterBatch()
-        self._own_batch = batch is None
+        self._own_batch, self._closed = batch is None, False
 
+    @_unless_closed
     def media_decodes(self, total: int) -> None:
         """Report the process's decode counter (``backend.request.media.decode_counter``). Called from ``execute``
         and, with metadata-only off, from the engine loop."""
@@ -117,6 +128,7 @@ class RequestMetrics:
                 self._batch.add(self._decodes, total - self._decodes_seen)
                 self._decodes_seen = total
 
+    @_unless_closed
     def transferred(self, nbytes: int, seconds: float, paths: dict[str, int] | None = None) -> None:
         """A pull of ``nbytes`` that took ``seconds``; ``paths``: the consumer's items per data path so far
         (``EmbeddingConsumer.paths``, a running count: the increase is added)."""
@@ -128,13 +140,16 @@ class RequestMetrics:
                     self._paths_seen[path] = total
         self._batch.add_many(counts)
 
+    @_unless_closed
     def request_retried(self, what: str) -> None:
         self._batch.add(self._retries[what], 1)
 
+    @_unless_closed
     def held(self, hits: int, nbytes: int) -> None:
         """A consumer took ``hits`` items of a request from its copies, which now hold ``nbytes``."""
         self._batch.add_many(((self._held_hits, hits),), ((self._held_bytes, nbytes),))
 
+    @_unless_closed
     def admitted(self, stage: str, priority: int, waited_seconds: float) -> None:
         """``ensemble.admission.AdmissionObserver``: a request let in to ``stage`` after ``waited_seconds``."""
         key = (stage, priority)
@@ -145,6 +160,7 @@ class RequestMetrics:
         self._batch.add_many(((self._admission_metric(stage, priority, "admitted"), 1),), (),
                              ((self._waits[key], waited_seconds),))
 
+    @_unless_closed
     def shed(self, stage: str, priority: int, reason: str) -> None:
         """``ensemble.admission.AdmissionObserver``: a request refused at ``stage`` (``reason``: budget, queue, deadline)."""
         self._batch.add(self._admission_metric(stage, priority, f"shed_{reason}"), 1)
@@ -157,12 +173,15 @@ class RequestMetrics:
                     labels={**self._labels, "stage": stage, "priority": str(priority), "outcome": outcome})
             return self._admission[key]
 
+    @_unless_closed
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
 
+    @_unless_closed
     def first_text(self, seconds: float) -> None:
         self._batch.observe(self._histograms["ttft"], seconds)
 
+    @_unless_closed
     def final_response(self, seconds: float, timings: dict | None) -> None:
         """A request's final response, ``seconds`` after it was read, with its timing breakdown (if any)."""
         observations = [(self._histograms["duration"], seconds)]
@@ -176,11 +195,22 @@ class RequestMetrics:
         self._batch.add_many((), (), observations)
 
     def close(self) -> None:
-        """Hand over what is pending (and stop the flusher if it is this object's own)."""
+        """Hand over what is pending (and stop the flusher if it is this object's own), then free the Triton metric
+        objects, while the stub's shared memory is alive: other objects keep this observer (the orchestrator's
+        admission gates, the in-process endpoint), some until the interpreter's end, and a MetricFamily freed
+        then segfaulted the stub (core dump of an ``epd`` stub at a server's stop, test_families 2026-12-06:
+        ``Metric::SaveToSharedMemory`` <- ``~MetricFamily``, as ``EngineMetrics`` once did). Later calls do nothing."""
+        if self._closed:
+            return
         if self._own_batch:
             self._batch.close()
         else:
             self._batch.flush()
+        self._closed = True
+        self._requests, self._retries, self._paths, self._histograms, self._admission, self._waits = ({},) * 6
+        self._tokens = self._decodes = self._moved = self._moving = self._skipped = self._held_hits = None
+        self._held_bytes = self._admission_family = self._waits_family = None
+        self._families = ()
 
 
 class EncoderMetrics:

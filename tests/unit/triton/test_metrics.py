@@ -116,3 +116,26 @@ def test_engine_metrics_report_a_step_and_nothing_after_close(pb):
     assert pb.series("epd_vllm_queue_time_count_total", **labels).value == 2
     metrics.engine_stats(StatsDelta(prompt_tokens=100))
     assert pb.series("epd_vllm_prompt_tokens_total", **labels).value == 7
+
+
+def test_request_metrics_free_their_metrics_at_close_and_count_nothing_after(pb):
+    """Closed in ``finalize``, while the stub's shared memory is alive: the admission gates and the in-process
+    endpoint keep the observer, some until the interpreter's end, when freeing a Triton metric family segfaulted."""
+    import gc
+    import weakref
+
+    metrics = RequestMetrics("epd", instance="epd_0")
+    metrics.request_finished(Outcome.OK, 4)
+    metrics.admitted("pd", 0, 0.01)
+    family = weakref.ref(metrics._families[0])
+    metrics.close()
+    gc.collect()
+    assert family() is None  # the observer, still referenced, holds no family
+    labels = {"model": "epd", "instance": "epd_0"}
+    assert pb.series("epd_requests_total", **labels, outcome="ok").value == 1
+    metrics.request_finished(Outcome.OK, 4)
+    metrics.admitted("pd", 0, 0.01)
+    metrics.shed("pd", 0, "budget")
+    metrics.first_text(0.1)
+    metrics.close()
+    assert pb.series("epd_requests_total", **labels, outcome="ok").value == 1
