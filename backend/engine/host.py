@@ -151,13 +151,7 @@ EXIT_WATCHDOG_SECONDS = 10.0
 
 
 def bound_the_exit(seconds: float = EXIT_WATCHDOG_SECONDS) -> None:
-    """Called last in a model's ``finalize``. First the garbage collector runs, while the stub's shared memory is
-    still there: the stub destroys its shared memory and only then ends the interpreter, whose last collection freed
-    what cycles were left, Triton request objects among them (an exception's traceback holds the frame with a batch
-    of requests), and their destructors reached into the gone region. Core dump of an encoder stub at a server's stop
-    (test_families, 2026-12-06): SIGSEGV in ``pthread_mutex_lock`` <- ``SharedMemoryManager`` <- ``~InferRequest`` <-
-    ``delete_garbage`` <- ``Py_FinalizeEx``; where the region was still mapped, the lock wait hung instead (below).
-    And if this stub is still alive ``seconds`` from now, faulthandler prints
+    """Called last in a model's ``finalize``: if this stub is still alive ``seconds`` from now, faulthandler prints
     every thread's stack into the server's log and ends the process (``_exit(1)``), from a C thread of its own that
     needs no GIL. After ``finalize`` the stub only tears down (its model object, then the interpreter); measured
     (2026-12-01, 2-encoder deployments, about 1 server stop in 3): an encoder stub hung there for good, its main thread
@@ -165,7 +159,6 @@ def bound_the_exit(seconds: float = EXIT_WATCHDOG_SECONDS) -> None:
     left), so tritonserver waited out its 30 s exit timeout and exited with the stub still running. Normal teardown
     takes well under a second, so the bound never cuts one short."""
     faulthandler.dump_traceback_later(seconds, exit=True)
-    gc.collect()  # within the bound too
 
 
 FINALIZE_STACKS_SECONDS = 20.0

@@ -141,7 +141,10 @@ class TritonPythonModel:
                     self.deadline_stops += 1
                     raise DeadlineExceeded("the deadline passed before the encoder started it", "request")
             except Exception as exc:  # noqa: BLE001 - fails this request only
-                refused[index] = exc
+                # without its traceback, which holds this frame (and so ``requests``) in a cycle: Triton request
+                # objects left to the interpreter's last collection segfaulted the stub at exit (their destructors
+                # reach into the stub's shared memory, gone by then; core dump, test_families 2026-12-06)
+                refused[index] = exc.with_traceback(None)
                 continue
             keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
             keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * items.shape[0]

@@ -82,4 +82,4 @@ class TritonPythonModel:
         self.cancels.close()
         self.metrics.close()  # pending counts, while the stub's shared memory is alive
         del self.metrics
-        bound_the_exit()  # cycles holding requests collected while the shared memory is alive, the exit bounded
+        bound_the_exit()  # what comes after finalize, bounded (backend.engine.host.bound_the_exit)

@@ -120,6 +120,27 @@ def rows(pb, name, values):
     return pb.Tensor(name, np.array([[v] for v in values], dtype=np.object_))
 
 
+def test_a_refused_request_leaves_no_cycle_holding_the_batch(pb):
+    """A request refused before encoding (a bad part) keeps no traceback: it held ``execute``'s frame, and so every
+    request of the batch, in a cycle only the garbage collector frees; left to the interpreter's end, Triton
+    request objects segfaulted the stub (their destructors reach into its shared memory, gone by then)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # what refcounting alone frees
+    try:
+        request = pb.InferenceRequest("encoder", [rows(pb, "image", [b"C"])], ["layout"],
+                                      parameters={"epd_part": "3/2"})
+        gone = weakref.ref(request)
+        responses = encoder_model(FakeService()).execute([request])
+        assert responses[0].error().code() == pb.TritonError.INVALID_ARG
+        del request, responses
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_the_encoder_answers_each_request_of_its_batch(pb):
     service = FakeService(fail={2: RuntimeError("pool full")})
     keyed = pb.InferenceRequest("encoder", [rows(pb, "image", [b"A", b"B"]), rows(pb, "content_key", [b"k1", b"k2"]),
