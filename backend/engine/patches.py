@@ -230,10 +230,27 @@ class _ForkedChildren:
 
     @staticmethod
     def started(_) -> None:
+        forget_the_parent_s_exit()
         _as_engine_core()
 
 
 _FORKED_CHILDREN = _ForkedChildren()
+
+
+def forget_the_parent_s_exit() -> None:
+    """In a forked child: drop the exit handlers it inherited (``atexit``'s and ``weakref.finalize``'s), so that its
+    exit (``_exit_now`` runs ``atexit``) cleans up what it made itself, as a spawned child's does, and never what its
+    parent holds. Seen at every forked EngineCore's quick exit (2026-12-06): the parent's vLLM process manager's
+    finalizer ran in the child and tried to stop the processes it lists, the child itself among them
+    (``AttributeError: 'NoneType' object has no attribute 'terminate'``); the parent's other finalizers (vLLM's ZMQ
+    sockets and contexts, temporary folders) would have run there too."""
+    import atexit
+    import weakref
+
+    for inherited in list(getattr(weakref.finalize, "_registry", {})):
+        inherited.detach()
+    atexit._clear()
+    weakref.finalize._registered_with_atexit = False  # a finalizer made here registers its atexit hook again
 
 
 def register() -> None:

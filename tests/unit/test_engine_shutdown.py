@@ -271,3 +271,44 @@ def test_a_stuck_engine_loop_does_not_keep_the_engine_from_being_stopped(monkeyp
         if not loop._thread.is_alive():  # what the stuck loop still held (the late cancel) runs, then it closes
             loop.loop.run_until_complete(asyncio.sleep(0.1))
             loop.loop.close()
+
+
+FORKED_EXIT = r'''
+import atexit, multiprocessing as mp, os, sys, weakref
+from backend.engine import patches
+
+out = sys.argv[1]
+def note(what):
+    with open(out, "a") as f:
+        f.write(f"{what} {'child' if mp.parent_process() else 'parent'}\n")
+
+class Held:
+    pass
+held = Held()
+weakref.finalize(held, note, "parent-finalizer")
+atexit.register(note, "parent-atexit")
+patches.register()  # as vLLM loads the plugin in the process that forks its EngineCore
+
+def child():
+    mine = Held()
+    weakref.finalize(mine, note, "child-finalizer")
+    atexit.register(note, "child-atexit")
+    atexit._run_exitfuncs()  # as the quick exit does (patches._exit_now)
+    child.keep = mine
+
+p = mp.get_context("fork").Process(target=child)
+p.start()
+p.join()
+'''
+
+
+def test_a_forked_engine_core_runs_its_own_exit_handlers_not_its_parent_s(tmp_path):
+    """``patches.register`` in the forking process: the forked child drops the ``atexit`` and ``weakref.finalize``
+    handlers it inherited (the parent's vLLM process manager's finalizer tried to stop the child itself), and its
+    own still run at its exit; the parent's run at the parent's."""
+    out = tmp_path / "notes"
+    env = {**os.environ, "EPD_ENGINE_QUICK_EXIT": "0", "EPD_ENGINE_FOLLOW_PARENT": "0"}
+    subprocess.run([sys.executable, "-c", FORKED_EXIT, str(out)], cwd=ROOT, env=env, check=True, timeout=60)
+    notes = sorted(out.read_text().splitlines())
+    assert notes == ["child-atexit child", "child-finalizer child", "parent-atexit parent",
+                     "parent-finalizer parent"], notes
