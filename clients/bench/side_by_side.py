@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 
 from backend.deploy.local_server import ROOT
-from clients.bench import proc_cpu, side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
+from clients.bench import proc_cpu
+from clients.bench import side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
 
 ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 INTERLEAVED = ("vllm-single", "llm", "vllm-e-pd", "epd", "vllm-e-p-d", "epd_disagg", "vllm-e-p-d-delay")
@@ -98,10 +99,12 @@ class Run:
         recorders = profile.Profiles(self.stack_pids(before), self.profile_dir / f"{name}-{protocol}-c{concurrency}") \
             if a.profile else None
         gpu = proc_cpu.GpuBusy()
-        samples, errors, wall = asyncio.run(send(url, model, self.sets[requests, concurrency], concurrency,
-                                                 a.max_tokens))
-        after = table.cpu_snapshot(watched)
-        gpu_busy = gpu.stop()
+        try:
+            samples, errors, wall = asyncio.run(send(url, model, self.sets[requests, concurrency], concurrency,
+                                                     a.max_tokens))
+            after = table.cpu_snapshot(watched)
+        finally:
+            gpu_busy = gpu.stop()
         recorded = recorders.stop() if recorders else []
         cpu = table.cpu_per_request(before, after, a.requests)
         row = table.summarise(name, protocol, samples, len(errors), wall, a.requests)
