@@ -82,6 +82,14 @@ def image_device(settings: EncoderSettings, device: str, encoder) -> dict:
     return {"image_device": device, "nvjpeg": settings.image_preprocess == ImagePreprocess.NVJPEG}
 
 
+def _response(request, shape, result):
+    """A request's answer: its layouts, or its failure as a Triton error."""
+    if isinstance(result, BaseException):
+        return pb_utils.InferenceResponse(error=to_triton_error(result, wants_error_codes(request)))
+    layouts = np.array([s.encode() for s in result], dtype=np.object_).reshape(shape)
+    return pb_utils.InferenceResponse([pb_utils.Tensor(ENCODER_LAYOUT.name, layouts)])
+
+
 @after_load
 class TritonPythonModel:
     def initialize(self, args):
@@ -141,10 +149,7 @@ class TritonPythonModel:
                     self.deadline_stops += 1
                     raise DeadlineExceeded("the deadline passed before the encoder started it", "request")
             except Exception as exc:  # noqa: BLE001 - fails this request only
-                # without its traceback, which holds this frame (and so ``requests``) in a cycle: Triton request
-                # objects left to the interpreter's last collection segfaulted the stub at exit (their destructors
-                # reach into the stub's shared memory, gone by then; core dump, test_families 2026-12-06)
-                refused[index] = exc.with_traceback(None)
+                refused[index] = exc
                 continue
             keys = pb_utils.get_input_tensor_by_name(request, ENCODER_KEY.name)
             keys = keys.as_numpy().reshape(-1) if keys is not None else [None] * items.shape[0]
@@ -159,15 +164,16 @@ class TritonPythonModel:
                     own = content_key(data, self.processing, self.encoder.identity, part, how)
                     jobs.append(EncodeJob(index, data, own, own_key=own, modality=kind, part=part, options=how))
         results = self.service.run(jobs, len(requests))
-        responses = []
-        for index, (request, shape) in enumerate(zip(requests, shapes)):
-            result = refused.get(index, results[index])
-            if isinstance(result, BaseException):
-                responses.append(pb_utils.InferenceResponse(error=to_triton_error(result, wants_error_codes(request))))
-            else:
-                layouts = np.array([s.encode() for s in result], dtype=np.object_).reshape(shape)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(ENCODER_LAYOUT.name, layouts)]))
-        return responses
+        try:
+            return [_response(request, shape, refused.get(index, results[index]))
+                    for index, (request, shape) in enumerate(zip(requests, shapes))]
+        finally:
+            # The failures' tracebacks reach this frame (the frame they were caught in, or their frames' caller),
+            # which holds them: a cycle with the batch's Triton requests that only the garbage collector frees, and
+            # left to the interpreter's end their destructors reached into the stub's shared memory, gone by then
+            # (SIGSEGV of encoder stubs at stops; core dumps, test_families 2026-12-06). Emptied, nothing is held.
+            refused.clear()
+            results.clear()
 
     def _report(self) -> None:
         if not wait_until_loaded(self._stop):  # no metric call before initialize has returned; then one at once

@@ -3,6 +3,7 @@ the fake pb_utils. ``orchestrate`` drives the real ``Orchestrator``, its encoder
 stages faked (``FakeStages``); the encoder's work (``EncoderService``: a tower, a pool) is faked at its seam."""
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -120,21 +121,36 @@ def rows(pb, name, values):
     return pb.Tensor(name, np.array([[v] for v in values], dtype=np.object_))
 
 
-def test_a_refused_request_leaves_no_cycle_holding_the_batch(pb):
-    """A request refused before encoding (a bad part) keeps no traceback: it held ``execute``'s frame, and so every
-    request of the batch, in a cycle only the garbage collector frees; left to the interpreter's end, Triton
-    request objects segfaulted the stub (their destructors reach into its shared memory, gone by then)."""
+class RaisingService(FakeService):
+    """A service whose failure was raised and caught inside ``run``, as ``EncoderService``'s are: its traceback's
+    frame has ``execute``'s as its caller."""
+
+    def run(self, jobs, requests):
+        results = super().run(jobs, requests)
+        try:
+            raise RuntimeError("the tower failed")
+        except RuntimeError as exc:
+            results[0] = exc
+        return results
+
+
+@pytest.mark.parametrize("service, parameters", [(FakeService(), {"epd_part": "3/2"}), (RaisingService(), {})],
+                         ids=["refused before encoding", "failed in the service"])
+def test_a_failed_request_leaves_no_cycle_holding_the_batch(pb, service, parameters, caplog):
+    """A failure's traceback reaches ``execute``'s frame, which held it: a cycle keeping every request of the batch
+    that only the garbage collector frees; left to the interpreter's end, Triton request objects segfaulted the stub
+    (their destructors reach into its shared memory, gone by then). Refcounting alone must free the batch."""
     import gc
     import weakref
 
-    gc.collect()
-    gc.disable()  # what refcounting alone frees
+    caplog.set_level(logging.CRITICAL)  # pytest keeps each log record (an error's holds its traceback); a stub's
+    gc.collect()                          # log handler writes it and drops it
+    gc.disable()
     try:
-        request = pb.InferenceRequest("encoder", [rows(pb, "image", [b"C"])], ["layout"],
-                                      parameters={"epd_part": "3/2"})
+        request = pb.InferenceRequest("encoder", [rows(pb, "image", [b"C"])], ["layout"], parameters=parameters)
         gone = weakref.ref(request)
-        responses = encoder_model(FakeService()).execute([request])
-        assert responses[0].error().code() == pb.TritonError.INVALID_ARG
+        responses = encoder_model(service).execute([request])
+        assert responses[0].has_error()
         del request, responses
         assert gone() is None
     finally:
