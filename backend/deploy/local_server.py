@@ -103,6 +103,9 @@ def tritonserver_argv(args: list[str]) -> list[str]:
             *(f"{flag}={value}" for flag, value in defaults.items() if flag not in given), *args]
 
 
+SLOW_STOP_SECONDS = 14.0  # a stop slower than this logs its stubs' native stacks (a family server's: ~8 s)
+
+
 def log_tail(path, lines: int = 40) -> str:
     """The last ``lines`` of a server's log, for the error that says it failed: a CI run keeps the error, not
     the log (a clean clone's /tmp is gone when its report is read)."""
@@ -367,6 +370,17 @@ class TritonServer:
                 self.tier, tier = None, self.tier
                 tier.stop()
 
+    def _stubs(self) -> list[int]:
+        """The Python-backend stubs of this server's process group."""
+        stubs = []
+        for pid in group_members(self.proc.pid):
+            try:
+                if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    stubs.append(pid)
+            except OSError:
+                continue
+        return stubs
+
     def _stop_server(self, timeout: float) -> None:
         if self.proc is None:
             return
@@ -375,10 +389,16 @@ class TritonServer:
             started = time.monotonic()
             os.kill(self._server_pid(), signal.SIGTERM)  # a launcher (make serve) exits with its server
             try:
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=min(SLOW_STOP_SECONDS, timeout))
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+                # a slow stop: where its stubs are, C frames too, into the log (a stub that waits after its
+                # finalize shows no Python frame in its own watchdog's dump: docs/results/robustness.md)
+                report_native_stacks(self._stubs(), self.log_path, echo=False)
+                try:
+                    self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - started)))
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=10)
             self.stop_seconds = time.monotonic() - started
         # Stubs and engine processes exit with the server: the ones that did not in 20 s are recorded, then killed
         deadline = time.monotonic() + 20

@@ -23,10 +23,15 @@ def native_stacks(pid: int, timeout: float = 20.0) -> str:
     return f"py-spy dump --native --pid {pid}:\n{done.stdout}{done.stderr}"
 
 
-def report_native_stacks(pids, log_path=None) -> None:
-    """The native stacks of processes that outlived the server, printed (a failing test shows them) and logged."""
-    text = "\n".join(native_stacks(pid) for pid in pids)
-    print(text, flush=True)
+def report_native_stacks(pids, log_path=None, echo: bool = True) -> None:
+    """The native stacks of ``pids`` (taken at once), logged and, with ``echo``, printed (a failing test shows them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pids = list(pids)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(pids)))) as pool:
+        text = "\n".join(pool.map(native_stacks, pids))
+    if echo:
+        print(text, flush=True)
     if log_path:
         with open(log_path, "a") as log:
             log.write(text)

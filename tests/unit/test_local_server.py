@@ -127,3 +127,33 @@ def test_engine_args_given_on_the_command_line_lie_over_the_topology_s(monkeypat
         assert (args["kv_cache_memory_bytes"], args["max_model_len"]) == (268435456, 4096), path
         assert args["dtype"] == "float32"  # the topology's own, untouched
         assert Path(args["model"]).name == "tiny-qwen2-vl"  # the topology's checkpoint (no --checkpoint given)
+
+
+def test_a_slow_stop_logs_its_stubs_native_stacks(tmp_path, monkeypatch):
+    """A server whose stop takes longer than ``SLOW_STOP_SECONDS`` gets its stubs' native stacks (py-spy, C frames
+    too) into its log, taken while they still run: a stub waiting after its finalize shows no Python frame in its
+    own watchdog's dump."""
+    import subprocess
+    import sys
+
+    from backend.deploy import local_server
+    from backend.deploy.local_server import Ports, TritonServer
+
+    monkeypatch.setattr(local_server, "SLOW_STOP_SECONDS", 1.0)
+    # the "server": ignores SIGTERM for 4 s, with a child named as a stub whose code naps in a named function
+    stub = "import time\ndef stub_nap():\n    time.sleep(60)\nstub_nap()"
+    server_code = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: None)\n"
+                   f"child = subprocess.Popen(['bash', '-c', 'exec -a triton_python_backend_stub {sys.executable} "
+                   f"-c \"$0\"', {stub!r}])\n"
+                   "print('up', flush=True)\ntime.sleep(4)\nchild.kill()\n")
+    server = TritonServer(ports=Ports(1, 2, 3), log_path=tmp_path / "log", argv=[sys.executable, "-c", server_code])
+    server.proc = subprocess.Popen(server.argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert server.proc.stdout.readline().strip() == "up"
+    for _ in range(100):  # the stub child running its code
+        if any(b"stub_nap" in open(f"/proc/{pid}/cmdline", "rb").read() for pid in server._stubs()):
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    server.stop(timeout=30)
+    log = (tmp_path / "log").read_text()
+    assert "py-spy dump --native" in log and "stub_nap" in log, log[-2000:]
