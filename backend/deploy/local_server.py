@@ -36,7 +36,7 @@ from typing import Any
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
 from backend.deploy.schema import TopologyError
-from backend.deploy.stacks import report_native_stacks
+from backend.deploy.stacks import gdb_stacks, report_native_stacks
 from backend.deploy.tier_service import launch_for, remote_tier_env
 from backend.deploy.topology import load
 
@@ -327,8 +327,12 @@ class TritonServer:
                     self.regions |= stub_regions(self.proc.pid)
                     return self
                 time.sleep(0.25)
-            # what each of its processes was doing (a model that never finished loading), into the log first
+            # what each of its processes was doing (a model that never finished loading), into the log first;
+            # tritonserver's own threads through gdb where there is one (py-spy reads Python processes only)
             report_native_stacks(group_members(self.proc.pid), self.log_path)
+            if (server := self._server_pid()) and (text := gdb_stacks(server, keep="backend::python")):
+                with open(self.log_path, "a") if self.log_path else open(os.devnull, "w") as log:
+                    log.write(text)
             raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log: {self.log_path}"
                                f"{log_tail(self.log_path)}")
         except BaseException as exc:  # whatever ends the wait (Ctrl-C too): nothing of the server is left behind

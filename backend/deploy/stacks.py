@@ -23,6 +23,28 @@ def native_stacks(pid: int, timeout: float = 20.0) -> str:
     return f"py-spy dump --native --pid {pid}:\n{done.stdout}{done.stderr}"
 
 
+def gdb_stacks(pid: int, timeout: float = 60.0, keep: str = "") -> str:
+    """The threads' C stacks of ``pid`` as gdb sees them (tritonserver: not a Python process, so not py-spy's), only
+    those with a frame containing ``keep`` where given; "" without gdb."""
+    exe = shutil.which("gdb")
+    if not exe:
+        return ""
+    try:
+        done = subprocess.run([exe, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"], capture_output=True,
+                              text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"gdb -p {pid}: {exc}"
+    threads, current = [], []
+    for line in done.stdout.splitlines():
+        if line.startswith("Thread "):
+            current = [line]
+            threads.append(current)
+        elif line.startswith("#") and current:
+            current.append(line[:200])
+    kept = [t for t in threads if not keep or any(keep in line for line in t[1:])]
+    return f"gdb -p {pid}, {len(kept)} of {len(threads)} threads:\n" + "\n".join("\n".join(t) for t in kept) + "\n"
+
+
 def report_native_stacks(pids, log_path=None, echo: bool = True) -> None:
     """The native stacks of ``pids`` (taken at once), logged and, with ``echo``, printed (a failing test shows them)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -37,4 +59,4 @@ def report_native_stacks(pids, log_path=None, echo: bool = True) -> None:
             log.write(text)
 
 
-__all__ = ["native_stacks", "report_native_stacks"]
+__all__ = ["gdb_stacks", "native_stacks", "report_native_stacks"]

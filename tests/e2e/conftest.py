@@ -247,24 +247,36 @@ def reference(tmp_path_factory):
     return Reference(tmp_path_factory.mktemp("reference"))
 
 
-def metric(server, name: str, **labels) -> float:
+def metric(server, name: str, *, wait_s: float | None = None, **labels) -> float:
     """The value of ``name`` on the server's metrics endpoint, summed over the series carrying every one of
-    ``labels`` (a model's instances each have their own series)."""
-    return metrics(server, (name,), **labels)[name]
+    ``labels`` (a model's instances each have their own series); ``wait_s`` as ``metrics``."""
+    return metrics(server, (name,), wait_s=wait_s, **labels)[name]
 
 
-def metrics(server, names, **labels) -> dict[str, float]:
-    """Several metrics as ``metric`` reads one, all from one scrape (one moment)."""
+def metrics(server, names, *, wait_s: float | None = None, **labels) -> dict[str, float]:
+    """Several metrics as ``metric`` reads one, all from one scrape (one moment). A model's custom metrics appear at
+    its first request or ``LOAD_MARGIN_SECONDS`` after its load (``backend.triton.counter_batch.after_load``), so a
+    series not there yet is waited for ``wait_s`` (default: that margin and 5 s more; 0 where "not there" is an
+    answer: a series made when first counted)."""
+    from backend.triton.counter_batch import LOAD_MARGIN_SECONDS
+
     want = [f'{k}="{v}"' for k, v in labels.items()]
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    out = {}
-    for name in names:
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(name + "{") and all(w in line for w in want)]
-        if not values:
-            raise AssertionError(f"{name}{labels} not exported")
-        out[name] = sum(values)
-    return out
+    deadline = time.monotonic() + (LOAD_MARGIN_SECONDS + 5 if wait_s is None else wait_s)
+    while True:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        out, missing = {}, []
+        for name in names:
+            values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "{") and all(w in line for w in want)]
+            if values:
+                out[name] = sum(values)
+            else:
+                missing.append(name)
+        if not missing:
+            return out
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{missing[0]}{labels} not exported")
+        time.sleep(0.25)
 
 
 P_D = {"epd_encode": False}  # P/D: no encoder stage; prefill and decode process the media themselves

@@ -44,6 +44,9 @@ def test_nothing_is_handed_over_before_the_model_is_loaded_and_everything_after(
             time.sleep(4 * CounterBatch.FLUSH_SECONDS)  # a slow start: several flush intervals pass
             seen_in_initialize.append(list(metric.calls))
 
+        def execute(self, requests):
+            return []
+
     try:
         Model().initialize({})
         assert seen_in_initialize == [[]] and not counter_batch.LOADED.is_set()
@@ -53,6 +56,28 @@ def test_nothing_is_handed_over_before_the_model_is_loaded_and_everything_after(
         assert counter_batch.LOADED.is_set() and metric.calls == [2] and metric.threads == {"metrics-flush"}
     finally:
         batch.close()
+        counter_batch.LOADED.clear()
+
+
+def test_the_model_s_first_request_opens_the_gate_before_the_margin(monkeypatch):
+    """Only a loaded model gets a request: its first ``execute`` opens the gate at once (the margin is long)."""
+    monkeypatch.setattr(counter_batch, "LOAD_MARGIN_SECONDS", 60.0)
+    counter_batch.LOADED.clear()
+
+    @counter_batch.after_load
+    class Model:
+        def initialize(self, args):
+            pass
+
+        def execute(self, requests):
+            return [f"answer to {r}" for r in requests]
+
+    try:
+        model = Model()
+        model.initialize({})
+        assert not counter_batch.LOADED.is_set()
+        assert model.execute(["a"]) == ["answer to a"] and counter_batch.LOADED.is_set()
+    finally:
         counter_batch.LOADED.clear()
 
 
