@@ -160,7 +160,8 @@ class Results:
             self.samples.append(sample)
         if error is not None:
             self.errors.append(error)
-        self.progress.update(1)
+        if self.progress is not None:
+            self.progress.update(1)
 
 
 async def _closed_loop_client(url: str, model: str, next_job, results: Results) -> None:
