@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
-DIR=/tmp/crossover
+DIR=${DIR:-/tmp/crossover}  # a run with the same settings and DIR goes on from the rows there
 case "${1:?start or wait}" in
 start)
     CKPT=${2:?checkpoint}

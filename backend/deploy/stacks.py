@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The line a stub writes into the server's log when tritonserver gave up on it while its model loaded
+# (backend.triton.load_watch): the server then fails its start, and the harness starts it again (TritonServer.start).
+STUB_GAVE_UP = "the server gave up on this stub while it loaded"
+
 
 def native_stacks(pid: int, timeout: float = 20.0) -> str:
     """What ``py-spy dump --native`` says of ``pid`` (its threads' Python and C frames); "" without py-spy."""

@@ -6,17 +6,18 @@ from __future__ import annotations
 import logging
 import threading
 
+from backend.triton.load_watch import LoadWatch
+
 log = logging.getLogger(__name__)
 
 # Set once this stub's model is loaded (``after_load``): until then no thread but the one running ``initialize`` talks to
-# Triton. Seen on tritonserver 2.51 (2026-12-06, docs/results/ci-time.md): a metric call from a background thread
-# while ``initialize`` still ran (a model whose start took longer than one report interval: a loaded machine) hung
-# the stub's channel to the server: the thread waited for an answer for good, the server never got
-# ``initialize``'s and never finished loading the model (``tests/e2e/test_checkpoints.py``: 2 of 6 runs on a loaded
-# machine). The gate opens at the model's first request (only a loaded model gets one) or ``LOAD_MARGIN_SECONDS``
-# after ``initialize`` returned, whichever comes first. A load hang of the same look remains with the gate open 5 s
-# later (the fifth session; docs/results/ci-time.md): the calls are answered there, so it is not (only) this. One
-# model per stub process, so one gate per process.
+# Triton. Added for a load hang first put down to metric calls from a background thread while ``initialize`` ran
+# (``tests/e2e/test_checkpoints.py``, 2 of 6 runs on a loaded machine); the gate did not end it (it happened with the gate
+# open 5 s later too). Its cause, found 2026-12-06 (gdb of the hung server): tritonserver 2.51 gave up on a loading stub
+# whose health thread missed a one-second window and waited for its exit for good (``backend.triton.load_watch``, which
+# ``after_load`` runs every ``initialize`` under). The gate stays: nothing is lost by handing counters over only once the
+# model loaded. It opens at the model's first request (only a loaded model gets one) or ``LOAD_MARGIN_SECONDS`` after
+# ``initialize`` returned, whichever comes first. One model per stub process, so one gate per process.
 LOADED = threading.Event()
 LOAD_MARGIN_SECONDS = 0.25  # after ``initialize`` returns, for the stub to hand its answer to the server
 
@@ -30,13 +31,21 @@ def wait_until_loaded(stop: threading.Event, poll: float = 0.05) -> bool:
 
 
 def after_load(cls):
-    """Class decorator of a Triton model: at its first ``execute``, or ``LOAD_MARGIN_SECONDS`` after its
-    ``initialize`` returned, ``LOADED`` is set and the metric threads (``CounterBatch``, the encoder's reporter) start
-    handing values over. On the leaf classes: a subclass's ``initialize`` goes on after its base's."""
-    initialize, execute = cls.initialize, cls.execute
+    """Class decorator of a Triton model: its ``initialize`` runs under a ``LoadWatch`` (a stub the server gave up on
+    while it loaded leaves: ``backend.triton.load_watch``); at its first ``execute``, or ``LOAD_MARGIN_SECONDS`` after
+    its ``initialize`` returned, ``LOADED`` is set and the metric threads (``CounterBatch``, the encoder's reporter)
+    start handing values over. On the leaf classes: a subclass's ``initialize`` goes on after its base's."""
+    initialize, execute, finalize = cls.initialize, cls.execute, getattr(cls, "finalize", None)
 
     def initialize_then_open(self, args):
-        initialize(self, args)
+        self._load_watch = watch = LoadWatch.start(args.get("model_instance_name", "") if isinstance(args, dict)
+                                                   else "")
+        try:
+            initialize(self, args)
+        except BaseException:
+            watch.stop()
+            raise
+        watch.initialized()
         timer = threading.Timer(LOAD_MARGIN_SECONDS, LOADED.set)
         timer.daemon = True
         timer.start()
@@ -46,7 +55,13 @@ def after_load(cls):
             LOADED.set()
         return execute(self, requests)
 
-    cls.initialize, cls.execute = initialize_then_open, execute_opening
+    def finalize_unwatched(self):  # the server waits for this stub's exit after finalize: not a load given up
+        if (watch := getattr(self, "_load_watch", None)) is not None:
+            watch.stop()
+        if finalize is not None:
+            finalize(self)
+
+    cls.initialize, cls.execute, cls.finalize = initialize_then_open, execute_opening, finalize_unwatched
     return cls
 
 
