@@ -158,8 +158,13 @@ class Crossover:
                   + (f" ({row['error_examples'][0]})" if row["errors"] else ""), file=sys.stderr, flush=True)
 
     def todo(self) -> list[tuple[int, tuple[int, int]]]:
-        """(index in the grid, cell) of the cells without rows yet."""
-        done = {(r["images"], r["max_tokens"]) for r in self.rows}
+        """(index in the grid, cell) of the cells without a row of each deployment yet (a cell's rows are written
+        together: one with fewer is run again whole, its rows dropped first)."""
+        rows_of: dict[tuple[int, int], set[str]] = {}
+        for r in self.rows:
+            rows_of.setdefault((r["images"], r["max_tokens"]), set()).add(r["deployment"])
+        done = {cell for cell, names in rows_of.items() if names >= {model for model, _ in DEPLOYMENTS}}
+        self.rows[:] = [r for r in self.rows if (r["images"], r["max_tokens"]) in done]
         return [(n, cell) for n, cell in enumerate(cells(self.args.images, self.args.max_tokens)) if cell not in done]
 
     async def run(self, url: str, server_pid: int | None = None) -> None:

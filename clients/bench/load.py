@@ -118,18 +118,20 @@ async def _read_response(stream, started: float) -> tuple[Sample | None, str | N
         if error is not None:
             return None, str(error)
         responses += 1
+        final = result.get_response().parameters["triton_final_response"].bool_param
         text = result.as_numpy("text_output")
-        if text is not None and text.size and text.reshape(-1)[0]:
+        has_text = text is not None and text.size and text.reshape(-1)[0]
+        if has_text:
             chunks.append(_text(text.reshape(-1)[0]))
-            if ttft is None:
-                ttft = time.perf_counter() - started
+        if ttft is None and (has_text or not final):  # a streamed response before the final one: a token came
+            ttft = time.perf_counter() - started
         count = result.as_numpy("num_output_tokens")
         if count is not None:
             tokens = int(count.reshape(-1)[0])
         stage = result.as_numpy("timings")
         if stage is not None:
             timings = json.loads(stage.reshape(-1)[0])
-        if result.get_response().parameters["triton_final_response"].bool_param:
+        if final:
             latency = time.perf_counter() - started
             return Sample(ttft or latency, latency, tokens, timings, responses, "".join(chunks)), None
     return None, "stream ended before the final response"

@@ -2,8 +2,10 @@
 table, CSV and JSON, samples -> PNG plots. Pure functions (matplotlib only in the plot helpers), unit-tested.
 
 A row is one deployment at one load level (a concurrency, or a request rate in requests/s). Latencies are
-client-side: TTFT from sending the request to the first non-empty text, end-to-end latency to the final
-response, time per output token (TPOT) = (latency - TTFT) / (tokens - 1) per request. Stage times are the
+client-side: TTFT from sending the request to its first token (the first streamed response, whose text may still
+be "": the server sends the first token's response at once, as vLLM's OpenAI server sends its first chunk, and a
+random checkpoint's answers often begin with tokens that decode to ""; before 2026-12-06 the first non-empty text,
+for such answers the whole request), end-to-end latency to the final response, time per output token (TPOT) = (latency - TTFT) / (tokens - 1) per request. Stage times are the
 p50 of what the orchestrators return in ``timings`` (encode, transfer, prefill, generate, and ``media_ms``,
 the consumers' own media processing with metadata-only off). ``vllm_queue_ms``: the mean time requests
 waited in the engines' queues, from the servers' ``epd_vllm_queue_time_*`` metrics (servers started by the driver).

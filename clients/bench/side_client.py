@@ -9,7 +9,8 @@ send the same chat (the image parts, then the text part), so a deployment's answ
 engine's, request by request.
 
 Load: closed loop, ``concurrency`` clients, each sending its next request when its previous one finished; a request's
-TTFT is the time to its first non-empty text, its latency the time to its last byte (``clients.bench.report.Sample``).
+TTFT is the time to its first token (OpenAI: the first chunk with a choice; gRPC: the first streamed response, whose
+text may still be ""), its latency the time to its last byte (``clients.bench.report.Sample``).
 """
 from __future__ import annotations
 

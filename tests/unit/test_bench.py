@@ -1,8 +1,10 @@
 """The benchmark driver's pure parts: percentiles (against numpy), rows, CSV, the Poisson schedule, datasets."""
+import asyncio
 import csv
 import io
 import math
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -146,3 +148,42 @@ def test_metrics_of_a_models_instances_are_summed():
             'epd_vllm_queue_time_count_total{instance="decode_0_0",model="decode"} 5\n')
     assert parse_metrics(text) == {("epd_vllm_queue_time_count_total", "pd"): 10,
                                    ("epd_vllm_queue_time_count_total", "decode"): 5}
+
+
+class _Param:
+    def __init__(self, value):
+        self.bool_param = value
+
+
+class _Result:
+    """A gRPC stream result as tritonclient gives it: outputs by name and the final-response flag."""
+
+    def __init__(self, text: str | None, final: bool, tokens: int | None = None):
+        self.outputs = {"text_output": None if text is None else np.array([text.encode()], dtype=object),
+                        "num_output_tokens": None if tokens is None else np.array([tokens])}
+        self.final = final
+
+    def as_numpy(self, name):
+        return self.outputs.get(name)
+
+    def get_response(self):
+        return type("Response", (), {"parameters": {"triton_final_response": _Param(self.final)}})()
+
+
+async def _stream(results, delays):
+    for result, delay in zip(results, delays):
+        await asyncio.sleep(delay)
+        yield result, None
+
+
+def test_ttft_is_the_first_streamed_token_even_where_its_text_is_empty():
+    """A random checkpoint's first tokens can decode to "": the first streamed response is still the first token
+    (the server sends it at once); TTFT is not pushed to the first visible text, nor to the end of the request."""
+    from clients.bench.load import _read_response
+
+    results = [_Result("", False), _Result("", False), _Result("hi", False), _Result("", True, tokens=3)]
+    sample, error = asyncio.run(_read_response(_stream(results, [0.0, 0.2, 0.2, 0.0]), time.perf_counter()))
+    assert error is None and sample.tokens == 3 and sample.text == "hi" and sample.responses == 4
+    assert sample.ttft < 0.15 and sample.latency >= 0.4
+    one, _ = asyncio.run(_read_response(_stream([_Result("all", True, tokens=1)], [0.1]), time.perf_counter()))
+    assert one.ttft == pytest.approx(one.latency, abs=0.01) and one.text == "all"  # one final response: the token too
