@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine
 
+from backend.engine.leave import leave_now
 from backend.engine.logprobs import token_entries
 from backend.engine.loop import LoopThread
 from backend.engine.stats import stat_logger_factory
@@ -171,13 +172,7 @@ def bound_the_exit(seconds: float = EXIT_WATCHDOG_SECONDS) -> None:
 def _leave_before_teardown() -> None:
     """The other ``atexit`` handlers (multiprocessing's, vLLM's, logging's), the streams flushed, then ``_exit(0)``."""
     atexit.unregister(_leave_before_teardown)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
-            pass
-    os._exit(0)
+    leave_now(0)
 
 
 FINALIZE_STACKS_SECONDS = 20.0

@@ -18,6 +18,7 @@ agents vLLM's NixlConnector creates (``backend.transfer.agent.patch_process_agen
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
@@ -25,6 +26,7 @@ import queue
 import sys
 import time
 
+from backend.engine.leave import leave_now
 from backend.engine.omni_audio import patch_omni_audio_embeds
 from backend.protocol.versions import Guard
 from backend.transfer.agent import POLL_DELAY_ENV, patch_process_agents
@@ -111,21 +113,10 @@ def patch_quick_exit() -> None:
 
 
 def _exit_now() -> None:
-    import atexit
-    import logging
-    from multiprocessing import util
-
-    atexit._run_exitfuncs()
-    util._exit_function()
-    logging.shutdown()
-    print(f"epd quick exit: EngineCore pid {os.getpid()} stopped, leaving without the interpreter's teardown",
-          file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
-            pass
-    os._exit(0)
+    # forget_the_parent_s_exit cleared the handlers a forked EngineCore inherited: multiprocessing's and logging's
+    # own exit functions are called here
+    leave_now(0, f"epd quick exit: EngineCore pid {os.getpid()} stopped, leaving without the interpreter's teardown",
+              multiprocessing.util._exit_function, logging.shutdown)
 
 
 _FOLLOWING: list[int] = []  # the parent a thread of this process follows (follow_parent), once it runs
