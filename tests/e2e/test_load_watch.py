@@ -37,7 +37,9 @@ class TritonPythonModel:
         pid_file = json.loads(args["model_config"])["parameters"]["pid_file"]["string_value"]
         with open(pid_file, "a") as out:
             out.write(f"{os.getpid()}\\n")
-        time.sleep(4.0)  # a slow load: the test stops this stub meanwhile
+        deadline = time.monotonic() + 60
+        while not os.path.exists(pid_file + ".resumed") and time.monotonic() < deadline:
+            time.sleep(0.05)  # a slow load: the test stops this stub meanwhile, then lets it finish
 
     def execute(self, requests):
         return []
@@ -54,14 +56,15 @@ def test_a_stub_the_server_gave_up_on_while_loading_leaves_and_the_server_is_sta
 
     def stop_the_first_stub_for_a_while():
         deadline = time.monotonic() + 120
-        while not pid_file.exists() and time.monotonic() < deadline:
+        while not (pid_file.exists() and pid_file.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # inside its initialize
-        pid = int(pid_file.read_text().split()[0])
+        pid = int(pid_file.read_text().split()[0])  # in its initialize, which waits for the ".resumed" file
         os.kill(pid, signal.SIGSTOP)
         time.sleep(2.5)  # more than the server's one-second window
         os.kill(pid, signal.SIGCONT)
         stopped.append(pid)
+        time.sleep(1.0)
+        Path(f"{pid_file}.resumed").touch()
 
     stopper = threading.Thread(target=stop_the_first_stub_for_a_while, daemon=True)
     stopper.start()
