@@ -10,14 +10,14 @@ loading thread in ``StubLauncher::WaitForStubProcess`` -> ``wait4(<the stub's pi
 2.5 s in its ``initialize`` hangs tritonserver so every time, ``tests/e2e/test_load_watch.py``; python_backend's
 later releases give the window 5 s, the wait unchanged).
 
-``LoadWatch``: from before ``initialize`` runs until ``AFTER_SECONDS`` after it returned (or ``finalize`` began), a thread looks every
-``PERIOD_SECONDS`` at the parent's threads (``/proc/<parent>/task/*/syscall``); one blocked in ``wait4`` on this
-process means the parent gave up on it: the watch says so in the server's log and ends the stub (``_exit``), so the
-parent's wait returns and tritonserver reports Triton's own error ("Stub process '<instance>' is not healthy.") and
-fails the load, as it would have. Where ``/proc`` does not show the parent's system calls (another architecture, no
-ptrace access to the parent) the watch stops at once and says so. ``backend.triton.counter_batch.after_load`` runs
-every model's ``initialize`` under one; ``backend.deploy.local_server.TritonServer`` starts a server whose load
-failed so again.
+``LoadWatch``: from before ``initialize`` runs until ``AFTER_SECONDS`` after it returned (or ``finalize`` began), a
+thread looks every ``PERIOD_SECONDS`` at the parent's threads (``/proc/<parent>/task/*/syscall``); one blocked in
+``wait4`` on this process means the parent gave up on it: the watch says so in the server's log and ends the stub
+(``_exit``), so the parent's wait returns and tritonserver reports Triton's own error ("Stub process '<instance>' is
+not healthy.") and fails the load, as it would have. Where ``/proc`` does not show the parent's system calls (another
+architecture, no ptrace access to the parent) the watch stops at once and says so.
+``backend.triton.counter_batch.after_load`` runs every model's ``initialize`` under one;
+``backend.deploy.local_server.TritonServer`` starts a server whose load failed so again.
 """
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ class LoadWatch:
                 return
             if waits:
                 self.gave_up = True
-                print(f"epd: {self.name or 'model'}: {STUB_GAVE_UP} (tritonserver, pid {self.parent}, waits for stub pid "
-                      f"{self.pid} to exit: its health check missed a one-second window); leaving so that it reports "
-                      "the failed load instead of waiting for good", file=sys.stderr, flush=True)
+                print(f"epd: {self.name or 'model'}: {STUB_GAVE_UP} (tritonserver, pid {self.parent}, waits for "
+                      f"stub pid {self.pid} to exit: its health check missed a one-second window); leaving so that it "
+                      "reports the failed load instead of waiting for good", file=sys.stderr, flush=True)
                 self.leave(1)
                 return

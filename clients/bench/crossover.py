@@ -32,7 +32,8 @@ from pathlib import Path
 from clients.bench import proc_cpu, report as bench_report
 from clients.bench.load import run_concurrency, synthetic_requests
 
-DEPLOYMENTS = (("llm", "baseline"), ("epd", "E+PD"))  # (model on the server, topology mode), in the order driven per cell
+# (model on the server, topology mode), in the order driven per cell
+DEPLOYMENTS = (("llm", "baseline"), ("epd", "E+PD"))
 CELL_SEEDS = 100_000  # cell i's requests start at seed (i + 1) * CELL_SEEDS: no two cells share an image
 WARMUP_SEED = 10**8
 RATIOS = (("req_per_s", "requests/s", "higher: E+PD pays"), ("ttft_p90_ms", "TTFT p90", "lower: E+PD pays"))
