@@ -7,7 +7,9 @@
 #   scripts/gpu_crossover.sh start CHECKPOINT      # starts it (first waits for \$MODEL_LOG, default /tmp/q2b.log,
 #                                                  # to say "model built"); returns at once
 #   scripts/gpu_crossover.sh wait SECONDS          # waits up to SECONDS for it to end; results so far into $OUT
-# TOPOLOGY, ENGINES (compile|eager), IMAGE_PREPROCESS, IMAGES, TOKENS, C, N: other settings.
+# TOPOLOGY, ENGINES (compile|eager), IMAGE_PREPROCESS, IMAGES, TOKENS, C, N: other settings; on two GPUs
+# (nvidia-h100-x2) TOPOLOGY=topologies/checkpoint-gpu2.yaml: llm as a replica per GPU against E+PD's encoders on GPU 1
+# and pd on GPU 0. DIR (default /tmp/crossover): where the run keeps its rows (a second run needs another).
 # Results: crossover.md, crossover.png, results.json, run.log (and server.log when it ended).
 set -uo pipefail
 cd "$(dirname "$0")/.."
