@@ -29,6 +29,7 @@ import sysconfig
 import threading
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -307,8 +308,9 @@ class TritonServer:
             return False
         kept = Path(f"{self.log_path}.{attempt + 1}")
         shutil.copyfile(self.log_path, kept)
-        print(f"tritonserver gave up on a stub while it loaded (its log: {kept}); starting it again", file=sys.stderr,
-              flush=True)
+        # a warning: pytest's summary lists it (from xdist's workers too) where a passing test's output is not shown
+        warnings.warn(f"tritonserver gave up on a stub while it loaded (its log: {kept}); starting it again",
+                      RuntimeWarning, stacklevel=2)
         return True
 
     def _port_taken(self) -> bool:
