@@ -32,7 +32,7 @@ import urllib.request
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
@@ -83,6 +83,10 @@ class Ports:
     def from_env(cls) -> "Ports":
         return cls(int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
                    int(os.environ.get("METRICS_PORT", 8002)))
+
+    def as_env(self) -> dict[str, str]:
+        """The environment ``from_env`` reads (what ``make serve`` and ``local_server`` serve on)."""
+        return {"HTTP_PORT": str(self.http), "GRPC_PORT": str(self.grpc), "METRICS_PORT": str(self.metrics)}
 
 
 def command(repository: Path, ports: Ports, extra: list[str] = ()) -> list[str]:
@@ -246,11 +250,13 @@ class TritonServer:
 
     def __init__(self, repository: Path = DEFAULT_REPOSITORY, ports: Ports | None = None,
                  log_path: Path | None = None, extra_args: list[str] = (), env: dict[str, str] | None = None,
-                 argv: list[str] | None = None, start_timeout: float = 300.0):
+                 argv: list[str] | Callable[[Ports], list[str]] | None = None, start_timeout: float = 300.0):
         """``argv``: start this command instead of tritonserver (e.g. ``make serve``, the console script), in a
-        session of its own, with ``env`` as is; it must serve on ``ports``. ``start_timeout``: how long ``with``
-        waits for ready."""
+        session of its own, with ``env`` and the ports' variables (``Ports.as_env``: what a launcher serves on);
+        a command that names the ports itself is given as a function of them, so that ports picked here can be
+        picked again (``start``). ``start_timeout``: how long ``with`` waits for ready."""
         self.argv = argv
+        self.started_argv: list[str] | None = None  # the command of the last start
         self.start_timeout = start_timeout
         self.repository = Path(repository)
         self.ports = ports or Ports.free()
@@ -326,10 +332,13 @@ class TritonServer:
         started = time.monotonic()
         self._envs_before, self._window = python_envs(), [time.time(), None]
         try:
-            argv = self.argv or command(self.repository, self.ports, self.extra_args)
-            env = dict(os.environ if self.env is None else self.env) if self.argv else server_env(self.env)
-            if not self.argv:  # a launcher command (make serve) starts its tier itself
-                env = self._with_tier(env)
+            argv = (self.argv(self.ports) if callable(self.argv) else self.argv) \
+                or command(self.repository, self.ports, self.extra_args)
+            if self.argv:
+                env = {**(os.environ if self.env is None else self.env), **self.ports.as_env()}
+            else:  # a launcher command (make serve) starts its tier itself
+                env = self._with_tier(server_env(self.env))
+            self.started_argv = list(argv)
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if self.log_path:

@@ -182,7 +182,7 @@ def readme_command(ports: Ports) -> list[str]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = TritonServer(ports=(ports := Ports.free()), log_path=log, env=user_env(), argv=readme_command(ports))
+    srv = TritonServer(log_path=log, env=user_env(), argv=readme_command)  # ports picked again if one is taken
     before = _shm()
     try:
         srv.start(timeout=300)

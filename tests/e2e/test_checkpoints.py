@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.deploy.local_server import ROOT, TritonServer, VENV
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import generate
 from devtools.tiny.model import build_like
@@ -40,15 +40,13 @@ def _cases() -> list[GenerateInputs]:
 def test_a_real_checkpoint_s_shape_serves_epd_with_llm_s_tokens(name, tmp_path):
     checkpoint = ROOT / "models" / "like" / name
     build_like(ROOT / "tests" / "data" / "checkpoints" / name, checkpoint)
-    ports = Ports.free()
-    env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
     # the stand-in has 2 of the real 28 / 36 layers: 1/14 of the topology's 2 GiB of KV holds as many tokens (vLLM
     # zero-fills the KV cache at start: 2 GiB an engine cost ~30 s of CPU on the 2-core machine, docs/results/ci-time.md)
     argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / "checkpoint-cpu.yaml"), "--checkpoint", str(checkpoint),
             "--engine-arg", f"kv_cache_memory_bytes={(2 << 30) // 14}"]
     before = _shm()
-    server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path / "server.log")
+    server = TritonServer(env=dict(os.environ), argv=argv, log_path=tmp_path / "server.log")  # the harness's ports
     with server:
         answers = [(generate(server.grpc_url, "llm", case, timeout=300), generate(server.grpc_url, "epd", case, timeout=300))
                    for case in _cases()]

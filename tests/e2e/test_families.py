@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.deploy.local_server import ROOT, TritonServer, VENV
 from backend.protocol.generate import GenerateInputs
 from backend.triton.counter_batch import CounterBatch
 from clients.triton_client import GenerateError, generate
@@ -71,12 +71,11 @@ def family_server(name: str, topology: str, tmp_path_factory):
     ``topologies/<topology>`` through ``backend.deploy.local_server``, as users start it; checked for stragglers and
     leaked /dev/shm entries after the stop."""
     build_family(name, ROOT / DEFAULT_OUT[name])
-    ports = Ports.free()
-    env = {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
     argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / topology)]
     before = _shm()
-    server = TritonServer(ports=ports, env=env, argv=argv, log_path=tmp_path_factory.mktemp(name) / "server.log")
+    # the ports: the harness's (HTTP_PORT, GRPC_PORT, METRICS_PORT in the launcher's environment)
+    server = TritonServer(env=dict(os.environ), argv=argv, log_path=tmp_path_factory.mktemp(name) / "server.log")
     with server:
         yield name, server
     assert not server.stragglers and not server.leftover_shm, (server.stragglers, server.leftover_shm)

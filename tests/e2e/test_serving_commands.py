@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from backend.deploy.local_server import Ports, ROOT, TritonServer, VENV
+from backend.deploy.local_server import ROOT, TritonServer, VENV
 from backend.deploy.ports import free_ports
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import generate
@@ -69,10 +69,9 @@ def _openai_answers_as_triton(server: TritonServer, port: int) -> None:
 
 
 def test_make_serve_on_other_ports(tmp_path):
-    ports, (openai_port,) = Ports.free(), free_ports(1)
-    env = {**user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics),
-           "OPENAI_PORT": str(openai_port)}
-    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env,
+    (openai_port,) = free_ports(1)
+    env = {**user_env(), "OPENAI_PORT": str(openai_port)}  # HTTP_PORT, GRPC_PORT, METRICS_PORT: the harness's
+    server = TritonServer(log_path=tmp_path / "server.log", env=env,
                           argv=[shutil.which("make") or "make", "-C", str(ROOT), "serve"])
     before = _shm()
     with server:
@@ -85,11 +84,10 @@ def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
     """docs/openai.md's command: ``backend.deploy.local_server --topology topologies/cpu-e-pd-openai.yaml --openai-port N``
     (the endpoint in epd's own process, colocated orchestrator): an image chat request through it gives what Triton's
     generate of the same model gives; the server stops clean."""
-    ports, (openai_port,) = Ports.free(), free_ports(1)
-    env = {**user_env(), "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    (openai_port,) = free_ports(1)
     argv = [str(VENV / "bin" / "python"), "-m", "backend.deploy.local_server", "--topology",
             str(ROOT / "topologies" / "cpu-e-pd-openai.yaml"), "--openai-port", str(openai_port)]
-    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv)
+    server = TritonServer(log_path=tmp_path / "server.log", env=user_env(), argv=argv)  # the ports: the harness's
     before = _shm()
     with server:
         _openai_answers_as_triton(server, openai_port)
@@ -100,7 +98,7 @@ def test_the_in_process_endpoint_topology_as_the_docs_start_it(tmp_path):
 def test_tritonserver_run_directly_with_its_own_flags(server):
     """The README's ``.venv/bin/tritonserver --model-repository model_repository --http-port ...`` is how the suite's
     session server starts (``tests/e2e/conftest.py``): its stop is checked clean there, at the session's end."""
-    assert server.argv == readme_command(server.ports)
+    assert server.started_argv == readme_command(server.ports)
     _same_tokens_through_every_deployment(server)
 
 
@@ -110,11 +108,12 @@ def test_a_server_without_grpc_refuses_epd_naming_the_stage(tmp_path):
     checkpoint = ROOT / "models" / "tiny-qwen2-vl"
     config = (repo / "epd" / "config.pbtxt").read_text()
     (repo / "epd" / "config.pbtxt").write_text(config.replace('"../../models/tiny-qwen2-vl"', f'"{checkpoint}"'))
-    ports = Ports.free()
-    argv = [str(VENV / "bin" / "tritonserver"), f"--model-repository={repo}", "--allow-grpc=false",
-            "--exit-on-error=false", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
-            f"--metrics-port={ports.metrics}"]
-    server = TritonServer(ports=ports, log_path=tmp_path / "server.log", env=user_env(), argv=argv)
+    def argv(ports):
+        return [str(VENV / "bin" / "tritonserver"), f"--model-repository={repo}", "--allow-grpc=false",
+                "--exit-on-error=false", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                f"--metrics-port={ports.metrics}"]
+
+    server = TritonServer(log_path=tmp_path / "server.log", env=user_env(), argv=argv)
     server.is_ready = server._metrics_up  # not ready by design (epd failed): wait for the endpoints
     before = _shm()
     with server:

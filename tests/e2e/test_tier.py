@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend.deploy.local_server import Ports, ROOT, TritonServer
+from backend.deploy.local_server import ROOT, TritonServer
 from backend.deploy.render import render
 from backend.deploy.tier_service import mooncake_paths
 from backend.deploy.topology import load
@@ -311,11 +311,9 @@ def test_local_server_starts_the_tier_before_the_server_and_stops_it_after(tmp_p
     for model in os.listdir(repo):
         if model != "encoder":
             shutil.rmtree(repo / model)
-    ports = Ports.free()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "EPD_TIER_LOG_DIR": str(tmp_path), "HTTP_PORT": str(ports.http),
-           "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EPD_TIER_LOG_DIR": str(tmp_path)}  # the ports: the harness's
     argv = [sys.executable, "-m", "backend.deploy.local_server", "--model-repository", str(repo)]
-    with TritonServer(repo, ports=ports, log_path=tmp_path / "server.log", env=env, argv=argv) as server:
+    with TritonServer(repo, log_path=tmp_path / "server.log", env=env, argv=argv) as server:
         launcher = server.proc.pid
         children = _children(launcher)
         assert sorted(children.values()) == ["mooncake_client", "mooncake_master", "tritonserver"], children

@@ -157,3 +157,23 @@ def test_a_slow_stop_logs_its_stubs_native_stacks(tmp_path, monkeypatch):
     server.stop(timeout=30)
     log = (tmp_path / "log").read_text()
     assert "py-spy dump --native" in log and "stub_nap" in log, log[-2000:]
+
+
+def test_a_launcher_s_ports_are_picked_again_when_one_was_taken_in_its_environment_and_command(tmp_path):
+    """A launcher (``make serve``, ``local_server``) reads its ports from the environment the harness gives it, and a
+    command that names them is a function of them: a port another process bound first ("already in use") is picked
+    again for both, twice at most (CI, 2026-12-06: a taken HTTP port failed a test whose ports were fixed)."""
+    import sys
+
+    from backend.deploy.local_server import TritonServer
+
+    seen = tmp_path / "seen"
+    code = ("import os, sys; open(sys.argv[1], 'a').write(os.environ['HTTP_PORT'] + ' ' + sys.argv[2] + '\\n'); "
+            "print('failed to start HTTP service: Socket already in use'); sys.exit(1)")
+    server = TritonServer(log_path=tmp_path / "log",
+                          argv=lambda ports: [sys.executable, "-c", code, str(seen), str(ports.http)])
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        server.start(timeout=30)
+    starts = [line.split() for line in seen.read_text().splitlines()]
+    assert len(starts) == 3 and all(env == argv for env, argv in starts), starts  # the same ports in both
+    assert len({env for env, _ in starts}) == 3 and server.started_argv[-1] == starts[-1][1]
