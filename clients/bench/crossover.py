@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -42,6 +43,14 @@ RATIOS = (("req_per_s", "requests/s", "higher: E+PD pays"), ("ttft_p90_ms", "TTF
 def cells(images: list[int], tokens: list[int]) -> list[tuple[int, int]]:
     """The grid, images-major, in the order given."""
     return [(i, t) for i in images for t in tokens]
+
+
+def complete_cells(rows: list[dict]) -> set[tuple[int, int]]:
+    """The cells with a row of each deployment."""
+    rows_of: dict[tuple[int, int], set[str]] = {}
+    for r in rows:
+        rows_of.setdefault((r["images"], r["max_tokens"]), set()).add(r["deployment"])
+    return {cell for cell, names in rows_of.items() if names >= {model for model, _ in DEPLOYMENTS}}
 
 
 def settings(args) -> dict:
@@ -122,7 +131,8 @@ class Crossover:
 
     def __init__(self, args, rows: list[dict]):
         self.args = args
-        self.rows = rows
+        done = complete_cells(rows)  # a cell's rows are written together: one short of a deployment runs again
+        self.rows = [r for r in rows if (r["images"], r["max_tokens"]) in done]
         self.sizes = [tuple(int(v) for v in s.split("x")) for s in args.image_sizes.split(",")]
         self.started = time.monotonic()
 
@@ -138,9 +148,8 @@ class Crossover:
 
     async def cell(self, url: str, index: int, images: int, tokens: int, server_pid: int | None) -> None:
         a = self.args
-        first = (index + 1) * CELL_SEEDS
+        requests = self.requests(images, tokens, a.requests, (index + 1) * CELL_SEEDS)
         for model, _ in DEPLOYMENTS:  # the same requests for both: neither engine's prefix cache has seen them
-            requests = self.requests(images, tokens, a.requests, first)
             cpu_before = proc_cpu.snapshot(server_pid)
             gpu = proc_cpu.GpuBusy()
             try:
@@ -159,13 +168,8 @@ class Crossover:
                   + (f" ({row['error_examples'][0]})" if row["errors"] else ""), file=sys.stderr, flush=True)
 
     def todo(self) -> list[tuple[int, tuple[int, int]]]:
-        """(index in the grid, cell) of the cells without a row of each deployment yet (a cell's rows are written
-        together: one with fewer is run again whole, its rows dropped first)."""
-        rows_of: dict[tuple[int, int], set[str]] = {}
-        for r in self.rows:
-            rows_of.setdefault((r["images"], r["max_tokens"]), set()).add(r["deployment"])
-        done = {cell for cell, names in rows_of.items() if names >= {model for model, _ in DEPLOYMENTS}}
-        self.rows[:] = [r for r in self.rows if (r["images"], r["max_tokens"]) in done]
+        """(index in the grid, cell) of the cells without their rows yet."""
+        done = complete_cells(self.rows)
         return [(n, cell) for n, cell in enumerate(cells(self.args.images, self.args.max_tokens)) if cell not in done]
 
     async def run(self, url: str, server_pid: int | None = None) -> None:
@@ -184,11 +188,11 @@ class Crossover:
 
 def write(args, rows: list[dict]) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "rows": rows}, indent=1,
-                                                      default=str))
+    run = settings(args)
+    (args.out / "results.json").write_text(json.dumps({"settings": run, "rows": rows}, indent=1, default=str))
     text = (f"{args.requests} requests per row at concurrency {args.concurrency}, images of {args.image_sizes} px "
             f"taken in turn, greedy with ignore_eos; topology {args.topology}, checkpoint {args.checkpoint}, engines "
-            f"{settings(args)['engines']}, image preprocessing {settings(args)['image_preprocess']}\n\n"
+            f"{run['engines']}, image preprocessing {run['image_preprocess']}\n\n"
             + table(rows, args.images, args.max_tokens))
     (args.out / "crossover.md").write_text(text)
     if rows:
@@ -208,29 +212,21 @@ def served_topology(args):
 def serve_and_run(args, crossover: Crossover) -> None:
     import tempfile
 
-    from backend.deploy.local_server import ROOT, TritonServer
+    from backend.deploy.local_server import TritonServer
     from backend.deploy.render import render
 
     with tempfile.TemporaryDirectory(prefix="crossover-") as repo:
         served = render(served_topology(args), Path(repo))
-        (ROOT / ".cache").mkdir(exist_ok=True)
         with TritonServer(Path(repo), log_path=args.out / "server.log") as server:
             print(f"server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr, flush=True)
             asyncio.run(crossover.run(server.grpc_url, server.proc.pid))
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from backend.deploy.local_server import ROOT
+    from clients.bench.side_by_side import int_list
+
+    counts = functools.partial(int_list, minimum=0)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", type=Path, default=ROOT / "topologies" / "default.yaml")
@@ -241,8 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--machine", choices=("cpu", "gpu"), help="the topology's machine kind (default: this one's)")
     parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
                         help="the encoder's image_preprocess laid over the topology's (gpu, nvjpeg: a GPU encoder)")
-    parser.add_argument("--images", type=int_list, default=[0, 1, 2, 4, 8], help="images per request, the rows")
-    parser.add_argument("--max-tokens", type=int_list, default=[16, 128, 512], help="output tokens, the columns")
+    parser.add_argument("--images", type=counts, default=[0, 1, 2, 4, 8], help="images per request, the rows")
+    parser.add_argument("--max-tokens", type=counts, default=[16, 128, 512], help="output tokens, the columns")
     parser.add_argument("--image-sizes", default="448x448,672x672,896x896", help="synthetic images: WxH,...")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64, help="requests per deployment and cell")

@@ -345,14 +345,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def int_list(text: str) -> list[int]:
-    """``8,32`` -> [8, 32] (argparse type)."""
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """``8,32`` -> [8, 32] (argparse type; ``functools.partial(int_list, minimum=0)`` where 0 is allowed)."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
 
 

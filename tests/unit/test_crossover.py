@@ -45,6 +45,6 @@ def test_a_run_goes_on_from_an_earlier_one_with_the_same_settings_only(tmp_path)
     rows = crossover.done_rows(tmp_path / "results.json", crossover.settings(args))
     run = crossover.Crossover(args, rows)
     assert [cell for _, cell in run.todo()] == [(0, 128), (4, 128)]  # (4, 128) has llm's row only: run again whole
-    assert len(run.rows) == 4 and all(r["max_tokens"] == 16 for r in run.rows)
+    assert len(run.rows) == 4 and all(r["max_tokens"] == 16 for r in run.rows)  # its lone row dropped
     other = crossover.parse_args(["--requests", "8", "--out", str(tmp_path)])
     assert crossover.done_rows(tmp_path / "results.json", crossover.settings(other)) == []

@@ -47,6 +47,13 @@ def test_a_killed_engine_leaves_no_semaphore_once_its_host_exits():
     assert not left, f"left in /dev/shm: {left}"
 
 
+def run_python(code: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``code`` run by this venv's Python in the project root: the finished process and its seconds."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return done, time.monotonic() - started
+
+
 def test_a_teardown_that_hangs_after_finalize_is_cut_at_the_bound():
     """``bound_the_exit``: a teardown stuck before the interpreter's ``atexit`` handlers (here a thread that never
     ends, which the interpreter waits for first) ends the process at the bound with every thread's stack in stderr."""
@@ -54,9 +61,8 @@ def test_a_teardown_that_hangs_after_finalize_is_cut_at_the_bound():
             "def stuck():\n    time.sleep(60)\n"
             "threading.Thread(target=stuck, name='stuck').start()  # not a daemon: waited for at exit\n"
             "bound_the_exit(1.0)\n")
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and time.monotonic() - started < 30, (done.returncode, done.stderr[-2000:])
+    done, took = run_python(code)
+    assert done.returncode == 1 and took < 30, (done.returncode, done.stderr[-2000:])
     assert "Timeout (0:00:01)!" in done.stderr and "stuck" in done.stderr, done.stderr[-2000:]
 
 
@@ -70,9 +76,8 @@ def test_after_the_bound_the_stub_leaves_without_the_last_collection(tmp_path):
             "class Stuck:\n    def __del__(self):\n        time.sleep(60)\n"
             "a = Stuck(); a.cycle = [a]; del a  # a cycle: only the collection at exit would free it\n"
             "bound_the_exit(30.0)\nprint('bye', end='')\n")
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and time.monotonic() - started < 20, (done.returncode, done.stderr[-2000:])
+    done, took = run_python(code)
+    assert done.returncode == 0 and took < 20, (done.returncode, done.stderr[-2000:])
     assert done.stdout == "bye" and out.read_text() == "atexit ran\n"
 
 
