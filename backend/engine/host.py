@@ -276,7 +276,7 @@ def _about_structure(exc: Exception) -> bool:
     return any(word in text for word in ("grammar", "schema", "structured", "json", "regex"))
 
 
-_IPC_PREFIX = "epd-vllm-ipc-"
+IPC_PREFIX = "epd-vllm-ipc-"  # a private_ipc_dir (its EngineCore keeps its store file there: patches)
 _IPC_BASE: str | None = None
 _IPC_ENV_BEFORE: str | None = None  # VLLM_RPC_BASE_PATH as this process found it (None: unset)
 
@@ -291,7 +291,7 @@ def private_ipc_dir() -> str:
         _IPC_ENV_BEFORE = os.environ.get("VLLM_RPC_BASE_PATH")
         _IPC_BASE = _IPC_ENV_BEFORE or tempfile.gettempdir()
     _remove_orphaned_ipc_dirs(_IPC_BASE)
-    path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{_process_stamp(os.getpid())}-", dir=_IPC_BASE)
+    path = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{_process_stamp(os.getpid())}-", dir=_IPC_BASE)
     os.environ["VLLM_RPC_BASE_PATH"] = path
     return path
 
@@ -315,11 +315,11 @@ def _remove_orphaned_ipc_dirs(base: str) -> None:
     (``epd-vllm-ipc-<pid>-<start>-<random>``); one whose process still runs, or that is named otherwise, is left.
     This assumes the processes sharing ``base`` share one pid namespace (a container has its own temp directory)."""
     try:
-        names = [n for n in os.listdir(base) if n.startswith(_IPC_PREFIX)]
+        names = [n for n in os.listdir(base) if n.startswith(IPC_PREFIX)]
     except OSError:
         return
     for name in names:
-        pid, _, rest = name[len(_IPC_PREFIX):].partition("-")
+        pid, _, rest = name[len(IPC_PREFIX):].partition("-")
         start = rest.partition("-")[0]
         if pid.isdigit() and start.isdigit() and _process_stamp(int(pid)) != f"{pid}-{start}":
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)

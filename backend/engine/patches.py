@@ -7,7 +7,9 @@ was patched there). Each patch is switched on by a variable, so other vLLM users
 ``EPD_ENGINE_QUICK_EXIT=1``, ``EPD_ENGINE_FOLLOW_PARENT=1`` and ``EPD_GLOO_SHARED_DEVICE=1`` (all set for every stub
 by ``backend.engine.host.PROCESS_ENV_DEFAULTS``): a stopped EngineCore skips the interpreter's teardown
 (``patch_quick_exit``); an EngineCore whose parent is gone exits (``follow_parent``, no patch: a thread of its
-own); gloo groups share one transport device (``share_gloo_device``);
+own); gloo groups share one transport device (``share_gloo_device``); an EngineCore of a project host keeps its
+gloo store's file in that host's private IPC directory (``keep_the_store_file_in_the_ipc_dir``: no variable, the
+directory is the switch);
 ``EPD_ENGINE_NICE`` (an engine model's
 ``engine_nice``, topology ``engine_nice``): the EngineCore lowers its CPU priority to that niceness
 (``lower_priority``; not a patch); ``EPD_ENGINE_IDLE_WAIT_MS`` (the ``prefill`` and ``decode`` models set it): the EngineCore's idle wait
@@ -26,6 +28,7 @@ import queue
 import sys
 import time
 
+from backend.engine.host import IPC_PREFIX
 from backend.engine.leave import leave_now
 from backend.engine.omni_audio import patch_omni_audio_embeds
 from backend.protocol.versions import Guard
@@ -47,6 +50,11 @@ GLOO_DEVICE = Guard("shared gloo device", "torch", "2.11", "2.14",
 QUICK_EXIT = Guard("engine quick exit", "vllm", "0.32", "0.33",
                    "a stopped EngineCore spends ~2-3 s more tearing down its interpreter (2 cores), which every "
                    "model unload and server stop waits for")
+# Checked on vLLM 0.32 (CPU): the uni-process executor names its store file with network_utils'
+# get_file_store_init_method, imported by name; 0.26 not looked at.
+STORE_FILE = Guard("engine store file", "vllm", "0.32", "0.33",
+                   "an EngineCore that does not stop cleanly (killed at vLLM's 5 s grace, its host killed) leaves its "
+                   "gloo store's file in /tmp: measured, 5 left by one fresh-clone CI run")
 
 
 def patch_idle_wait(seconds: float) -> None:
@@ -110,6 +118,31 @@ def patch_quick_exit() -> None:
 
     shutdown.epd_quick_exit = True
     core.EngineCoreProc.shutdown = shutdown
+
+
+def keep_the_store_file_in_the_ipc_dir() -> None:
+    """The file of the distributed store vLLM makes for an EngineCore's groups goes into its host's private IPC
+    directory (``VLLM_RPC_BASE_PATH``, set by ``backend.engine.host.private_ipc_dir`` and inherited by the
+    EngineCore) instead of the temp directory: a clean stop removes it (the store's destructor), and whatever way the
+    EngineCore ends, its host's release of that directory, or the next host's sweep of a killed host's, takes it
+    with the directory. An EngineCore of another vLLM user (no such directory): untouched. Idempotent."""
+    base = os.environ.get("VLLM_RPC_BASE_PATH", "")
+    if not os.path.basename(base).startswith(IPC_PREFIX):
+        return
+    from vllm.utils import network_utils
+    from vllm.v1.executor import uniproc_executor
+
+    if not (STORE_FILE.allows(network_utils, "get_file_store_init_method")
+            and STORE_FILE.allows(uniproc_executor, "get_file_store_init_method")):
+        return
+
+    def in_the_ipc_dir() -> str:
+        import uuid
+
+        return f"file://{base}/vllm_dist_{uuid.uuid4().hex}"
+
+    network_utils.get_file_store_init_method = in_the_ipc_dir
+    uniproc_executor.get_file_store_init_method = in_the_ipc_dir
 
 
 def _exit_now() -> None:
@@ -212,6 +245,7 @@ def _as_engine_core() -> None:
         patch_quick_exit()
     if os.environ.get("EPD_ENGINE_FOLLOW_PARENT") == "1":
         follow_parent()
+    keep_the_store_file_in_the_ipc_dir()
 
 
 class _ForkedChildren:

@@ -187,7 +187,7 @@ def test_a_real_engine_core_whose_host_is_killed_exits(tmp_path):
         host = subprocess.Popen([sys.executable, "-c", ORPHANED], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=err, text=True)
     core = started = None
-    stores = []  # the gloo file store a killed EngineCore cannot remove (vLLM's, in /tmp)
+    stores = []  # the file of its gloo store: in the host's IPC directory, gone with it
     try:
         for line in iter(host.stdout.readline, ""):  # vLLM logs to stdout too
             if line.startswith('{"core"'):
@@ -213,6 +213,7 @@ def test_a_real_engine_core_whose_host_is_killed_exits(tmp_path):
             Path(store).unlink(missing_ok=True)
     assert not running, log.read_text()[-3000:]
     assert f"its parent, pid {host.pid}, is gone" in log.read_text(), log.read_text()[-3000:]
+    assert stores and all(Path(store).parent == Path(started["ipc"]) for store in stores), (stores, started)
 
 
 AGENT = r'''
