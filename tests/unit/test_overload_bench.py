@@ -60,3 +60,10 @@ def test_the_e_p_d_run_puts_its_open_orchestrator_beside_it_over_one_prefill_and
     with_budgets, without = ((tmp_path / m / "config.pbtxt").read_text() for m in ("epd", "epd_open"))
     assert 'key: "topology" value: { string_value: "E/P/D" }' in with_budgets and 'name: "epd_open"' in without
     assert 'key: "generator_requests_in_flight"' in with_budgets and "in_flight" not in without
+
+
+def test_with_the_endpoint_in_process_each_orchestrator_serves_openai_on_a_port_of_its_own(tmp_path):
+    render_both(load(ROOT / "topologies" / "cpu-overload.yaml", "cpu"), tmp_path, openai_ports={"epd": 7001, "epd_open": 7002})
+    for model, port in (("epd", 7001), ("epd_open", 7002)):
+        assert f'key: "openai_port" value: {{ string_value: "{port}" }}' in (tmp_path / model / "config.pbtxt").read_text()
+    assert "openai_port" not in (tmp_path / "pd" / "config.pbtxt").read_text()
