@@ -37,7 +37,7 @@ from typing import Any, Callable
 from backend.deploy.ports import free_ports
 from backend.deploy.render import render
 from backend.deploy.schema import TopologyError
-from backend.deploy.stacks import STUB_GAVE_UP, gdb_stacks, report_native_stacks
+from backend.deploy.stacks import LOAD_FAILURES, gdb_stacks, report_native_stacks
 from backend.deploy.tier_service import launch_for, remote_tier_env
 from backend.deploy.topology import load
 
@@ -290,32 +290,35 @@ class TritonServer:
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
         """Start and wait until ready. A port picked here that another process bound before tritonserver
-        did (free ports are only free when picked) is picked again, twice at most; a start that failed because
-        tritonserver gave up on a loading stub is made again, twice at most."""
+        did (free ports are only free when picked) is picked again, twice at most; a start that failed in one of the
+        Python backend's known ways at load (``LOAD_FAILURES``) is made again, twice at most."""
         for attempt in range(3):
             try:
                 return self._start(timeout)
             except RuntimeError:
-                if attempt < 2 and self._gave_up_on_a_stub(attempt):
+                if attempt < 2 and self._failed_at_load(attempt):
                     continue
                 if not (self._own_ports and attempt < 2 and self._port_taken()):
                     raise
                 self.ports = Ports.free()
         raise AssertionError("unreachable")
 
-    def _gave_up_on_a_stub(self, attempt: int) -> bool:
-        """Whether the start failed because tritonserver gave up on a stub that was loading well (its health check
-        missed a one-second window on a loaded machine: ``backend.triton.load_watch``); its log is kept beside (``.N``
+    def _failed_at_load(self, attempt: int) -> bool:
+        """Whether the start failed in one of the Python backend's known ways at load (``LOAD_FAILURES``: tritonserver
+        gave up on a stub that was loading well, its health check having missed a one-second window on a loaded
+        machine, ``backend.triton.load_watch``; or it aborted on a shared-memory lock); its log is kept beside (``.N``
         after the name) and the server is started again."""
         try:
-            if not self.log_path or STUB_GAVE_UP.encode() not in Path(self.log_path).read_bytes():
-                return False
+            text = Path(self.log_path).read_bytes() if self.log_path else b""
         except OSError:
+            return False
+        failure = next((f for f in LOAD_FAILURES if f.encode() in text), None)
+        if failure is None:
             return False
         kept = Path(f"{self.log_path}.{attempt + 1}")
         shutil.copyfile(self.log_path, kept)
         # a warning: pytest's summary lists it (from xdist's workers too) where a passing test's output is not shown
-        warnings.warn(f"tritonserver gave up on a stub while it loaded (its log: {kept}); starting it again",
+        warnings.warn(f"tritonserver failed while its models loaded ({failure!r}; its log: {kept}); starting it again",
                       RuntimeWarning, stacklevel=2)
         return True
 

@@ -70,7 +70,7 @@ def test_a_stub_the_server_gave_up_on_while_loading_leaves_and_the_server_is_sta
     stopper.start()
     log = tmp_path / "server.log"
     started = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="gave up on a stub while it loaded"):
+    with pytest.warns(RuntimeWarning, match=STUB_GAVE_UP):
         with TritonServer(tmp_path / "repo", log_path=log, start_timeout=120) as server:
             took = time.monotonic() - started
             assert server.is_ready()

@@ -177,3 +177,16 @@ def test_a_launcher_s_ports_are_picked_again_when_one_was_taken_in_its_environme
     starts = [line.split() for line in seen.read_text().splitlines()]
     assert len(starts) == 3 and all(env == argv for env, argv in starts), starts  # the same ports in both
     assert len({env for env, _ in starts}) == 3 and server.started_argv[-1] == starts[-1][1]
+
+
+@pytest.mark.parametrize("line", ["epd: encoder: the server gave up on this stub while it loaded (tritonserver ...)",
+                                  "terminate called after throwing an instance of 'boost::interprocess::lock_exception'"])
+def test_a_start_that_failed_in_a_known_way_at_load_is_made_again_its_log_kept(tmp_path, line):
+    log = tmp_path / "server.log"
+    server = local_server.TritonServer(tmp_path, log_path=log)
+    log.write_text(f"I1206 loading: epd:1\n{line}\n")
+    with pytest.warns(RuntimeWarning, match="starting it again"):
+        assert server._failed_at_load(0)
+    assert (tmp_path / "server.log.1").read_text() == log.read_text()
+    log.write_text("I1206 loading: epd:1\nE1206 failed to load 'epd': a model's own error\n")
+    assert not server._failed_at_load(1) and not (tmp_path / "server.log.2").exists()
