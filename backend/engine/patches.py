@@ -27,6 +27,7 @@ import os
 import queue
 import sys
 import time
+import uuid
 
 from backend.engine.host import IPC_PREFIX
 from backend.engine.leave import leave_now
@@ -137,8 +138,6 @@ def keep_the_store_file_in_the_ipc_dir() -> None:
         return
 
     def in_the_ipc_dir() -> str:
-        import uuid
-
         return f"file://{base}/vllm_dist_{uuid.uuid4().hex}"
 
     network_utils.get_file_store_init_method = in_the_ipc_dir

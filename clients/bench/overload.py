@@ -161,9 +161,9 @@ def main(argv=None) -> int:
                              "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
-                        help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; the slowest refusal "
-                             "at 2x 33-69 ms, within 50 ms in 3 of 4 runs, against 67-603 ms through the separate one, "
-                             "docs/benchmarks.md), or python -m frontend.openai as its own process serving both")
+                        help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; under overload it "
+                             "answers refusals faster than the separate one: docs/benchmarks.md), or python -m "
+                             "frontend.openai as its own process serving both")
     parser.add_argument("--out", default="/tmp/overload")
     args = parser.parse_args(argv)
     results = run(args)
