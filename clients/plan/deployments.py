@@ -2,13 +2,16 @@
 of requests against it, and the processes whose CPU is its own (the rest of the machine's busy time is background).
 ``clients.plan.measure`` profiles ``single`` (or a running server, as a ``Served`` of its own).
 
-``single``: one tritonserver serving E+PD (``--topology``; the client: gRPC streaming, ``clients.bench.load``).
+``single``: one tritonserver serving E+PD (``--topology``, with ``served_arguments``' checkpoint, machine, engines
+and image preprocessing laid over it, as the side-by-side benchmark does; the client: gRPC streaming,
+``clients.bench.load``).
 ``hosts``: ``topologies/hosts-e-pd.yaml`` with ``--pd-replicas`` pd hosts, every host a network namespace of this
 machine with its own tritonserver (``tests.hosts_deploy``, as ``clients.bench.replicas`` starts it; the client: HTTP
 from threads in a host of its own; embeddings over NIXL/UCX TCP). Needs root.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 from contextlib import contextmanager
@@ -18,6 +21,26 @@ from typing import Callable
 
 from clients.bench.load import run_concurrency
 from clients.bench.replicas import check, closed_loop
+
+
+def served_arguments(parser) -> None:
+    """What ``single`` serves beyond ``--topology`` (``clients.bench.side_by_side.run_topology``'s arguments)."""
+    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory in the topology's place")
+    parser.add_argument("--machine", choices=("cpu", "gpu"), help="the topology's machine kind (default: this one's)")
+    engines = parser.add_mutually_exclusive_group()
+    engines.add_argument("--eager", action="store_true", help="every engine eager (enforce_eager: true)")
+    engines.add_argument("--compile", action="store_true", help="every engine compiled (CUDA graphs)")
+    parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
+                        help="the encoder's image_preprocess laid over the topology's (gpu, nvjpeg: a GPU encoder)")
+
+
+def served_topology(args):
+    """``--topology``'s E+PD deployment as ``single`` serves it (``served_arguments``)."""
+    from clients.bench.side_by_side import run_topology
+
+    settings = {"checkpoint": None, "machine": None, "eager": False, "compile": False, "image_preprocess": None}
+    merged = argparse.Namespace(**{**settings, **vars(args), "topology": Path(args.topology)})
+    return run_topology(merged).only("E+PD")
 
 
 class Quiet:
@@ -36,8 +59,9 @@ def grpc_run(url: str) -> Callable:
 @dataclass
 class Served:
     """A running deployment: ``run(requests, concurrency) -> (samples, errors, wall seconds)``, ``pids()`` its
-    processes now, ``replicas`` its pd engines, ``metrics`` its server's metrics URL and ``engine_args`` the vLLM
-    engine arguments it serves with (``single``; empty: not known)."""
+    processes now, ``replicas`` its pd engines, ``metrics`` its server's metrics URL, ``engine_args`` the vLLM
+    engine arguments it serves with, ``encoder_instances`` its encoder's, ``device`` its pd engine's and
+    ``checkpoint`` its model's (``single``; else not known)."""
 
     name: str
     run: Callable
@@ -45,6 +69,9 @@ class Served:
     replicas: int = 1
     metrics: str = ""
     engine_args: dict = field(default_factory=dict)
+    encoder_instances: int = 1
+    device: str = "cpu"  # where its pd engine runs
+    checkpoint: Path | None = None
 
 
 @contextmanager
@@ -52,14 +79,15 @@ def single(args):
     from backend.deploy.local_server import Ports, TritonServer, group_members
     from backend.deploy.ports import free_ports
     from backend.deploy.render import render
-    from backend.deploy.topology import load
 
-    topology = load(Path(args.topology), "cpu").only("E+PD")
+    topology = served_topology(args)
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as repo:
         render(topology, Path(repo))
         with TritonServer(Path(repo), ports=Ports(*free_ports(3)), log_path=Path(repo) / "tritonserver.log") as server:
             yield Served("single", grpc_run(server.grpc_url), lambda: group_members(server.proc.pid),
-                         metrics=server.metrics_url, engine_args=topology.engine_args)
+                         metrics=server.metrics_url, engine_args=topology.engine_args,
+                         encoder_instances=topology.stages["encoder"].instances,
+                         device=topology.stages["pd"].device, checkpoint=topology.checkpoint)
 
 
 @contextmanager

@@ -2,8 +2,10 @@
 
     python -m clients.plan.measure --out docs/results/data/plan-2026-12-05/profile-cpu.json   # starts one server
     python -m clients.plan.measure --url 127.0.0.1:8001 --metrics http://127.0.0.1:8002/metrics --pid PID --out P.json
+    python -m clients.plan.measure --topology topologies/checkpoint-gpu.yaml --checkpoint CKPT --compile --out P.json
 
-Every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
+A deployment whose engines run on a GPU (``--topology``'s pd stage, or ``--kind gpu`` with ``--url``) is profiled by
+``clients.plan.measure_gpu`` (wall times of its encoders and engine). On a CPU, every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
 under load would count them twice). Phases of requests, one at a time (no contention), each on fresh images: text
 only; one image at four sizes; four images a request; one video; a longer answer. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
 encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the load generator), vLLM's prompt tokens
@@ -22,56 +24,15 @@ import argparse
 import json
 import os
 import time
-import urllib.request
 from pathlib import Path
 
-from clients.bench.load import synthetic_requests, synthetic_video_requests
-from clients.bench.proc_cpu import per_request, snapshot_of
-from clients.bench.report import parse_metrics, percentile
-from clients.plan.deployments import Served, grpc_run, single
+from clients.plan import measure_gpu
+from clients.plan.deployments import Served, grpc_run, served_arguments, single
+from clients.plan.phases import (LONG, SHORT, Session, calibrate, cpu_of, encoder_lines, images, shared_lines,
+                                 video_phase)
 from clients.plan.profile import Line, Profile, fit, save
 
 SIZES = (64, 160, 256, 384)
-SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
-
-
-class Session:
-    """The server under measurement (a ``deployments.Served`` with its ``metrics`` URL) and the first seed of the
-    next phase's requests."""
-
-    def __init__(self, served: Served):
-        self.served, self.seed = served, 1000
-
-    def _tokens(self) -> float:
-        text = urllib.request.urlopen(self.served.metrics, timeout=10).read().decode()
-        return parse_metrics(text, "epd_vllm_prompt_tokens_total").get(("epd_vllm_prompt_tokens_total", "pd"), 0.0)
-
-    def phase(self, make, count: int, concurrency: int = 1) -> dict:
-        """``count`` requests ``make(count, first_seed)``: CPU ms per request per process, prompt tokens per request,
-        the samples."""
-        requests = make(count, self.seed)
-        self.seed += count * 10
-        cpu0, tokens0 = snapshot_of(self.served.pids()), self._tokens()
-        samples, errors, wall = self.served.run(requests, concurrency)
-        time.sleep(1.5)  # the counters are handed to Triton every 0.25 s
-        if errors:
-            raise RuntimeError(f"measure: {len(errors)} requests failed: {errors[0]}")
-        cpu = per_request(cpu0, snapshot_of(self.served.pids()), count)
-        return {"cpu": cpu, "prompt_tokens": (self._tokens() - tokens0) / count, "samples": samples,
-                "wall": wall, "count": count}
-
-
-def _cpu(phase: dict, *labels: str) -> float:
-    return sum(phase["cpu"].get(label, 0.0) for label in labels)
-
-
-def _mean(phase: dict, key: str) -> float:
-    values = [s.timings.get(key, 0.0) for s in phase["samples"]]
-    return sum(values) / len(values)
-
-
-def images(size: int, count: int = 1, tokens: int = SHORT):
-    return lambda n, seed: synthetic_requests(n, count, [(size, size)], tokens, first=seed)
 
 
 def run_phases(session: Session, repeat: int) -> dict:
@@ -79,67 +40,24 @@ def run_phases(session: Session, repeat: int) -> dict:
     for size in SIZES:
         phases[f"image{size}"] = session.phase(images(size), repeat)
     phases["batch4"] = session.phase(images(160, 4), repeat)
-    phases["video"] = session.phase(lambda n, seed: synthetic_video_requests(n, 1, (64, 64), 8, 4.0, SHORT, seed), repeat)
+    phases["video"] = video_phase(session, 64, repeat)
     phases["long"] = session.phase(images(64, tokens=LONG), repeat)
     return phases
 
 
 def lines(phases: dict) -> dict:
-    """The profile's lines from the phases (module docstring)."""
-    orchestrator, engine = ("stub epd", "tritonserver"), ("EngineCore pd",)
-    text_tokens = phases["text"]["prompt_tokens"]
-    kpix = {size: size * size / 1000 for size in SIZES}
-    per_token = {name: (_cpu(phases["long"], *labels) - _cpu(phases["image64"], *labels)) / (LONG - SHORT)
-                 for name, labels in (("engine", engine), ("stub", ("stub pd",)), ("orchestrator", orchestrator),
-                                      ("client", ("load generator",)))}
-    single = fit([(kpix[s], _cpu(phases[f"image{s}"], "stub encoder")) for s in SIZES])
-    item160 = (_cpu(phases["batch4"], "stub encoder") - single.at(kpix[160])) / 3
-    batch = Line(max(0.0, single.at(kpix[160]) - item160), 0.0)
-    image = Line(item160 - single.slope * kpix[160], single.slope)
-    video_units = 8 * 64 * 64 / 1000
-    video = Line(0.0, max(0.0, _cpu(phases["video"], "stub encoder") - batch.base) / video_units)
-    prefill = fit([(p["prompt_tokens"], _cpu(p, *engine) - (SHORT - 1) * per_token["engine"])
+    """The profile's lines from the phases (module docstring): the encoder's and the engine's from their CPU."""
+    engine = ("EngineCore pd",)
+    engine_per_token = (cpu_of(phases["long"], *engine) - cpu_of(phases["image64"], *engine)) / (LONG - SHORT)
+    encoder = encoder_lines({s: cpu_of(phases[f"image{s}"], "stub encoder") for s in SIZES},
+                            cpu_of(phases["batch4"], "stub encoder"), 160, cpu_of(phases["video"], "stub encoder"),
+                            phases["video"]["units"])
+    prefill = fit([(p["prompt_tokens"], cpu_of(p, *engine) - (SHORT - 1) * engine_per_token)
                    for name, p in phases.items() if name == "text" or name.startswith("image")])
-    decode = Line(per_token["engine"], 0.0)  # at batch 1; by batch: ``loads.decode_line`` (``measure``)
-    transfer = fit([(s.timings.get("transfer_bytes", 0) / 2**20, s.timings.get("transfer_ms", 0.0))
-                    for name, p in phases.items() if name.startswith("image") for s in p["samples"]])
-    media = [(kpix[s], phases[f"image{s}"]["prompt_tokens"] - text_tokens) for s in SIZES]
-    pulled = sum(_mean(phases[f"image{s}"], "transfer_ms") for s in SIZES) / len(SIZES)
-
-    def per_request(name: str, labels, less: float = 0.0) -> dict:
-        base = _cpu(phases["image64"], *labels) - SHORT * per_token[name] - less
-        return Line(max(0.0, base), max(0.0, per_token[name])).as_dict()
-
-    media_tokens = phases["image256"]["prompt_tokens"] - text_tokens
-    return {"encoder": {"batch": batch.as_dict(), "image": image.as_dict(), "video": video.as_dict()},
-            "tokens": {"image": fit(media).as_dict(),
-                       "video": Line(0.0, (phases["video"]["prompt_tokens"] - text_tokens) / video_units).as_dict()},
+    decode = Line(engine_per_token, 0.0)  # at batch 1; by batch: ``loads.decode_line`` (``measure``)
+    return {"encoder": encoder, **shared_lines(phases, SIZES, "image64"),
             "prefill": Line(max(0.0, prefill.base), max(0.0, prefill.slope)).as_dict(),
-            "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_context": Line().as_dict(),
-            "transfer": {"shared_memory": Line(max(0.0, transfer.base), max(0.0, transfer.slope)).as_dict()},
-            "embedding_bytes_per_token": round(_mean(phases["image256"], "transfer_bytes") / max(media_tokens, 1), 1),
-            "stub": per_request("stub", ("stub pd",), pulled), "orchestrator": per_request("orchestrator", orchestrator),
-            "client": per_request("client", ("load generator",)), "text_tokens": text_tokens,
-            "light_tpot_ms": percentile([s.tpot * 1000 for s in phases["long"]["samples"] if s.tpot], 50),
-            "cpu_ms_per_request": {name: p["cpu"] for name, p in phases.items()}}
-
-
-def calibrate(doc: dict, layout) -> dict:
-    """Fit the light load (simulated at concurrency 1, image 64 px, on ``layout``) against ``light_ttft_ms``: the
-    share of the per-request work done before the first token (``before_first_token``), and ``hop``, what TTFT has
-    beyond all of it (0 where the share is below 1). Called by ``with_by_load``."""
-    from clients.plan.simulate import simulate
-    from clients.plan.workload import closed
-
-    workload = closed(1, 20, round(doc["text_tokens"]), SHORT)
-
-    def ttft(share: float) -> float:
-        trial = {**doc, "before_first_token": share, "hop": Line().as_dict()}
-        return simulate(layout, Profile(trial), workload)["ttft_p50_ms"]
-
-    low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
-    share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
-    return {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
+            "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_context": Line().as_dict()}
 
 
 def fit_interval(doc: dict, layout, workload, want: float, high: float = 20.0) -> float:
@@ -215,37 +133,50 @@ def measure(session: Session, repeat: int, name: str) -> dict:
     return with_by_load(doc, session.served, Layout(), LONG)
 
 
+def _profile(session: Session, args) -> dict:
+    """``measure``, or ``clients.plan.measure_gpu.measure`` where the deployment's engines run on a GPU."""
+    served = session.served
+    if served.device == "gpu":
+        name = args.name or f"gpu-{(served.checkpoint or Path('checkpoint')).name}"
+        return measure_gpu.measure(session, args.repeat, name, served.checkpoint)
+    return measure(session, args.repeat, args.name or "cpu-2core-tiny-qwen2-vl")
+
+
 def _serve(args) -> dict:
-    """``measure`` on a server of its own (``deployments.single``: ``--topology``'s E+PD), after a warm-up."""
+    """The profile of a server of its own (``deployments.single``: ``--topology``'s E+PD), after a warm-up."""
     with single(args) as served:
         session = Session(served)
-        session.phase(images(64), 3)  # warm-up
-        return measure(session, args.repeat, args.name)
+        session.phase(images(64), 3)  # warm-up (a GPU engine's first requests compile)
+        return _profile(session, args)
 
 
 def _running(args) -> Served:
-    """The server at ``--url`` (its metrics at ``--metrics``, its processes ``--pid``'s group)."""
+    """The server at ``--url`` (its metrics at ``--metrics``, its processes ``--pid``'s group; ``--kind``)."""
     from backend.deploy.local_server import group_members
 
-    return Served("measure", grpc_run(args.url), lambda: group_members(args.pid), metrics=args.metrics)
+    return Served("measure", grpc_run(args.url), lambda: group_members(args.pid), metrics=args.metrics,
+                  device=args.kind, checkpoint=args.checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Measure a stage profile against an E+PD deployment.")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="served when no --url is given")
+    served_arguments(parser)
     parser.add_argument("--url", help="a running server's gRPC address (with --metrics and --pid)")
     parser.add_argument("--metrics", help="its metrics URL")
     parser.add_argument("--pid", type=int, help="its tritonserver's pid (the CPU of its process group)")
+    parser.add_argument("--kind", choices=("cpu", "gpu"), default="cpu",
+                        help="with --url: where its engines run (gpu: wall-time lines, clients.plan.measure_gpu)")
     parser.add_argument("--repeat", type=int, default=16, help="requests per phase")
-    parser.add_argument("--name", default="cpu-2core-tiny-qwen2-vl")
+    parser.add_argument("--name", help="the profile's name (default: cpu-2core-tiny-qwen2-vl; gpu-<checkpoint>)")
     args = parser.parse_args(argv)
     if args.url and not (args.metrics and args.pid):
         parser.error("--url needs --metrics and --pid")
-    doc = measure(Session(_running(args)), args.repeat, args.name) if args.url else _serve(args)
+    doc = _profile(Session(_running(args)), args) if args.url else _serve(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save(Profile(doc).check(), args.out)
-    print(json.dumps({k: v for k, v in doc.items() if k != "cpu_ms_per_request"}, indent=1))
+    print(json.dumps({k: v for k, v in doc.items() if k not in ("cpu_ms_per_request", "by_load_phases")}, indent=1))
     return 0
 
 

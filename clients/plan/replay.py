@@ -20,6 +20,7 @@ from pathlib import Path
 
 from clients.plan import profile as profiles
 from clients.plan.loads import WINDOW
+from clients.plan.simulate import Layout
 from clients.plan.validate import COMMAND, FIGURES, arguments, layouts, predict
 
 
@@ -40,7 +41,7 @@ def _median(values: list) -> float:
 def replay_row(row: dict, profile, args) -> dict:
     """The row's repetitions predicted again: stage medians measured and predicted, and the largest difference from
     the recorded predictions (0 where the run's files reproduce it)."""
-    layout = layouts(args)[row["topology"]]
+    layout = Layout(**row["layout"]) if "layout" in row else layouts(args)[row["topology"]]
     predicted = [predict(profile.with_background(WINDOW, rep["series"]), layout, row["concurrency"], args)
                  for rep in row["repeats"]]
     drift = max(abs(p[key] - rep["predicted"][key]) / max(abs(rep["predicted"][key]), 1e-9)

@@ -16,6 +16,7 @@ predicted req/s, TTFT p50 and p90, the error of each (predicted / measured - 1) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -29,8 +30,10 @@ from clients.bench.replicas import WORKERS, _sizes
 from clients.bench.report import percentile, summarise
 from clients.plan import loads
 from clients.plan import profile as profiles
-from clients.plan.deployments import DEPLOYMENTS
+from clients.plan import measure_gpu
+from clients.plan.deployments import DEPLOYMENTS, served_arguments
 from clients.plan.measure import with_by_load
+from clients.plan.phases import Session
 from clients.plan.profile import Profile
 from clients.plan.simulate import Layout, simulate
 from clients.plan.workload import closed
@@ -39,10 +42,16 @@ FIGURES = ("req_per_s", "ttft_p50_ms", "ttft_p90_ms")
 TOLERANCE = 0.15
 
 
-def measured_profile(served, base: Profile, layout: Layout, long: int) -> Profile:
+def measured_profile(served, base: Profile | None, layout: Layout, long: int) -> Profile:
     """``base`` (less the CPU per request of the phases it was measured with) with ``served``'s CPU by load measured
-    now and calibrated on its light-load TTFT (``measure.with_by_load``)."""
+    now and calibrated on its light-load TTFT (``measure.with_by_load``); a deployment whose engines run on a GPU:
+    its whole profile measured now (``clients.plan.measure_gpu``; ``base`` is not read)."""
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
+    if served.device == "gpu":
+        name = f"gpu-{(served.checkpoint or Path('checkpoint')).name}"
+        return Profile(measure_gpu.measure(Session(served), 16, name, served.checkpoint)).check()
+    if base is None:
+        raise SystemExit("validate: --profile is needed for a CPU deployment")
     doc = {k: v for k, v in base.doc.items() if k != "cpu_ms_per_request"}
     return Profile(with_by_load(doc, served, layout, long)).check()
 
@@ -68,8 +77,12 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
     return out
 
 
-def layouts(args) -> dict[str, Layout]:
-    return {"single": Layout(split="E+PD"),
+def layouts(args, served=None) -> dict[str, Layout]:
+    """The layout the simulator gives each deployment (``served``: the running one's encoder instances and engines'
+    ``max_num_seqs``; a run's ``validation.json`` records the one it used)."""
+    instances = served.encoder_instances if served else 1
+    seqs = int(served.engine_args.get("max_num_seqs", 32)) if served else 32
+    return {"single": Layout(split="E+PD", encoder_instances=instances, max_num_seqs=seqs),
             "hosts": Layout(split="E+PD", pd=args.pd_replicas, transfer_path="nixl")}
 
 
@@ -84,9 +97,10 @@ def stages(samples: list) -> dict:
             for key in ("encode_ms", "transfer_ms", "first_chunk_ms", "total_ms") if any(key in s.timings for s in samples)}
 
 
-def compare(name: str, level: int, reps: list[dict]) -> dict:
+def compare(name: str, level: int, reps: list[dict], layout: Layout) -> dict:
     """One row: the medians over the repetitions of each figure, measured and predicted, and their error."""
-    row = {"topology": name, "concurrency": level, "errors": sum(r["errors"] for r in reps),
+    row = {"topology": name, "concurrency": level, "layout": dataclasses.asdict(layout),
+           "errors": sum(r["errors"] for r in reps),
            "background": statistics.median(r["background"] for r in reps),
            "utilisation": reps[len(reps) // 2]["utilisation"], "repeats": reps}
     for key in FIGURES:
@@ -113,21 +127,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(name: str, base: Profile, args, levels: list[int]) -> list[dict]:
+def run(name: str, base: Profile | None, args, levels: list[int]) -> list[dict]:
     """One deployment: its profile (measured now, with ``--measure-profile``), then every level's rows."""
-    layout = layouts(args)[name]
     with DEPLOYMENTS[name](args) as served:
+        layout = layouts(args, served)[name]
         profile = measured_profile(served, base, layout, args.max_tokens) if args.measure_profile else base
         if args.out and args.measure_profile:
             profiles.save(profile, args.out / f"profile-{name}.json")
-        return [compare(name, level, measure_level(served, profile, layout, level, args, seed=i * 1000))
+        return [compare(name, level, measure_level(served, profile, layout, level, args, seed=i * 1000), layout)
                 for i, level in enumerate(levels)]
 
 
 def arguments() -> argparse.ArgumentParser:
     """The command line (also how ``replay`` reads a run's own arguments back from its ``validation.json``)."""
     parser = argparse.ArgumentParser(description="Simulated against measured: req/s and TTFT, two deployments.")
-    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--profile", type=Path, help="the profile predicted with (with --measure-profile on a GPU "
+                                                     "deployment: not needed, its whole profile is measured)")
     parser.add_argument("--measure-profile", action="store_true",
                         help="measure each deployment's CPU by load right before its levels (clients.plan.loads)")
     parser.add_argument("--deployments", default="single,hosts")
@@ -138,6 +153,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--image-sizes", type=_sizes, default=_sizes("64x48,80x64,96x96,112x112"))
     parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="the single server's")
+    served_arguments(parser)
     parser.add_argument("--pd-replicas", type=int, default=2, help="the hosts deployment's pd hosts")
     parser.add_argument("--out", type=Path)
     return parser
@@ -157,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats: 1 or more; --deployments: of {', '.join(DEPLOYMENTS)}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    base, rows = profiles.load(args.profile), []
+    if args.profile is None and not args.measure_profile:
+        parser.error("--profile, or --measure-profile on a GPU deployment")
+    base, rows = (profiles.load(args.profile) if args.profile else None), []
     started, load = time.strftime("%F %T"), os.getloadavg()
     for name in chosen:
         rows += run(name, base, args, levels)

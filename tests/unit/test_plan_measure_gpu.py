@@ -1,0 +1,73 @@
+"""The GPU profile's lines (clients.plan.measure_gpu) from phases computed by hand: the encoder's from the
+orchestrator's encoder call, prefill and the decode step by batch from vLLM's own timings, the KV bytes of a real
+checkpoint's config."""
+from pathlib import Path
+
+import pytest
+
+from clients.bench.report import Sample
+from clients.plan import measure_gpu
+from clients.plan.phases import LONG, SHORT, kpixels
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
+
+ENCODE_BASE, ENCODE_PER_KPIX = 20.0, 0.1  # one image: 20 ms + 0.1 ms per kilopixel
+PREFILL_BASE, PREFILL_PER_TOKEN = 10.0, 0.02
+STEP_BASE, STEP_PER_SEQ = 3.0, 0.05
+TEXT_TOKENS, TOKENS_PER_KPIX = 30, 1.25
+
+
+def phase(images: list[int], tokens: int = SHORT, load: int = 1, frames: int = 0) -> dict:
+    """One phase of 4 requests: ``images`` of those sides (pixels), or a video of ``frames`` frames of the first."""
+    kpix = [kpixels(side) * (frames or 1) for side in images]
+    encode = (ENCODE_BASE + ENCODE_PER_KPIX * sum(kpix) + 5.0 * (len(kpix) - 1)) if kpix else 0.0  # 5 ms a batch item
+    prompt = TEXT_TOKENS + TOKENS_PER_KPIX * sum(kpix) / (2 if frames else 1)
+    count = 4
+    timings = {"encode_ms": encode, "transfer_ms": 1.0 + prompt / 1000, "transfer_bytes": prompt * 3072}
+    samples = [Sample(0.2, 0.2 + (tokens - 1) * 0.005, tokens, dict(timings), tokens) for _ in range(count)]
+    vllm = {"epd_vllm_prompt_tokens_total": prompt * count,
+            "epd_vllm_prefill_time_seconds_total": count * (PREFILL_BASE + PREFILL_PER_TOKEN * prompt) / 1000,
+            "epd_vllm_prefill_time_count_total": count,
+            "epd_vllm_time_per_output_token_seconds_total": count * (tokens - 1) * (STEP_BASE + STEP_PER_SEQ * load) / 1000,
+            "epd_vllm_time_per_output_token_count_total": count * (tokens - 1)}
+    cpu = {"stub pd": 8.0 + tokens * 0.1, "stub epd": 5.0 + tokens * 0.05, "tritonserver": 1.0, "load generator": 2.0}
+    out = {"cpu": cpu, "prompt_tokens": prompt, "vllm": vllm, "samples": samples, "wall": 1.0, "count": count}
+    return {**out, "units": frames * kpixels(images[0])} if frames else out
+
+
+def phases() -> dict:
+    out = {"text": phase([])}
+    out.update({f"image{side}": phase([side]) for side in measure_gpu.SIZES})
+    out["batch4"] = phase([measure_gpu.BATCHED] * 4)
+    out["video"] = phase([measure_gpu.BATCHED], frames=8)
+    out["long"] = phase([measure_gpu.BATCHED], LONG)
+    out.update({f"decode{load}": phase([], LONG, load) for load in measure_gpu.DECODE_LOADS})
+    return out
+
+
+def test_the_encoder_lines_come_from_the_orchestrators_encoder_call():
+    got = measure_gpu.lines(phases())
+    image = got["encoder"]["image"]
+    # four items cost 3 x (per-item 20 + 0.1/kpix ... ) beyond one: item = 5 ms + the pixels', batch = the rest
+    item = 5.0 + ENCODE_PER_KPIX * kpixels(measure_gpu.BATCHED)
+    assert image["slope"] == pytest.approx(ENCODE_PER_KPIX)
+    assert image["base"] + image["slope"] * kpixels(measure_gpu.BATCHED) == pytest.approx(item)
+    assert got["encoder"]["batch"]["base"] == pytest.approx(ENCODE_BASE - 5.0)
+    assert got["tokens"]["image"]["slope"] == pytest.approx(TOKENS_PER_KPIX)
+
+
+def test_prefill_and_the_decode_step_come_from_vllms_own_timings():
+    got = measure_gpu.lines(phases())
+    assert (got["prefill"]["base"], got["prefill"]["slope"]) == pytest.approx((PREFILL_BASE, PREFILL_PER_TOKEN))
+    assert (got["decode"]["base"], got["decode"]["slope"]) == pytest.approx((STEP_BASE, STEP_PER_SEQ))
+    assert [load for load, _ in got["decode_by_load"]] == list(measure_gpu.DECODE_LOADS)
+    # the relays' CPU: per streamed token from the long answers, per request the rest
+    assert got["stub"]["slope"] == pytest.approx(0.1)
+    assert got["orchestrator"]["base"] == pytest.approx(6.0)
+
+
+def test_kv_bytes_per_token_of_a_real_checkpoints_config():
+    # Qwen2-VL-2B: 28 layers x K,V x 2 KV heads x 128 x bf16
+    assert measure_gpu.kv_bytes_per_token(CHECKPOINTS / "Qwen2-VL-2B-Instruct", "bfloat16") == 28 * 2 * 2 * 128 * 2
+    assert measure_gpu.kv_bytes_per_token(CHECKPOINTS / "Qwen2-VL-2B-Instruct", "float32") == 28 * 2 * 2 * 128 * 4
+    assert measure_gpu.kv_bytes_per_token(None, "bfloat16") is None
