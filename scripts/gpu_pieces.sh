@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here (PyPI reachable, no GPU): build what scripts/gpu_setup.sh installs on the lent GPU machine, as pieces that
 # each fit one device call (64 MiB with the working tree):
-#   DEST/pieces/vllm.NN   one tar of wheels/ (vLLM 0.26.0's lean set + nixl/nixl-cu13 1.5.1, cp312 manylinux), split
+#   DEST/pieces/vllm.NN   one tar of wheels/ (vLLM 0.26.0's lean set + nixl/nixl-cu13 1.5.1, cp312 manylinux; simpy), split
 #   DEST/pieces/tri.NN    one tar of tri/ (tritonserver 2.51 files from this venv's nvidia-pytriton 0.7.0 wheel,
 #                         numpy 1.26.4, tritonclient 2.51.0, python-rapidjson, protobuf 4.25.8 cp312 wheels), split
 #   DEST/extra/           the NVDEC path's two wheels (PyNvVideoCodec 2.2.4, PyAV 18.1.0), one call each
@@ -26,6 +26,7 @@ download() {  # download DIR ARGS...: cp312 wheels for the GPU machine, no depen
 }
 mkdir -p "$DEST/wheels" "$DEST/tri" "$DEST/pieces"
 download "$DEST/wheels" -r <(grep -v '^#' "$LEAN")
+download "$DEST/wheels" simpy==4.1.2  # the planner's simulator (clients.plan; scripts/gpu_plan.sh), pure Python
 download "$DEST/tri" numpy==1.26.4 tritonclient==2.51.0 python-rapidjson protobuf==4.25.8
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # the server, the Python backend and the 3.12 stub only (the other stubs and the bundled libpython are not needed)
