@@ -17,6 +17,14 @@ while it waits. A gate with no budget admits everything at once.
 
 A request that alone costs more than the budget is let in when nothing else is in flight (the request limits bound
 it already). No Triton import: unit-tested (``tests/unit/test_admission.py``).
+
+A generator gate may follow what its stage serves in time (``first_token_target_ms``): its limit of requests in flight
+moves between 1 and the budget, cut by a quarter when a request let in under the present limit, with others in flight,
+waited longer than the target from entering to its first token, and raised by one after a limit's worth of requests
+within it (additive increase, multiplicative decrease, as TCP and the adaptive concurrency limiters of service meshes
+do). So the gate lets in what the stage serves within the target on the cores or GPU it has now, not what the budget
+allows on a faster day, and the queue (where priority orders requests and ``max_queue_ms`` refuses them at arrival)
+takes the rest.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ URGENCY: contextvars.ContextVar[Urgency] = contextvars.ContextVar("epd_urgency",
 class AdmissionObserver(Protocol):
     def admitted(self, stage: str, priority: int, waited_seconds: float) -> None: ...
     def shed(self, stage: str, priority: int, reason: str) -> None: ...  # reason: "budget", "queue" or "deadline"
+    def limited(self, stage: str, limit: int) -> None: ...  # a gate following a first-token target moved its limit
 
 
 @dataclass(frozen=True)
@@ -105,15 +114,40 @@ class Gate:
 
     HOLD_WEIGHT = 0.1  # the mean time in the stage: an exponentially weighted mean over the calls that left
 
+    CUT = 0.75  # the limit after a first token later than the target, of what it was
+
     def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
                  observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
-                 reserve: float = 0.0):
+                 reserve: float = 0.0, first_token_target: float = 0.0):
         self.stage, self.budget, self.max_queue, self.observer, self.clock = stage, budget, max_queue_seconds, observer, clock
         self.reserve = reserve
+        self.target = first_token_target if budget.units else 0.0  # seconds (0: the budget is the limit)
+        self.limit = float(budget.units)  # requests in flight now allowed (moves with ``first_token`` under a target)
+        self._cut_at = -math.inf  # when the limit was last cut
         self.units = self.bytes = 0  # in flight
         self.hold_seconds = 0.0  # mean time a call spends in the stage (0: none left yet)
         self._queue: list[tuple[int, int, _Waiter]] = []
         self._order = itertools.count()
+
+    @property
+    def units_limit(self) -> int:
+        """The units the gate lets in at once now: the budget, or under a first-token target the limit it follows."""
+        return max(1, int(self.limit)) if self.target else self.budget.units
+
+    def first_token(self, admitted: float, seconds: float) -> None:
+        """A request let in at ``admitted`` (``clock``) had its first token ``seconds`` after: under a target, the
+        limit follows (module docstring); a cut waits for requests let in after the last one (those before it
+        were let in under the higher limit)."""
+        if not self.target:
+            return
+        before = self.units_limit
+        if seconds <= self.target:
+            self.limit = min(float(self.budget.units), self.limit + 1.0 / self.limit)
+            self._dispatch()
+        elif admitted >= self._cut_at and self.units > 1:
+            self.limit, self._cut_at = max(1.0, self.limit * self.CUT), self.clock()
+        if self.units_limit != before and self.observer is not None:
+            self.observer.limited(self.stage, self.units_limit)
 
     @property
     def waiting(self) -> int:
@@ -128,7 +162,7 @@ class Gate:
         head_age = max((self.clock() - w.since for w in ahead), default=0.0)
         if not self.budget.units or not self.hold_seconds:
             return head_age
-        limit = self._limit(self.budget.units, priority)
+        limit = self._limit(self.units_limit, priority)
         beyond = self.units + sum(w.cost.units for w in ahead) + cost.units - limit
         return max(0.0, beyond * self.hold_seconds / limit, head_age)
 
@@ -141,19 +175,21 @@ class Gate:
     async def admit(self, cost: Cost, priority: int, deadline: float | None, allowance: Allowance | None = None):
         """Hold ``cost`` of the budget while the body runs (the stage's call); raises ``Overloaded`` or
         ``DeadlineExceeded`` (module docstring) before any of it is held. ``allowance``: what the request may still
-        wait over every gate, spent by the wait here (None: ``max_queue_seconds``)."""
+        wait over every gate, spent by the wait here (None: ``max_queue_seconds``). Yields a ``Ticket``: the body
+        tells it the stage's first token (``Ticket.first_token``)."""
         if not self.budget.bounded:
-            yield
+            yield Ticket(None, 0.0)
             return
         started = self.clock()
         await self._enter(cost, priority, deadline, started, allowance)
-        entered, waited = time.perf_counter(), self.clock() - started
+        entered, admitted = time.perf_counter(), self.clock()
+        waited = admitted - started
         if allowance is not None:
             allowance.spend(waited)
         if self.observer is not None:
             self.observer.admitted(self.stage, priority, waited)
         try:
-            yield
+            yield Ticket(self, admitted)
         finally:
             held = time.perf_counter() - entered
             self.hold_seconds = held if not self.hold_seconds else \
@@ -208,7 +244,7 @@ class Gate:
     def _fits(self, cost: Cost, priority: int) -> bool:
         if self.units == 0 and self.bytes == 0:
             return True  # alone, whatever it costs
-        units, nbytes = self._limit(self.budget.units, priority), self._limit(self.budget.bytes, priority)
+        units, nbytes = self._limit(self.units_limit, priority), self._limit(self.budget.bytes, priority)
         return (not units or self.units + cost.units <= units) and (not nbytes or self.bytes + cost.bytes <= nbytes)
 
     def _take(self, cost: Cost) -> None:
@@ -241,6 +277,21 @@ class Gate:
                          retry_after=max(estimate, 0.001))
 
 
+class Ticket:
+    """A request's passage through a gate, as its body holds it: ``first_token()`` once the stage's first token came
+    (``Gate.first_token``; the first call only)."""
+
+    __slots__ = ("gate", "admitted", "told")
+
+    def __init__(self, gate: Gate | None, admitted: float):
+        self.gate, self.admitted, self.told = gate, admitted, False
+
+    def first_token(self) -> None:
+        if self.gate is not None and not self.told:
+            self.told = True
+            self.gate.first_token(self.admitted, self.gate.clock() - self.admitted)
+
+
 class Admission:
     """The gates of one orchestrator: ``encoder``, and one per generator stage, from its settings' budgets."""
 
@@ -248,12 +299,14 @@ class Admission:
                  clock: Callable[[], float] = time.time):
         self.max_queue, self.clock = budgets.max_queue_ms / 1000.0, clock
 
-        def gate(stage: str, budget: Budget) -> Gate:
-            return Gate(stage, budget, self.max_queue, observer, clock, budgets.high_priority_reserve_percent / 100.0)
+        def gate(stage: str, budget: Budget, target: float = 0.0) -> Gate:
+            return Gate(stage, budget, self.max_queue, observer, clock, budgets.high_priority_reserve_percent / 100.0,
+                        target)
+        target = budgets.first_token_target_ms / 1000.0
         self.encoder = gate("encoder", Budget(budgets.encoder_items_in_flight, budgets.encoder_bytes_in_flight))
-        self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight)),
-                           "prefill": gate("prefill", Budget(budgets.generator_requests_in_flight)),
-                           "decode": gate("decode", Budget(budgets.decode_requests_in_flight))}
+        self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight), target),
+                           "prefill": gate("prefill", Budget(budgets.generator_requests_in_flight), target),
+                           "decode": gate("decode", Budget(budgets.decode_requests_in_flight), target)}
 
     def generator(self, stage: str) -> Gate:
         return self.generators[stage]
@@ -277,4 +330,4 @@ class Admission:
         return allowance
 
 
-__all__ = ["Admission", "AdmissionObserver", "Allowance", "Budget", "Cost", "Gate", "URGENCY", "Urgency"]
+__all__ = ["Admission", "AdmissionObserver", "Allowance", "Budget", "Cost", "Gate", "Ticket", "URGENCY", "Urgency"]

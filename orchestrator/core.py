@@ -66,7 +66,7 @@ from backend.protocol.layout import content_key
 from backend.protocol.modality import VIDEO, modalities
 from backend.protocol.stages import Disaggregation, Stage
 from backend.request.generate import EncodedMedia, MediaBytes, RawGenerateInputs, RequestLimits, parse_generate_request
-from orchestrator.admission import Admission, Allowance, Cost, Urgency, URGENCY
+from orchestrator.admission import Admission, Allowance, Cost, Ticket, Urgency, URGENCY
 from orchestrator.health import cancelled_here
 
 log = logging.getLogger(__name__)
@@ -212,14 +212,17 @@ class Orchestrator:
         if Stage.PREFILL in self.disaggregation.generators:
             state.phase = "prefilling"
             async with self.admission.generator(Stage.PREFILL.value).admit(Cost(), state.urgency.priority,
-                                                                           state.deadline, state.allowance):
+                                                                           state.deadline, state.allowance) as ticket:
                 rewritten = await self._prefill(rewritten, timings)
+                ticket.first_token()  # prefill's one token
         state.phase = "generating"
         async with self.admission.generator(self.disaggregation.streamer.value).admit(
-                Cost(), state.urgency.priority, state.deadline, state.allowance):
-            await self._stream(rewritten, sink, state, started)
+                Cost(), state.urgency.priority, state.deadline, state.allowance) as ticket:
+            await self._stream(rewritten, sink, state, started, ticket)
 
-    async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float) -> None:
+    async def _stream(self, rewritten: RawGenerateInputs, sink: ResponseSink, state: "_State", started: float,
+                      ticket: Ticket) -> None:
+        """The streamer's chunks to the client; its gate's ``ticket`` told of the first."""
         timings = state.timings
         generate_started = time.perf_counter()
         stream = self.stages.generate(rewritten, self.disaggregation.streamer)
@@ -230,6 +233,7 @@ class Orchestrator:
                     state.outcome = Outcome.CANCELLED
                     return
                 final = chunk.finish_reason is not None
+                ticket.first_token()
                 if final:
                     state.tokens = chunk.num_output_tokens or 0
                     _merge(timings, chunk.timings)  # the generator's own (pd: transfer_ms)

@@ -90,8 +90,12 @@ class RequestMetrics:
                              "at arrival, shed_queue: after waiting, shed_deadline: its deadline passed first), by priority")
         waits = pb_utils.MetricFamily(name="epd_admission_wait_seconds", kind=pb_utils.MetricFamily.HISTOGRAM,
                                       description="Orchestrators: seconds a request waited for a stage's budget")
+        limits = pb_utils.MetricFamily(name="epd_admission_limit", kind=pb_utils.MetricFamily.GAUGE,
+                                       description="Orchestrators: requests a stage's gate lets in at once now, where it "
+                                                   "follows a first-token target (admission.first_token_target_ms)")
         labels = metric_labels(model_name, instance)
         self._labels, self._admission_family, self._waits_family = labels, admission, waits
+        self._limits_family, self._limits = limits, {}  # stage -> gauge, made when the limit first moves
         self._admission: dict[tuple, object] = {}  # (stage, priority, outcome) -> metric, made when first counted
         self._waits: dict[tuple, object] = {}
         histogram = pb_utils.MetricFamily.HISTOGRAM
@@ -103,7 +107,7 @@ class RequestMetrics:
             self._histograms[key] = family.Metric(labels=labels, buckets=list(LATENCY_BUCKETS))
         # a family must outlive its metrics
         self._families = (requests, tokens, decodes, retries, moved, moving, paths, skipped, held_hits, held_bytes,
-                          admission, waits, *histogram_families)
+                          admission, waits, limits, *histogram_families)
         self._skipped, self._held_hits = skipped.Metric(labels=labels), held_hits.Metric(labels=labels)
         self._held_bytes = held_bytes.Metric(labels=labels)
         # a pull's path is its handle's transport
@@ -164,6 +168,14 @@ class RequestMetrics:
     def shed(self, stage: str, priority: int, reason: str) -> None:
         """``ensemble.admission.AdmissionObserver``: a request refused at ``stage`` (``reason``: budget, queue, deadline)."""
         self._batch.add(self._admission_metric(stage, priority, f"shed_{reason}"), 1)
+
+    @_unless_closed
+    def limited(self, stage: str, limit: int) -> None:
+        """``ensemble.admission.AdmissionObserver``: ``stage``'s gate lets in ``limit`` requests at once now."""
+        with self._seen_lock:
+            if stage not in self._limits:
+                self._limits[stage] = self._limits_family.Metric(labels={**self._labels, "stage": stage})
+        self._batch.add_many((), ((self._limits[stage], limit),))
 
     def _admission_metric(self, stage: str, priority: int, outcome: str):
         key = (stage, priority, outcome)

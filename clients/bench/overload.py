@@ -61,6 +61,25 @@ def server_rss(pid: int) -> int:
         return 0
 
 
+def admission_limits(metrics_url: str, model: str) -> dict[str, float]:
+    """``model``'s generator gates' limits now (``epd_admission_limit`` by stage; none where no limit moved yet:
+    fixed budgets, or no admission)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return limits_of(text, model)
+
+
+def limits_of(text: str, model: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("epd_admission_limit{") and f'model="{model}"' in line:
+            labels, _, value = line[len("epd_admission_limit{"):].rpartition("} ")
+            stage = next(part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("stage="))
+            out[stage] = float(value)
+    return out
+
+
 async def light_ttft(base: str, model: str, count: int, args) -> list[float]:
     """TTFTs of ``count`` requests sent one after another."""
     _, fates = await closed_loop_rate(base, model, 1, count, args.max_tokens, args.image_size, 90)
@@ -79,6 +98,10 @@ def run(args) -> dict:
         topology = dataclasses.replace(topology, engine_nice=args.engine_nice)
     if args.encoder_queue is not None:
         topology = dataclasses.replace(topology, admission={**topology.admission, "encoder_queue": args.encoder_queue})
+    if args.first_token_target_ms is not None:
+        topology = dataclasses.replace(topology, admission={**topology.admission,
+                                                            "first_token_target_ms": args.first_token_target_ms})
+    args.first_token_target_ms = topology.admission.get("first_token_target_ms", 0)
     args.engine_nice = topology.engine_nice  # recorded with the results
     args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
     out = Path(args.out)
@@ -119,11 +142,13 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                                     args.image_size, seed=int(load * 1000), priorities=on)
             row = {"model": model, "load": load, "rate": round(load * capacity, 2), "wall_s": round(time.perf_counter() - started, 1),
                    "rss_mib": round(server_rss(server.proc.pid) / 2**20),
+                   "limits": admission_limits(server.metrics_url, model),
                    "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
             runs.append(row)
             print(_line(row), flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
-            "encoder_queue": args.encoder_queue, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+            "encoder_queue": args.encoder_queue, "first_token_target_ms": args.first_token_target_ms,
+            "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
 
 
@@ -132,7 +157,8 @@ def _line(row: dict) -> str:
     return (f"{row['model']:>8} x{row['load']:<4} {row['rate']:6.2f}/s goodput {a['goodput']:5.2f}/s "
             f"(high {h['goodput']:.2f}, low {lo['goodput']:.2f}) TTFT p99 high {h['ttft_p99_ms']} ms low "
             f"{lo['ttft_p99_ms']} ms shed {a['shed_rate']:.0%} (answered max {a['shed_answer_max_ms']} ms) "
-            f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB")
+            f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB"
+            + "".join(f" {stage} limit {value:g}" for stage, value in row.get("limits", {}).items()))
 
 
 def main(argv=None) -> int:
@@ -159,6 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--encoder-queue", choices=ENCODER_QUEUES,
                         help="the encoder's Triton queue, over the topology's admission.encoder_queue (docs/results/"
                              "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
+    parser.add_argument("--first-token-target-ms", type=float,
+                        help="epd's generator gates follow their first tokens toward this, over the topology's "
+                             "admission.first_token_target_ms (0: fixed budgets; orchestrator.admission)")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
                         help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; under overload it "

@@ -6,20 +6,28 @@ from pathlib import Path
 
 
 def tables(results: dict) -> str:
+    target = results.get("first_token_target_ms") or 0
     head = (f"SLO: TTFT <= {results['slo_ms']} ms (light-load p50 {results['light_ttft_p50_ms']} ms); capacity "
             f"{results['capacity_rps']} req/s; {results['seconds']:g} s of arrivals per level; "
-            f"{results['high_share']:.0%} high priority\n\n")
+            f"{results['high_share']:.0%} high priority; epd's first-token target "
+            f"{f'{target:g} ms' if target else 'off (fixed budgets)'}\n\n")
     rows = ["| deployment | load | class | sent | served | goodput /s | TTFT p50 ms | TTFT p99 ms | shed | shed answered "
-            "p99 / max ms | expired | lost + hung | server RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "p99 / max ms | expired | lost + hung | server RSS MiB | gate limits after the level |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in results["runs"]:
         for cls in ("high", "low", "all"):
             s = run[cls]
             rows.append(f"| {run['model']} | {run['load']:g}x ({run['rate']:g}/s) | {cls} | {s['sent']} | {s['served']} | "
                         f"{s['goodput']:.2f} | {s['ttft_p50_ms']} | {s['ttft_p99_ms']} | {s['shed']} ({s['shed_rate']:.0%}) | "
                         f"{s['shed_answer_p99_ms']} / {s['shed_answer_max_ms']} | {s['expired']} | "
-                        f"{s['lost'] + s['hung']} | {run['rss_mib'] if cls == 'all' else ''} |")
+                        f"{s['lost'] + s['hung']} | {run['rss_mib'] if cls == 'all' else ''} | "
+                        f"{_limits(run) if cls == 'all' else ''} |")
     return head + "\n".join(rows) + "\n"
+
+
+def _limits(run: dict) -> str:
+    """The generator gates' limits read after the level (``first_token_target_ms``; empty: fixed budgets)."""
+    return ", ".join(f"{stage} {value:g}" for stage, value in run.get("limits", {}).items())
 
 
 def _run(results: dict, model: str, load: float) -> dict | None:

@@ -18,13 +18,16 @@ IDENTITY = Identity("m", "p")
 
 class Observer:
     def __init__(self):
-        self.admissions, self.sheds = [], []
+        self.admissions, self.sheds, self.limits = [], [], []
 
     def admitted(self, stage, priority, waited_seconds):
         self.admissions.append((stage, priority, waited_seconds))
 
     def shed(self, stage, priority, reason):
         self.sheds.append((stage, priority, reason))
+
+    def limited(self, stage, limit):
+        self.limits.append((stage, limit))
 
 
 async def hold(gate: Gate, seconds: float, priority: int = 0, deadline=None, order=None, name=None, cost=Cost()):
@@ -204,9 +207,11 @@ def test_deadlines_parse_as_absolute_times():
 def test_the_budgets_of_an_orchestrator_come_from_its_settings():
     admission = Admission(AdmissionBudgets(encoder_items_in_flight=3, encoder_bytes_in_flight=10,
                                            generator_requests_in_flight=4, decode_requests_in_flight=5,
-                                           max_queue_ms=250))
+                                           max_queue_ms=250, first_token_target_ms=150))
     assert admission.encoder.budget == Budget(3, 10) and admission.encoder.max_queue == 0.25
     assert [admission.generator(s).budget.units for s in ("pd", "prefill", "decode")] == [4, 4, 5]
+    assert [admission.generator(s).target for s in ("pd", "prefill", "decode")] == [0.15] * 3
+    assert admission.encoder.target == 0  # the encoder's budget stays fixed
     assert not Admission().encoder.budget.bounded
 
 
@@ -310,3 +315,89 @@ def test_time_in_a_stage_does_not_count_against_the_wait_allowed_at_the_next_gat
         return allowance.left
     left = asyncio.run(main())
     assert 0.05 < left < 0.12
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def adaptive(budget: int = 8, target: float = 0.1, observer=None) -> tuple[Gate, Clock]:
+    clock = Clock()
+    return Gate("pd", Budget(units=budget), clock=clock, first_token_target=target, observer=observer), clock
+
+
+def test_a_late_first_token_cuts_the_limit_once_per_round_and_never_below_one():
+    observer = Observer()
+    gate, clock = adaptive(observer=observer)
+    gate.units = 4  # others in flight
+    assert gate.units_limit == 8
+    gate.first_token(admitted=clock.now - 0.5, seconds=0.5)  # late: 8 -> 6
+    assert gate.units_limit == 6 and observer.limits == [("pd", 6)]  # the gauge's value
+    gate.first_token(admitted=clock.now - 0.4, seconds=0.4)  # let in before the cut, under the old limit: no cut
+    assert gate.units_limit == 6
+    clock.now += 1
+    for _ in range(20):  # each let in after the last cut
+        clock.now += 0.01
+        gate.first_token(admitted=clock.now - 0.001, seconds=0.3)
+    assert gate.units_limit == 1 and gate.limit == 1.0
+
+
+def test_a_late_first_token_alone_in_the_stage_does_not_cut():
+    gate, clock = adaptive()
+    gate.units = 1  # itself: the limit is not why it was late
+    gate.first_token(admitted=clock.now, seconds=5.0)
+    assert gate.units_limit == 8
+
+
+def test_timely_first_tokens_raise_the_limit_by_one_per_limits_worth_up_to_the_budget():
+    gate, clock = adaptive(budget=8)
+    gate.limit = 4.0
+    for _ in range(4):
+        gate.first_token(admitted=clock.now, seconds=0.05)
+    assert gate.units_limit == 4 and gate.limit == pytest.approx(4.0 + 1 / 4 + 1 / 4.25 + 1 / 4.485 + 1 / 4.708, rel=1e-3)
+    for _ in range(200):
+        gate.first_token(admitted=clock.now, seconds=0.05)
+    assert gate.units_limit == 8 and gate.limit == 8.0
+
+
+def test_without_a_target_the_budget_is_the_limit():
+    gate = Gate("pd", Budget(units=8))
+    gate.units = 4
+    gate.first_token(admitted=0.0, seconds=100.0)
+    assert gate.units_limit == 8
+
+
+def test_the_gate_lets_in_what_its_limit_allows_and_the_waiters_when_it_grows():
+    async def main():
+        gate, clock = adaptive(budget=4)
+        gate.limit = 1.0
+        holders = [asyncio.create_task(hold(gate, 0.05)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        first = gate.units, gate.waiting  # one in, two waiting
+        gate.first_token(admitted=clock.now, seconds=0.01)  # timely: 1 -> 2, one more let in at once
+        second = gate.units, gate.waiting
+        await asyncio.gather(*holders)
+        return first, second
+    assert asyncio.run(main()) == ((1, 2), (2, 1))
+
+
+def test_the_orchestrators_generator_gate_hears_each_requests_first_token():
+    class Slow(FakeStages):
+        async def generate(self, inputs, stage=None):
+            await asyncio.sleep(0.05)  # a first token later than the target
+            async for chunk in super().generate(inputs, stage):
+                yield chunk
+
+    async def main():
+        admission = Admission(AdmissionBudgets(generator_requests_in_flight=8, first_token_target_ms=20))
+        orchestrator = Orchestrator(Slow(), IDENTITY, RequestLimits(), admission=admission)
+        outcomes = await asyncio.gather(*(orchestrator.run(RawGenerateInputs(prompt="x"), FakeSink())
+                                          for _ in range(4)))
+        return outcomes, admission.generator("pd")
+    outcomes, gate = asyncio.run(main())
+    assert outcomes == [Outcome.OK] * 4
+    assert gate.units_limit == 6 and gate.units == 0  # one cut: the four were let in under the first limit

@@ -3,7 +3,7 @@ per class, the checks against the issue's targets, and the rendering of the topo
 from pathlib import Path
 
 from backend.deploy.topology import load
-from clients.bench.overload import render_both
+from clients.bench.overload import limits_of, render_both
 from clients.bench.overload_load import Fate, summary
 from clients.bench.overload_table import checks, plot, tables
 
@@ -40,6 +40,10 @@ def test_the_checks_read_the_targets_from_the_runs(tmp_path):
     assert "- epd: goodput at 2x / the peak of any run = 0.95" in text and "at 0.5x = 1.40" in text
     assert "slowest shed answer at 2x 30.0 ms" in text and "- epd_open: goodput at 2x / the peak of any run = 0.10" in text
     assert tables(results).count("\n| epd") == 15  # 5 runs x (high, low, all)
+    assert "first-token target off (fixed budgets)" in tables(results)
+    results["first_token_target_ms"] = 150
+    results["runs"][1]["limits"] = {"pd": 7.0}
+    assert "first-token target 150 ms" in tables(results) and "| 100 | pd 7 |" in tables(results)
     plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
@@ -67,3 +71,13 @@ def test_with_the_endpoint_in_process_each_orchestrator_serves_openai_on_a_port_
     for model, port in (("epd", 7001), ("epd_open", 7002)):
         assert f'key: "openai_port" value: {{ string_value: "{port}" }}' in (tmp_path / model / "config.pbtxt").read_text()
     assert "openai_port" not in (tmp_path / "pd" / "config.pbtxt").read_text()
+
+
+def test_the_gates_limits_are_read_from_the_metrics_by_model_and_stage():
+    text = ('# HELP epd_admission_limit ...\n'
+            'epd_admission_limit{instance="epd_0",model="epd",stage="pd"} 7\n'
+            'epd_admission_limit{instance="epd_0",model="epd",stage="decode"} 12\n'
+            'epd_admission_limit{instance="o_0",model="epd_open",stage="pd"} 3\n'
+            'epd_admission_total{model="epd",stage="pd"} 5\n')
+    assert limits_of(text, "epd") == {"pd": 7.0, "decode": 12.0}
+    assert limits_of(text, "epd_disagg") == {}

@@ -350,11 +350,13 @@ def test_demand_aware_with_several_consumer_instances_is_fine_for_the_colocated_
 def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority_levels_everywhere(tmp_path):
     doc = {**BASE, "serve": ["baseline", "E+PD", "E/P/D"],
            "stages": {"encoder": {}, "pd": {}, "prefill": {}, "decode": {}, "llm": {}, "epd": {}},
-           "admission": {"priority_levels": 2, "encoder_items_in_flight": 4, "max_queue_ms": 500}}
+           "admission": {"priority_levels": 2, "encoder_items_in_flight": 4, "max_queue_ms": 500,
+                         "first_token_target_ms": 150}}
     files = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))
     for model in ("epd", "epd_disagg"):
         for line in ('key: "encoder_items_in_flight" value: { string_value: "4" }',
                      'key: "max_queue_ms" value: { string_value: "500" }',
+                     'key: "first_token_target_ms" value: { string_value: "150" }',
                      'key: "priority_levels" value: { string_value: "2" }'):
             assert line in files[f"{model}/config.pbtxt"], (model, line)
     for model in ("llm", "pd", "prefill", "decode"):
@@ -383,6 +385,7 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     ({"encoder_items_in_flight": -1}, "admission.encoder_items_in_flight: expected an integer >= 0"),
     ({"decode_requests_in_flight": 1.5}, "admission.decode_requests_in_flight: expected an integer >= 0"),
     ({"max_queue_ms": "1s"}, "admission.max_queue_ms: expected a number of ms >= 0"),
+    ({"first_token_target_ms": -5}, "admission.first_token_target_ms: expected a number of ms >= 0"),
     ({"encoder_queue": "lifo"}, "admission.encoder_queue: expected one of priority, fifo"),
     ([1], "admission: expected a mapping"),
 ])

@@ -72,6 +72,19 @@ def test_final_response_timings_are_observed(pb, request_metrics):
     assert pb.series("epd_held_bytes", **LABELS).value == 4096
 
 
+def test_admission_counts_and_the_gates_limit_reach_triton(pb, request_metrics):
+    request_metrics.admitted("pd", 0, 0.02)
+    request_metrics.shed("pd", 1, "budget")
+    request_metrics.limited("pd", 12)
+    request_metrics.limited("pd", 9)  # a gauge: the last
+    request_metrics.close()
+    assert pb.series("epd_admission_total", **LABELS, stage="pd", priority="0", outcome="admitted").value == 1
+    assert pb.series("epd_admission_total", **LABELS, stage="pd", priority="1", outcome="shed_budget").value == 1
+    assert pb.series("epd_admission_wait_seconds", **LABELS, stage="pd", priority="0").observations == [0.02]
+    assert pb.families["epd_admission_limit"] == pb.MetricFamily.GAUGE
+    assert pb.series("epd_admission_limit", **LABELS, stage="pd").value == 9
+
+
 def test_the_sink_times_first_text_and_final_response(pb, request_metrics):
     sink = TritonSink(generate_request().get_response_sender(), timer=request_metrics)
     sink.send(ResponseChunk(""), final=False)  # no text yet: not the first text
