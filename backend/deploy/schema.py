@@ -45,8 +45,9 @@ TIER_DEFAULTS = {"bytes": 0, **{k.removeprefix("tier_"): v for k, v in defaults(
 # demand-aware encoding at the orchestrators (docs/tier.md); no block: off
 REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "session_bytes", "session_kv_bytes"),
                   **defaults(RoutingSettings, "demand_aware")}
-# admission: {priority_levels, <stage>_in_flight budgets, max_queue_ms}: the orchestrators' admission by budget and the
-# priority classes every model takes (AdmissionBudgets, PrioritySettings; ensemble.admission); no block: no budgets
+# admission: {priority_levels, <stage>_in_flight budgets, max_queue_ms, first_token_target_ms}: the orchestrators'
+# admission by budget and the priority classes every model takes (AdmissionBudgets, PrioritySettings;
+# orchestrator.admission); no block: no budgets
 # the admission settings the orchestrators take as model parameters (RoutingSettings' fields of those names)
 ADMISSION_PARAMETERS = ("priority_levels", "encoder_items_in_flight", "encoder_bytes_in_flight",
                         "generator_requests_in_flight", "decode_requests_in_flight", "max_queue_ms",

@@ -146,7 +146,7 @@ class EncoderSettings(MediaSettings):
 
 @dataclass(frozen=True)
 class AdmissionBudgets:
-    """An orchestrator's admission (``ensemble.admission``): what may be in flight at each stage at once (0: no bound)
+    """An orchestrator's admission (``orchestrator.admission``): what may be in flight at each stage at once (0: no bound)
     and the longest a request waits for one (0: until its deadline)."""
 
     encoder_items_in_flight: int = 0

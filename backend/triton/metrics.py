@@ -155,7 +155,7 @@ class RequestMetrics:
 
     @_unless_closed
     def admitted(self, stage: str, priority: int, waited_seconds: float) -> None:
-        """``ensemble.admission.AdmissionObserver``: a request let in to ``stage`` after ``waited_seconds``."""
+        """``orchestrator.admission.AdmissionObserver``: a request let in to ``stage`` after ``waited_seconds``."""
         key = (stage, priority)
         with self._seen_lock:
             if key not in self._waits:
@@ -166,12 +166,12 @@ class RequestMetrics:
 
     @_unless_closed
     def shed(self, stage: str, priority: int, reason: str) -> None:
-        """``ensemble.admission.AdmissionObserver``: a request refused at ``stage`` (``reason``: budget, queue, deadline)."""
+        """``orchestrator.admission.AdmissionObserver``: a request refused at ``stage`` (``reason``: budget, queue, deadline)."""
         self._batch.add(self._admission_metric(stage, priority, f"shed_{reason}"), 1)
 
     @_unless_closed
     def limited(self, stage: str, limit: int) -> None:
-        """``ensemble.admission.AdmissionObserver``: ``stage``'s gate lets in ``limit`` requests at once now."""
+        """``orchestrator.admission.AdmissionObserver``: ``stage``'s gate lets in ``limit`` requests at once now."""
         with self._seen_lock:
             if stage not in self._limits:
                 self._limits[stage] = self._limits_family.Metric(labels={**self._labels, "stage": stage})
