@@ -5,18 +5,20 @@
     python -m clients.plan.measure --topology topologies/checkpoint-gpu.yaml --checkpoint CKPT --compile --out P.json
 
 A deployment whose engines run on a GPU (``--topology``'s pd stage, or ``--kind gpu`` with ``--url``) is profiled by
-``clients.plan.measure_gpu`` (wall times of its encoders and engine). On a CPU, every line is CPU work, per process, so the simulator's sharing of the cores makes the waits (a wall time measured
-under load would count them twice). Phases of requests, one at a time (no contention), each on fresh images: text
-only; one image at four sizes; four images a request; one video; a longer answer. Read per phase: the CPU of each process of the server's group (``proc_cpu``: ``stub
-encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``, the load generator), vLLM's prompt tokens
-(``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings`` (``transfer_ms``, ``transfer_bytes``). Fitted
-(``fit``): encoder item and batch lines, media tokens per item, prefill and decode steps, the stub's, orchestrator's
-and client's per request and per streamed token, the same-host pull. Not measured here: the cross-host (NIXL) pull and
-E/P/D's KV pull (``derived`` says where they come from). Then the by-load step (``with_by_load``, validate's too):
-every process's CPU per request and per token by load (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short
-and long answers): the profile's ``by_load`` rows, the decode step by batch fitted through the engine's, the stub's
-send interval at each load; and the calibration on the load-1 phase's TTFT with the background measured during it:
-``before_first_token`` and ``hop``, what light-load TTFT has beyond the CPU work (the gRPC hops' latency).
+``clients.plan.measure_gpu`` (wall times of its encoders and engine). On a CPU, every line is CPU work, per process,
+so the simulator's sharing of the cores makes the waits (a wall time measured under load would count them twice).
+Phases of requests (``clients.plan.phases``), one at a time (no contention), each on fresh images: text only; one
+image at four sizes; four images a request; one video; a longer answer. Read per phase: the CPU of each process of
+the server's group (``proc_cpu``: ``stub encoder``, ``EngineCore pd``, ``stub pd``, ``stub epd`` + ``tritonserver``,
+the load generator), vLLM's prompt tokens (``epd_vllm_prompt_tokens_total``), the orchestrator's ``timings``
+(``transfer_ms``, ``transfer_bytes``). Fitted (``fit``): encoder item and batch lines, media tokens per item, prefill
+and decode steps, the stub's, orchestrator's and client's per request and per streamed token, the same-host pull.
+Not measured here: the cross-host (NIXL) pull and E/P/D's KV pull (``derived`` says where they come from). Then the
+by-load step (``with_by_load``, validate's too): every process's CPU per request and per token by load
+(``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short and long answers): the profile's ``by_load`` rows, the
+decode step by batch fitted through the engine's, the stub's send interval at each load; and the calibration on the
+load-1 phase's TTFT with the background measured during it: ``before_first_token`` and ``hop``, what light-load TTFT
+has beyond the CPU work (the gRPC hops' latency).
 """
 from __future__ import annotations
 
