@@ -120,7 +120,7 @@ def measure(session: Session, repeat: int, name: str, checkpoint: Path | None = 
     engine_args = dict(served.engine_args)
     kv = kv_bytes_per_token(checkpoint, engine_args.get("dtype", "bfloat16"))
     doc = {"name": name, "kind": "gpu", "cores": 0, "device": device_name(), "checkpoint": str(checkpoint or ""),
-           "measured": time.strftime("%Y-%m-%d %H:%M"), **measured,
+           "measured": time.strftime("%Y-%m-%d %H:%M"), **measured, "encoder_instances_share_device": True,
            "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "across hosts, assumed RDMA at 12 GB/s (1 ms + 0.08 ms/MiB): not measured",
                        "kv_transfer": "assumed equal to the same-host embedding pull (CUDA IPC): E/P/D not run",

@@ -34,8 +34,10 @@ SLICE = 16
 MEDIA_PART = "engine_media_share"  # profile: the share of the media's encoding a baseline engine does in its steps
 
 
-def demands(profile: Profile, workload: Workload, max_seqs: int) -> dict[str, float]:
-    """Seconds of a replica's time per request, per stage, at the engines' full batch (the workload's mean)."""
+def demands(profile: Profile, workload: Workload, max_seqs: int, encoder_instances: int = 1) -> dict[str, float]:
+    """Seconds of a replica's time per request, per stage, at the engines' full batch (the workload's mean); the
+    encoder's per instance, which takes ``encoder_instances`` times its line where the instances share one device
+    (``Profile.encoder_device_shared``: each gets its share of it)."""
     requests = workload.draw()[:200]
     n = len(requests)
     encode = sum(sum(profile.encode_ms(i) for i in r.items) + (profile.line("encoder.batch").at(len(r.items))
@@ -45,7 +47,8 @@ def demands(profile: Profile, workload: Workload, max_seqs: int) -> dict[str, fl
     per_token = profile.step_ms(0, max_seqs, 0) / max_seqs
     prefill = profile.step_ms(round(prompt), 0, 0)
     share = float(profile.doc.get(MEDIA_PART, 1.0))
-    return {k: v / 1000.0 for k, v in {"encoder": encode, "pd": prefill + output * per_token, "prefill": prefill,
+    sharing = encoder_instances if profile.encoder_device_shared else 1
+    return {k: v / 1000.0 for k, v in {"encoder": encode * sharing, "pd": prefill + output * per_token, "prefill": prefill,
                                          "decode": output * per_token,
                                          "llm": prefill + output * per_token + share * encode}.items()}
 
@@ -101,7 +104,7 @@ def plan(profile: Profile, workload: Workload, budget: int, goal: str = "goodput
     sliced = budget > SLICE and not profile.cores
     factor = budget / SLICE if sliced else 1.0
     small = workload.with_load(rate=workload.rate / factor) if sliced and workload.process == "poisson" else workload
-    need = demands(profile, small, base.max_num_seqs)
+    need = demands(profile, small, base.max_num_seqs, base.encoder_instances)
     pool = candidates(SLICE if sliced else budget, list(splits), base)
     if goal == "hardware":
         pool.sort(key=lambda c: (c.devices(), -capacity(c, need)))

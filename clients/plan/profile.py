@@ -24,6 +24,10 @@ the stub and the engine), read between rows on a log scale, held beyond the ends
 per-request lines above and the engine's prefill and decode lines (``cost``).
 ``engine_args`` (optional): the vLLM engine arguments its engines ran with (``measure`` records the served
 topology's); ``kv_cache_bytes`` (optional): an engine's KV cache; both go into the planned topology (``engine_args``).
+``encoder_instances_share_device`` (optional; measured GPU profiles: true): an encoder replica's instances are
+processes on one device, which time-slices their batches (the encoder lines are one instance's time alone);
+without it each instance works in parallel at its line's time (a CPU profile, where the cores are what they share, or
+the derived GPU profile, whose line is one instance's time with four busy).
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
 the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
@@ -86,6 +90,11 @@ class Profile:
         """The share of the client's, orchestrator's and stub's per-request work done before the first token (the
         rest after the last: final response, accounting); 1 where not fitted."""
         return float(self.doc.get("before_first_token", 1.0))
+
+    @property
+    def encoder_device_shared(self) -> bool:
+        """An encoder replica's instances share its one device (``encoder_instances_share_device``)."""
+        return bool(self.doc.get("encoder_instances_share_device", False))
 
     @property
     def frontend_threads(self) -> int:

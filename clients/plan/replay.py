@@ -7,7 +7,9 @@ Reads ``validation.json`` and ``profile-<topology>.json`` (``clients.plan.valida
 every repetition again on its recorded background (the simulator is deterministic: the figures equal the recorded
 ones, which is checked), and prints per row the medians over the repetitions, measured against predicted: the
 orchestrator's encoder call (``encode_ms``), its first chunk (measured: from its start; predicted: the engine's first
-token, from the client's send) and the client's TTFT.
+token, from the client's send) and the client's TTFT; then the validation's own table with these predictions
+(``--out FILE``: also written there), which differs from the run's where the model changed since (the drift line
+says by how much; exit status 1).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from clients.plan import profile as profiles
 from clients.plan.loads import WINDOW
 from clients.plan.simulate import Layout
+from clients.plan import validate
 from clients.plan.validate import COMMAND, FIGURES, arguments, layouts, predict
 
 
@@ -47,7 +50,10 @@ def replay_row(row: dict, profile, args) -> dict:
     drift = max(abs(p[key] - rep["predicted"][key]) / max(abs(rep["predicted"][key]), 1e-9)
                 for p, rep in zip(predicted, row["repeats"]) for key in FIGURES)
     measured = [rep.get("stages_p50_ms", {}) for rep in row["repeats"]]
+    again = [{**rep, "predicted": {k: p[k] for k in FIGURES}, "utilisation": p["utilisation"]}
+             for p, rep in zip(predicted, row["repeats"])]
     return {"topology": row["topology"], "c": row["concurrency"], "drift": drift,
+            "row": validate.compare(row["topology"], row["concurrency"], again, layout),
             "encode": (_median([m.get("encode_ms") for m in measured]), _median([p["encode_p50_ms"] for p in predicted])),
             "first": (_median([m.get("first_chunk_ms") for m in measured]),
                       _median([p["emitted_p50_ms"] for p in predicted])),
@@ -66,11 +72,17 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
     parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
-    run = parser.parse_args(argv).run
+    parser.add_argument("--out", type=Path, help="write the validation's table with these predictions here")
+    given = parser.parse_args(argv)
+    run = given.run
     doc = json.loads((run / "validation.json").read_text())
     args = run_arguments(doc["command"])
     rows = [replay_row(row, profiles.load(run / f"profile-{row['topology']}.json"), args) for row in doc["rows"]]
     print(table(rows))
+    again = validate.table([r["row"] for r in rows])
+    print(again)
+    if given.out:
+        given.out.write_text(again + "\n")
     worst = max(r["drift"] for r in rows)
     print(f"largest difference from the recorded predictions: {worst:.1%}")
     return 0 if worst < 1e-6 else 1

@@ -45,7 +45,7 @@ def cell(profile, workload, budget: int, simulate: int) -> dict:
                          "need a GPU profile")
     orchestrators = max(1, math.ceil(min(budget, SLICE) / 8))
     base = Layout(orchestrators=orchestrators, encoder_instances=4, transfer_path="nixl")
-    need = demands(profile, workload, base.max_num_seqs)
+    need = demands(profile, workload, base.max_num_seqs, base.encoder_instances)
     best = max(capacity(c, need) for c in candidates(min(budget, SLICE), ["E+PD", "E/P/D", "llm"], base))
     rate = LOAD * best * budget / min(budget, SLICE)
     scaled = workload.with_load(rate=rate)

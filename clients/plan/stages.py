@@ -57,11 +57,14 @@ class Process(Busy):
 
 class Encoder(Busy):
     """One encoder replica: ``instances`` instances taking batches of up to ``max_batch`` queued items (after
-    ``delay_ms``, Triton's ``max_queue_delay``), each batch ``encoder.batch`` plus its items' times."""
+    ``delay_ms``, Triton's ``max_queue_delay``), each batch ``encoder.batch`` plus its items' times. Where the
+    profile's instances share their replica's device (``Profile.encoder_device_shared``: a GPU's), their batches share
+    it as a core is shared (``resources.Cores`` of one: n batches at once each go at 1/n of the speed, as processes
+    time-slice a GPU)."""
 
     def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, instances: int = 1,
                  max_batch: int = 32, delay_ms: float = 2.0):
-        super().__init__(env, cores)
+        super().__init__(env, Cores(env, 1) if profile.encoder_device_shared else cores)
         self.profile = profile
         self.queue = simpy.Store(env)
         self.max_batch, self.delay = max_batch, delay_ms / 1000.0

@@ -1,5 +1,7 @@
 """The planner (clients.plan.planner, emit) on cases computed by hand: the analytic capacity of a layout, the split it
 picks when one stage is the bottleneck, and the topology and Kubernetes base it writes (the project's own loaders)."""
+from pathlib import Path
+
 import pytest
 
 from clients.plan.planner import candidates, capacity, demands, plan
@@ -126,3 +128,15 @@ def test_the_written_topology_serves_with_the_engine_args_the_plan_assumed(tmp_p
     args = load(tmp_path / "cpu" / "topology.yaml", "cpu").engine_args
     assert args == {**ENGINE_DEFAULTS, "max_num_seqs": 4}
     assert "default kv_cache_memory_bytes" in plain["targets"]["pd"]["from"]
+
+
+def test_a_replay_of_the_gpu_run_gives_its_repredicted_table(tmp_path, capsys):
+    """The GPU validation run (docs/planning.md) predicted again from its files: the table docs cite
+    (``validation-repredicted.md``) is what the simulator gives now, and the drift from the run's own predictions
+    (made before the encoder's instances shared their device) is reported with exit status 1."""
+    from clients.plan.replay import main
+
+    run = Path(__file__).resolve().parents[2] / "docs" / "results" / "data" / "plan-gpu-2026-12-07"
+    assert main([str(run), "--out", str(tmp_path / "again.md")]) == 1
+    assert (tmp_path / "again.md").read_text() == (run / "validation-repredicted.md").read_text()
+    assert "largest difference from the recorded predictions" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The planner's simulator (clients.plan.simulate) on cases computed by hand: an M/D/1 queue against the
 Pollaczek-Khinchine mean wait, a single request walking a pipeline of constant stages, processor sharing of the cores,
-admission refusing what cannot start in time."""
+admission refusing what cannot start in time, encoder instances sharing one device."""
 import math
 
 import pytest
@@ -8,8 +8,10 @@ import simpy
 
 from clients.plan.profile import Line, Profile
 from clients.plan.resources import Cores
+from clients.plan.planner import capacity, demands
 from clients.plan.simulate import Layout, Simulation, simulate
-from clients.plan.workload import parse
+from clients.plan.stages import Encoder
+from clients.plan.workload import Item, parse
 
 
 def profile(**lines) -> Profile:
@@ -195,3 +197,32 @@ def test_a_busy_stub_merges_the_steps_it_has_not_sent_yet():
     result = simulate(Layout(split="E+PD"), profile(**costs), workload("closed", 1, output=7, concurrency=1))
     assert result["ttft_p50_ms"] == pytest.approx(3.9)
     assert result["e2e_p50_ms"] == pytest.approx(15.5)  # one response a token: 1 + 7 x 2.9 = 21.3
+
+
+@pytest.mark.parametrize("shared, expected_ms", [(False, [10.0, 10.0]), (True, [20.0, 20.0])])
+def test_encoder_instances_on_one_device_share_it(shared, expected_ms):
+    # two instances, two single items at once (no batching delay, batches of one): apart each takes its 10 ms; on one
+    # shared device (a GPU's instances, time-sliced) both go at half the speed
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_instances_share_device": shared}
+    env = simpy.Environment()
+    encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
+    done = []
+
+    def one():
+        yield from encoder.encode(Item("image", width=100, height=100))
+        done.append(env.now * 1000)
+    env.process(one())
+    env.process(one())
+    env.run()
+    assert done == pytest.approx(expected_ms)
+
+
+def test_the_planners_encoder_demand_counts_the_instances_sharing_a_device():
+    doc = profile(encoder__image=(10.0, 0.0)).doc
+    load = workload("closed", 10, images=1, concurrency=1)
+    apart = demands(Profile(doc), load, 32, encoder_instances=4)
+    shared = demands(Profile({**doc, "encoder_instances_share_device": True}), load, 32, encoder_instances=4)
+    assert apart["encoder"] == pytest.approx(0.010) and shared["encoder"] == pytest.approx(0.040)
+    layout = Layout(split="E+PD", encoders=1, encoder_instances=4)
+    # four instances sharing one device serve as one: 100 requests/s, not 400 (pd costs nothing here)
+    assert capacity(layout, apart) == pytest.approx(400) and capacity(layout, shared) == pytest.approx(100)
