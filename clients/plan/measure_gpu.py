@@ -19,7 +19,9 @@ flight. Fitted:
   (``phases.shared_lines``), each process on cores of its own (``cores`` 0: the host's cores do not make the stages
   wait for each other);
 - ``hop`` and ``before_first_token``: the one-448-px-image phase's TTFT against the simulated light load
-  (``phases.calibrate``).
+  (``phases.calibrate``);
+- ``encoder_instances_share_device``: the encoder's instances are processes on the one GPU, which time-slices them
+  (the simulator shares the device among their batches; docs/planning.md, "Checked against a measured run (GPU)").
 Not measured, and labelled so in ``derived``: the cross-host pull, E/P/D's KV pull.
 """
 from __future__ import annotations
