@@ -31,7 +31,7 @@ from clients.bench.report import percentile, summarise
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan import measure_gpu
-from clients.plan.deployments import DEPLOYMENTS, served_arguments
+from clients.plan.deployments import DEPLOYMENTS, served_arguments, served_topology
 from clients.plan.measure import with_by_load
 from clients.plan.phases import Session
 from clients.plan.profile import Profile
@@ -50,8 +50,6 @@ def measured_profile(served, base: Profile | None, layout: Layout, long: int) ->
     if served.device == "gpu":
         name = f"gpu-{(served.checkpoint or Path('checkpoint')).name}"
         return Profile(measure_gpu.measure(Session(served), 16, name, served.checkpoint)).check()
-    if base is None:
-        raise SystemExit("validate: --profile is needed for a CPU deployment")
     doc = {k: v for k, v in base.doc.items() if k != "cpu_ms_per_request"}
     return Profile(with_by_load(doc, served, layout, long)).check()
 
@@ -173,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats: 1 or more; --deployments: of {', '.join(DEPLOYMENTS)}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    if args.profile is None and not args.measure_profile:
-        parser.error("--profile, or --measure-profile on a GPU deployment")
+    if args.profile is None and not (args.measure_profile and chosen == ["single"]
+                                     and served_topology(args).stages["pd"].device == "gpu"):
+        parser.error("--profile is needed (without it: --measure-profile on a GPU deployment, single)")
     base, rows = (profiles.load(args.profile) if args.profile else None), []
     started, load = time.strftime("%F %T"), os.getloadavg()
     for name in chosen:

@@ -140,3 +140,13 @@ def test_a_replay_of_the_gpu_run_gives_its_repredicted_table(tmp_path, capsys):
     assert main([str(run), "--out", str(tmp_path / "again.md")]) == 1
     assert (tmp_path / "again.md").read_text() == (run / "validation-repredicted.md").read_text()
     assert "largest difference from the recorded predictions" in capsys.readouterr().out
+
+
+def test_validate_needs_a_profile_unless_it_measures_a_gpu_deployments_whole(capsys):
+    from clients.plan.validate import main
+
+    for argv in (["--deployments", "single"], ["--deployments", "single", "--measure-profile"]):  # a CPU topology
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+    assert "--profile is needed" in capsys.readouterr().err
