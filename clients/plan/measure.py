@@ -28,8 +28,9 @@ import os
 import time
 from pathlib import Path
 
+from backend.deploy.schema import TopologyError
 from clients.plan import measure_gpu
-from clients.plan.deployments import Served, grpc_run, served_arguments, single
+from clients.plan.deployments import Served, grpc_run, served_arguments, served_topology, single
 from clients.plan.phases import (LONG, SHORT, Session, calibrate, cpu_of, encoder_lines, images, shared_lines,
                                  video_phase)
 from clients.plan.profile import Line, Profile, fit, save
@@ -175,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url and not (args.metrics and args.pid):
         parser.error("--url needs --metrics and --pid")
+    if not args.url:
+        try:
+            served_topology(args)
+        except TopologyError as err:
+            parser.error(str(err))
     doc = _profile(Session(_running(args)), args) if args.url else _serve(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save(Profile(doc).check(), args.out)

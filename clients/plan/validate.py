@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend.deploy.schema import TopologyError
 from clients.bench.load import synthetic_requests
 from clients.bench.replicas import WORKERS, _sizes
 from clients.bench.report import percentile, summarise
@@ -171,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats: 1 or more; --deployments: of {', '.join(DEPLOYMENTS)}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    if args.profile is None and not (args.measure_profile and chosen == ["single"]
-                                     and served_topology(args).stages["pd"].device == "gpu"):
+    try:
+        device = served_topology(args).stages["pd"].device if "single" in chosen else "cpu"
+    except TopologyError as err:
+        parser.error(str(err))
+    if args.profile is None and not (args.measure_profile and chosen == ["single"] and device == "gpu"):
         parser.error("--profile is needed (without it: --measure-profile on a GPU deployment, single)")
     base, rows = (profiles.load(args.profile) if args.profile else None), []
     started, load = time.strftime("%F %T"), os.getloadavg()

@@ -150,3 +150,13 @@ def test_validate_needs_a_profile_unless_it_measures_a_gpu_deployments_whole(cap
             main(argv)
         assert exit_.value.code == 2
     assert "--profile is needed" in capsys.readouterr().err
+
+
+def test_a_topology_the_machine_cannot_serve_is_a_clear_error_before_any_server(capsys):
+    from clients.plan import measure, validate
+
+    for main, argv in ((validate.main, ["--deployments", "single", "--measure-profile"]), (measure.main, ["--out", "x"])):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--topology", "topologies/checkpoint-gpu.yaml", "--machine", "cpu"])
+        assert exit_.value.code == 2
+        assert "stages.decode.device: gpu asked for" in capsys.readouterr().err
