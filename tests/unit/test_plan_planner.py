@@ -157,6 +157,7 @@ def test_a_topology_the_machine_cannot_serve_is_a_clear_error_before_any_server(
 
     for main, argv in ((validate.main, ["--deployments", "single", "--measure-profile"]), (measure.main, ["--out", "x"])):
         with pytest.raises(SystemExit) as exit_:
-            main([*argv, "--topology", "topologies/checkpoint-gpu.yaml", "--machine", "cpu"])
+            main([*argv, "--topology", str(Path(__file__).resolve().parents[2] / "topologies" / "checkpoint-gpu.yaml"),
+                  "--machine", "cpu"])
         assert exit_.value.code == 2
         assert "stages.decode.device: gpu asked for" in capsys.readouterr().err
