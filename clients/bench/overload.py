@@ -29,7 +29,7 @@ from pathlib import Path
 
 from backend.deploy.schema import ENCODER_QUEUES
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
-from clients.bench.report import percentile
+from clients.bench.report import parse_metrics, percentile
 
 SPLITS = ("E+PD", "E/P/D")  # the deployment measured: served alone, its orchestrator model is ``epd``
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
@@ -71,13 +71,8 @@ def admission_limits(metrics_url: str, model: str) -> dict[str, float]:
 
 
 def limits_of(text: str, model: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("epd_admission_limit{") and f'model="{model}"' in line:
-            labels, _, value = line[len("epd_admission_limit{"):].rpartition("} ")
-            stage = next(part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("stage="))
-            out[stage] = float(value)
-    return out
+    return {stage: value for (_, stage), value in
+            parse_metrics(text, "epd_admission_limit{", by="stage", where={"model": model}).items()}
 
 
 async def light_ttft(base: str, model: str, count: int, args) -> list[float]:

@@ -177,17 +177,22 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def parse_metrics(text: str, prefix: str = "epd_vllm_queue_time_") -> dict[tuple[str, str], float]:
-    """Prometheus text -> {(metric name, model label): value} for the metrics starting with ``prefix``, summed
-    over a model's instances (``instance`` label)."""
+def parse_metrics(text: str, prefix: str = "epd_vllm_queue_time_", by: str = "model",
+                  where: dict[str, str] | None = None) -> dict[tuple[str, str], float]:
+    """Prometheus text -> {(metric name, ``by`` label): value} for the metrics starting with ``prefix`` whose labels
+    match ``where``, summed over the other labels (a model's instances: ``instance``)."""
     out = {}
     for line in text.splitlines():
         if not line.startswith(prefix) or "{" not in line:
             continue
         name, rest = line.split("{", 1)
-        labels, _, value = rest.rpartition("} ")
-        model = next((part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("model=")), "")
-        out[(name, model)] = out.get((name, model), 0.0) + float(value)
+        body, _, value = rest.rpartition("} ")
+        labels = dict(part.split("=", 1) for part in body.split(",") if "=" in part)
+        labels = {key: label.strip('"') for key, label in labels.items()}
+        if any(labels.get(key) != wanted for key, wanted in (where or {}).items()):
+            continue
+        key = (name, labels.get(by, ""))
+        out[key] = out.get(key, 0.0) + float(value)
     return out
 
 

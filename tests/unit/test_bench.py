@@ -187,3 +187,15 @@ def test_ttft_is_the_first_streamed_token_even_where_its_text_is_empty():
     assert sample.ttft < 0.15 and sample.latency >= 0.4
     one, _ = asyncio.run(_read_response(_stream([_Result("all", True, tokens=1)], [0.1]), time.perf_counter()))
     assert one.ttft == pytest.approx(one.latency, abs=0.01) and one.text == "all"  # one final response: the token too
+
+
+def test_metrics_are_read_by_any_label_and_filtered_by_others():
+    from clients.bench.report import parse_metrics
+
+    text = ('epd_admission_limit{instance="epd_0",model="epd",stage="pd"} 7\n'
+            'epd_admission_limit{instance="epd_1",model="epd",stage="pd"} 2\n'
+            'epd_admission_limit{instance="o_0",model="epd_open",stage="decode"} 3\n')
+    assert parse_metrics(text, "epd_admission_limit") == {("epd_admission_limit", "epd"): 9.0,
+                                                          ("epd_admission_limit", "epd_open"): 3.0}
+    assert parse_metrics(text, "epd_admission_limit", by="stage", where={"model": "epd_open"}) == {
+        ("epd_admission_limit", "decode"): 3.0}
