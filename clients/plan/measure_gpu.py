@@ -20,8 +20,11 @@ flight. Fitted:
   wait for each other);
 - ``hop`` and ``before_first_token``: the one-448-px-image phase's TTFT against the simulated light load
   (``phases.calibrate``);
-- ``encoder_instances_share_device``: the encoder's instances are processes on the one GPU, which time-slices them
-  (the simulator shares the device among their batches; docs/planning.md, "Checked against a measured run (GPU)").
+- ``encoder_device_share``: the encoder's instances are processes on the one GPU, which time-slices them, while
+  their host work (decode, preprocessing, launches) goes on in parallel: the share of an encoder call the device
+  takes, fitted (``fit_device_share``) by simulating the ``encoders`` phase (one 448 px image a request, as many in
+  flight as the encoder has instances) at shares from 0 to 1 against its measured encoder call (docs/planning.md,
+  "Checked against a measured run (GPU)").
 Not measured, and labelled so in ``derived``: the cross-host pull, E/P/D's KV pull.
 """
 from __future__ import annotations
@@ -32,8 +35,8 @@ import time
 from pathlib import Path
 
 from clients.bench.report import percentile
-from clients.plan.phases import LONG, Session, calibrate, encoder_lines, images, shared_lines, video_phase
-from clients.plan.profile import Line, fit
+from clients.plan.phases import LONG, SHORT, Session, calibrate, encoder_lines, images, shared_lines, video_phase
+from clients.plan.profile import Line, Profile, fit
 
 SIZES = (448, 672, 896)
 BATCHED = 448  # the four-image phase's, the light load's and the long answers' image
@@ -62,6 +65,7 @@ def warm_up(session: Session) -> None:
 
 
 def run_phases(session: Session, repeat: int) -> dict:
+    """Every phase (module docstring); ``encoders``: as many requests in flight as the encoder has instances."""
     warm_up(session)
     phases = {"text": session.phase(images(BATCHED, 0), repeat)}
     for size in SIZES:
@@ -71,6 +75,9 @@ def run_phases(session: Session, repeat: int) -> dict:
     phases["long"] = session.phase(images(BATCHED, tokens=LONG), repeat)
     for load in DECODE_LOADS:
         phases[f"decode{load}"] = session.phase(images(BATCHED, 0, LONG), max(repeat, 2 * load), concurrency=load)
+    instances = session.served.encoder_instances
+    phases["encoders"] = {**session.phase(images(BATCHED), max(repeat, 8 * instances), concurrency=instances),
+                          "concurrency": instances}
     return phases
 
 
@@ -82,7 +89,11 @@ def lines(phases: dict) -> dict:
                    if name in ("text", "batch4", "video") or name.startswith("image")])
     by_load = [[load, round(vllm_ms(phases[f"decode{load}"], "time_per_output_token"), 3)] for load in DECODE_LOADS]
     decode = fit([(load, ms) for load, ms in by_load])
-    return {"encoder": encoder, **shared_lines(phases, SIZES, f"image{BATCHED}"),
+    encoders = phases["encoders"]
+    return {"encoder": encoder, **shared_lines({k: v for k, v in phases.items() if k != "encoders"}, SIZES,
+                                               f"image{BATCHED}"),
+            "encoders_phase": {"concurrency": encoders["concurrency"], "requests": encoders["count"],
+                               "encode_p50_ms": round(_encode(encoders), 3)},
             "prefill": Line(max(0.0, prefill.base), max(0.0, prefill.slope)).as_dict(),
             "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_by_load": by_load,
             "decode_context": Line().as_dict(),
@@ -122,7 +133,7 @@ def measure(session: Session, repeat: int, name: str, checkpoint: Path | None = 
     engine_args = dict(served.engine_args)
     kv = kv_bytes_per_token(checkpoint, engine_args.get("dtype", "bfloat16"))
     doc = {"name": name, "kind": "gpu", "cores": 0, "device": device_name(), "checkpoint": str(checkpoint or ""),
-           "measured": time.strftime("%Y-%m-%d %H:%M"), **measured, "encoder_instances_share_device": True,
+           "measured": time.strftime("%Y-%m-%d %H:%M"), **measured,
            "kv_transfer": measured["transfer"]["shared_memory"],
            "derived": {"transfer.nixl": "across hosts, assumed RDMA at 12 GB/s (1 ms + 0.08 ms/MiB): not measured",
                        "kv_transfer": "assumed equal to the same-host embedding pull (CUDA IPC): E/P/D not run",
@@ -136,4 +147,27 @@ def measure(session: Session, repeat: int, name: str, checkpoint: Path | None = 
     if engine_args:
         doc["engine_args"] = engine_args
     layout = Layout(encoder_instances=served.encoder_instances, max_num_seqs=int(engine_args.get("max_num_seqs", 32)))
-    return calibrate(doc, layout, sizes=((BATCHED, BATCHED),))
+    return fit_device_share(calibrate(doc, layout, sizes=((BATCHED, BATCHED),)), layout)
+
+
+SHARES = tuple(i / 20 for i in range(21))
+
+
+def fit_device_share(doc: dict, layout) -> dict:
+    """``doc`` with the ``encoder_device_share`` (of ``SHARES``) whose simulated ``encoders`` phase (its
+    ``encoders_phase``: one image of ``BATCHED`` px a request, a closed loop at its concurrency) has the encoder call
+    nearest its measured one (the least of those equally near)."""
+    from clients.plan.simulate import simulate
+    from clients.plan.workload import closed
+
+    phase = doc["encoders_phase"]
+    workload = closed(phase["concurrency"], phase["requests"], round(doc["text_tokens"]), SHORT, ((BATCHED, BATCHED),))
+
+    def encode(share: float) -> float:
+        return simulate(layout, Profile({**doc, "encoder_device_share": share}), workload)["encode_p50_ms"]
+
+    simulated = {share: encode(share) for share in SHARES}
+    # the least of the shares equally near (below some share the instances' device parts seldom overlap)
+    best = min(SHARES, key=lambda share: (round(abs(simulated[share] - phase["encode_p50_ms"]), 2), share))
+    return {**doc, "encoder_device_share": best,
+            "encoders_phase": {**phase, "simulated_p50_ms": {str(k): round(v, 3) for k, v in simulated.items()}}}

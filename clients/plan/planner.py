@@ -36,8 +36,8 @@ MEDIA_PART = "engine_media_share"  # profile: the share of the media's encoding 
 
 def demands(profile: Profile, workload: Workload, max_seqs: int, encoder_instances: int = 1) -> dict[str, float]:
     """Seconds of a replica's time per request, per stage, at the engines' full batch (the workload's mean); the
-    encoder's per instance, which takes ``encoder_instances`` times its line where the instances share one device
-    (``Profile.encoder_device_shared``: each gets its share of it)."""
+    encoder's per instance: its line, or where the instances share one device for ``Profile.encoder_device_share`` of
+    it, ``encoder_instances`` times that part where the device is what limits the replica."""
     requests = workload.draw()[:200]
     n = len(requests)
     encode = sum(sum(profile.encode_ms(i) for i in r.items) + (profile.line("encoder.batch").at(len(r.items))
@@ -47,7 +47,8 @@ def demands(profile: Profile, workload: Workload, max_seqs: int, encoder_instanc
     per_token = profile.step_ms(0, max_seqs, 0) / max_seqs
     prefill = profile.step_ms(round(prompt), 0, 0)
     share = float(profile.doc.get(MEDIA_PART, 1.0))
-    sharing = encoder_instances if profile.encoder_device_shared else 1
+    device = profile.encoder_device_share
+    sharing = max(1.0 - device, device * encoder_instances)
     return {k: v / 1000.0 for k, v in {"encoder": encode * sharing, "pd": prefill + output * per_token, "prefill": prefill,
                                          "decode": output * per_token,
                                          "llm": prefill + output * per_token + share * encode}.items()}

@@ -24,10 +24,12 @@ the stub and the engine), read between rows on a log scale, held beyond the ends
 per-request lines above and the engine's prefill and decode lines (``cost``).
 ``engine_args`` (optional): the vLLM engine arguments its engines ran with (``measure`` records the served
 topology's); ``kv_cache_bytes`` (optional): an engine's KV cache; both go into the planned topology (``engine_args``).
-``encoder_instances_share_device`` (optional; measured GPU profiles: true): an encoder replica's instances are
-processes on one device, which time-slices their batches (the encoder lines are one instance's time alone);
-without it each instance works in parallel at its line's time (a CPU profile, where the cores are what they share, or
-the derived GPU profile, whose line is one instance's time with four busy).
+``encoder_device_share`` (optional, 0 to 1; measured GPU profiles: fitted by ``clients.plan.measure_gpu``): the
+share of an encoder batch's time that is its replica's device's, which time-slices its instances' batches (the encoder
+lines are one instance's time alone); the rest is the instance's own host work, done in parallel with the others'.
+0 (the default): each instance works in parallel at its line's time (a CPU profile, where the cores are what they
+share, or the derived GPU profile, whose line is one instance's time with four busy). The older
+``encoder_instances_share_device: true`` reads as a share of 1.
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
 the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
@@ -92,9 +94,12 @@ class Profile:
         return float(self.doc.get("before_first_token", 1.0))
 
     @property
-    def encoder_device_shared(self) -> bool:
-        """An encoder replica's instances share its one device (``encoder_instances_share_device``)."""
-        return bool(self.doc.get("encoder_instances_share_device", False))
+    def encoder_device_share(self) -> float:
+        """The share of an encoder batch's time its instances time-slice on their replica's one device
+        (``encoder_device_share``; 1 where the profile has ``encoder_instances_share_device: true``)."""
+        if "encoder_device_share" in self.doc:
+            return float(self.doc["encoder_device_share"])
+        return 1.0 if self.doc.get("encoder_instances_share_device") else 0.0
 
     @property
     def frontend_threads(self) -> int:
@@ -177,6 +182,13 @@ class Profile:
         for modality in self.doc.get("encoder", {}):
             if modality != "batch":
                 self.line(f"tokens.{modality}")
+        try:
+            share = self.encoder_device_share
+        except (TypeError, ValueError):
+            share = math.nan
+        if not 0.0 <= share <= 1.0:
+            raise ProfileError(f"encoder_device_share: {self.doc.get('encoder_device_share')!r} is not a number "
+                               f"from 0 to 1 (profile {self.name!r})")
         return self
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import simpy
 
-from clients.plan.profile import Line, Profile
+from clients.plan.profile import Line, Profile, ProfileError
 from clients.plan.resources import Cores
 from clients.plan.planner import capacity, demands
 from clients.plan.simulate import Layout, Simulation, simulate
@@ -217,6 +217,29 @@ def test_encoder_instances_on_one_device_share_it(shared, expected_ms):
     assert done == pytest.approx(expected_ms)
 
 
+def test_only_the_device_share_of_a_batch_is_time_sliced():
+    # share 0.4 of 10 ms: each instance's 6 ms of host work in parallel, then their 4 ms each on the one device at
+    # half the speed while both are there: both end at 6 + 8 = 14 ms
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_device_share": 0.4}
+    env = simpy.Environment()
+    encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
+    done = []
+
+    def one():
+        yield from encoder.encode(Item("image", width=100, height=100))
+        done.append(env.now * 1000)
+    env.process(one())
+    env.process(one())
+    env.run()
+    assert done == pytest.approx([14.0, 14.0])
+
+
+@pytest.mark.parametrize("share", [1.5, -0.1, "most"])
+def test_a_device_share_outside_0_to_1_is_named(share):
+    with pytest.raises(ProfileError, match="encoder_device_share: .* from 0 to 1"):
+        Profile({**profile().doc, "encoder_device_share": share}).check()
+
+
 def test_the_planners_encoder_demand_counts_the_instances_sharing_a_device():
     doc = profile(encoder__image=(10.0, 0.0)).doc
     load = workload("closed", 10, images=1, concurrency=1)
@@ -226,3 +249,8 @@ def test_the_planners_encoder_demand_counts_the_instances_sharing_a_device():
     layout = Layout(split="E+PD", encoders=1, encoder_instances=4)
     # four instances sharing one device serve as one: 100 requests/s, not 400 (pd costs nothing here)
     assert capacity(layout, apart) == pytest.approx(400) and capacity(layout, shared) == pytest.approx(100)
+    # a quarter of it on the device: four instances' quarters fill the device as their host parts fill them
+    # (max(0.75, 0.25 x 4) = 1 x the line); half: the device limits at 2 x
+    quarter = demands(Profile({**doc, "encoder_device_share": 0.25}), load, 32, encoder_instances=4)
+    half = demands(Profile({**doc, "encoder_device_share": 0.5}), load, 32, encoder_instances=4)
+    assert quarter["encoder"] == pytest.approx(0.010) and half["encoder"] == pytest.approx(0.020)
