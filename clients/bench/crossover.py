@@ -32,6 +32,7 @@ from pathlib import Path
 
 from clients.bench import proc_cpu, report as bench_report
 from clients.bench.load import run_concurrency, synthetic_requests
+from clients.bench.served import served_arguments, served_topology
 
 # (model on the server, topology mode), in the order driven per cell
 DEPLOYMENTS = (("llm", "baseline"), ("epd", "E+PD"))
@@ -201,14 +202,6 @@ def write(args, rows: list[dict]) -> str:
     return text
 
 
-def served_topology(args):
-    """``--topology``'s baseline and E+PD deployments with the run's engine and encoder settings (the rules of
-    ``side_by_side --eager/--compile/--image-preprocess``)."""
-    from clients.bench.side_by_side import run_topology
-
-    return run_topology(args).only(tuple(mode for _, mode in DEPLOYMENTS))
-
-
 def serve_and_run(args, crossover: Crossover) -> None:
     import tempfile
 
@@ -216,7 +209,7 @@ def serve_and_run(args, crossover: Crossover) -> None:
     from backend.deploy.render import render
 
     with tempfile.TemporaryDirectory(prefix="crossover-") as repo:
-        served = render(served_topology(args), Path(repo))
+        served = render(served_topology(args, tuple(mode for _, mode in DEPLOYMENTS)), Path(repo))
         with TritonServer(Path(repo), log_path=args.out / "server.log") as server:
             print(f"server ready in {server.ready_seconds:.1f} s ({', '.join(served)})", file=sys.stderr, flush=True)
             asyncio.run(crossover.run(server.grpc_url, server.proc.pid))
@@ -230,13 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", type=Path, default=ROOT / "topologies" / "default.yaml")
-    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory in the topology's place")
-    engines = parser.add_mutually_exclusive_group()
-    engines.add_argument("--compile", action="store_true", help="every engine compiled (enforce_eager: false)")
-    engines.add_argument("--eager", action="store_true", help="every engine eager (enforce_eager: true)")
-    parser.add_argument("--machine", choices=("cpu", "gpu"), help="the topology's machine kind (default: this one's)")
-    parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
-                        help="the encoder's image_preprocess laid over the topology's (gpu, nvjpeg: a GPU encoder)")
+    served_arguments(parser)
     parser.add_argument("--images", type=counts, default=[0, 1, 2, 4, 8], help="images per request, the rows")
     parser.add_argument("--max-tokens", type=counts, default=[16, 128, 512], help="output tokens, the columns")
     parser.add_argument("--image-sizes", default="448x448,672x672,896x896", help="synthetic images: WxH,...")

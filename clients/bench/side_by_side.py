@@ -46,6 +46,7 @@ from pathlib import Path
 from backend.deploy.local_server import ROOT
 from clients.bench import proc_cpu
 from clients.bench import side_client as client, side_profile as profile, side_stacks as stacks, side_table as table
+from clients.bench.served import overrides, served_arguments, served_topology
 
 ROWS = (*stacks.VLLM_STACKS, *stacks.OURS)
 INTERLEAVED = ("vllm-single", "llm", "vllm-e-pd", "epd", "vllm-e-p-d", "epd_disagg", "vllm-e-p-d-delay")
@@ -61,7 +62,7 @@ class Run:
 
     def __init__(self, args):
         self.args = args
-        self.topology = run_topology(args)
+        self.topology = served_topology(args)  # so every engine's, ours and vLLM's, gets --eager / --compile
         self.ours_topology = self.topology  # ours: the deployments of --colocated with their orchestrator colocated
         for mode in (m for m in args.colocated if m != DECODE):
             self.ours_topology = self.ours_topology.with_orchestrator("colocated", mode)
@@ -205,31 +206,6 @@ class Run:
                                 for mode in dict.fromkeys(MODES[row] for row in a.rows)}}
 
 
-def overrides(args) -> dict:
-    """Engine arguments laid over the topology's on both sides: ``--eager`` / ``--compile``."""
-    return {"enforce_eager": True} if args.eager else {"enforce_eager": False} if args.compile else {}
-
-
-def run_topology(args):
-    """``--topology`` for ``--machine``, with ``--checkpoint`` in its checkpoint's place and ``overrides`` laid over
-    its engine arguments (so over every engine's, ours and vLLM's)."""
-    from dataclasses import replace
-
-    from backend.deploy.topology import TopologyError, image_preprocess, load
-
-    topology = load(args.topology, machine=args.machine, checkpoint=args.checkpoint)
-    topology = replace(topology, engine_args={**topology.engine_args, **overrides(args)})
-    if args.image_preprocess is None:
-        return topology
-    encoder = topology.stages["encoder"]
-    try:  # the topology's own rule for the key (a GPU choice needs a GPU encoder)
-        chosen = image_preprocess({"image_preprocess": args.image_preprocess}, "--image-preprocess", "encoder",
-                                  encoder.device)
-    except TopologyError as err:
-        raise SystemExit(str(err)) from None
-    return replace(topology, stages={**topology.stages, "encoder": replace(encoder, image_preprocess=chosen)})
-
-
 def distinct(rows: list[dict]) -> str:
     """A line saying how many different answers the reference gave (equality with a model that ignored its image
     would prove nothing)."""
@@ -296,15 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--topology", type=Path, default=ROOT / "topologies" / "default.yaml",
                         help="engine settings of both sides, and the topology ours are rendered from")
-    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory in the topology's place")
-    parser.add_argument("--machine", choices=("cpu", "gpu"), help="the topology's machine kind (default: this one's)")
-    engines = parser.add_mutually_exclusive_group()
-    engines.add_argument("--eager", action="store_true", help="every engine of both sides eager (enforce_eager)")
-    engines.add_argument("--compile", action="store_true",
-                         help="every engine of both sides compiled, CUDA graphs (ours: the GPU encoder's tower too)")
-    parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
-                        help="ours' encoders' stages.encoder.image_preprocess laid over the topology's (gpu, nvjpeg: "
-                             "a GPU encoder; vLLM's encoder has no such choice)")
+    served_arguments(parser, eager_help="every engine of both sides eager (enforce_eager)",
+                     compile_help="every engine of both sides compiled, CUDA graphs "
+                                  "(ours: the GPU encoder's tower too)",
+                     image_preprocess_help="ours' encoders' stages.encoder.image_preprocess laid over the topology's "
+                                           "(gpu, nvjpeg: a GPU encoder; vLLM's encoder has no such choice)")
     parser.add_argument("--interleave", action="store_true",
                         help="run each of ours right after its vLLM counterpart (a run cut short keeps whole pairs)")
     parser.add_argument("--parallel-start", action="store_true",

@@ -2,8 +2,8 @@
 of requests against it, and the processes whose CPU is its own (the rest of the machine's busy time is background).
 ``clients.plan.measure`` profiles ``single`` (or a running server, as a ``Served`` of its own).
 
-``single``: one tritonserver serving E+PD (``--topology``, with ``served_arguments``' checkpoint, machine, engines
-and image preprocessing laid over it, as the side-by-side benchmark does; the client: gRPC streaming,
+``single``: one tritonserver serving E+PD (``--topology``, with ``clients.bench.served``'s checkpoint, machine,
+engines and image preprocessing laid over it, as the side-by-side benchmark does; the client: gRPC streaming,
 ``clients.bench.load``).
 ``hosts``: ``topologies/hosts-e-pd.yaml`` with ``--pd-replicas`` pd hosts, every host a network namespace of this
 machine with its own tritonserver (``tests.hosts_deploy``, as ``clients.bench.replicas`` starts it; the client: HTTP
@@ -11,7 +11,6 @@ from threads in a host of its own; embeddings over NIXL/UCX TCP). Needs root.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 from contextlib import contextmanager
@@ -19,28 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from clients.bench import served as bench_served
 from clients.bench.load import run_concurrency
 from clients.bench.replicas import check, closed_loop
 
 
-def served_arguments(parser) -> None:
-    """What ``single`` serves beyond ``--topology`` (``clients.bench.side_by_side.run_topology``'s arguments)."""
-    parser.add_argument("--checkpoint", type=Path, help="serve this checkpoint directory in the topology's place")
-    parser.add_argument("--machine", choices=("cpu", "gpu"), help="the topology's machine kind (default: this one's)")
-    engines = parser.add_mutually_exclusive_group()
-    engines.add_argument("--eager", action="store_true", help="every engine eager (enforce_eager: true)")
-    engines.add_argument("--compile", action="store_true", help="every engine compiled (CUDA graphs)")
-    parser.add_argument("--image-preprocess", choices=("cpu", "gpu", "nvjpeg"),
-                        help="the encoder's image_preprocess laid over the topology's (gpu, nvjpeg: a GPU encoder)")
-
-
 def served_topology(args):
-    """``--topology``'s E+PD deployment as ``single`` serves it (``served_arguments``)."""
-    from clients.bench.side_by_side import run_topology
-
-    settings = {"checkpoint": None, "machine": None, "eager": False, "compile": False, "image_preprocess": None}
-    merged = argparse.Namespace(**{**settings, **vars(args), "topology": Path(args.topology)})
-    return run_topology(merged).only("E+PD")
+    """``--topology``'s E+PD deployment as ``single`` serves it (``clients.bench.served.served_arguments``)."""
+    return bench_served.served_topology(args, "E+PD")
 
 
 class Quiet:

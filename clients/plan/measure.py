@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 from backend.deploy.schema import TopologyError
+from clients.bench.served import served_arguments
 from clients.plan import measure_gpu
-from clients.plan.deployments import Served, grpc_run, served_arguments, served_topology, single
+from clients.plan.deployments import Served, grpc_run, served_topology, single
 from clients.plan.phases import (LONG, SHORT, Session, calibrate, cpu_of, encoder_lines, images, shared_lines,
                                  video_phase)
 from clients.plan.profile import Line, Profile, fit, save

@@ -29,10 +29,11 @@ from backend.deploy.schema import TopologyError
 from clients.bench.load import synthetic_requests
 from clients.bench.replicas import WORKERS, _sizes
 from clients.bench.report import percentile, summarise
+from clients.bench.served import served_arguments
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan import measure_gpu
-from clients.plan.deployments import DEPLOYMENTS, served_arguments, served_topology
+from clients.plan.deployments import DEPLOYMENTS, served_topology
 from clients.plan.measure import with_by_load
 from clients.plan.phases import Session
 from clients.plan.profile import Profile

@@ -300,13 +300,13 @@ GPU_TOPOLOGY = ROOT / "topologies" / "checkpoint-gpu.yaml"
 
 
 def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(tmp_path):
-    from clients.bench.side_by_side import run_topology
+    from clients.bench.served import served_topology
 
     args = parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--checkpoint",
                        str(load(TOPOLOGY).checkpoint), "--eager", "--rows", "vllm-single,llm,epd,epd_disagg",
                        "--concurrency", "8,32", "--image-size", "448,672,896", "--images-per-request", "4"])
     assert args.concurrency == [8, 32] and args.image_size == [448, 672, 896] and args.images_per_request == 4
-    topology = run_topology(args)
+    topology = served_topology(args)
     assert topology.engine_args["enforce_eager"] is True and topology.engine_args["dtype"] == "bfloat16"
     shipped = side_stacks.vllm_stack("vllm-e-p-d", topology, Path("/x/p.py"), [1, 2, 3, 4, 5, 6], Path("/ec"), 1)
     for server in shipped[:3]:
@@ -320,12 +320,12 @@ def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(t
     on_cpu = side_stacks.vllm_stack("vllm-e-p-d", load(TOPOLOGY), Path("/x/p.py"), [1] * 6, Path("/e"), 1)
     assert json.loads(flags(on_cpu[2].argv)["kv-transfer-config"])["kv_buffer_device"] == "cpu"  # as before
     assert topology.stages["encoder"].image_preprocess == "cpu"  # the topology's
-    nvjpeg = run_topology(parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--rows", "epd",
-                                      "--image-preprocess", "nvjpeg"]))
+    nvjpeg = served_topology(parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--rows", "epd",
+                                         "--image-preprocess", "nvjpeg"]))
     assert nvjpeg.stages["encoder"].image_preprocess == "nvjpeg"
     assert "image_preprocess" in render_files(nvjpeg.only("E+PD"), tmp_path / "nvjpeg")["encoder/config.pbtxt"]
     with pytest.raises(SystemExit, match="--image-preprocess.image_preprocess: gpu works on the encoder's GPU"):
-        run_topology(parse_args(["--rows", "epd", "--image-preprocess", "gpu"]))  # the CPU topology's encoder
+        served_topology(parse_args(["--rows", "epd", "--image-preprocess", "gpu"]))  # the CPU topology's encoder
     with pytest.raises(SystemExit):
         parse_args(["--eager", "--compile"])
     with pytest.raises(SystemExit):
