@@ -28,15 +28,17 @@ class ModuleLocks:
     - ``memory_heavy`` (servers of real checkpoint shapes: ~11 GiB; several hosts' servers): never two at once: two
       took CI's 24 GiB and the kernel's OOM killer an EngineCore.
     - ``solo`` (fault and overload tests whose timings a busy neighbour broke: engines killed and stages reloaded,
-      docs/results/ci-time.md): runs while no other module runs. Every other module holds a shared lock while it runs;
-      a solo module takes it exclusively. A turnstile in front (held by a solo module from its wait to its end, passed
-      through by the others) keeps a stream of short modules from starving it: flock has no writer preference."""
+      docs/results/ci-time.md): runs while no other module that starts servers runs. Every such module holds a shared
+      lock while it runs; a solo module takes it exclusively. A turnstile in front (held by a solo module from its wait
+      to its end, passed through by the others) keeps a stream of short modules from starving it: flock has no writer
+      preference. Unit-test modules (a ``unit`` folder's: no server, one process) take no lock: they run beside a solo
+      module on the other worker, which would otherwise wait idle."""
 
     def __init__(self):
         self.held = []
 
     def enter(self, item):
-        if self.held:
+        if self.held or _light(item.fspath):
             return
         import fcntl
 
@@ -67,12 +69,18 @@ class ModuleLocks:
 MODULE_LOCKS = ModuleLocks()
 
 
+def _light(path) -> bool:
+    """A unit-test module's file (under a ``unit`` folder): it starts no server."""
+    return "unit" in Path(str(path)).parent.parts
+
+
 # The files that take longest (docs/results/ci-time.md; the order: the fresh-clone run of 55e09ae), first, when the
 # suite runs on xdist workers (`make test TEST_WORKERS=2`: each takes the next file as it finishes one, --dist loadfile
-# --no-loadscope-reorder), so the long ones start early and the many short unit files fill the end. The memory-heavy
-# and solo ones apart (ModuleLocks).
-SLOW_FIRST = ("tests/e2e/test_faults.py", "tests/e2e/test_overload.py", "tests/e2e/test_checkpoints.py",
-              "tests/e2e/test_families.py", "tests/e2e/test_colocated.py",
+# --no-loadscope-reorder), so the long ones start early and the short files fill the end. The memory-heavy and solo
+# ones apart (ModuleLocks): the unit files right after the first solo module (the other worker runs them meanwhile,
+# beside it), the second solo module after three quarters of them (the rest go on beside it).
+SOLO = ("tests/e2e/test_faults.py", "tests/e2e/test_overload.py")
+SLOW_FIRST = ("tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py", "tests/e2e/test_colocated.py",
               "tests/e2e/test_tier.py", "tests/e2e/test_reuse.py", "tests/e2e/test_audio.py",
               "tests/e2e/test_hosts.py", "tests/e2e/test_serving_commands.py", "tests/e2e/test_omni.py",
               "tests/e2e/test_differential.py", "tests/component/test_patches.py", "tests/e2e/test_hosts_disagg.py",
@@ -85,8 +93,18 @@ FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-u
 def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "numprocesses", None):  # one process: the order as collected
         return
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    rank = {name: i for i, name in enumerate(run_order(files))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: a file's tests as collected
+
+
+def run_order(files: list[str]) -> list[str]:
+    """``files`` in the order the workers take them (the comment above ``SOLO``): the first solo module, three
+    quarters of the unit files, the second, the other unit files, ``SLOW_FIRST``, the rest as given."""
+    units = [name for name in files if _light(name)]
+    cut = len(units) * 3 // 4
+    order = [SOLO[0], *units[:cut], SOLO[1], *units[cut:], *SLOW_FIRST]
+    return [name for name in order if name in files] + [name for name in files if name not in order]
 
 
 def pytest_runtest_logreport(report):

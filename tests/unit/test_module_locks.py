@@ -1,6 +1,7 @@
-"""tests/conftest.py's ModuleLocks on two real xdist workers: a ``solo`` module runs while no other module does, two
-``memory_heavy`` modules never at once, and the others side by side. A throwaway suite that uses the project's hook
-records each module's start and end; without the locks its first two modules start together."""
+"""tests/conftest.py's ModuleLocks on two real xdist workers: a ``solo`` module runs while no other module does (but
+a unit-test module), two ``memory_heavy`` modules never at once, and the others side by side. A throwaway suite that
+uses the project's hook records each module's start and end; without the locks its first two modules start
+together."""
 import json
 import subprocess
 import sys
@@ -39,6 +40,9 @@ def test_solo_and_memory_heavy_modules_run_apart_on_two_workers(tmp_path):
                "test_f_plain": ("", 0.5)}
     for name, (mark, seconds) in modules.items():
         (suite / f"{name}.py").write_text(MODULE.format(mark=mark, seconds=seconds))
+    # a unit-test module (no server; collected first, "a" < "test_"): beside the solo module, on the other worker
+    (suite / "a" / "unit").mkdir(parents=True)
+    (suite / "a" / "unit" / "test_g_light.py").write_text(MODULE.format(mark="", seconds=1.5))
     spans_file = tmp_path / "spans.jsonl"
     (tmp_path / "base").mkdir()
     run = subprocess.run(
@@ -48,7 +52,8 @@ def test_solo_and_memory_heavy_modules_run_apart_on_two_workers(tmp_path):
         env={"PATH": "/usr/bin:/bin", "SPANS": str(spans_file), "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stdout + run.stderr
     spans = {name: (start, end) for name, start, end in map(json.loads, spans_file.read_text().splitlines())}
-    assert set(spans) == set(modules)
+    assert set(spans) == set(modules) | {"test_g_light"}
+    assert spans["test_g_light"][0] < spans["test_a_solo"][1] and spans["test_a_solo"][0] < spans["test_g_light"][1], spans
 
     def overlap(a, b):
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
@@ -58,3 +63,15 @@ def test_solo_and_memory_heavy_modules_run_apart_on_two_workers(tmp_path):
     assert not overlap("test_c_heavy", "test_d_heavy"), spans
     # the others still ran side by side (the locks do not serialise the whole suite)
     assert [(a, b) for a in others for b in others if a < b and overlap(a, b)], spans
+
+
+def test_the_workers_take_unit_files_beside_the_solo_modules():
+    from tests.conftest import SLOW_FIRST, SOLO, run_order
+
+    units = [f"tests/unit/test_{i}.py" for i in range(8)] + ["tests/unit/triton/test_x.py"]
+    files = ["tests/e2e/test_other.py", *units, SLOW_FIRST[1], SOLO[1], SLOW_FIRST[0], SOLO[0]]
+    order = run_order(files)
+    assert sorted(order) == sorted(files)
+    # the first solo module, 6 of the 9 unit files (while it runs, the other worker takes those), the second solo
+    # module, the other 3 (beside it), then the slowest files first, the rest last
+    assert order == [SOLO[0], *units[:6], SOLO[1], *units[6:], SLOW_FIRST[0], SLOW_FIRST[1], "tests/e2e/test_other.py"]
