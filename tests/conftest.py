@@ -41,8 +41,10 @@ class ModuleLocks:
         if self.held or _light(item.fspath):
             return
         import fcntl
+        import time
 
         root = Path(item.config._tmp_path_factory.getbasetemp()).parent
+        started = time.monotonic()
 
         def lock(name, mode):
             handle = open(root / name, "a")
@@ -60,6 +62,8 @@ class ModuleLocks:
             turnstile.close()
         if item.get_closest_marker("memory_heavy") is not None:
             lock("memory-heavy.lock", fcntl.LOCK_EX)
+        # the wait, in the first test's reports (pytest_terminal_summary's "workers" section)
+        item.user_properties.append(("module_lock_wait_s", time.monotonic() - started))
 
     def leave(self):
         while self.held:
@@ -88,6 +92,7 @@ SLOW_FIRST = ("tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py", "te
               "tests/e2e/test_openai.py", "tests/e2e/test_llm.py", "tests/e2e/test_video_split.py",
               "tests/e2e/test_epd.py", "tests/e2e/test_pd_transfer.py")
 FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-up + call + teardown seconds
+WORKERS: dict[str, dict[str, float]] = {}  # xdist worker -> busy seconds, first start, last stop, lock waits
 
 
 def pytest_collection_modifyitems(config, items):
@@ -111,6 +116,13 @@ def pytest_runtest_logreport(report):
     """Each test's phases, as the controller gets them (from every xdist worker)."""
     tests = FILE_SECONDS.setdefault(report.nodeid.split("::")[0], {})
     tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    worker = WORKERS.setdefault(getattr(gateway, "id", "main"), {"busy": 0.0, "first": report.start,
+                                                                  "last": report.stop, "waits": 0.0})
+    worker["busy"] += report.duration
+    worker["first"], worker["last"] = min(worker["first"], report.start), max(worker["last"], report.stop)
+    if report.when == "setup":
+        worker["waits"] += dict(report.user_properties).get("module_lock_wait_s", 0.0)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -126,3 +138,9 @@ def pytest_terminal_summary(terminalreporter):
     for name, seconds, count in files[:30]:
         terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%} {count:5d} tests  {name}")
     terminalreporter.write_line(f"{total:8.1f} s in all, {len(files)} files")
+    terminalreporter.section("workers")  # idle: between its tests (module locks, waiting for work, the harness)
+    for name, worker in sorted(WORKERS.items()):
+        span = worker["last"] - worker["first"]
+        terminalreporter.write_line(f"{name}: {span:7.1f} s from its first test to its last, busy {worker['busy']:7.1f} s, "
+                                    f"idle {span - worker['busy']:6.1f} s (waiting for module locks "
+                                    f"{worker['waits']:6.1f} s)")
