@@ -20,11 +20,11 @@ flight. Fitted:
   wait for each other);
 - ``hop`` and ``before_first_token``: the one-448-px-image phase's TTFT against the simulated light load
   (``phases.calibrate``);
-- ``encoder_device_share``: the encoder's instances are processes on the one GPU, which time-slices them, while
+- ``encoder_share_by_load``: the encoder's instances are processes on the one GPU, which time-slices them, while
   their host work (decode, preprocessing, launches) goes on in parallel: the share of an encoder call the device
-  takes, fitted (``fit_device_share``) by simulating the ``encoders`` phase (one 448 px image a request, as many in
-  flight as the encoder has instances) at shares from 0 to 1 against its measured encoder call (docs/planning.md,
-  "Checked against a measured run (GPU)").
+  takes, by the requests in flight, fitted (``fit_device_share``) by simulating each ``encoders<n>`` phase (one
+  448 px image a request, n in flight: 1, 2 and 4 times the encoder's instances) at shares from 0 to 1 against its
+  measured encoder call (docs/planning.md, "The encoder's device share").
 Not measured, and labelled so in ``derived``: the cross-host pull, E/P/D's KV pull.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from clients.plan.profile import Line, Profile, fit
 SIZES = (448, 672, 896)
 BATCHED = 448  # the four-image phase's, the light load's and the long answers' image
 DECODE_LOADS = (1, 8, 32)
+ENCODER_LOADS = (1, 2, 4)  # the encoders phases' requests in flight, in the encoder's instances
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 
@@ -65,7 +66,8 @@ def warm_up(session: Session) -> None:
 
 
 def run_phases(session: Session, repeat: int) -> dict:
-    """Every phase (module docstring); ``encoders``: as many requests in flight as the encoder has instances."""
+    """Every phase (module docstring); ``encoders<n>``: n requests in flight, ``ENCODER_LOADS`` times the encoder's
+    instances."""
     warm_up(session)
     phases = {"text": session.phase(images(BATCHED, 0), repeat)}
     for size in SIZES:
@@ -75,9 +77,9 @@ def run_phases(session: Session, repeat: int) -> dict:
     phases["long"] = session.phase(images(BATCHED, tokens=LONG), repeat)
     for load in DECODE_LOADS:
         phases[f"decode{load}"] = session.phase(images(BATCHED, 0, LONG), max(repeat, 2 * load), concurrency=load)
-    instances = session.served.encoder_instances
-    phases["encoders"] = {**session.phase(images(BATCHED), max(repeat, 8 * instances), concurrency=instances),
-                          "concurrency": instances}
+    for load in (times * session.served.encoder_instances for times in ENCODER_LOADS):
+        phases[f"encoders{load}"] = {**session.phase(images(BATCHED), max(repeat, 8 * load), concurrency=load),
+                                     "concurrency": load}
     return phases
 
 
@@ -89,11 +91,11 @@ def lines(phases: dict) -> dict:
                    if name in ("text", "batch4", "video") or name.startswith("image")])
     by_load = [[load, round(vllm_ms(phases[f"decode{load}"], "time_per_output_token"), 3)] for load in DECODE_LOADS]
     decode = fit([(load, ms) for load, ms in by_load])
-    encoders = phases["encoders"]
-    return {"encoder": encoder, **shared_lines({k: v for k, v in phases.items() if k != "encoders"}, SIZES,
-                                               f"image{BATCHED}"),
-            "encoders_phase": {"concurrency": encoders["concurrency"], "requests": encoders["count"],
-                               "encode_p50_ms": round(_encode(encoders), 3)},
+    encoders = [p for name, p in phases.items() if name.startswith("encoders")]
+    return {"encoder": encoder, **shared_lines({k: v for k, v in phases.items() if not k.startswith("encoders")},
+                                               SIZES, f"image{BATCHED}"),
+            "encoders_phases": [{"concurrency": p["concurrency"], "requests": p["count"],
+                                 "encode_p50_ms": round(_encode(p), 3)} for p in encoders],
             "prefill": Line(max(0.0, prefill.base), max(0.0, prefill.slope)).as_dict(),
             "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_by_load": by_load,
             "decode_context": Line().as_dict(),
@@ -154,20 +156,20 @@ SHARES = tuple(i / 20 for i in range(21))
 
 
 def fit_device_share(doc: dict, layout) -> dict:
-    """``doc`` with the ``encoder_device_share`` (of ``SHARES``) whose simulated ``encoders`` phase (its
-    ``encoders_phase``: one image of ``BATCHED`` px a request, a closed loop at its concurrency) has the encoder call
-    nearest its measured one (the least of those equally near)."""
+    """``doc`` with ``encoder_share_by_load``: for each of its ``encoders_phases`` (one image of ``BATCHED`` px a
+    request, a closed loop at its concurrency), the share of ``SHARES`` whose simulated encoder call is nearest the
+    measured one (the least of those equally near; the phases' simulated calls kept in them)."""
     from clients.plan.simulate import simulate
     from clients.plan.workload import closed
 
-    phase = doc["encoders_phase"]
-    workload = closed(phase["concurrency"], phase["requests"], round(doc["text_tokens"]), SHORT, ((BATCHED, BATCHED),))
-
-    def encode(share: float) -> float:
-        return simulate(layout, Profile({**doc, "encoder_device_share": share}), workload)["encode_p50_ms"]
-
-    simulated = {share: encode(share) for share in SHARES}
-    # the least of the shares equally near (below some share the instances' device parts seldom overlap)
-    best = min(SHARES, key=lambda share: (round(abs(simulated[share] - phase["encode_p50_ms"]), 2), share))
-    return {**doc, "encoder_device_share": best,
-            "encoders_phase": {**phase, "simulated_p50_ms": {str(k): round(v, 3) for k, v in simulated.items()}}}
+    rows, phases = [], []
+    for phase in doc["encoders_phases"]:
+        workload = closed(phase["concurrency"], phase["requests"], round(doc["text_tokens"]), SHORT,
+                          ((BATCHED, BATCHED),))
+        simulated = {share: simulate(layout, Profile({**doc, "encoder_device_share": share}),
+                                     workload)["encode_p50_ms"] for share in SHARES}
+        # below some share the instances' device parts seldom overlap: those simulate alike
+        best = min(SHARES, key=lambda share: (round(abs(simulated[share] - phase["encode_p50_ms"]), 2), share))
+        rows.append([phase["concurrency"], best])
+        phases.append({**phase, "simulated_p50_ms": {str(k): round(v, 3) for k, v in simulated.items()}})
+    return {**doc, "encoder_share_by_load": rows, "encoders_phases": phases}

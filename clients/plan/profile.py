@@ -29,7 +29,10 @@ share of an encoder batch's time that is its replica's device's, which time-slic
 lines are one instance's time alone); the rest is the instance's own host work, done in parallel with the others'.
 0 (the default): each instance works in parallel at its line's time (a CPU profile, where the cores are what they
 share, or the derived GPU profile, whose line is one instance's time with four busy). The older
-``encoder_instances_share_device: true`` reads as a share of 1.
+``encoder_instances_share_device: true`` reads as a share of 1. ``encoder_share_by_load`` (optional, measured GPU
+profiles): rows ``[requests in flight in the deployment, share]``, read between rows as ``by_load`` is, in the
+share's place where present (the device's contention grows with the processes using it faster than one share
+explains: docs/planning.md, "The encoder's device share").
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
 the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
@@ -96,10 +99,21 @@ class Profile:
     @property
     def encoder_device_share(self) -> float:
         """The share of an encoder batch's time its instances time-slice on their replica's one device
-        (``encoder_device_share``; 1 where the profile has ``encoder_instances_share_device: true``)."""
+        (``encoder_device_share``; else ``encoder_share_by_load``'s at its highest load; 1 where the profile has
+        ``encoder_instances_share_device: true``)."""
         if "encoder_device_share" in self.doc:
             return float(self.doc["encoder_device_share"])
+        if rows := self.doc.get("encoder_share_by_load"):
+            return float(max(rows)[1])
         return 1.0 if self.doc.get("encoder_instances_share_device") else 0.0
+
+    def encoder_device_share_at(self, load: float) -> float:
+        """The device share with ``load`` requests in flight in the deployment: ``encoder_share_by_load``'s where the
+        profile has no ``encoder_device_share`` (which holds at every load)."""
+        rows = self.doc.get("encoder_share_by_load")
+        if rows and "encoder_device_share" not in self.doc:
+            return between(rows, load)[0]
+        return self.encoder_device_share
 
     @property
     def frontend_threads(self) -> int:
@@ -182,13 +196,19 @@ class Profile:
         for modality in self.doc.get("encoder", {}):
             if modality != "batch":
                 self.line(f"tokens.{modality}")
-        try:
-            share = self.encoder_device_share
-        except (TypeError, ValueError):
-            share = math.nan
-        if not 0.0 <= share <= 1.0:
-            raise ProfileError(f"encoder_device_share: {self.doc.get('encoder_device_share')!r} is not a number "
-                               f"from 0 to 1 (profile {self.name!r})")
+        rows = self.doc.get("encoder_share_by_load", [])
+        shares = [("encoder_device_share", self.doc["encoder_device_share"])] if "encoder_device_share" in self.doc else []
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
+            raise ProfileError(f"encoder_share_by_load: {rows!r} is not a list of [load, share] rows "
+                               f"(profile {self.name!r})")
+        shares += [(f"encoder_share_by_load[{i}]", row[1]) for i, row in enumerate(rows)]
+        for field, value in shares:
+            try:
+                share = float(value)
+            except (TypeError, ValueError):
+                share = math.nan
+            if not 0.0 <= share <= 1.0:
+                raise ProfileError(f"{field}: {value!r} is not a number from 0 to 1 (profile {self.name!r})")
         return self
 
 

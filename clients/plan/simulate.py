@@ -81,6 +81,8 @@ class Simulation:
         self.frontend = Process(env, self.cores, threads=profile.frontend_threads * ll.orchestrators)
         self.inflight = 0
         self.encoders = [Encoder(env, self.cores, profile, ll.encoder_instances) for _ in range(ll.encoders)]
+        for encoder in self.encoders:
+            encoder.load = lambda: self.inflight  # the deployment's, as measure_gpu's encoders phases measure
         self.tiers: dict[str, list[tuple[Engine, Process]]] = {}
         for name, count in ll.engines().items():
             self.tiers[name] = [self._engine(name) for _ in range(count)]

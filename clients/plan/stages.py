@@ -58,16 +58,18 @@ class Process(Busy):
 class Encoder(Busy):
     """One encoder replica: ``instances`` instances taking batches of up to ``max_batch`` queued items (after
     ``delay_ms``, Triton's ``max_queue_delay``), each batch ``encoder.batch`` plus its items' times: the profile's
-    ``encoder_device_share`` of it on the replica's one device (a GPU's), which its instances' batches share as a core
-    is shared (``resources.Cores`` of one: n batches at once each go at 1/n of the speed, as processes time-slice a
-    GPU), after the rest on the machine's ``cores`` (the instance's host work: decode, preprocessing, launches)."""
+    device share of it (``Profile.encoder_device_share_at`` the deployment's requests in flight, ``load()``: the
+    simulation sets it) on the replica's one device (a GPU's), which its instances' batches share as a core is shared
+    (``resources.Cores`` of one: n batches at once each go at 1/n of the speed, as processes time-slice a GPU), after
+    the rest on the machine's ``cores`` (the instance's host work: decode, preprocessing, launches)."""
 
     def __init__(self, env: simpy.Environment, cores: Cores, profile: Profile, instances: int = 1,
                  max_batch: int = 32, delay_ms: float = 2.0):
         super().__init__(env, cores)
-        self.share = profile.encoder_device_share
-        self.device = Cores(env, 1) if self.share else None
+        shared = profile.encoder_device_share or profile.doc.get("encoder_share_by_load")
+        self.device = Cores(env, 1) if shared else None
         self.profile = profile
+        self.load = lambda: 0.0
         self.queue = simpy.Store(env)
         self.max_batch, self.delay = max_batch, delay_ms / 1000.0
         self.outstanding, self.instances = 0, instances
@@ -90,10 +92,11 @@ class Encoder(Busy):
             while self.queue.items and len(batch) < self.max_batch:
                 batch.append((yield self.queue.get()))
             ms = self.profile.line("encoder.batch").at(len(batch)) + sum(self.profile.encode_ms(i) for i, _ in batch)
-            yield from self._work(ms * (1.0 - self.share))
-            if self.device is not None:
+            share = self.profile.encoder_device_share_at(self.load()) if self.device is not None else 0.0
+            yield from self._work(ms * (1.0 - share))
+            if share:
                 started = self.env.now
-                yield from self.device.work(ms * self.share / 1000.0)
+                yield from self.device.work(ms * share / 1000.0)
                 self.busy += self.env.now - started
             for _, done in batch:
                 done.succeed()

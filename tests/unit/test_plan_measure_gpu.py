@@ -42,7 +42,7 @@ def phases() -> dict:
     out["video"] = phase([measure_gpu.BATCHED], frames=8)
     out["long"] = phase([measure_gpu.BATCHED], LONG)
     out.update({f"decode{load}": phase([], LONG, load) for load in measure_gpu.DECODE_LOADS})
-    out["encoders"] = {**phase([measure_gpu.BATCHED]), "concurrency": 4}
+    out.update({f"encoders{n}": {**phase([measure_gpu.BATCHED]), "concurrency": n} for n in (4, 8)})
     return out
 
 
@@ -74,11 +74,12 @@ def test_kv_bytes_per_token_of_a_real_checkpoints_config():
     assert measure_gpu.kv_bytes_per_token(None, "bfloat16") is None
 
 
-def test_the_encoders_phase_is_kept_for_the_device_share_and_not_read_as_a_light_phase():
+def test_the_encoders_phases_are_kept_for_the_device_share_and_not_read_as_light_phases():
     got = measure_gpu.lines(phases())
     one = ENCODE_BASE + ENCODE_PER_KPIX * kpixels(measure_gpu.BATCHED)
-    assert got["encoders_phase"] == {"concurrency": 4, "requests": 4, "encode_p50_ms": pytest.approx(one, abs=1e-3)}
-    assert "encoders" not in got["cpu_ms_per_request"]
+    assert got["encoders_phases"] == [{"concurrency": n, "requests": 4, "encode_p50_ms": pytest.approx(one, abs=1e-3)}
+                                      for n in (4, 8)]
+    assert not [name for name in got["cpu_ms_per_request"] if name.startswith("encoders")]
 
 
 def _profile_doc() -> dict:
@@ -87,21 +88,28 @@ def _profile_doc() -> dict:
     return doc
 
 
-@pytest.mark.parametrize("true_share", [0.0, 0.35, 0.8, 1.0])  # 0.05-0.15 simulate as 0 here
-def test_the_device_share_is_the_one_whose_simulated_encoder_call_is_the_measured(true_share):
-    # the encoder call "measured" as the simulator gives it at true_share: the fit finds that share again
-    from clients.plan.simulate import Layout, simulate
+def _measured(doc: dict, layout, concurrency: int, share: float) -> float:
+    """The encoders phase's encoder call as the simulator gives it at ``share``."""
+    from clients.plan.simulate import simulate
     from clients.plan.profile import Profile
     from clients.plan.workload import closed
 
+    load = closed(concurrency, 32, round(doc["text_tokens"]), SHORT, ((measure_gpu.BATCHED, measure_gpu.BATCHED),))
+    return simulate(layout, Profile({**doc, "encoder_device_share": share}), load)["encode_p50_ms"]
+
+
+@pytest.mark.parametrize("true_shares", [(0.0, 0.35), (0.8, 1.0), (0.5, 0.3)])  # 0.05-0.15 simulate as 0 here
+def test_each_loads_device_share_is_the_one_whose_simulated_encoder_call_is_the_measured(true_shares):
+    # each phase's encoder call "measured" as the simulator gives it at its true share: the fit finds each again
+    from clients.plan.simulate import Layout
+
     layout = Layout(encoder_instances=4)
-    doc = {**_profile_doc(), "encoders_phase": {"concurrency": 4, "requests": 32, "encode_p50_ms": 0.0}}
-    load = closed(4, 32, round(doc["text_tokens"]), SHORT, ((measure_gpu.BATCHED, measure_gpu.BATCHED),))
-    measured = simulate(layout, Profile({**doc, "encoder_device_share": true_share}), load)["encode_p50_ms"]
-    doc["encoders_phase"]["encode_p50_ms"] = measured
+    doc = _profile_doc()
+    doc["encoders_phases"] = [{"concurrency": n, "requests": 32, "encode_p50_ms": _measured(doc, layout, n, share)}
+                              for n, share in zip((4, 8), true_shares)]
     fitted = measure_gpu.fit_device_share(doc, layout)
-    assert fitted["encoder_device_share"] == pytest.approx(true_share)
-    simulated = fitted["encoders_phase"]["simulated_p50_ms"]
+    assert fitted["encoder_share_by_load"] == [[4, pytest.approx(true_shares[0])], [8, pytest.approx(true_shares[1])]]
+    simulated = fitted["encoders_phases"][0]["simulated_p50_ms"]
     # four instances busy at once: the whole call time-sliced takes longer than none of it
     assert simulated["1.0"] > 2 * simulated["0.0"]
 
@@ -109,7 +117,6 @@ def test_the_device_share_is_the_one_whose_simulated_encoder_call_is_the_measure
 def test_an_encoder_call_beyond_every_share_takes_the_nearest_end():
     from clients.plan.simulate import Layout
 
-    doc = {**_profile_doc(), "encoders_phase": {"concurrency": 4, "requests": 32, "encode_p50_ms": 1e6}}
-    assert measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))["encoder_device_share"] == 1.0
-    doc["encoders_phase"]["encode_p50_ms"] = 0.0
-    assert measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))["encoder_device_share"] == 0.0
+    doc = {**_profile_doc(), "encoders_phases": [{"concurrency": 4, "requests": 32, "encode_p50_ms": 1e6},
+                                                 {"concurrency": 8, "requests": 32, "encode_p50_ms": 0.0}]}
+    assert measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))["encoder_share_by_load"] == [[4, 1.0], [8, 0.0]]

@@ -234,10 +234,33 @@ def test_only_the_device_share_of_a_batch_is_time_sliced():
     assert done == pytest.approx([14.0, 14.0])
 
 
-@pytest.mark.parametrize("share", [1.5, -0.1, "most"])
-def test_a_device_share_outside_0_to_1_is_named(share):
-    with pytest.raises(ProfileError, match="encoder_device_share: .* from 0 to 1"):
-        Profile({**profile().doc, "encoder_device_share": share}).check()
+@pytest.mark.parametrize("load, expected_ms", [(1, [10.0, 10.0]), (4, [20.0, 20.0]), (2, [15.0, 15.0])])
+def test_the_device_share_is_read_at_the_requests_in_flight(load, expected_ms):
+    # rows: none of the call on the device at 1 in flight, all of it at 4; 2 is between on a log scale: 0.5
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_share_by_load": [[1, 0.0], [4, 1.0]]}
+    env = simpy.Environment()
+    encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
+    encoder.load = lambda: load
+    done = []
+
+    def one():
+        yield from encoder.encode(Item("image", width=100, height=100))
+        done.append(env.now * 1000)
+    env.process(one())
+    env.process(one())
+    env.run()
+    assert done == pytest.approx(expected_ms)
+    assert Profile(doc).encoder_device_share == 1.0  # the planner's: at the highest load measured
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("encoder_device_share", 1.5, "encoder_device_share"), ("encoder_device_share", -0.1, "encoder_device_share"),
+    ("encoder_device_share", "most", "encoder_device_share"),
+    ("encoder_share_by_load", [[4, 0.5], [8, 2.0]], r"encoder_share_by_load\[1\]"),
+    ("encoder_share_by_load", [[4]], "encoder_share_by_load")])
+def test_a_device_share_outside_0_to_1_is_named(field, value, named):
+    with pytest.raises(ProfileError, match=f"{named}: .* (from 0 to 1|rows)"):
+        Profile({**profile().doc, field: value}).check()
 
 
 def test_the_planners_encoder_demand_counts_the_instances_sharing_a_device():
