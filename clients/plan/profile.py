@@ -30,9 +30,9 @@ lines are one instance's time alone); the rest is the instance's own host work, 
 0 (the default): each instance works in parallel at its line's time (a CPU profile, where the cores are what they
 share, or the derived GPU profile, whose line is one instance's time with four busy). The older
 ``encoder_instances_share_device: true`` reads as a share of 1. ``encoder_share_by_load`` (optional, measured GPU
-profiles): rows ``[requests in flight in the deployment, share]``, read between rows as ``by_load`` is, in the
-share's place where present (the device's contention grows with the processes using it faster than one share
-explains: docs/planning.md, "The encoder's device share").
+profiles): rows ``[requests in flight in the deployment, share]``, read between rows as ``by_load`` is, where the
+profile has no ``encoder_device_share`` (the device's contention grows with the processes using it faster than one
+share explains: docs/planning.md, "The encoder's device share").
 ``cores``: the CPU cores all processes of one machine share (the simulator runs every piece of work on them, processor
 sharing); 0: each stage has its own device (a GPU), none waits for another's. ``background`` (optional): the cores
 the machine's other processes keep busy, window by window (``with_background``), which the deployment does not get.
@@ -197,7 +197,7 @@ class Profile:
             if modality != "batch":
                 self.line(f"tokens.{modality}")
         rows = self.doc.get("encoder_share_by_load", [])
-        shares = [("encoder_device_share", self.doc["encoder_device_share"])] if "encoder_device_share" in self.doc else []
+        shares = [(key, self.doc[key]) for key in ("encoder_device_share",) if key in self.doc]
         if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
             raise ProfileError(f"encoder_share_by_load: {rows!r} is not a list of [load, share] rows "
                                f"(profile {self.name!r})")
