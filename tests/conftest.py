@@ -141,6 +141,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("workers")  # idle: between its tests (module locks, waiting for work, the harness)
     for name, worker in sorted(WORKERS.items()):
         span = worker["last"] - worker["first"]
-        terminalreporter.write_line(f"{name}: {span:7.1f} s from its first test to its last, busy {worker['busy']:7.1f} s, "
+        terminalreporter.write_line(f"{name}: {span:7.1f} s from its first test to its last, "
+                                    f"busy {worker['busy']:7.1f} s, "
                                     f"idle {span - worker['busy']:6.1f} s (waiting for module locks "
                                     f"{worker['waits']:6.1f} s)")

@@ -53,7 +53,8 @@ def test_solo_and_memory_heavy_modules_run_apart_on_two_workers(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     spans = {name: (start, end) for name, start, end in map(json.loads, spans_file.read_text().splitlines())}
     assert set(spans) == set(modules) | {"test_g_light"}
-    assert spans["test_g_light"][0] < spans["test_a_solo"][1] and spans["test_a_solo"][0] < spans["test_g_light"][1], spans
+    light, solo = spans["test_g_light"], spans["test_a_solo"]
+    assert light[0] < solo[1] and solo[0] < light[1], spans
 
     def overlap(a, b):
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]

@@ -119,4 +119,5 @@ def test_an_encoder_call_beyond_every_share_takes_the_nearest_end():
 
     doc = {**_profile_doc(), "encoders_phases": [{"concurrency": 4, "requests": 32, "encode_p50_ms": 1e6},
                                                  {"concurrency": 8, "requests": 32, "encode_p50_ms": 0.0}]}
-    assert measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))["encoder_share_by_load"] == [[4, 1.0], [8, 0.0]]
+    fitted = measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))
+    assert fitted["encoder_share_by_load"] == [[4, 1.0], [8, 0.0]]
