@@ -1,5 +1,6 @@
 """The planner (clients.plan.planner, emit) on cases computed by hand: the analytic capacity of a layout, the split it
 picks when one stage is the bottleneck, and the topology and Kubernetes base it writes (the project's own loaders)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,25 @@ def test_a_topology_the_machine_cannot_serve_is_a_clear_error_before_any_server(
                   "--machine", "cpu"])
         assert exit_.value.code == 2
         assert "stages.decode.device: gpu asked for" in capsys.readouterr().err
+
+
+def test_at_scale_a_workload_the_profile_has_no_line_for_is_named_and_left_out(tmp_path, capsys):
+    # an image-only profile (a Qwen2-VL checkpoint's): the audio workload is not simulated, the image one is
+    from clients.plan import scale
+
+    doc = heavy_encoder().doc
+    doc = {**doc, "name": "images-only", "cores": 0, "transfer": {**doc["transfer"], "nixl": {"base": 1.0}}}
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    mix = ("arrivals: {process: poisson, rate: 5}\nmix: [{prompt_tokens: 4, output_tokens: 1, %s}]\nrequests: 40\n"
+           "slo: {ttft_p90_ms: 500}\n")
+    (workloads / "audio.yaml").write_text("name: audio\n" + mix % "audios: {count: 1, seconds: 2.0}")
+    (workloads / "image.yaml").write_text("name: image\n" + mix % "images: {count: 1, sizes: [[10, 10]]}")
+    assert scale.main(["--profile", str(tmp_path / "profile.json"), "--workloads", str(workloads), "--budgets", "8",
+                       "--simulate", "1", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "scale.json").read_text())
+    assert [r["workload"] for r in rows] == ["image"]
+    text = (tmp_path / "out" / "scale.md").read_text()
+    assert "audio: not simulated: encoder.audio: missing from the profile 'images-only'" in text
+    assert "not simulated" in capsys.readouterr().err
