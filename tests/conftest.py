@@ -93,6 +93,7 @@ SLOW_FIRST = ("tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py", "te
               "tests/e2e/test_epd.py", "tests/e2e/test_pd_transfer.py")
 FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-up + call + teardown seconds
 WORKERS: dict[str, dict[str, float]] = {}  # xdist worker -> busy seconds, first start, last stop, lock waits
+LOCK_WAITS: dict[str, float] = {}  # test file -> the seconds its first test waited for the module locks
 
 
 def pytest_collection_modifyitems(config, items):
@@ -121,8 +122,9 @@ def pytest_runtest_logreport(report):
                                                                   "last": report.stop, "waits": 0.0})
     worker["busy"] += report.duration
     worker["first"], worker["last"] = min(worker["first"], report.start), max(worker["last"], report.stop)
-    if report.when == "setup":
-        worker["waits"] += dict(report.user_properties).get("module_lock_wait_s", 0.0)
+    if report.when == "setup" and (wait := dict(report.user_properties).get("module_lock_wait_s", 0.0)):
+        worker["waits"] += wait
+        LOCK_WAITS[report.nodeid.split("::")[0]] = wait
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -145,3 +147,6 @@ def pytest_terminal_summary(terminalreporter):
                                     f"busy {worker['busy']:7.1f} s, "
                                     f"idle {span - worker['busy']:6.1f} s (waiting for module locks "
                                     f"{worker['waits']:6.1f} s)")
+    for name, wait in sorted(LOCK_WAITS.items(), key=lambda item: -item[1]):
+        if wait >= 1.0:
+            terminalreporter.write_line(f"{wait:8.1f} s waiting for the module locks before {name}")
