@@ -5,9 +5,11 @@ replicas, per workload and budget, simulated on a (derived) GPU profile; one tab
         --workloads docs/results/data/plan-2026-12-05/workloads --budgets 8,64,512 --out docs/results/data/plan-2026-12-05/scale
 
 The offered rate: ``LOAD`` of the best analytic capacity (``planner.capacity``) of any split of the budget, the
-workload's own rate set aside; the SLO the workload's. Every option runs on one orchestrator
-per 8 GPUs. Budgets above ``planner.SLICE`` are simulated as a slice of that many GPUs at the matching share of the
-rate, the figures scaled back (so 64 and 512 differ from 8 by the ratio's granularity, not by pooling).
+workload's own rate set aside; the SLO the workload's. Every option runs on the orchestrators that rate needs
+(``orchestrators_for``: one per 8 GPUs at least) and a client of as many threads (the users). Budgets above
+``planner.SLICE`` are simulated as a slice of that many GPUs at the matching share of the rate, the figures scaled
+back (so 64 and 512 differ from 8 by the ratio's granularity, not by pooling). A workload with a modality the
+profile has no line for is named and left out.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from clients.plan.simulate import Layout
 
 OPTIONS = ("planned", "1:1:1", "llm")
 LOAD = 0.9  # the offered rate: this share of the best analytic capacity any split of the budget has
+ORCHESTRATOR_LOAD = 0.5  # the share of an orchestrator's thread its per-request line may take at the offered rate
 
 
 def baseline(option: str, gpus: int) -> Layout:
@@ -32,6 +35,17 @@ def baseline(option: str, gpus: int) -> Layout:
         return Layout(split="llm", llm=gpus)
     third = gpus // 3
     return Layout(split="E/P/D", encoders=third, prefill=third, decode=gpus - 2 * third)
+
+
+def orchestrators_for(profile, workload, rate: float, gpus: int) -> int:
+    """Orchestrators enough for ``rate`` requests/s at ``ORCHESTRATOR_LOAD`` of their thread (the profile's
+    per-request line at the workload's mean output, a response a token: an upper bound, the relays coalesce under
+    load), and one per 8 GPUs at least. They are host processes, not GPUs: a measured profile's orchestrator (7 ms a
+    request and 0.5 ms a streamed token on the H100) saturated one thread per 8 GPUs at the rates the GPUs serve."""
+    requests = workload.draw()[:200]
+    output = sum(r.output_tokens for r in requests) / len(requests)
+    ms = profile.cost("orchestrator", 0).at(output)
+    return max(1, math.ceil(gpus / 8), math.ceil(rate * ms / 1000 / ORCHESTRATOR_LOAD))
 
 
 def _rounded(value, digits: int | None = None):
@@ -44,11 +58,12 @@ def cell(profile, workload, budget: int, simulate: int) -> dict:
     if profile.cores:  # the planner budgets a CPU profile's cores, unsliced: scaling by GPUs would not hold
         raise ValueError(f"{profile.doc.get('name')}: a CPU profile ({profile.cores} cores); the at-scale tables "
                          "need a GPU profile")
-    orchestrators = max(1, math.ceil(min(budget, SLICE) / 8))
-    base = Layout(orchestrators=orchestrators, encoder_instances=4, transfer_path="nixl")
+    base = Layout(encoder_instances=4, transfer_path="nixl")
     need = demands(profile, workload, base.max_num_seqs, base.encoder_instances)
     best = max(capacity(c, need) for c in candidates(min(budget, SLICE), ["E+PD", "E/P/D", "llm"], base))
     rate = LOAD * best * budget / min(budget, SLICE)
+    orchestrators = orchestrators_for(profile, workload, LOAD * best, min(budget, SLICE))
+    base = replace(base, orchestrators=orchestrators, clients=orchestrators)
     scaled = workload.with_load(rate=rate)
     planned = plan(profile, scaled, budget, "goodput", ("E+PD", "E/P/D"), base, simulate)
     out = {"workload": workload.name, "gpus": budget, "rate": round(rate, 2)}
@@ -60,8 +75,8 @@ def cell(profile, workload, budget: int, simulate: int) -> dict:
             label = planned["chosen"].label() if planned["chosen"] else "none"
             result = planned.get("result") or {}
         else:
-            layout = replace(baseline(option, slice_gpus), orchestrators=orchestrators, encoder_instances=4,
-                             transfer_path="nixl")
+            layout = replace(baseline(option, slice_gpus), orchestrators=orchestrators, clients=orchestrators,
+                             encoder_instances=4, transfer_path="nixl")
             result, _ = run(layout, profile, small)
             label = baseline(option, budget).label()
         out[option] = {"layout": label, "goodput": round(result.get("goodput", 0.0) * factor, 2),

@@ -49,6 +49,7 @@ class Layout:
     llm: int = 1
     encoder_instances: int = 1
     orchestrators: int = 1
+    clients: int = 1  # the client's threads (the load generator's: the users, at scale)
     transfer_path: str = "shared_memory"
     max_num_seqs: int = 32
     max_batched_tokens: int = 8192
@@ -76,7 +77,7 @@ class Simulation:
         self.env = env = simpy.Environment()
         self.cores = Cores(env, profile.cores, profile.background())
         ll = layout
-        self.client = Process(env, self.cores, threads=1)
+        self.client = Process(env, self.cores, threads=ll.clients)
         self.orchestrator = Process(env, self.cores, threads=ll.orchestrators)
         self.frontend = Process(env, self.cores, threads=profile.frontend_threads * ll.orchestrators)
         self.inflight = 0

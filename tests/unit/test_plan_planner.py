@@ -184,3 +184,24 @@ def test_at_scale_a_workload_the_profile_has_no_line_for_is_named_and_left_out(t
     text = (tmp_path / "out" / "scale.md").read_text()
     assert "audio: not simulated: encoder.audio: missing from the profile 'images-only'" in text
     assert "not simulated" in capsys.readouterr().err
+
+
+def test_at_scale_the_orchestrators_carry_the_offered_rate():
+    # 10 ms a request and 0.5 a token at 1 token: 10.5 ms; 200 requests/s take 2.1 threads, at half of each: 5
+    from clients.plan import scale
+
+    doc = profile(orchestrator=(10.0, 0.5)).doc
+    assert scale.orchestrators_for(Profile(doc), workload(1.0), 200.0, 8) == 5
+    assert scale.orchestrators_for(Profile(doc), workload(1.0), 1.0, 8) == 1  # one per 8 GPUs at least
+    assert scale.orchestrators_for(Profile(doc), workload(1.0), 1.0, 16) == 2
+
+
+def test_a_client_of_two_threads_sends_two_requests_at_once():
+    # the client's 10 ms per request: one thread serves two arrivals at 0 one after the other, two at once
+    from clients.plan.simulate import simulate
+    from tests.unit.test_plan_simulate import workload as closed_workload
+
+    costs = profile(client=(10.0, 0.0))
+    one = simulate(Layout(split="E+PD"), costs, closed_workload("closed", 2, concurrency=2))
+    two = simulate(Layout(split="E+PD", clients=2), costs, closed_workload("closed", 2, concurrency=2))
+    assert one["ttft_p90_ms"] > two["ttft_p90_ms"] == pytest.approx(10.0 * costs.before_first)
