@@ -97,7 +97,9 @@ LOCK_WAITS: dict[str, float] = {}  # test file -> the seconds its first test wai
 
 
 def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "numprocesses", None):  # one process: the order as collected
+    # on xdist's workers (each collects; the controller hands out files in their order): ``config.option.numprocesses``
+    # is None there, which kept this order from ever applying until 2026-12-07 (docs/results/ci-time.md)
+    if getattr(config, "workerinput", None) is None:  # one process: the order as collected
         return
     files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
     rank = {name: i for i, name in enumerate(run_order(files))}

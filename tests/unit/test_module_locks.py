@@ -76,3 +76,27 @@ def test_the_workers_take_unit_files_beside_the_solo_modules():
     # the first solo module, 6 of the 9 unit files (while it runs, the other worker takes those), the second solo
     # module, the other 3 (beside it), then the slowest files first, the rest last
     assert order == [SOLO[0], *units[:6], SOLO[1], *units[6:], SLOW_FIRST[0], SLOW_FIRST[1], "tests/e2e/test_other.py"]
+
+
+def test_on_xdist_workers_the_unit_files_are_taken_first(tmp_path):
+    # a throwaway suite with the project's ordering hook: its unit file, collected last ("z" > "test_"), is taken
+    # first (no solo module here: the unit files lead); without the hook it would wait for a 2 s module to end
+    suite = tmp_path / "suite"
+    (suite / "z" / "unit").mkdir(parents=True)
+    (suite / "conftest.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    for name, seconds in {"test_b_plain": 2.0, "test_c_plain": 2.0}.items():
+        (suite / f"{name}.py").write_text(MODULE.format(mark="", seconds=seconds))
+    (suite / "z" / "unit" / "test_u.py").write_text(MODULE.format(mark="", seconds=0.2))
+    spans_file = tmp_path / "spans.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
+         "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base"), str(suite)],
+        cwd=suite, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "SPANS": str(spans_file), "HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    spans = {name: (start, end) for name, start, end in map(json.loads, spans_file.read_text().splitlines())}
+    first = min(start for start, _ in spans.values())
+    assert spans["test_u"][0] - first < 1.0, spans
