@@ -199,45 +199,9 @@ def test_a_busy_stub_merges_the_steps_it_has_not_sent_yet():
     assert result["e2e_p50_ms"] == pytest.approx(15.5)  # one response a token: 1 + 7 x 2.9 = 21.3
 
 
-@pytest.mark.parametrize("shared, expected_ms", [(False, [10.0, 10.0]), (True, [20.0, 20.0])])
-def test_encoder_instances_on_one_device_share_it(shared, expected_ms):
-    # two instances, two single items at once (no batching delay, batches of one): apart each takes its 10 ms; on one
-    # shared device (a GPU's instances, time-sliced) both go at half the speed
-    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_instances_share_device": shared}
-    env = simpy.Environment()
-    encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
-    done = []
-
-    def one():
-        yield from encoder.encode(Item("image", width=100, height=100))
-        done.append(env.now * 1000)
-    env.process(one())
-    env.process(one())
-    env.run()
-    assert done == pytest.approx(expected_ms)
-
-
-def test_only_the_device_share_of_a_batch_is_time_sliced():
-    # share 0.4 of 10 ms: each instance's 6 ms of host work in parallel, then their 4 ms each on the one device at
-    # half the speed while both are there: both end at 6 + 8 = 14 ms
-    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_device_share": 0.4}
-    env = simpy.Environment()
-    encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
-    done = []
-
-    def one():
-        yield from encoder.encode(Item("image", width=100, height=100))
-        done.append(env.now * 1000)
-    env.process(one())
-    env.process(one())
-    env.run()
-    assert done == pytest.approx([14.0, 14.0])
-
-
-@pytest.mark.parametrize("load, expected_ms", [(1, [10.0, 10.0]), (4, [20.0, 20.0]), (2, [15.0, 15.0])])
-def test_the_device_share_is_read_at_the_requests_in_flight(load, expected_ms):
-    # rows: none of the call on the device at 1 in flight, all of it at 4; 2 is between on a log scale: 0.5
-    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_share_by_load": [[1, 0.0], [4, 1.0]]}
+def two_items_at_once(doc: dict, load: float = 0.0) -> list[float]:
+    """When each of two single items sent at once to an encoder of two instances (batches of one, no delay) is done,
+    ms, with ``load`` requests in flight."""
     env = simpy.Environment()
     encoder = Encoder(env, Cores(env, 0), Profile(doc), instances=2, max_batch=1, delay_ms=0.0)
     encoder.load = lambda: load
@@ -249,7 +213,29 @@ def test_the_device_share_is_read_at_the_requests_in_flight(load, expected_ms):
     env.process(one())
     env.process(one())
     env.run()
-    assert done == pytest.approx(expected_ms)
+    return done
+
+
+@pytest.mark.parametrize("shared, expected_ms", [(False, [10.0, 10.0]), (True, [20.0, 20.0])])
+def test_encoder_instances_on_one_device_share_it(shared, expected_ms):
+    # two instances, two single items at once (no batching delay, batches of one): apart each takes its 10 ms; on one
+    # shared device (a GPU's instances, time-sliced) both go at half the speed
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_instances_share_device": shared}
+    assert two_items_at_once(doc) == pytest.approx(expected_ms)
+
+
+def test_only_the_device_share_of_a_batch_is_time_sliced():
+    # share 0.4 of 10 ms: each instance's 6 ms of host work in parallel, then their 4 ms each on the one device at
+    # half the speed while both are there: both end at 6 + 8 = 14 ms
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_device_share": 0.4}
+    assert two_items_at_once(doc) == pytest.approx([14.0, 14.0])
+
+
+@pytest.mark.parametrize("load, expected_ms", [(1, [10.0, 10.0]), (4, [20.0, 20.0]), (2, [15.0, 15.0])])
+def test_the_device_share_is_read_at_the_requests_in_flight(load, expected_ms):
+    # rows: none of the call on the device at 1 in flight, all of it at 4; 2 is between on a log scale: 0.5
+    doc = {**profile(encoder__image=(10.0, 0.0)).doc, "encoder_share_by_load": [[1, 0.0], [4, 1.0]]}
+    assert two_items_at_once(doc, load) == pytest.approx(expected_ms)
     assert Profile(doc).encoder_device_share == 1.0  # the planner's: at the highest load measured
 
 
