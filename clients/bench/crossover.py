@@ -32,7 +32,7 @@ from pathlib import Path
 
 from clients.bench import proc_cpu, report as bench_report
 from clients.bench.load import run_concurrency, synthetic_requests
-from clients.bench.served import served_arguments, served_topology
+from clients.bench.served import refuse_with_url, served_arguments, served_topology
 
 # (model on the server, topology mode), in the order driven per cell
 DEPLOYMENTS = (("llm", "baseline"), ("epd", "E+PD"))
@@ -239,8 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-tokens: at least 1 token")
     if args.concurrency < 1 or args.requests < 1:
         parser.error("--concurrency and --requests: at least 1")
-    if args.image_preprocess and args.url:
-        parser.error("--image-preprocess renders the server started here: not with --url")
+    refuse_with_url(parser, args)
     return args
 
 

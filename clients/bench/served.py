@@ -5,7 +5,10 @@ vLLM's engines), ``clients.bench.crossover``, ``clients.plan.validate`` and ``cl
 (``clients.plan.deployments``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+
+from backend.deploy.topology import TopologyError, image_preprocess, load
 
 IMAGE_PREPROCESS = ("cpu", "gpu", "nvjpeg")
 
@@ -24,6 +27,20 @@ def served_arguments(parser, *, eager_help: str = "every engine eager (enforce_e
     parser.add_argument("--image-preprocess", choices=IMAGE_PREPROCESS, help=image_preprocess_help)
 
 
+SERVED_OPTIONS = {"checkpoint": "--checkpoint", "machine": "--machine", "eager": "--eager", "compile": "--compile",
+                  "image_preprocess": "--image-preprocess"}
+
+
+def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:
+    """With ``--url`` (a running server) the served options shape nothing: ``parser.error`` naming those given,
+    but ``keep`` (the ones a command still reads then, e.g. measure's ``checkpoint`` for its KV size)."""
+    if not getattr(args, "url", None):
+        return
+    given = [flag for field, flag in SERVED_OPTIONS.items() if field not in keep and getattr(args, field, None)]
+    if given:
+        parser.error(f"{', '.join(given)}: shape the server started here, not one at --url")
+
+
 def overrides(args) -> dict:
     """Engine arguments laid over the topology's: ``--eager`` / ``--compile`` (neither: none)."""
     if getattr(args, "eager", False):
@@ -37,10 +54,6 @@ def served_topology(args, deployments: str | tuple[str, ...] | None = None):
     its encoder's (the topology's own rule: a GPU choice needs a GPU encoder; broken, the run ends with its message);
     ``deployments``: those alone (``Topology.only``). An option ``args`` lacks (a namespace not made with
     ``served_arguments``) leaves the topology's own."""
-    from dataclasses import replace
-
-    from backend.deploy.topology import TopologyError, image_preprocess, load
-
     topology = load(Path(args.topology), machine=getattr(args, "machine", None),
                     checkpoint=getattr(args, "checkpoint", None))
     topology = replace(topology, engine_args={**topology.engine_args, **overrides(args)})

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from backend.deploy.schema import TopologyError
-from clients.bench.served import served_arguments
+from clients.bench.served import refuse_with_url, served_arguments
 from clients.plan import measure_gpu
 from clients.plan.deployments import Served, grpc_run, served_topology, single
 from clients.plan.phases import (LONG, SHORT, Session, calibrate, cpu_of, encoder_lines, images, shared_lines,
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url and not (args.metrics and args.pid):
         parser.error("--url needs --metrics and --pid")
+    refuse_with_url(parser, args, keep=("checkpoint",))  # --checkpoint with --url: its config gives the KV size
     if not args.url:
         try:
             served_topology(args)

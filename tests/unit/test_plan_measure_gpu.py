@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from clients.bench.report import Sample
-from clients.plan import measure_gpu
+from clients.plan import measure, measure_gpu
 from clients.plan.phases import LONG, SHORT, kpixels
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
@@ -121,3 +121,11 @@ def test_an_encoder_call_beyond_every_share_takes_the_nearest_end():
                                                  {"concurrency": 8, "requests": 32, "encode_p50_ms": 0.0}]}
     fitted = measure_gpu.fit_device_share(doc, Layout(encoder_instances=4))
     assert fitted["encoder_share_by_load"] == [[4, 1.0], [8, 0.0]]
+
+
+def test_measure_keeps_the_checkpoint_with_url_and_refuses_the_rest(capsys):
+    with pytest.raises(SystemExit):
+        measure.main(["--out", "/tmp/x.json", "--url", "127.0.0.1:8001", "--metrics", "http://m", "--pid", "1",
+                      "--checkpoint", "/tmp/ckpt", "--eager"])
+    err = capsys.readouterr().err
+    assert "--eager: shape the server started here" in err and "--checkpoint" not in err.split("error:")[-1]
