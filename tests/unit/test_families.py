@@ -72,6 +72,7 @@ def test_embedding_widths_come_from_the_config(checkpoints):
         "qwen2_vl": 128, "qwen2_5_vl": 128, "qwen3_vl": 128 * 3}
     like = ROOT / "tests" / "data" / "checkpoints"
     assert embedding_width(like / "Qwen2-VL-2B-Instruct") == 1536 and embedding_width(like / "Qwen2.5-VL-3B-Instruct") == 2048
+    assert embedding_width(like / "Qwen2.5-VL-7B-Instruct") == 3584  # the GPU machine's 7B shape (its merger's width)
 
 
 def _video(checkpoint, *clip):
