@@ -38,6 +38,7 @@ from backend.request.generate import GenerateRequest
 from backend.request.media import modality_of
 
 PATH_KEYS = ("model", "tokenizer", "allowed_local_media_path", "download_dir")
+START_METHOD_ENV = "EPD_ENGINE_START_METHOD"  # how EngineCores start: fork (PROCESS_ENV_DEFAULTS) or spawn
 
 # Measured on 2 cores (docs/results/foundation.md): more OpenMP threads per engine made a 16-token request 50x slower,
 # and the default binds every engine to core 0. Set before vLLM/torch are imported; the operator's
@@ -70,7 +71,7 @@ PROCESS_ENV_DEFAULTS = {
     # ~500 MiB of new memory; forked, it shares the stub's pages. The stub has run no OpenMP region and holds no
     # engine state when it forks. Measured on the README's server (docs/results/ci-time.md): start-up CPU of its
     # processes 94 -> 47 s. "spawn" gives vLLM's choice back.
-    "EPD_ENGINE_START_METHOD": "fork",
+    START_METHOD_ENV: "fork",
     # An EngineCore exits when its stub is gone, however the stub ended: vLLM only ever stops it from the stub, so a
     # stub killed, or ended by tritonserver's exit timeout, left it running (backend.engine.patches.follow_parent).
     "EPD_ENGINE_FOLLOW_PARENT": "1",
@@ -349,10 +350,12 @@ class EngineHost:
         self.session_key: str | None = None  # kv_transfer_params' key for a request's session (backend.engine.session_kv)
 
     @classmethod
-    def start(cls, engine_args: dict[str, Any], stats_observer=None, beside: "EngineHost | None" = None) -> "EngineHost":
+    def start(cls, engine_args: dict[str, Any], stats_observer=None, beside: "EngineHost | None" = None,
+              start_method: str | None = None) -> "EngineHost":
         """``stats_observer``: a ``backend.engine.stats.StatsObserver`` given vLLM's request metrics. ``beside``: a
         host whose loop this engine shares (two engines one coroutine drives: E/P/D's prefill and decode in the
-        orchestrator's process); its ``shutdown`` stops this engine only, the loop stays ``beside``'s."""
+        orchestrator's process); its ``shutdown`` stops this engine only, the loop stays ``beside``'s.
+        ``start_method``: how its EngineCore starts ("fork", "spawn"; None: ``START_METHOD_ENV``'s)."""
         prepare_process()
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -373,9 +376,9 @@ class EngineHost:
         async def create():
             engine_args = AsyncEngineArgs(**args)
             vllm_config = engine_args.create_engine_config()
-            start_method = os.environ.get("EPD_ENGINE_START_METHOD", "")
-            if start_method in ("fork", "spawn"):  # after the config: vLLM's CPU platform sets "spawn" there
-                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
+            method = os.environ.get(START_METHOD_ENV, "") if start_method is None else start_method
+            if method in ("fork", "spawn"):  # after the config: vLLM's CPU platform sets "spawn" there
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
             return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=loggers,
                                              enable_log_requests=engine_args.enable_log_requests,
                                              disable_log_stats=engine_args.disable_log_stats)

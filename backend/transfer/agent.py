@@ -25,6 +25,14 @@ POLL_DELAY = Guard("NIXL poll delay", "nixl", "1.5", "1.6",
 
 _creating = threading.local()  # .delay_us: the delay of the agent create_agent is making on this thread
 _process_delay_us: int | None = None  # patch_process_agents: every agent of this process made from then on
+_agents_made = 0  # create_agent's agents in this process (a fork after one shares its UCX state: agents_in_process)
+
+
+def agents_in_process() -> int:
+    """How many agents ``create_agent`` made in this process. A child forked after one inherits its UCX context's
+    event descriptors: measured, the child's UCX progress thread and this process's UCX async thread then each spin
+    a core for good (an E/P/D orchestrator whose decode EngineCore forked after its embeddings consumer's agent)."""
+    return _agents_made
 
 
 def _wrap_constructor() -> bool:
@@ -57,8 +65,10 @@ def create_agent(role: str, poll_delay_us: int | None = None, name: str | None =
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from nixl import _api
 
+    global _agents_made
     name = name or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     _wrap_constructor()
+    _agents_made += 1
     _creating.delay_us = DEFAULT_POLL_DELAY_US if poll_delay_us is None else poll_delay_us
     try:
         sync = _api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None

@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.deploy.ports import free_ports
 from backend.encode.checkpoint import embedding_width, model_identity
-from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
+from backend.engine.host import (START_METHOD_ENV, EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
                                  metadata_only_engine_args, report_a_slow_finalize, takes_layout_only)
 from backend.engine.patches import NICE_ENV
 from backend.engine.serving import stream_generation
@@ -35,7 +35,7 @@ from backend.request.generate import (GenerateRequest, LayoutMedia, LayoutOrDeco
                                       checkpoint_media, parse_generate_request)
 from backend.request.media import MediaLimits, decode_counter, media_limits
 from backend.request.naive_media import process_original_media
-from backend.transfer.agent import POLL_DELAY_ENV
+from backend.transfer.agent import POLL_DELAY_ENV, agents_in_process
 from backend.transfer.announce import ProducerWatcher, directory
 from orchestrator.cancel_board import CancelBoard
 from backend.triton.config import in_process_endpoint, instance_count, load_settings
@@ -43,6 +43,17 @@ from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
                                read_generate_inputs, request_parameters, send_error, watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
+
+
+def engine_start_method(asked: str) -> str:
+    """How the next EngineCore of this process starts: ``asked`` (``START_METHOD_ENV``), but "spawn" for a "fork"
+    once this process has made a NIXL agent (``agents_in_process``): a forked child shares the agent's UCX state, and
+    the child's UCX thread and this process's then spin a core each for good (measured: an E/P/D orchestrator whose
+    decode EngineCore forked after its embeddings consumer's agent; ``start_more_engines`` now starts it before)."""
+    if asked == "fork" and agents_in_process():
+        pb_utils.Logger.log_warn("a NIXL agent exists in this process: its next EngineCore is spawned, not forked")
+        return "spawn"
+    return asked
 
 
 class GenerateModel:
@@ -85,6 +96,7 @@ class GenerateModel:
         self.metrics = RequestMetrics(self.name, self.metric_batch, instance)
         self.engine_metrics = EngineMetrics(self.name, self.metric_batch, instance)
         self.host = self.start_engine(self.engine_args, self.engine_metrics)
+        self.start_more_engines(args)
         self.cancels = CancelBoard.for_model(self.name)  # in-band cancels (epd_cancel) of this model's requests
         self.openai = None  # the OpenAI endpoint in this process (serve_openai), if the config asks for one
         if self.ROLE is Stage.LLM:
@@ -129,7 +141,14 @@ class GenerateModel:
         that role (``process_env``: its EngineCore child inherits it); ``beside``: a host whose loop it shares."""
         for key, value in self.process_env(spec).items():
             os.environ[key] = value
-        return EngineHost.start(engine_args, stats_observer=metrics, beside=beside)
+        return EngineHost.start(engine_args, stats_observer=metrics, beside=beside,
+                                start_method=engine_start_method(os.environ.get(START_METHOD_ENV, "")))
+
+    def start_more_engines(self, args: dict[str, Any]) -> None:
+        """Start this process's other engines (none here): right after the first, before anything of the model makes
+        a NIXL agent (a consumer's), so their EngineCores fork from a process without UCX in it (a fork after it
+        shares UCX's event descriptors: the child's progress thread and the stub's UCX thread then each spin a core;
+        ``EngineHost.start`` spawns instead where an agent already exists)."""
 
     def process_env(self, spec: RoleSpec | None = None) -> dict[str, str]:
         """Variables set before the engine of ``spec``'s role (None: this model's) starts (its EngineCore child

@@ -198,3 +198,13 @@ def test_warm_connects_ahead_so_the_first_pull_adds_no_peer_and_maps_nothing():
         dead.warm(TransferHandle.from_doc({**producer.call("pool_handle"), "agent_metadata": "AAAA"}, "x"))  # bad: logged
         assert dead._peers == {}
         dead.close()
+
+
+def test_the_process_counts_its_agents(consumer):
+    """``agents_in_process``: what the Triton models read before forking an EngineCore (``engine_start_method``)."""
+    from backend.transfer.agent import agents_in_process
+
+    assert agents_in_process() >= 1  # the consumer's
+    before = agents_in_process()
+    EmbeddingConsumer(role="counted")
+    assert agents_in_process() == before + 1

@@ -76,6 +76,20 @@ def test_one_model_hosts_the_orchestrator_and_the_engine(colocated_server, serve
         assert inputs == {i["name"] for i in llm["inputs"]}  # the clients' interface
 
 
+def test_the_idle_server_spins_no_core(colocated_server):
+    """Before any request (the first tests of the module), the server's processes together use under half a core:
+    epd_disagg's decode EngineCore, forked after the embeddings consumer's NIXL agent, once shared its UCX state with
+    the stub, and the two spun a core each (the E/P/D rows of the side-by-side ran at half their speed)."""
+    from clients.bench.proc_cpu import snapshot
+
+    before, seconds = snapshot(colocated_server.proc.pid), 4.0
+    time.sleep(seconds)
+    after = snapshot(colocated_server.proc.pid)
+    used = {f"{label} {pid}": round((cpu - before[pid][1]) / seconds, 2) for pid, (label, cpu) in after.items()
+            if pid in before and label != "load generator"}
+    assert len(used) >= 6 and sum(used.values()) < 0.5, used  # tritonserver, 3 stubs, 3 EngineCores at least
+
+
 def test_baseline_depends_on_the_image(baseline):
     assert baseline["one_image_landscape"].text != baseline["auto_placeholder"].text
     assert baseline["two_images"].text != baseline["two_images_same"].text

@@ -58,8 +58,7 @@ class TritonPythonModel(MetadataOnlyModel):
                                    encoders=self.encoders, health_seconds=settings.health_seconds())
             self.watch = self.host.submit(remote.watch())
         others = {}
-        if settings.decode_in_process:
-            self.decode = self.start_decode(args)
+        if self.decode is not None:  # started in start_more_engines
             others[Stage.DECODE] = LocalEngine(self.decode, self.resolver, self.prepare_decode)
         checkpoint = Path(self.engine_args["model"]).resolve()
         self.stages = LocalStages(remote, self.host, self.resolver, self.limits, prepare=self.prepare,
@@ -71,6 +70,10 @@ class TritonPythonModel(MetadataOnlyModel):
             video_split=settings.video_split, demand_aware=settings.demand_aware,
             admission=Admission(settings, self.metrics))
         self.serve_openai(self.orchestrator.answerer(self.metrics))
+
+    def start_more_engines(self, args) -> None:
+        if self.settings.decode_in_process:
+            self.decode = self.start_decode(args)
 
     def start_decode(self, args) -> EngineHost:
         """E/P/D's decode engine in this process (``decode_in_process``): a KV consumer with this model's engine

@@ -59,8 +59,8 @@ def engine():
 def load(pb, tmp_path, monkeypatch, engine):
     """``load(**model_args)``: an ``llm`` model initialized on ``engine``; finalized after the test."""
     monkeypatch.setattr(generate_model, "checkpoint_media", lambda model: {"video_processor": "", "audio_sampling_rate": 0})
-    monkeypatch.setattr(generate_model.EngineHost, "start",
-                        classmethod(lambda cls, args, stats_observer=None, beside=None: FakeHost(engine, args)))
+    monkeypatch.setattr(generate_model.EngineHost, "start", classmethod(
+        lambda cls, args, stats_observer=None, beside=None, start_method=None: FakeHost(engine, args)))
     monkeypatch.setattr(generate_model, "report_a_slow_finalize", lambda: None)  # faulthandler timers: not in pytest
     monkeypatch.setattr(generate_model, "bound_the_exit", lambda: None)
     (tmp_path / "model.json").write_text(json.dumps({"model": str(tmp_path), "limit_mm_per_prompt": {"image": 2}}))
