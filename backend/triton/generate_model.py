@@ -148,7 +148,7 @@ class GenerateModel:
         """Start this process's other engines (none here): right after the first, before anything of the model makes
         a NIXL agent (a consumer's), so their EngineCores fork from a process without UCX in it (a fork after it
         shares UCX's event descriptors: the child's progress thread and the stub's UCX thread then each spin a core;
-        ``EngineHost.start`` spawns instead where an agent already exists)."""
+        ``engine_start_method`` spawns instead where an agent already exists)."""
 
     def process_env(self, spec: RoleSpec | None = None) -> dict[str, str]:
         """Variables set before the engine of ``spec``'s role (None: this model's) starts (its EngineCore child
