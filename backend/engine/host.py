@@ -69,7 +69,8 @@ PROCESS_ENV_DEFAULTS = {
     # The EngineCore forked from its stub, not spawned (vLLM's CPU platform sets spawn; with CUDA initialized in the
     # stub vLLM spawns whatever this says): a spawned one imports torch and vLLM again (~6 s of CPU here) and touches
     # ~500 MiB of new memory; forked, it shares the stub's pages. The stub has run no OpenMP region and holds no
-    # engine state or NIXL agent when it forks (backend.triton.generate_model: start_more_engines, engine_start_method). Measured on the README's server (docs/results/ci-time.md): start-up CPU of its
+    # engine state or NIXL agent when it forks (backend.triton.generate_model: start_more_engines,
+    # engine_start_method). Measured on the README's server (docs/results/ci-time.md): start-up CPU of its
     # processes 94 -> 47 s. "spawn" gives vLLM's choice back.
     START_METHOD_ENV: "fork",
     # An EngineCore exits when its stub is gone, however the stub ended: vLLM only ever stops it from the stub, so a
