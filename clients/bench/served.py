@@ -27,8 +27,7 @@ def served_arguments(parser, *, eager_help: str = "every engine eager (enforce_e
     parser.add_argument("--image-preprocess", choices=IMAGE_PREPROCESS, help=image_preprocess_help)
 
 
-SERVED_OPTIONS = {"checkpoint": "--checkpoint", "machine": "--machine", "eager": "--eager", "compile": "--compile",
-                  "image_preprocess": "--image-preprocess"}
+SERVED_OPTIONS = ("checkpoint", "machine", "eager", "compile", "image_preprocess")  # served_arguments' fields
 
 
 def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:
@@ -36,7 +35,8 @@ def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:
     but ``keep`` (the ones a command still reads then, e.g. measure's ``checkpoint`` for its KV size)."""
     if not getattr(args, "url", None):
         return
-    given = [flag for field, flag in SERVED_OPTIONS.items() if field not in keep and getattr(args, field, None)]
+    given = ["--" + field.replace("_", "-") for field in SERVED_OPTIONS
+             if field not in keep and getattr(args, field, None)]
     if given:
         parser.error(f"{', '.join(given)}: shape the server started here, not one at --url")
 

@@ -58,4 +58,3 @@ def test_options_that_shape_a_server_started_here_are_refused_with_url(capsys):
         with pytest.raises(SystemExit):
             crossover.parse_args(["--url", "127.0.0.1:8001", *given])
         assert f"{given[0]}: shape the server started here" in capsys.readouterr().err
-
