@@ -58,7 +58,8 @@ def settings(args) -> dict:
     """What the rows depend on: a run goes on from an earlier one's rows only where these are equal."""
     return {"topology": str(args.topology), "checkpoint": str(args.checkpoint or ""), "url": args.url or "",
             "engines": "compile" if args.compile else "eager" if args.eager else "topology",
-            "image_preprocess": args.image_preprocess or "topology", "image_sizes": args.image_sizes,
+            "image_preprocess": args.image_preprocess or "topology", "kv_cache_gib": args.kv_cache_gib or "topology",
+            "image_sizes": args.image_sizes,
             "concurrency": args.concurrency, "requests": args.requests}
 
 
@@ -193,7 +194,8 @@ def write(args, rows: list[dict]) -> str:
     (args.out / "results.json").write_text(json.dumps({"settings": run, "rows": rows}, indent=1, default=str))
     text = (f"{args.requests} requests per row at concurrency {args.concurrency}, images of {args.image_sizes} px "
             f"taken in turn, greedy with ignore_eos; topology {args.topology}, checkpoint {args.checkpoint}, engines "
-            f"{run['engines']}, image preprocessing {run['image_preprocess']}\n\n"
+            f"{run['engines']}, image preprocessing {run['image_preprocess']}, KV budget per engine (GiB) "
+            f"{run['kv_cache_gib']}\n\n"
             + table(rows, args.images, args.max_tokens))
     (args.out / "crossover.md").write_text(text)
     if rows:

@@ -1,10 +1,11 @@
 """What a command serves beyond its ``--topology``: the options (``served_arguments``: ``--checkpoint``,
-``--machine``, ``--eager`` / ``--compile``, ``--image-preprocess``) and the topology they give (``served_topology``).
+``--machine``, ``--eager`` / ``--compile``, ``--kv-cache-gib``, ``--image-preprocess``) and the topology they give (``served_topology``).
 One set for every command that starts its own server from a topology: ``clients.bench.side_by_side`` (ours and
 vLLM's engines), ``clients.bench.crossover``, ``clients.plan.validate`` and ``clients.plan.measure``
 (``clients.plan.deployments``)."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,10 +25,13 @@ def served_arguments(parser, *, eager_help: str = "every engine eager (enforce_e
     engines = parser.add_mutually_exclusive_group()
     engines.add_argument("--eager", action="store_true", help=eager_help)
     engines.add_argument("--compile", action="store_true", help=compile_help)
+    parser.add_argument("--kv-cache-gib", type=_positive_gib, metavar="GIB",
+                        help="every engine's KV cache budget (kv_cache_memory_bytes) in GiB, over the topology's: "
+                             "a larger checkpoint's weights leave the GPU's other processes less room")
     parser.add_argument("--image-preprocess", choices=IMAGE_PREPROCESS, help=image_preprocess_help)
 
 
-SERVED_OPTIONS = ("checkpoint", "machine", "eager", "compile", "image_preprocess")  # served_arguments' fields
+SERVED_OPTIONS = ("checkpoint", "machine", "eager", "compile", "kv_cache_gib", "image_preprocess")  # served_arguments' fields
 
 
 def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:
@@ -41,11 +45,26 @@ def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:
         parser.error(f"{', '.join(given)}: shape the server started here, not one at --url")
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return gib
+
+
 def overrides(args) -> dict:
-    """Engine arguments laid over the topology's: ``--eager`` / ``--compile`` (neither: none)."""
+    """Engine arguments laid over the topology's: ``--eager`` / ``--compile`` (neither: none), ``--kv-cache-gib``."""
+    out = {}
     if getattr(args, "eager", False):
-        return {"enforce_eager": True}
-    return {"enforce_eager": False} if getattr(args, "compile", False) else {}
+        out["enforce_eager"] = True
+    elif getattr(args, "compile", False):
+        out["enforce_eager"] = False
+    if getattr(args, "kv_cache_gib", None):
+        out["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    return out
 
 
 def served_topology(args, deployments: str | tuple[str, ...] | None = None):

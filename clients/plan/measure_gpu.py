@@ -23,8 +23,8 @@ flight. Fitted:
 - ``encoder_share_by_load``: the encoder's instances are processes on the one GPU, which time-slices them, while
   their host work (decode, preprocessing, launches) goes on in parallel: the share of an encoder call the device
   takes, by the requests in flight, fitted (``fit_device_share``) by simulating each ``encoders<n>`` phase (one
-  448 px image a request, n in flight: 1, 2 and 4 times the encoder's instances) at shares from 0 to 1 against its
-  measured encoder call (docs/planning.md, "The encoder's device share").
+  image a request, of the ``SIZES`` in turn as the validation's levels send them, n in flight: 1, 2 and 4 times the
+  encoder's instances) at shares from 0 to 1 against its measured encoder call (docs/planning.md, "The encoder's device share").
 Not measured, and labelled so in ``derived``: the cross-host pull, E/P/D's KV pull.
 """
 from __future__ import annotations
@@ -78,8 +78,8 @@ def run_phases(session: Session, repeat: int) -> dict:
     for load in DECODE_LOADS:
         phases[f"decode{load}"] = session.phase(images(BATCHED, 0, LONG), max(repeat, 2 * load), concurrency=load)
     for load in (times * session.served.encoder_instances for times in ENCODER_LOADS):
-        phases[f"encoders{load}"] = {**session.phase(images(BATCHED), max(repeat, 8 * load), concurrency=load),
-                                     "concurrency": load}
+        phases[f"encoders{load}"] = {**session.phase(images(SIZES), max(repeat, 8 * load), concurrency=load),
+                                     "concurrency": load, "sizes": list(SIZES)}
     return phases
 
 
@@ -94,7 +94,7 @@ def lines(phases: dict) -> dict:
     encoders = [p for name, p in phases.items() if name.startswith("encoders")]
     return {"encoder": encoder, **shared_lines({k: v for k, v in phases.items() if not k.startswith("encoders")},
                                                SIZES, f"image{BATCHED}"),
-            "encoders_phases": [{"concurrency": p["concurrency"], "requests": p["count"],
+            "encoders_phases": [{"concurrency": p["concurrency"], "requests": p["count"], "sizes": p["sizes"],
                                  "encode_p50_ms": round(_encode(p), 3)} for p in encoders],
             "prefill": Line(max(0.0, prefill.base), max(0.0, prefill.slope)).as_dict(),
             "decode": Line(max(0.0, decode.base), max(0.0, decode.slope)).as_dict(), "decode_by_load": by_load,
@@ -156,16 +156,17 @@ SHARES = tuple(i / 20 for i in range(21))
 
 
 def fit_device_share(doc: dict, layout) -> dict:
-    """``doc`` with ``encoder_share_by_load``: for each of its ``encoders_phases`` (one image of ``BATCHED`` px a
-    request, a closed loop at its concurrency), the share of ``SHARES`` whose simulated encoder call is nearest the
-    measured one (the least of those equally near; the phases' simulated calls kept in them)."""
+    """``doc`` with ``encoder_share_by_load``: for each of its ``encoders_phases`` (one image a request, of its
+    ``sizes`` px a side in turn, ``BATCHED`` in profiles before them; a closed loop at its concurrency), the share of
+    ``SHARES`` whose simulated encoder call is nearest the measured one (the least of those equally near; the phases'
+    simulated calls kept in them)."""
     from clients.plan.simulate import simulate
     from clients.plan.workload import closed
 
     rows, phases = [], []
     for phase in doc["encoders_phases"]:
         workload = closed(phase["concurrency"], phase["requests"], round(doc["text_tokens"]), SHORT,
-                          ((BATCHED, BATCHED),))
+                          tuple((side, side) for side in phase.get("sizes", [BATCHED])))
         simulated = {share: simulate(layout, Profile({**doc, "encoder_device_share": share}),
                                      workload)["encode_p50_ms"] for share in SHARES}
         # below some share the instances' device parts seldom overlap: those simulate alike

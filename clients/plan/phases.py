@@ -57,8 +57,10 @@ def _mean(phase: dict, key: str) -> float:
     return sum(values) / len(values)
 
 
-def images(size: int, count: int = 1, tokens: int = SHORT):
-    return lambda n, seed: synthetic_requests(n, count, [(size, size)], tokens, first=seed)
+def images(size: int | tuple[int, ...], count: int = 1, tokens: int = SHORT):
+    """Requests of ``count`` images of ``size`` px a side (sizes in turn, given several)."""
+    sides = size if isinstance(size, tuple) else (size,)
+    return lambda n, seed: synthetic_requests(n, count, [(side, side) for side in sides], tokens, first=seed)
 
 
 def video_phase(session: Session, size: int, repeat: int, frames: int = 8) -> dict:

@@ -50,11 +50,17 @@ def test_a_run_goes_on_from_an_earlier_one_with_the_same_settings_only(tmp_path)
     assert len(run.rows) == 4 and all(r["max_tokens"] == 16 for r in run.rows)  # its lone row dropped
     other = crossover.parse_args(["--requests", "8", "--out", str(tmp_path)])
     assert crossover.done_rows(tmp_path / "results.json", crossover.settings(other)) == []
+    smaller_kv = crossover.parse_args(["--images", "0,4", "--max-tokens", "16,128", "--kv-cache-gib", "8",
+                                       "--out", str(tmp_path)])
+    assert crossover.done_rows(tmp_path / "results.json", crossover.settings(smaller_kv)) == []
+    crossover.write(smaller_kv, ROWS)
+    assert "KV budget per engine (GiB) 8.0" in (tmp_path / "crossover.md").read_text()
 
 
 def test_options_that_shape_a_server_started_here_are_refused_with_url(capsys):
     assert crossover.parse_args(["--url", "127.0.0.1:8001"]).url == "127.0.0.1:8001"
-    for given in (["--checkpoint", "/tmp/ckpt"], ["--compile"], ["--machine", "gpu"], ["--image-preprocess", "gpu"]):
+    for given in (["--checkpoint", "/tmp/ckpt"], ["--compile"], ["--machine", "gpu"], ["--image-preprocess", "gpu"],
+                  ["--kv-cache-gib", "8"]):
         with pytest.raises(SystemExit):
             crossover.parse_args(["--url", "127.0.0.1:8001", *given])
         assert f"{given[0]}: shape the server started here" in capsys.readouterr().err

@@ -42,7 +42,8 @@ def phases() -> dict:
     out["video"] = phase([measure_gpu.BATCHED], frames=8)
     out["long"] = phase([measure_gpu.BATCHED], LONG)
     out.update({f"decode{load}": phase([], LONG, load) for load in measure_gpu.DECODE_LOADS})
-    out.update({f"encoders{n}": {**phase([measure_gpu.BATCHED]), "concurrency": n} for n in (4, 8)})
+    out.update({f"encoders{n}": {**phase([measure_gpu.BATCHED]), "concurrency": n, "sizes": list(measure_gpu.SIZES)}
+                for n in (4, 8)})
     return out
 
 
@@ -77,8 +78,8 @@ def test_kv_bytes_per_token_of_a_real_checkpoints_config():
 def test_the_encoders_phases_are_kept_for_the_device_share_and_not_read_as_light_phases():
     got = measure_gpu.lines(phases())
     one = ENCODE_BASE + ENCODE_PER_KPIX * kpixels(measure_gpu.BATCHED)
-    assert got["encoders_phases"] == [{"concurrency": n, "requests": 4, "encode_p50_ms": pytest.approx(one, abs=1e-3)}
-                                      for n in (4, 8)]
+    assert got["encoders_phases"] == [{"concurrency": n, "requests": 4, "sizes": list(measure_gpu.SIZES),
+                                       "encode_p50_ms": pytest.approx(one, abs=1e-3)} for n in (4, 8)]
     assert not [name for name in got["cpu_ms_per_request"] if name.startswith("encoders")]
 
 
@@ -88,13 +89,13 @@ def _profile_doc() -> dict:
     return doc
 
 
-def _measured(doc: dict, layout, concurrency: int, share: float) -> float:
-    """The encoders phase's encoder call as the simulator gives it at ``share``."""
+def _measured(doc: dict, layout, concurrency: int, share: float, sizes=(measure_gpu.BATCHED,)) -> float:
+    """The encoders phase's encoder call as the simulator gives it at ``share`` (images of ``sizes`` px)."""
     from clients.plan.simulate import simulate
     from clients.plan.profile import Profile
     from clients.plan.workload import closed
 
-    load = closed(concurrency, 32, round(doc["text_tokens"]), SHORT, ((measure_gpu.BATCHED, measure_gpu.BATCHED),))
+    load = closed(concurrency, 32, round(doc["text_tokens"]), SHORT, tuple((side, side) for side in sizes))
     return simulate(layout, Profile({**doc, "encoder_device_share": share}), load)["encode_p50_ms"]
 
 
@@ -112,6 +113,21 @@ def test_each_loads_device_share_is_the_one_whose_simulated_encoder_call_is_the_
     simulated = fitted["encoders_phases"][0]["simulated_p50_ms"]
     # four instances busy at once: the whole call time-sliced takes longer than none of it
     assert simulated["1.0"] > 2 * simulated["0.0"]
+
+
+def test_the_share_is_fitted_on_the_phases_own_image_sizes():
+    # the phases send 448, 672 and 896 px in turn (the validation's mix): a call measured on that mix at a share fits
+    # that share again, which the 448 px alone would not (larger images keep the device busier at the same share)
+    from clients.plan.simulate import Layout
+
+    layout = Layout(encoder_instances=4)
+    doc = _profile_doc()
+    sizes = list(measure_gpu.SIZES)
+    doc["encoders_phases"] = [{"concurrency": 8, "requests": 32, "sizes": sizes,
+                               "encode_p50_ms": _measured(doc, layout, 8, 0.5, sizes)}]
+    assert measure_gpu.fit_device_share(doc, layout)["encoder_share_by_load"] == [[8, pytest.approx(0.5)]]
+    alone = {**doc, "encoders_phases": [{k: v for k, v in doc["encoders_phases"][0].items() if k != "sizes"}]}
+    assert measure_gpu.fit_device_share(alone, layout)["encoder_share_by_load"][0][1] > 0.5
 
 
 def test_an_encoder_call_beyond_every_share_takes_the_nearest_end():

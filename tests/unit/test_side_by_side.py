@@ -332,6 +332,23 @@ def test_on_a_gpu_topology_both_sides_get_its_engine_settings_and_vram_buffers(t
         parse_args(["--concurrency", "8,x"])
 
 
+def test_the_kv_budget_over_the_topologys_reaches_both_sides(tmp_path, capsys):
+    # a 7B's weights on one 80 GB card: the topology's 16 GiB per engine left its GPU encoders out of memory
+    from clients.bench.served import served_topology
+
+    args = parse_args(["--topology", str(GPU_TOPOLOGY), "--machine", "gpu", "--kv-cache-gib", "8", "--rows", "epd"])
+    topology = served_topology(args)
+    assert topology.engine_args["kv_cache_memory_bytes"] == 8 * 2**30
+    assert json.loads(render_files(topology.only("E+PD"), tmp_path)["pd/model.json"])["kv_cache_memory_bytes"] == \
+        8 * 2**30
+    vllm = side_stacks.vllm_stack("vllm-single", topology, Path("/x/p.py"), [1] * 6, Path("/e"), 1)
+    assert flags(vllm[0].argv)["kv-cache-memory-bytes"] == str(8 * 2**30)
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--kv-cache-gib", bad])
+        assert "--kv-cache-gib: expected a positive number of GiB" in capsys.readouterr().err
+
+
 def test_start_waves():
     servers = [side_stacks.Server(n, [], i) for i, n in enumerate(("encoder", "prefill", "decode", "proxy"))]
     assert [[s.name for s in w] for w in side_stacks.start_waves(servers, False)] == [["encoder"], ["prefill"],
