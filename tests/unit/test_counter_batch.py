@@ -185,3 +185,33 @@ def test_observations_are_each_handed_over_before_the_increments_of_their_update
         assert log == [("observe", 0.25), ("observe", 0.5), ("observe", 2.0), ("increment", 1)]
     finally:
         batch.close()
+
+
+@pytest.mark.parametrize("setting, frozen", [(None, True), ("0", False)])
+def test_a_loaded_model_s_heap_is_frozen_out_of_the_collector_unless_asked_not_to(monkeypatch, setting, frozen):
+    """What ``initialize`` made is moved out of the cyclic collector's reach once it returned (``gc.freeze``, as
+    vLLM's servers do after start); ``EPD_GC_FREEZE=0`` leaves it (the measurement's other arm)."""
+    import gc
+
+    if setting is None:
+        monkeypatch.delenv(counter_batch.FREEZE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(counter_batch.FREEZE_ENV, setting)
+    monkeypatch.setattr(counter_batch, "LOAD_MARGIN_SECONDS", 60.0)
+    made = []
+
+    @counter_batch.after_load
+    class Model:
+        def initialize(self, args):
+            made.extend([[i] for i in range(1000)])  # a thousand tracked objects of the model's
+
+        def execute(self, requests):
+            return []
+
+    gc.unfreeze()
+    try:
+        Model().initialize({})
+        assert (gc.get_freeze_count() >= 1000) is frozen
+    finally:
+        gc.unfreeze()
+        counter_batch.LOADED.clear()
