@@ -152,3 +152,13 @@ def pytest_terminal_summary(terminalreporter):
     for name, wait in sorted(LOCK_WAITS.items(), key=lambda item: -item[1]):
         if wait >= 1.0:
             terminalreporter.write_line(f"{wait:8.1f} s waiting for the module locks before {name}")
+
+
+@pytest.fixture
+def thawed_heap():
+    """A model's ``initialize`` wrapped by ``backend.triton.counter_batch.after_load`` freezes the heap it finds (in a
+    unit test: pytest's own, whose frozen objects would then never be collected): thawed after the test."""
+    import gc
+
+    yield
+    gc.unfreeze()

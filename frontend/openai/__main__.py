@@ -3,6 +3,7 @@ of tritonserver's gRPC endpoint (127.0.0.1:$GRPC_PORT)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 DEFAULT_MODELS = "llm,epd,epd_disagg"
@@ -49,8 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     translate.MAX_N = args.max_n
     tools = ToolSupport(args.tokenizer, args.tool_parser) if args.tokenizer else None
     shedding = Shedding(args.shed_window_ms / 1000)
-    uvicorn.run(create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools, shedding), host=args.host,
-                port=args.port, loop=args.loop, log_level="warning")
+    app = create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools, shedding)
+    if os.environ.get("EPD_GC_FREEZE", "1") != "0":  # what start-up made, out of the collector's walks, as the stubs do
+        gc.collect()                                 # (backend.triton.counter_batch.freeze_the_loaded_heap)
+        gc.freeze()
+    uvicorn.run(app, host=args.host, port=args.port, loop=args.loop, log_level="warning")
 
 
 if __name__ == "__main__":

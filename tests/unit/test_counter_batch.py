@@ -7,6 +7,8 @@ import pytest
 from backend.triton import counter_batch
 from backend.triton.counter_batch import CounterBatch
 
+pytestmark = pytest.mark.usefixtures("thawed_heap")  # after_load freezes the heap (tests/conftest.py)
+
 
 class FakeMetric:
     def __init__(self):

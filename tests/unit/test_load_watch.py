@@ -12,6 +12,8 @@ import pytest
 from backend.triton import counter_batch
 from backend.triton.load_watch import LoadWatch, parent_waits_for
 
+pytestmark = pytest.mark.usefixtures("thawed_heap")  # after_load freezes the heap (tests/conftest.py)
+
 
 @pytest.fixture
 def child():

@@ -8,8 +8,9 @@ fake_pb_utils.install()
 
 
 @pytest.fixture(autouse=True)
-def pb():
-    """The fake pb_utils, with no BLS handler, metric or log line left from another test."""
+def pb(thawed_heap):
+    """The fake pb_utils, with no BLS handler, metric or log line left from another test (and the heap a model's
+    load froze thawed: tests/conftest.py)."""
     fake_pb_utils.reset()
     yield fake_pb_utils
     fake_pb_utils.reset()
