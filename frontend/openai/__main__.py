@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     shedding = Shedding(args.shed_window_ms / 1000)
     app = create_app(args.grpc_url, [m for m in args.models.split(",") if m], tools, shedding)
     if os.environ.get("EPD_GC_FREEZE", "1") != "0":  # what start-up made, out of the collector's walks, as the stubs do
-        gc.collect()                                 # (backend.triton.counter_batch.freeze_the_loaded_heap)
+        gc.collect(1)                                # (backend.triton.counter_batch.freeze_the_loaded_heap)
         gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, loop=args.loop, log_level="warning")
 
