@@ -1,5 +1,6 @@
 """What a command serves beyond its ``--topology``: the options (``served_arguments``: ``--checkpoint``,
-``--machine``, ``--eager`` / ``--compile``, ``--kv-cache-gib``, ``--image-preprocess``) and the topology they give (``served_topology``).
+``--machine``, ``--eager`` / ``--compile``, ``--kv-cache-gib``, ``--image-preprocess``) and the topology they give
+(``served_topology``).
 One set for every command that starts its own server from a topology: ``clients.bench.side_by_side`` (ours and
 vLLM's engines), ``clients.bench.crossover``, ``clients.plan.validate`` and ``clients.plan.measure``
 (``clients.plan.deployments``)."""
@@ -31,7 +32,8 @@ def served_arguments(parser, *, eager_help: str = "every engine eager (enforce_e
     parser.add_argument("--image-preprocess", choices=IMAGE_PREPROCESS, help=image_preprocess_help)
 
 
-SERVED_OPTIONS = ("checkpoint", "machine", "eager", "compile", "kv_cache_gib", "image_preprocess")  # served_arguments' fields
+# served_arguments' fields
+SERVED_OPTIONS = ("checkpoint", "machine", "eager", "compile", "kv_cache_gib", "image_preprocess")
 
 
 def refuse_with_url(parser, args, keep: tuple[str, ...] = ()) -> None:

@@ -24,7 +24,8 @@ flight. Fitted:
   their host work (decode, preprocessing, launches) goes on in parallel: the share of an encoder call the device
   takes, by the requests in flight, fitted (``fit_device_share``) by simulating each ``encoders<n>`` phase (one
   image a request, of the ``SIZES`` in turn as the validation's levels send them, n in flight: 1, 2 and 4 times the
-  encoder's instances) at shares from 0 to 1 against its measured encoder call (docs/planning.md, "The encoder's device share").
+  encoder's instances) at shares from 0 to 1 against its measured encoder call (docs/planning.md, "The encoder's
+  device share").
 Not measured, and labelled so in ``derived``: the cross-host pull, E/P/D's KV pull.
 """
 from __future__ import annotations
