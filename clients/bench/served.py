@@ -7,6 +7,7 @@ vLLM's engines), ``clients.bench.crossover``, ``clients.plan.validate`` and ``cl
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,8 +52,8 @@ def _positive_gib(text: str) -> float:
     try:
         gib = float(text)
     except ValueError:
-        gib = 0.0
-    if not gib > 0:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
         raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
     return gib
 

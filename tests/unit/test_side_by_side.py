@@ -343,7 +343,7 @@ def test_the_kv_budget_over_the_topologys_reaches_both_sides(tmp_path, capsys):
         8 * 2**30
     vllm = side_stacks.vllm_stack("vllm-single", topology, Path("/x/p.py"), [1] * 6, Path("/e"), 1)
     assert flags(vllm[0].argv)["kv-cache-memory-bytes"] == str(8 * 2**30)
-    for bad in ("0", "-1", "x"):
+    for bad in ("0", "-1", "x", "nan", "inf"):
         with pytest.raises(SystemExit):
             parse_args(["--kv-cache-gib", bad])
         assert "--kv-cache-gib: expected a positive number of GiB" in capsys.readouterr().err
