@@ -7,6 +7,7 @@ if str(ROOT) not in sys.path:
 
 import pytest
 
+from tests.cpu_use import subtree_cpu_seconds
 from tests.timeline import ran
 
 
@@ -20,6 +21,21 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     if nextitem is None or nextitem.module is not item.module:
         MODULE_LOCKS.leave()
+
+
+_CPU_MARK: list[float] = []  # the worker's subtree CPU seconds at its last report
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU seconds the worker and the processes it started used since the last one
+    (tests.cpu_use): a module server's start in its first test's set-up, its stop in its last test's teardown."""
+    outcome = yield
+    now = subtree_cpu_seconds()
+    used = now - _CPU_MARK[0] if _CPU_MARK else 0.0
+    _CPU_MARK[:] = [now]
+    report = outcome.get_result()
+    report.user_properties = [*report.user_properties, ("cpu_s", used)]
 
 
 class ModuleLocks:
@@ -92,6 +108,7 @@ SLOW_FIRST = ("tests/e2e/test_checkpoints.py", "tests/e2e/test_families.py", "te
               "tests/e2e/test_openai.py", "tests/e2e/test_llm.py", "tests/e2e/test_video_split.py",
               "tests/e2e/test_epd.py", "tests/e2e/test_pd_transfer.py")
 FILE_SECONDS: dict[str, dict[str, float]] = {}  # test file -> test -> its set-up + call + teardown seconds
+FILE_CPU: dict[str, float] = {}  # test file -> the CPU seconds its worker and that worker's processes used in it
 WORKERS: dict[str, dict[str, float]] = {}  # xdist worker -> busy seconds, first start, last stop, lock waits
 LOCK_WAITS: dict[str, float] = {}  # test file -> the seconds its first test waited for the module locks
 
@@ -119,6 +136,8 @@ def pytest_runtest_logreport(report):
     """Each test's phases, as the controller gets them (from every xdist worker)."""
     tests = FILE_SECONDS.setdefault(report.nodeid.split("::")[0], {})
     tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
+    file = report.nodeid.split("::")[0]
+    FILE_CPU[file] = FILE_CPU.get(file, 0.0) + dict(report.user_properties).get("cpu_s", 0.0)
     gateway = getattr(getattr(report, "node", None), "gateway", None)
     worker = WORKERS.setdefault(getattr(gateway, "id", "main"), {"busy": 0.0, "first": report.start,
                                                                   "last": report.stop, "waits": 0.0})
@@ -137,11 +156,12 @@ def pytest_terminal_summary(terminalreporter):
                    key=lambda row: -row[1])
     if not files:
         return
-    terminalreporter.section("time per test file")
-    total = sum(seconds for _, seconds, _ in files)
+    terminalreporter.section("time per test file")  # CPU: of its worker and the processes that worker started
+    total, cpu = sum(seconds for _, seconds, _ in files), sum(FILE_CPU.values())
     for name, seconds, count in files[:30]:
-        terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%} {count:5d} tests  {name}")
-    terminalreporter.write_line(f"{total:8.1f} s in all, {len(files)} files")
+        terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%} {FILE_CPU.get(name, 0.0):8.1f} s CPU "
+                                    f"{count:5d} tests  {name}")
+    terminalreporter.write_line(f"{total:8.1f} s in all, {cpu:.1f} s CPU, {len(files)} files")
     terminalreporter.section("workers")  # idle: between its tests (module locks, waiting for work, the harness)
     for name, worker in sorted(WORKERS.items()):
         span = worker["last"] - worker["first"]
