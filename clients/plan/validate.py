@@ -7,7 +7,8 @@ Two deployments, each started fresh (``clients.plan.deployments``: ``single``, o
 streaming client; ``hosts``, E+PD over network namespaces with ``--pd-replicas`` pd hosts, HTTP client). With
 ``--measure-profile`` each deployment's processes' CPU by load (``clients.plan.loads``) is measured on it right
 before its levels, merged into ``--profile`` and calibrated on its light-load TTFT (written as ``profile-<name>.json``
-under ``--out``). At each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in
+under ``--out``); on ``single`` the phases' lines are measured first (``clients.plan.measure``: encoder, media tokens,
+prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: every line of the run's window. At each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in
 turn, ``--max-tokens`` greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
 machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
 the cores it left (``Profile.with_cores``). Printed: one table, the medians over the repetitions of measured and
@@ -34,7 +35,7 @@ from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan import measure_gpu
 from clients.plan.deployments import DEPLOYMENTS, served_topology
-from clients.plan.measure import with_by_load
+from clients.plan.measure import lines, run_phases, with_by_load
 from clients.plan.phases import Session
 from clients.plan.profile import Profile
 from clients.plan.simulate import Layout, simulate
@@ -44,16 +45,28 @@ FIGURES = ("req_per_s", "ttft_p50_ms", "ttft_p90_ms")
 TOLERANCE = 0.15
 
 
-def measured_profile(served, base: Profile | None, layout: Layout, long: int) -> Profile:
+def measured_profile(served, base: Profile | None, layout: Layout, long: int, repeat: int) -> Profile:
     """``base`` (less the CPU per request of the phases it was measured with) with ``served``'s CPU by load measured
-    now and calibrated on its light-load TTFT (``measure.with_by_load``); a deployment whose engines run on a GPU:
-    its whole profile measured now (``clients.plan.measure_gpu``; ``base`` is not read)."""
+    now and calibrated on its light-load TTFT (``measure.with_by_load``); on a deployment with one metrics endpoint
+    (``single``) the phases' lines first (``with_lines``), in this run's window too. A deployment whose engines run on
+    a GPU: its whole profile measured now (``clients.plan.measure_gpu``; ``base`` is not read)."""
     served.run(loads.requests_for(8, loads.SHORT, 900_000), 4)  # warm-up
     if served.device == "gpu":
         name = f"gpu-{(served.checkpoint or Path('checkpoint')).name}"
         return Profile(measure_gpu.measure(Session(served), 16, name, served.checkpoint)).check()
     doc = {k: v for k, v in base.doc.items() if k != "cpu_ms_per_request"}
+    if served.metrics:
+        doc = with_lines(doc, lines(run_phases(Session(served), repeat)))
     return Profile(with_by_load(doc, served, layout, long)).check()
+
+
+def with_lines(doc: dict, measured: dict) -> dict:
+    """``doc`` with the lines of ``clients.plan.measure.lines`` measured now (encoder, media tokens, prefill, decode at
+    batch 1, the relays, the same-host pull; the cross-host pull and KV pull of ``doc`` kept): a profile measured on
+    another day predicted a window whose encoder was 2.5x faster (docs/planning.md, "Run 5")."""
+    measured = {k: v for k, v in measured.items() if k != "cpu_ms_per_request"}
+    return {**doc, **measured, "transfer": {**doc.get("transfer", {}), **measured["transfer"]},
+            "lines_measured": time.strftime("%F %T")}
 
 
 def measure_level(served, profile: Profile, layout: Layout, level: int, args, seed: int) -> list[dict]:
@@ -127,15 +140,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(name: str, base: Profile | None, args, levels: list[int]) -> list[dict]:
+def run(name: str, base: Profile | None, args, levels: list[int]) -> tuple[list[dict], Profile]:
     """One deployment: its profile (measured now, with ``--measure-profile``), then every level's rows."""
     with DEPLOYMENTS[name](args) as served:
         layout = layouts(args, served)[name]
-        profile = measured_profile(served, base, layout, args.max_tokens) if args.measure_profile else base
+        profile = measured_profile(served, base, layout, args.max_tokens, args.phase_requests) \
+            if args.measure_profile else base
         if args.out and args.measure_profile:
             profiles.save(profile, args.out / f"profile-{name}.json")
         return [compare(name, level, measure_level(served, profile, layout, level, args, seed=i * 1000), layout)
-                for i, level in enumerate(levels)]
+                for i, level in enumerate(levels)], profile
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -144,7 +158,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=Path, help="the profile predicted with (with --measure-profile on a GPU "
                                                      "deployment: not needed, its whole profile is measured)")
     parser.add_argument("--measure-profile", action="store_true",
-                        help="measure each deployment's CPU by load right before its levels (clients.plan.loads)")
+                        help="measure each deployment's CPU by load right before its levels (clients.plan.loads), "
+                             "and on single the phases' lines (clients.plan.measure)")
+    parser.add_argument("--phase-requests", type=int, default=16, help="requests per phase of the lines (--repeat "
+                                                                      "of clients.plan.measure)")
     parser.add_argument("--deployments", default="single,hosts")
     parser.add_argument("--levels", default="1,4,16", help="closed-loop concurrencies")
     parser.add_argument("--requests", type=int, default=48)
@@ -181,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--profile is needed (without it: --measure-profile on a GPU deployment, single)")
     base, rows = (profiles.load(args.profile) if args.profile else None), []
     started, load = time.strftime("%F %T"), os.getloadavg()
-    for name in chosen:
-        rows += run(name, base, args, levels)
+    for name in chosen:  # a later deployment takes the lines the one before measured (hosts: single's)
+        got, base = run(name, base, args, levels)
+        rows += got
     text = table(rows)
     print(text)
     if args.out:

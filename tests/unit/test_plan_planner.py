@@ -153,6 +153,20 @@ def test_validate_needs_a_profile_unless_it_measures_a_gpu_deployments_whole(cap
     assert "--profile is needed" in capsys.readouterr().err
 
 
+def test_validate_s_lines_measured_now_replace_the_profile_s_and_keep_what_the_run_cannot_measure():
+    from clients.plan.validate import with_lines
+
+    old = {"encoder": {"image": {"base": 15.0}}, "transfer": {"shared_memory": {"base": 1.0}, "nixl": {"base": 9.0}},
+           "kv_transfer": {"base": 2.0}, "by_load": {"engine": []}}
+    now = {"encoder": {"image": {"base": 6.0}}, "transfer": {"shared_memory": {"base": 0.5}},
+           "cpu_ms_per_request": {"text": {}}}
+    doc = with_lines(old, now)
+    assert doc["encoder"] == {"image": {"base": 6.0}}
+    assert doc["transfer"] == {"shared_memory": {"base": 0.5}, "nixl": {"base": 9.0}}  # the cross-host pull: old's
+    assert doc["kv_transfer"] == {"base": 2.0} and doc["by_load"] == {"engine": []}
+    assert "cpu_ms_per_request" not in doc and doc["lines_measured"]
+
+
 def test_a_topology_the_machine_cannot_serve_is_a_clear_error_before_any_server(capsys):
     from clients.plan import measure, validate
 
