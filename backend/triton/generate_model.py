@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 from backend.deploy.ports import free_ports
 from backend.encode.checkpoint import embedding_width, model_identity
 from backend.engine.host import (START_METHOD_ENV, EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
-                                 metadata_only_engine_args, report_a_slow_finalize, takes_layout_only)
+                                 metadata_only_engine_args, prepare_process, report_a_slow_finalize, takes_layout_only)
 from backend.engine.patches import NICE_ENV
 from backend.engine.serving import stream_generation
 from backend.protocol.errors import InvalidInput
@@ -139,6 +139,9 @@ class GenerateModel:
                      beside: EngineHost | None = None) -> EngineHost:
         """An engine of ``spec``'s role (None: this model's), started after this process's environment is set for
         that role (``process_env``: its EngineCore child inherits it); ``beside``: a host whose loop it shares."""
+        # the process's environment defaults first: the start method read below is one of them (read before they
+        # were set, every EngineCore was spawned from 2026-12-07 to this mend: 10 s of CPU each, not 2)
+        prepare_process()
         for key, value in self.process_env(spec).items():
             os.environ[key] = value
         return EngineHost.start(engine_args, stats_observer=metrics, beside=beside,

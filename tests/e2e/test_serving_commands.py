@@ -7,8 +7,10 @@ environment variable set for them. A server without gRPC refuses to load ``epd``
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +102,23 @@ def test_tritonserver_run_directly_with_its_own_flags(server):
     session server starts (``tests/e2e/conftest.py``): its stop is checked clean there, at the session's end."""
     assert server.started_argv == readme_command(server.ports)
     _same_tokens_through_every_deployment(server)
+
+
+def test_the_readme_server_s_engine_cores_are_forked_from_their_stubs(server):
+    """Each EngineCore of the session server (4 engines) is a fork of its Triton stub (``EPD_ENGINE_START_METHOD``'s
+    default), not a spawned interpreter: spawned, each imports torch and vLLM again (~10 s of CPU against ~2 s), which
+    went unseen for a day (docs/results/ci-time.md, twelfth session)."""
+    from backend.deploy.local_server import group_members
+
+    cores = {}
+    for pid in group_members(server.proc.pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                cores[pid] = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+    assert len(cores) == 4, cores
+    assert all(exe.endswith("triton_python_backend_stub") for exe in cores.values()), cores
 
 
 def test_a_server_without_grpc_refuses_epd_naming_the_stage(tmp_path):

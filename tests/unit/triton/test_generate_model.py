@@ -3,11 +3,13 @@ pb_utils. vLLM is faked at its seam, ``EngineHost.start`` (``FakeEngine`` on an 
 checkpoint's processor lookup (``checkpoint_media``, which would import transformers); the Triton side is the real
 adapter: config, decoupled check, request reading, streaming, cancels, load probes, metrics, finalize."""
 import json
+import os
 import time
 import uuid
 
 import pytest
 
+from backend.engine.host import PROCESS_ENV_DEFAULTS, START_METHOD_ENV
 from backend.engine.loop import LoopThread
 from backend.triton import generate_model
 from backend.triton.io import TritonSink
@@ -52,7 +54,9 @@ def model_args(tmp_path, decoupled=True, instances=(1,), parameters=None) -> dic
 
 @pytest.fixture
 def engine():
-    return FakeEngine()
+    engine = FakeEngine()
+    engine.start_methods = []  # what each EngineHost.start was given (the ``load`` fixture's)
+    return engine
 
 
 @pytest.fixture
@@ -60,7 +64,12 @@ def load(pb, tmp_path, monkeypatch, engine):
     """``load(**model_args)``: an ``llm`` model initialized on ``engine``; finalized after the test."""
     monkeypatch.setattr(generate_model, "checkpoint_media", lambda model: {"video_processor": "", "audio_sampling_rate": 0})
     monkeypatch.setattr(generate_model.EngineHost, "start", classmethod(
-        lambda cls, args, stats_observer=None, beside=None, start_method=None: FakeHost(engine, args)))
+        lambda cls, args, stats_observer=None, beside=None, start_method=None:
+        engine.start_methods.append(start_method) or FakeHost(engine, args)))
+    # the stub's environment defaults (host.prepare_process), set here so that the test process gets them back
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(generate_model, "prepare_process", raising=False, value=lambda: [
+        monkeypatch.setenv(key, value) for key, value in PROCESS_ENV_DEFAULTS.items() if key not in os.environ])
     monkeypatch.setattr(generate_model, "report_a_slow_finalize", lambda: None)  # faulthandler timers: not in pytest
     monkeypatch.setattr(generate_model, "bound_the_exit", lambda: None)
     (tmp_path / "model.json").write_text(json.dumps({"model": str(tmp_path), "limit_mm_per_prompt": {"image": 2}}))
@@ -91,6 +100,13 @@ def test_initialize_reads_the_config_and_model_json(load):
     assert model.instances == 3 and model.stream_interval == 0.02
     assert model.limits.max_images == 2 and model.limits.max_videos == 8  # limit_mm_per_prompt, else 8
     assert model.host.engine_args["model"] == model.engine_args["model"]
+
+
+def test_the_engine_core_is_forked_where_the_process_defaults_say_so_and_nothing_else_was_set(load, engine):
+    """``START_METHOD_ENV`` unset in the server's environment: the stub's default (fork) is what the engine start is
+    given; read before the defaults were applied it was "", and vLLM's CPU platform spawned every EngineCore."""
+    load()
+    assert engine.start_methods == ["fork"]
 
 
 def test_a_model_that_is_not_decoupled_fails_the_load(load, pb):
