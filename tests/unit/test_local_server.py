@@ -190,3 +190,15 @@ def test_a_start_that_failed_in_a_known_way_at_load_is_made_again_its_log_kept(t
     assert (tmp_path / "server.log.1").read_text() == log.read_text()
     log.write_text("I1206 loading: epd:1\nE1206 failed to load 'epd': a model's own error\n")
     assert not server._failed_at_load(1) and not (tmp_path / "server.log.2").exists()
+
+
+def test_tritonserver_is_started_without_auto_complete_unless_the_command_asks_for_it():
+    """The rendered configs are complete: no auto-complete stub per model (~1.3 s of CPU each) unless the user's
+    command says how model configs are to be completed."""
+    from backend.deploy.local_server import tritonserver_argv
+
+    argv = tritonserver_argv(["--model-repository=model_repository"])
+    assert argv.count("--disable-auto-complete-config") == 1 and argv[-1] == "--model-repository=model_repository"
+    for asked in (["--strict-model-config=false"], ["--disable-auto-complete-config"]):
+        argv = tritonserver_argv(["--model-repository=r", *asked])
+        assert "--disable-auto-complete-config" not in argv[:-2] and argv[-1] == asked[0], argv
