@@ -102,9 +102,11 @@ def test_initialize_reads_the_config_and_model_json(load):
     assert model.host.engine_args["model"] == model.engine_args["model"]
 
 
-def test_the_engine_core_is_forked_where_the_process_defaults_say_so_and_nothing_else_was_set(load, engine):
+def test_the_engine_core_is_forked_where_the_process_defaults_say_so_and_nothing_else_was_set(load, engine,
+                                                                                              monkeypatch):
     """``START_METHOD_ENV`` unset in the server's environment: the stub's default (fork) is what the engine start is
     given; read before the defaults were applied it was "", and vLLM's CPU platform spawned every EngineCore."""
+    monkeypatch.setattr(generate_model, "agents_in_process", lambda: False)  # another test's NIXL agent: a spawn
     load()
     assert engine.start_methods == ["fork"]
 
