@@ -134,9 +134,9 @@ def run_order(files: list[str]) -> list[str]:
 
 def pytest_runtest_logreport(report):
     """Each test's phases, as the controller gets them (from every xdist worker)."""
-    tests = FILE_SECONDS.setdefault(report.nodeid.split("::")[0], {})
-    tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
     file = report.nodeid.split("::")[0]
+    tests = FILE_SECONDS.setdefault(file, {})
+    tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
     FILE_CPU[file] = FILE_CPU.get(file, 0.0) + dict(report.user_properties).get("cpu_s", 0.0)
     gateway = getattr(getattr(report, "node", None), "gateway", None)
     worker = WORKERS.setdefault(getattr(gateway, "id", "main"), {"busy": 0.0, "first": report.start,

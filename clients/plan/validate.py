@@ -8,8 +8,9 @@ streaming client; ``hosts``, E+PD over network namespaces with ``--pd-replicas``
 ``--measure-profile`` each deployment's processes' CPU by load (``clients.plan.loads``) is measured on it right
 before its levels, merged into ``--profile`` and calibrated on its light-load TTFT (written as ``profile-<name>.json``
 under ``--out``); on ``single`` the phases' lines are measured first (``clients.plan.measure``: encoder, media tokens,
-prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: every line of the run's window. At each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in
-turn, ``--max-tokens`` greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
+prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: every line of the run's window. At
+each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in turn, ``--max-tokens``
+greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
 machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
 the cores it left (``Profile.with_cores``). Printed: one table, the medians over the repetitions of measured and
 predicted req/s, TTFT p50 and p90, the error of each (predicted / measured - 1) and the background.
