@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.deploy.local_server import ROOT, TritonServer, VENV
+from backend.deploy.local_server import ROOT, TritonServer, VENV, group_members
 from backend.deploy.ports import free_ports
 from backend.protocol.generate import GenerateInputs
 from clients.triton_client import generate
@@ -108,8 +108,6 @@ def test_the_readme_server_s_engine_cores_are_forked_from_their_stubs(server):
     """Each EngineCore of the session server (4 engines) is a fork of its Triton stub (``EPD_ENGINE_START_METHOD``'s
     default), not a spawned interpreter: spawned, each imports torch and vLLM again (~10 s of CPU against ~2 s), which
     went unseen for a day (docs/results/ci-time.md, twelfth session)."""
-    from backend.deploy.local_server import group_members
-
     cores = {}
     for pid in group_members(server.proc.pid):
         try:
