@@ -69,7 +69,7 @@ PROCESS_ENV_DEFAULTS = {
     # The EngineCore forked from its stub, not spawned (vLLM's CPU platform sets spawn; with CUDA initialized in the
     # stub vLLM spawns whatever this says): a spawned one imports torch and vLLM again (~6 s of CPU here) and touches
     # ~500 MiB of new memory; forked, it shares the stub's pages. The stub has run no OpenMP region and holds no
-    # engine state or NIXL agent when it forks (backend.triton.generate_model: start_more_engines,
+    # engine state or NIXL agent when it forks (backend.triton.generate_model: start_more_engines;
     # engine_start_method). Measured on the README's server (docs/results/ci-time.md): start-up CPU of its
     # processes 94 -> 47 s. "spawn" gives vLLM's choice back.
     START_METHOD_ENV: "fork",
@@ -149,6 +149,22 @@ def prepare_process() -> None:
         os.environ.setdefault(key, value)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+def engine_start_method(may_fork: bool = True) -> str:
+    """How this process's next EngineCore starts: ``START_METHOD_ENV`` (the stub's default is "fork": read it after
+    ``prepare_process``; read before, every EngineCore was spawned from 2026-12-07 08:10 to 15:00 UTC: 10 s of CPU
+    each, not 2), but "spawn" for a "fork" where the caller says it may not fork: once the process has made a NIXL
+    agent (``backend.transfer.agent.agents_in_process``), a forked child shares the agent's UCX state, and the child's
+    UCX thread and this process's then spin a core each for good (measured: an E/P/D orchestrator whose decode
+    EngineCore forked after its embeddings consumer's agent; ``GenerateModel.start_more_engines`` now starts it
+    before)."""
+    method = os.environ.get(START_METHOD_ENV, "")
+    if method == "fork" and not may_fork:
+        print("epd: a NIXL agent exists in this process: its next EngineCore is spawned, not forked", file=sys.stderr,
+              flush=True)
+        return "spawn"
+    return method
 
 
 EXIT_WATCHDOG_SECONDS = 10.0
@@ -352,11 +368,12 @@ class EngineHost:
 
     @classmethod
     def start(cls, engine_args: dict[str, Any], stats_observer=None, beside: "EngineHost | None" = None,
-              start_method: str | None = None) -> "EngineHost":
+              may_fork: bool = True) -> "EngineHost":
         """``stats_observer``: a ``backend.engine.stats.StatsObserver`` given vLLM's request metrics. ``beside``: a
         host whose loop this engine shares (two engines one coroutine drives: E/P/D's prefill and decode in the
-        orchestrator's process); its ``shutdown`` stops this engine only, the loop stays ``beside``'s.
-        ``start_method``: how its EngineCore starts ("fork", "spawn"; None: ``START_METHOD_ENV``'s)."""
+        orchestrator's process); its ``shutdown`` stops this engine only, the loop stays ``beside``'s. Its EngineCore
+        starts as ``engine_start_method(may_fork)`` says, read here, after ``prepare_process`` set the stub's
+        defaults (``may_fork`` False: no fork, the process has a NIXL agent)."""
         prepare_process()
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -377,7 +394,7 @@ class EngineHost:
         async def create():
             engine_args = AsyncEngineArgs(**args)
             vllm_config = engine_args.create_engine_config()
-            method = os.environ.get(START_METHOD_ENV, "") if start_method is None else start_method
+            method = engine_start_method(may_fork)
             if method in ("fork", "spawn"):  # after the config: vLLM's CPU platform sets "spawn" there
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
             return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=loggers,

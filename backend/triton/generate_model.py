@@ -21,8 +21,8 @@ import triton_python_backend_utils as pb_utils
 
 from backend.deploy.ports import free_ports
 from backend.encode.checkpoint import embedding_width, model_identity
-from backend.engine.host import (START_METHOD_ENV, EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
-                                 metadata_only_engine_args, prepare_process, report_a_slow_finalize, takes_layout_only)
+from backend.engine.host import (EngineHost, bound_the_exit, kv_transfer_config, load_engine_args,
+                                 metadata_only_engine_args, report_a_slow_finalize, takes_layout_only)
 from backend.engine.patches import NICE_ENV
 from backend.engine.serving import stream_generation
 from backend.protocol.errors import InvalidInput
@@ -43,17 +43,6 @@ from backend.triton.counter_batch import CounterBatch
 from backend.triton.io import (ERROR_CODES_PARAMETER, answer_held_lookup, answer_json, in_band_cancel,
                                read_generate_inputs, request_parameters, send_error, watched_sink)
 from backend.triton.metrics import EngineMetrics, RequestMetrics
-
-
-def engine_start_method(asked: str) -> str:
-    """How the next EngineCore of this process starts: ``asked`` (``START_METHOD_ENV``), but "spawn" for a "fork"
-    once this process has made a NIXL agent (``agents_in_process``): a forked child shares the agent's UCX state, and
-    the child's UCX thread and this process's then spin a core each for good (measured: an E/P/D orchestrator whose
-    decode EngineCore forked after its embeddings consumer's agent; ``start_more_engines`` now starts it before)."""
-    if asked == "fork" and agents_in_process():
-        pb_utils.Logger.log_warn("a NIXL agent exists in this process: its next EngineCore is spawned, not forked")
-        return "spawn"
-    return asked
 
 
 class GenerateModel:
@@ -139,19 +128,15 @@ class GenerateModel:
                      beside: EngineHost | None = None) -> EngineHost:
         """An engine of ``spec``'s role (None: this model's), started after this process's environment is set for
         that role (``process_env``: its EngineCore child inherits it); ``beside``: a host whose loop it shares."""
-        # the process's environment defaults first: the start method read below is one of them (read before they
-        # were set, every EngineCore was spawned from 2026-12-07 to this mend: 10 s of CPU each, not 2)
-        prepare_process()
         for key, value in self.process_env(spec).items():
             os.environ[key] = value
-        return EngineHost.start(engine_args, stats_observer=metrics, beside=beside,
-                                start_method=engine_start_method(os.environ.get(START_METHOD_ENV, "")))
+        return EngineHost.start(engine_args, stats_observer=metrics, beside=beside, may_fork=not agents_in_process())
 
     def start_more_engines(self, args: dict[str, Any]) -> None:
         """Start this process's other engines (none here): right after the first, before anything of the model makes
         a NIXL agent (a consumer's), so their EngineCores fork from a process without UCX in it (a fork after it
         shares UCX's event descriptors: the child's progress thread and the stub's UCX thread then each spin a core;
-        ``engine_start_method`` spawns instead where an agent already exists)."""
+        ``backend.engine.host.engine_start_method`` spawns instead where an agent already exists)."""
 
     def process_env(self, spec: RoleSpec | None = None) -> dict[str, str]:
         """Variables set before the engine of ``spec``'s role (None: this model's) starts (its EngineCore child

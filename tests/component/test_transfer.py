@@ -201,7 +201,7 @@ def test_warm_connects_ahead_so_the_first_pull_adds_no_peer_and_maps_nothing():
 
 
 def test_the_process_counts_its_agents(consumer):
-    """``agents_in_process``: what the Triton models read before forking an EngineCore (``engine_start_method``)."""
+    """``agents_in_process``: what an engine start reads before forking an EngineCore (``backend.engine.host.engine_start_method``)."""
     from backend.transfer.agent import agents_in_process
 
     assert agents_in_process() >= 1  # the consumer's

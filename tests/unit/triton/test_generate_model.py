@@ -3,13 +3,11 @@ pb_utils. vLLM is faked at its seam, ``EngineHost.start`` (``FakeEngine`` on an 
 checkpoint's processor lookup (``checkpoint_media``, which would import transformers); the Triton side is the real
 adapter: config, decoupled check, request reading, streaming, cancels, load probes, metrics, finalize."""
 import json
-import os
 import time
 import uuid
 
 import pytest
 
-from backend.engine.host import PROCESS_ENV_DEFAULTS, START_METHOD_ENV
 from backend.engine.loop import LoopThread
 from backend.triton import generate_model
 from backend.triton.io import TritonSink
@@ -54,22 +52,17 @@ def model_args(tmp_path, decoupled=True, instances=(1,), parameters=None) -> dic
 
 @pytest.fixture
 def engine():
-    engine = FakeEngine()
-    engine.start_methods = []  # what each EngineHost.start was given (the ``load`` fixture's)
-    return engine
+    return FakeEngine()
 
 
 @pytest.fixture
 def load(pb, tmp_path, monkeypatch, engine):
     """``load(**model_args)``: an ``llm`` model initialized on ``engine``; finalized after the test."""
     monkeypatch.setattr(generate_model, "checkpoint_media", lambda model: {"video_processor": "", "audio_sampling_rate": 0})
+    engine.may_fork = []  # what each EngineHost.start was told
     monkeypatch.setattr(generate_model.EngineHost, "start", classmethod(
-        lambda cls, args, stats_observer=None, beside=None, start_method=None:
-        engine.start_methods.append(start_method) or FakeHost(engine, args)))
-    # the stub's environment defaults (host.prepare_process), set here so that the test process gets them back
-    monkeypatch.delenv(START_METHOD_ENV, raising=False)
-    monkeypatch.setattr(generate_model, "prepare_process", raising=False, value=lambda: [
-        monkeypatch.setenv(key, value) for key, value in PROCESS_ENV_DEFAULTS.items() if key not in os.environ])
+        lambda cls, args, stats_observer=None, beside=None, may_fork=True:
+        engine.may_fork.append(may_fork) or FakeHost(engine, args)))
     monkeypatch.setattr(generate_model, "report_a_slow_finalize", lambda: None)  # faulthandler timers: not in pytest
     monkeypatch.setattr(generate_model, "bound_the_exit", lambda: None)
     (tmp_path / "model.json").write_text(json.dumps({"model": str(tmp_path), "limit_mm_per_prompt": {"image": 2}}))
@@ -102,13 +95,12 @@ def test_initialize_reads_the_config_and_model_json(load):
     assert model.host.engine_args["model"] == model.engine_args["model"]
 
 
-def test_the_engine_core_is_forked_where_the_process_defaults_say_so_and_nothing_else_was_set(load, engine,
-                                                                                              monkeypatch):
-    """``START_METHOD_ENV`` unset in the server's environment: the stub's default (fork) is what the engine start is
-    given; read before the defaults were applied it was "", and vLLM's CPU platform spawned every EngineCore."""
-    monkeypatch.setattr(generate_model, "agents_in_process", lambda: False)  # another test's NIXL agent: a spawn
+@pytest.mark.parametrize("agents", [0, 1])
+def test_the_engine_may_fork_only_while_the_process_has_no_nixl_agent(load, engine, monkeypatch, agents):
+    """A child forked after a NIXL agent shares its UCX state (backend.engine.host.engine_start_method)."""
+    monkeypatch.setattr(generate_model, "agents_in_process", lambda: agents)
     load()
-    assert engine.start_methods == ["fork"]
+    assert engine.may_fork == [not agents]
 
 
 def test_a_model_that_is_not_decoupled_fails_the_load(load, pb):
