@@ -3,8 +3,8 @@ priorities (``epd``) and without (``epd_open``: the same encoder and pd, an orch
 without a priority), driven over the OpenAI protocol by open-loop Poisson arrivals at multiples of the measured
 capacity, two priority classes (``--high-share`` high), a TTFT SLO; one table, one plot.
 
-    .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--slo-ms 0] [--endpoint in-process]
-                                               [--out DIR]
+    .venv/bin/python -m clients.bench.overload [--loads 0.5,1,2,4] [--seconds 15] [--repeats 1] [--slo-ms 0]
+                                               [--endpoint in-process] [--out DIR]
 
 Steps: the topology (``topologies/cpu-overload.yaml``: its ``admission`` block, ``max_queue_ms`` laid over by
 ``--max-queue-ms``, by default half the SLO) is rendered for E+PD (``--split E/P/D``: E/P/D, both orchestrators over
@@ -14,7 +14,9 @@ own) or ``frontend.openai`` as its own process serving both (``--endpoint proces
 requests) is measured; the capacity is what ``--capacity-concurrency`` closed-loop clients get served from
 ``epd_open``; then each load level runs on ``epd_open``, then on ``epd``. Per class and level: goodput (requests
 served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and whether it had
-``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree).
+``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree) before the load, at
+each level's start and end, and ``--settle-seconds`` after the load. ``--repeats``: the levels run that many times in
+turn; the checks pool each level's repeats (overload_table).
 """
 from __future__ import annotations
 
@@ -129,27 +131,38 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                                                         args.capacity_requests, args.max_tokens, args.image_size, 7))[0]
     print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
           f"capacity {capacity:.2f} req/s", flush=True)
-    runs = []
-    for load in args.loads:
-        for model, on in DEPLOYMENTS.items():
-            started = time.perf_counter()
-            fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share, args.max_tokens,
-                                    args.image_size, seed=int(load * 1000), priorities=on)
-            row = {"model": model, "load": load, "rate": round(load * capacity, 2), "wall_s": round(time.perf_counter() - started, 1),
-                   "rss_mib": round(server_rss(server.proc.pid) / 2**20),
-                   "limits": admission_limits(server.metrics_url, model),
-                   "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
-            runs.append(row)
-            print(_line(row), flush=True)
+    runs, rss_start = [], _rss_mib(server)
+    for repeat in range(args.repeats):
+        for load in args.loads:
+            for model, on in DEPLOYMENTS.items():
+                started, rss_before = time.perf_counter(), _rss_mib(server)
+                fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share,
+                                        args.max_tokens, args.image_size, seed=int(load * 1000) + 7919 * repeat,
+                                        priorities=on)
+                row = {"model": model, "load": load, "repeat": repeat, "rate": round(load * capacity, 2),
+                       "wall_s": round(time.perf_counter() - started, 1), "rss_before_mib": rss_before,
+                       "rss_mib": _rss_mib(server), "limits": admission_limits(server.metrics_url, model),
+                       "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
+                runs.append(row)
+                print(_line(row), flush=True)
+    await asyncio.sleep(args.settle_seconds)  # idle: does the memory the load took come back?
+    rss_after = _rss_mib(server)
+    print(f"server RSS {rss_start} MiB before the load, {rss_after} MiB {args.settle_seconds:g} s after it", flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
             "encoder_queue": args.encoder_queue, "first_token_target_ms": args.first_token_target_ms,
             "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
-            "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share, "runs": runs}
+            "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share,
+            "repeats": args.repeats, "rss_start_mib": rss_start, "rss_after_load_mib": rss_after,
+            "settle_seconds": args.settle_seconds, "runs": runs}
+
+
+def _rss_mib(server) -> int:
+    return round(server_rss(server.proc.pid) / 2**20)
 
 
 def _line(row: dict) -> str:
     a, h, lo = row["all"], row["high"], row["low"]
-    return (f"{row['model']:>8} x{row['load']:<4} {row['rate']:6.2f}/s goodput {a['goodput']:5.2f}/s "
+    return (f"{row['model']:>8} x{row['load']:<4} #{row.get('repeat', 0)} {row['rate']:6.2f}/s goodput {a['goodput']:5.2f}/s "
             f"(high {h['goodput']:.2f}, low {lo['goodput']:.2f}) TTFT p99 high {h['ttft_p99_ms']} ms low "
             f"{lo['ttft_p99_ms']} ms shed {a['shed_rate']:.0%} (answered max {a['shed_answer_max_ms']} ms) "
             f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB"
@@ -163,6 +176,11 @@ def main(argv=None) -> int:
     parser.add_argument("--topology", default="topologies/cpu-overload.yaml")
     parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0, 4.0])
     parser.add_argument("--seconds", type=float, default=15.0, help="arrivals per level")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the levels this many times, in turn (the checks pool each level's repeats: a light "
+                             "level's p99 is then not one request's time)")
+    parser.add_argument("--settle-seconds", type=float, default=20.0,
+                        help="idle after the last level before the server's RSS is read again")
     parser.add_argument("--slo-ms", type=float, default=500, help="the TTFT SLO")
     parser.add_argument("--max-queue-ms", type=float, default=0,
                         help="epd's queue bound, over the topology's (0: half the SLO: an admitted request still has "

@@ -140,7 +140,8 @@ def summary(fates: list[Fate], seconds: float, slo: float, cls: str | None = Non
             "shed_answer_p50_ms": _round(percentile(shed_ms, 50)), "shed_answer_p99_ms": _round(percentile(shed_ms, 99)),
             "shed_answer_max_ms": _round(max(shed_ms, default=float("nan"))),
             "shed_without_retry_after": sum(1 for f in by["shed"] if not f.retry_after),
-            "errors": sorted({f.error for f in mine if f.outcome in ("error", "broken", "lost")})[:3]}
+            "errors": sorted({f.error for f in mine if f.outcome in ("error", "broken", "lost")})[:3],
+            "ttfts_ms": [_ms(t) for t in ttfts]}  # each served request's (repeats pool them: overload_table.checks)
 
 
 def _ms(seconds: float) -> float:
