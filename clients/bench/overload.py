@@ -63,6 +63,35 @@ def server_rss(pid: int) -> int:
         return 0
 
 
+def rss_by_process(pid: int) -> dict[str, int]:
+    """MiB of RSS of each process of the server's tree, named by what it is: ``tritonserver``, a stub by its model
+    (``stub epd``), ``EngineCore`` by its stub's model (a forked EngineCore shares its stub's pages: the sum over the
+    tree counts them twice, as ``server_rss`` does)."""
+    import psutil
+
+    named: dict[str, int] = {}
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        stubs = {p.pid: _model_of(p.cmdline()) for p in procs if "triton_python_backend_stub" in p.name()}
+        for proc in procs:
+            if proc.pid == pid:
+                name = "tritonserver"
+            elif proc.pid in stubs:
+                name = f"stub {stubs[proc.pid]}"
+            else:
+                name = f"{proc.name().removeprefix('VLLM::')} of {stubs.get(proc.ppid(), proc.ppid())}"
+            named[name] = named.get(name, 0) + round(proc.memory_info().rss / 2**20)
+    except psutil.Error:
+        pass
+    return named
+
+
+def _model_of(cmdline: list[str]) -> str:
+    """A stub's model: its ``model.py``'s folder two up (``<repo>/<model>/<version>/model.py``)."""
+    script = next((arg for arg in cmdline if arg.endswith("model.py")), "")
+    return Path(script).parent.parent.name or "?"
+
+
 def admission_limits(metrics_url: str, model: str) -> dict[str, float]:
     """``model``'s generator gates' limits now (``epd_admission_limit`` by stage; none where no limit moved yet:
     fixed budgets, or no admission)."""
@@ -131,7 +160,7 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                                                         args.capacity_requests, args.max_tokens, args.image_size, 7))[0]
     print(f"light-load TTFT p50 {percentile(light, 50) * 1000:.0f} ms -> SLO {slo * 1000:.0f} ms; "
           f"capacity {capacity:.2f} req/s", flush=True)
-    runs, rss_start = [], _rss_mib(server)
+    runs, rss_start, processes_start = [], _rss_mib(server), rss_by_process(server.proc.pid)
     for repeat in range(args.repeats):
         for load in args.loads:
             for model, on in DEPLOYMENTS.items():
@@ -146,14 +175,21 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
                 runs.append(row)
                 print(_line(row), flush=True)
     await asyncio.sleep(args.settle_seconds)  # idle: does the memory the load took come back?
-    rss_after = _rss_mib(server)
-    print(f"server RSS {rss_start} MiB before the load, {rss_after} MiB {args.settle_seconds:g} s after it", flush=True)
+    rss_after, processes_after = _rss_mib(server), rss_by_process(server.proc.pid)
+    print(f"server RSS {rss_start} MiB before the load, {rss_after} MiB {args.settle_seconds:g} s after it; by process "
+          f"(before -> after): {_moved(processes_start, processes_after)}", flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
             "encoder_queue": args.encoder_queue, "first_token_target_ms": args.first_token_target_ms,
             "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share,
             "repeats": args.repeats, "rss_start_mib": rss_start, "rss_after_load_mib": rss_after,
-            "settle_seconds": args.settle_seconds, "runs": runs}
+            "settle_seconds": args.settle_seconds, "rss_by_process_mib": {"start": processes_start,
+                                                                          "after_load": processes_after},
+            "runs": runs}
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> str:
+    return ", ".join(f"{name} {before.get(name, 0)} -> {after.get(name, 0)}" for name in sorted({*before, *after}))
 
 
 def _rss_mib(server) -> int:
@@ -210,7 +246,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = run(args)
     out = Path(args.out)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(results))  # one line: every served request's TTFT is in it
     text = tables(results) + "\n" + checks(results)
     (out / "tables.md").write_text(text)
     print(text)

@@ -30,6 +30,8 @@ class Fate:
     retry_after: str | None = None
     error: str = ""
     complete: bool = False  # a served stream that ended with [DONE]
+    at: float = 0.0  # its arrival, seconds into the level (open loop)
+    late: float = 0.0  # seconds the client's loop sent it after its arrival (the load generator's own delay)
 
     @property
     def outcome(self) -> str:
@@ -75,6 +77,11 @@ async def _one(session, url: str, body: dict, fate: Fate, timeout: float) -> Non
         fate.answered = time.perf_counter() - started
 
 
+async def _sent(session, url: str, body: dict, fate: Fate, timeout: float, due: float) -> None:
+    fate.late = asyncio.get_running_loop().time() - due
+    await _one(session, url, body, fate, timeout)
+
+
 async def open_loop(base_url: str, model: str, rate: float, seconds: float, high_share: float, max_tokens: int,
                     image_size: int, seed: int, priorities: bool = True, deadline_ms: float | None = None,
                     timeout: float = 120.0) -> list[Fate]:
@@ -99,8 +106,8 @@ async def open_loop(base_url: str, model: str, rate: float, seconds: float, high
                 body["priority"] = CLASSES[cls]
             if deadline_ms:
                 body["deadline_ms"] = deadline_ms
-            fates.append(Fate(cls))
-            tasks.append(asyncio.create_task(_one(session, url, body, fates[-1], timeout)))
+            fates.append(Fate(cls, at=at))
+            tasks.append(asyncio.create_task(_sent(session, url, body, fates[-1], timeout, start + at)))
         await asyncio.gather(*tasks)
     return fates
 
@@ -141,7 +148,12 @@ def summary(fates: list[Fate], seconds: float, slo: float, cls: str | None = Non
             "shed_answer_max_ms": _round(max(shed_ms, default=float("nan"))),
             "shed_without_retry_after": sum(1 for f in by["shed"] if not f.retry_after),
             "errors": sorted({f.error for f in mine if f.outcome in ("error", "broken", "lost")})[:3],
-            "ttfts_ms": [_ms(t) for t in ttfts]}  # each served request's (repeats pool them: overload_table.checks)
+            # each served request's, per class (repeats pool them: overload_table.checks)
+            **({"ttfts_ms": [_ms(t) for t in ttfts]} if cls is not None else {}),
+            "client_late_p99_ms": _ms(percentile([f.late for f in mine], 99)),
+            # the slowest served requests: when they arrived, their TTFT, how late the client sent them
+            "slowest": [{"at_s": round(f.at, 2), "ttft_ms": _ms(f.ttft), "late_ms": _ms(f.late)} for f in
+                        sorted((f for f in by["served"] if f.ttft is not None), key=lambda f: -f.ttft)[:5]]}
 
 
 def _ms(seconds: float) -> float:

@@ -74,9 +74,21 @@ def checks(results: dict) -> str:
                      f"{missing} shed without Retry-After; lost or hung {lost} (target 0, every level); server RSS "
                      f"{min(rss, default=0)}-{max(rss, default=0)} MiB at the levels' ends"
                      + (f", {', '.join(f'{g:+d}' for g in grew)} MiB over each 2x level" if grew else ""))
+        if twos and "slowest" in twos[0]["high"]:
+            lines.append(f"  - {name}'s slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms): "
+                         + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
+                             f"{w['at_s']:g}: {w['ttft_ms']:g}, {w['late_ms']:g}" for w in r["high"]["slowest"][:3])
+                             for r in twos)
+                         + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}"
+                                                                           for r in twos) + " ms")
     if "rss_after_load_mib" in results:
+        by = results.get("rss_by_process_mib", {})
+        moved = {name: by["after_load"].get(name, 0) - by["start"].get(name, 0)
+                 for name in {*by.get("start", {}), *by.get("after_load", {})}}
         lines.append(f"- the server's RSS: {results['rss_start_mib']} MiB before the load, {results['rss_after_load_mib']} "
-                     f"MiB {results['settle_seconds']:g} s after it")
+                     f"MiB {results['settle_seconds']:g} s after it"
+                     + (f" (by process: {', '.join(f'{n} {m:+d}' for n, m in sorted(moved.items(), key=lambda x: -x[1]))})"
+                        if moved else ""))
     return "\n".join(lines) + "\n"
 
 

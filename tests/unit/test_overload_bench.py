@@ -3,7 +3,7 @@ per class, the checks against the issue's targets, and the rendering of the topo
 from pathlib import Path
 
 from backend.deploy.topology import load
-from clients.bench.overload import limits_of, render_both
+from clients.bench.overload import _model_of, limits_of, render_both
 from clients.bench.overload_load import Fate, summary
 from clients.bench.overload_table import checks, plot, tables
 from clients.bench.report import percentile
@@ -24,6 +24,9 @@ def test_the_summary_counts_goodput_within_the_slo_and_how_fast_sheds_were_answe
     assert (every["sent"], every["served"], every["shed"], every["goodput"]) == (4, 2, 2, 0.5)
     assert every["shed_answer_max_ms"] == 40.0 and every["shed_without_retry_after"] == 1
     assert summary(fates, 2.0, 0.5, "high")["served"] == 1 and summary(fates, 2.0, 0.5, "low")["shed_rate"] == 2 / 3
+    fates[1].at, fates[1].late = 1.5, 0.03
+    assert summary(fates, 2.0, 0.5, "low")["slowest"] == [{"at_s": 1.5, "ttft_ms": 600.0, "late_ms": 30.0}]
+    assert summary(fates, 2.0, 0.5)["client_late_p99_ms"] == 29.1  # lateness 0, 0.03, 0, 0: rank 2.97
 
 
 def _run(model, load, goodput, high_p99, shed_max=20.0):
@@ -54,7 +57,9 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
     longer decides the ratio alone), goodput is the repeats' mean, and each repeat's own ratio is listed."""
     def run(load, repeat, goodput, high_ttfts, rss):
         row = _run("epd", load, goodput, max(high_ttfts))
-        row["high"] = {**row["high"], "ttfts_ms": high_ttfts, "ttft_p99_ms": percentile(high_ttfts, 99)}
+        row["high"] = {**row["high"], "ttfts_ms": high_ttfts, "ttft_p99_ms": percentile(high_ttfts, 99),
+                       "slowest": [{"at_s": 1.5 + repeat, "ttft_ms": max(high_ttfts), "late_ms": 2.0}]}
+        row["all"] = {**row["all"], "client_late_p99_ms": 3.0 + repeat}
         return {**row, "repeat": repeat, "rss_before_mib": rss[0], "rss_mib": rss[1]}
     light = [20.0] * 99
     results = {"slo_ms": 500, "light_ttft_p50_ms": 20.0, "capacity_rps": 10.0, "seconds": 10, "high_share": 0.2,
@@ -67,7 +72,12 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
     assert f"each repeat: {40.0 / percentile(light + [200.0], 99):.2f}, {50.0 / percentile(light + [30.0], 99):.2f}" in text
     assert "goodput at 2x / the peak = 1.00" in text  # mean 9.5 of the best level's mean 9.5
     assert "+49, +20 MiB over each 2x level" in text
+    assert ("slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms): #1 1.5: 40, 2; #2 2.5: 50, 2; "
+            "the client's lateness p99 at 2x 3, 4 ms") in text
     assert "2000 MiB before the load, 2010 MiB 20 s after it" in text
+    results["rss_by_process_mib"] = {"start": {"tritonserver": 100, "stub epd": 90},
+                                     "after_load": {"tritonserver": 101, "stub epd": 99, "EngineCore of pd": 5}}
+    assert "(by process: stub epd +9, EngineCore of pd +5, tritonserver +1)" in checks(results)
     table = tables(results)
     assert "| 0.5x (5/s) #2 |" in table and "| 2001 -> 2050 |" in table
     plot(results, tmp_path / "plot.png")
@@ -106,3 +116,8 @@ def test_the_gates_limits_are_read_from_the_metrics_by_model_and_stage():
             'epd_admission_total{model="epd",stage="pd"} 5\n')
     assert limits_of(text, "epd") == {"pd": 7.0, "decode": 12.0}
     assert limits_of(text, "epd_disagg") == {}
+
+
+def test_a_stub_is_named_by_its_model():
+    assert _model_of(["/x/triton_python_backend_stub", "/tmp/overload-1/epd_open/1/model.py", "shm"]) == "epd_open"
+    assert _model_of(["python"]) == "?"
