@@ -100,8 +100,10 @@ class Allowance:
 
     def __init__(self, seconds: float | None):
         self.left = seconds
+        self.waited: float | None = None  # seconds waited so far over the bounded gates (None: none passed yet)
 
     def spend(self, seconds: float) -> None:
+        self.waited = (self.waited or 0.0) + seconds
         if self.left is not None:
             self.left -= seconds
 

@@ -238,6 +238,8 @@ class Orchestrator:
                     state.tokens = chunk.num_output_tokens or 0
                     _merge(timings, chunk.timings)  # the generator's own (pd: transfer_ms)
                     timings.update(generate_ms=_ms(generate_started), total_ms=_ms(started))
+                    if state.allowance is not None and state.allowance.waited is not None:  # passed a bounded gate
+                        timings["queued_ms"] = round(state.allowance.waited * 1000, 3)
                     chunk = replace(chunk, timings=dict(timings))
                 elif "first_chunk_ms" not in timings:
                     timings["first_chunk_ms"] = _ms(started)

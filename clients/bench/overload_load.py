@@ -32,6 +32,7 @@ class Fate:
     complete: bool = False  # a served stream that ended with [DONE]
     at: float = 0.0  # its arrival, seconds into the level (open loop)
     late: float = 0.0  # seconds the client's loop sent it after its arrival (the load generator's own delay)
+    stages: dict | None = None  # the server's stage times (``usage.epd_timings``: queued_ms, encode_ms, first_chunk_ms)
 
     @property
     def outcome(self) -> str:
@@ -69,6 +70,8 @@ async def _one(session, url: str, body: dict, fate: Fate, timeout: float) -> Non
                             break
                         if fate.ttft is None and first_token_event(event):
                             fate.ttft = time.perf_counter() - started
+                        if event.get("usage"):
+                            fate.stages = event["usage"].get("epd_timings")
     except TimeoutError:
         fate.status, fate.error = None, "hung"
     except (aiohttp.ClientError, ConnectionError) as exc:
@@ -152,8 +155,14 @@ def summary(fates: list[Fate], seconds: float, slo: float, cls: str | None = Non
             **({"ttfts_ms": [_ms(t) for t in ttfts]} if cls is not None else {}),
             "client_late_p99_ms": _ms(percentile([f.late for f in mine], 99)),
             # the slowest served requests: when they arrived, their TTFT, how late the client sent them
-            "slowest": [{"at_s": round(f.at, 2), "ttft_ms": _ms(f.ttft), "late_ms": _ms(f.late)} for f in
+            "slowest": [{"at_s": round(f.at, 2), "ttft_ms": _ms(f.ttft), "late_ms": _ms(f.late),
+                         **{key: (f.stages or {}).get(key) for key in STAGE_TIMES}} for f in
                         sorted((f for f in by["served"] if f.ttft is not None), key=lambda f: -f.ttft)[:5]]}
+
+
+# of a slow request, where its server time went (usage.epd_timings): waited at the gates, encoded (from the
+# orchestrator's start), its first chunk (from the same start)
+STAGE_TIMES = ("queued_ms", "encode_ms", "first_chunk_ms")
 
 
 def _ms(seconds: float) -> float:

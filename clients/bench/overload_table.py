@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from clients.bench.overload_load import STAGE_TIMES
 from clients.bench.report import percentile
 
 
@@ -75,10 +76,12 @@ def checks(results: dict) -> str:
                      f"{min(rss, default=0)}-{max(rss, default=0)} MiB at the levels' ends"
                      + (f", {', '.join(f'{g:+d}' for g in grew)} MiB over each 2x level" if grew else ""))
         if twos and "slowest" in twos[0]["high"]:
-            lines.append(f"  - {name}'s slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms): "
+            lines.append(f"  - {name}'s slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms, "
+                         "the server's queued / encoded / first chunk ms): "
                          + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
-                             f"{w['at_s']:g}: {w['ttft_ms']:g}, {w['late_ms']:g}" for w in r["high"]["slowest"][:3])
-                             for r in twos)
+                             f"{w['at_s']:g}: {w['ttft_ms']:g}, {w['late_ms']:g}, " + " / ".join(
+                                 f"{w.get(k):g}" if w.get(k) is not None else "-" for k in STAGE_TIMES)
+                             for w in r["high"]["slowest"][:3]) for r in twos)
                          + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}"
                                                                            for r in twos) + " ms")
     if "rss_after_load_mib" in results:

@@ -280,7 +280,9 @@ def usage(prompt_tokens: int, completion_tokens: int, timings: dict | None = Non
     """OpenAI's ``usage``; from the final response's ``timings`` (the orchestrators', a consumer's): vLLM's
     ``prompt_tokens_details.cached_tokens`` (the prompt tokens its prefix cache covered) and the extension
     ``epd_media``: the request's media ``items``, how many were ``reused`` (the consumer's copies: not encoded,
-    not transferred) and how many ``encoded``."""
+    not transferred) and how many ``encoded``; and the extension ``epd_timings``: the stages' milliseconds (the
+    timings' ``*_ms``: ``queued_ms`` at the admission gates, ``encode_ms`` and ``first_chunk_ms`` from the
+    orchestrator's start, ``generate_ms``, ``total_ms``, ...; docs/interface.md)."""
     doc: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     timings = timings or {}
@@ -289,6 +291,8 @@ def usage(prompt_tokens: int, completion_tokens: int, timings: dict | None = Non
     if timings.get("items") is not None:
         items, reused = int(timings["items"]), int(timings.get("held") or 0)
         doc["epd_media"] = {"items": items, "reused": reused, "encoded": max(items - reused, 0)}
+    if stages := {key: value for key, value in timings.items() if key.endswith("_ms")}:
+        doc["epd_timings"] = stages
     return doc
 
 

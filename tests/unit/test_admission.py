@@ -312,9 +312,9 @@ def test_time_in_a_stage_does_not_count_against_the_wait_allowed_at_the_next_gat
         async with pd.admit(Cost(), 1, None, allowance):  # waits ~0.09 s for busy
             pass
         await busy
-        return allowance.left
-    left = asyncio.run(main())
-    assert 0.05 < left < 0.12
+        return allowance.left, allowance.waited
+    left, waited = asyncio.run(main())
+    assert 0.05 < left < 0.12 and 0.08 < waited < 0.15  # only the wait at pd's gate spent it
 
 
 class Clock:
@@ -401,3 +401,27 @@ def test_the_orchestrators_generator_gate_hears_each_requests_first_token():
     outcomes, gate = asyncio.run(main())
     assert outcomes == [Outcome.OK] * 4
     assert gate.units_limit == 6 and gate.units == 0  # one cut: the four were let in under the first limit
+
+
+def test_a_request_s_timings_say_how_long_it_waited_at_the_gates():
+    """``queued_ms`` (docs/interface.md; over OpenAI ``usage.epd_timings``): the second of two requests for a budget
+    of one waits for the first's stream; the first was let in at once; without budgets there is no ``queued_ms``."""
+    class Slow(FakeStages):
+        async def generate(self, inputs, stage=None):
+            await asyncio.sleep(0.1)
+            async for chunk in super().generate(inputs, stage):
+                yield chunk
+
+    async def main():
+        orchestrator = Orchestrator(Slow(), IDENTITY, RequestLimits(),
+                                    admission=Admission(AdmissionBudgets(generator_requests_in_flight=1)))
+        sinks = [FakeSink(), FakeSink()]
+        first = asyncio.create_task(orchestrator.run(RawGenerateInputs(prompt="x"), sinks[0]))
+        await asyncio.sleep(0.01)
+        await orchestrator.run(RawGenerateInputs(prompt="x"), sinks[1])
+        await first
+        return [sink.chunks[-1][0].timings for sink in sinks]
+    first, second = asyncio.run(main())
+    assert first["queued_ms"] < 5 and 60 < second["queued_ms"] < 200, (first, second)
+    outcome, sink = run(Orchestrator(FakeStages(), IDENTITY, RequestLimits()), RawGenerateInputs(prompt="x"))
+    assert outcome is Outcome.OK and "queued_ms" not in sink.chunks[-1][0].timings

@@ -194,6 +194,8 @@ def test_usage_reports_cached_tokens_and_the_media_reused_and_encoded():
     assert doc["prompt_tokens_details"] == {"cached_tokens": 16}
     assert doc["epd_media"] == {"items": 3, "reused": 2, "encoded": 1}
     assert translate.usage(40, 4, {"items": 2, "encode_ms": 1.0})["epd_media"] == {"items": 2, "reused": 0, "encoded": 2}
+    assert doc["epd_timings"] == {"encode_ms": 1.0}  # the stages' milliseconds, not the counts
+    assert "epd_timings" not in translate.usage(40, 4, {"cached_tokens": 0})  # llm's: no stage times
 
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}

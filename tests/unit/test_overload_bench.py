@@ -24,8 +24,9 @@ def test_the_summary_counts_goodput_within_the_slo_and_how_fast_sheds_were_answe
     assert (every["sent"], every["served"], every["shed"], every["goodput"]) == (4, 2, 2, 0.5)
     assert every["shed_answer_max_ms"] == 40.0 and every["shed_without_retry_after"] == 1
     assert summary(fates, 2.0, 0.5, "high")["served"] == 1 and summary(fates, 2.0, 0.5, "low")["shed_rate"] == 2 / 3
-    fates[1].at, fates[1].late = 1.5, 0.03
-    assert summary(fates, 2.0, 0.5, "low")["slowest"] == [{"at_s": 1.5, "ttft_ms": 600.0, "late_ms": 30.0}]
+    fates[1].at, fates[1].late, fates[1].stages = 1.5, 0.03, {"queued_ms": 80.0, "encode_ms": 90.0, "total_ms": 1.0}
+    assert summary(fates, 2.0, 0.5, "low")["slowest"] == [{"at_s": 1.5, "ttft_ms": 600.0, "late_ms": 30.0,
+                                                           "queued_ms": 80.0, "encode_ms": 90.0, "first_chunk_ms": None}]
     assert summary(fates, 2.0, 0.5)["client_late_p99_ms"] == 29.1  # lateness 0, 0.03, 0, 0: rank 2.97
 
 
@@ -58,7 +59,8 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
     def run(load, repeat, goodput, high_ttfts, rss):
         row = _run("epd", load, goodput, max(high_ttfts))
         row["high"] = {**row["high"], "ttfts_ms": high_ttfts, "ttft_p99_ms": percentile(high_ttfts, 99),
-                       "slowest": [{"at_s": 1.5 + repeat, "ttft_ms": max(high_ttfts), "late_ms": 2.0}]}
+                       "slowest": [{"at_s": 1.5 + repeat, "ttft_ms": max(high_ttfts), "late_ms": 2.0,
+                                    "queued_ms": 0.5, "encode_ms": 9.0, "first_chunk_ms": None}]}
         row["all"] = {**row["all"], "client_late_p99_ms": 3.0 + repeat}
         return {**row, "repeat": repeat, "rss_before_mib": rss[0], "rss_mib": rss[1]}
     light = [20.0] * 99
@@ -72,7 +74,8 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
     assert f"each repeat: {40.0 / percentile(light + [200.0], 99):.2f}, {50.0 / percentile(light + [30.0], 99):.2f}" in text
     assert "goodput at 2x / the peak = 1.00" in text  # mean 9.5 of the best level's mean 9.5
     assert "+49, +20 MiB over each 2x level" in text
-    assert ("slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms): #1 1.5: 40, 2; #2 2.5: 50, 2; "
+    assert ("slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms, the server's queued / "
+            "encoded / first chunk ms): #1 1.5: 40, 2, 0.5 / 9 / -; #2 2.5: 50, 2, 0.5 / 9 / -; "
             "the client's lateness p99 at 2x 3, 4 ms") in text
     assert "2000 MiB before the load, 2010 MiB 20 s after it" in text
     results["rss_by_process_mib"] = {"start": {"tritonserver": 100, "stub epd": 90},
