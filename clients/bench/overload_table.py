@@ -13,7 +13,9 @@ def tables(results: dict) -> str:
     head = (f"SLO: TTFT <= {results['slo_ms']} ms (light-load p50 {results['light_ttft_p50_ms']} ms); capacity "
             f"{results['capacity_rps']} req/s; {results['seconds']:g} s of arrivals per level; "
             f"{results['high_share']:.0%} high priority; epd's first-token target "
-            f"{f'{target:g} ms' if target else 'off (fixed budgets)'}\n\n")
+            f"{f'{target:g} ms' if target else 'off (fixed budgets)'}"
+            + (f"; the high class's reserve {results['reserve_percent']:g}% of each budget"
+               if "reserve_percent" in results else "") + "\n\n")
     rows = ["| deployment | load | class | sent | served | goodput /s | TTFT p50 ms | TTFT p99 ms | shed | shed answered "
             "p99 / max ms | expired | lost + hung | server RSS MiB (level's start -> end) | gate limits after the level |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
