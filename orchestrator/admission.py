@@ -110,7 +110,9 @@ class Allowance:
 
 class Gate:
     """One stage's budget and queue. ``max_queue_seconds``: the longest any request waits here (0: until its
-    deadline). ``reserve``: the share of the budget only the highest priority (0) may use, so a high-priority request
+    deadline). ``burst``: the share over the budget the highest priority (0) may use too, so a burst of high-priority
+    requests goes in at once where it would wait for the low ones' slots (their engine schedules by priority).
+    ``reserve``: the share of the budget only the highest priority (0) may use, so a high-priority request
     finds room without waiting for the low ones in flight to finish. ``clock``: Unix time (deadlines are Unix times, as
     the stages get them)."""
 
@@ -120,9 +122,9 @@ class Gate:
 
     def __init__(self, stage: str, budget: Budget, max_queue_seconds: float = 0.0,
                  observer: AdmissionObserver | None = None, clock: Callable[[], float] = time.time,
-                 reserve: float = 0.0, first_token_target: float = 0.0):
+                 reserve: float = 0.0, first_token_target: float = 0.0, burst: float = 0.0):
         self.stage, self.budget, self.max_queue, self.observer, self.clock = stage, budget, max_queue_seconds, observer, clock
-        self.reserve = reserve
+        self.reserve, self.burst = reserve, burst
         self.target = first_token_target if budget.units else 0.0  # seconds (0: the budget is the limit)
         self.limit = float(budget.units)  # requests in flight now allowed (moves with ``first_token`` under a target)
         self._cut_at = -math.inf  # when the limit was last cut
@@ -169,9 +171,13 @@ class Gate:
         return max(0.0, beyond * self.hold_seconds / limit, head_age)
 
     def _limit(self, budget: int, priority: int) -> int:
-        """What of ``budget`` a request of ``priority`` may fill: all of it at priority 0, else less the reserve (at
-        least 1)."""
-        return budget if priority == 0 or not budget else max(1, budget - math.ceil(budget * self.reserve))
+        """What of ``budget`` a request of ``priority`` may fill: all of it and the burst over it at priority 0, else
+        the budget less the reserve (at least 1)."""
+        if not budget:
+            return budget
+        if priority == 0:
+            return budget + math.ceil(budget * self.burst)
+        return max(1, budget - math.ceil(budget * self.reserve))
 
     @contextlib.asynccontextmanager
     async def admit(self, cost: Cost, priority: int, deadline: float | None, allowance: Allowance | None = None):
@@ -303,7 +309,7 @@ class Admission:
 
         def gate(stage: str, budget: Budget, target: float = 0.0) -> Gate:
             return Gate(stage, budget, self.max_queue, observer, clock, budgets.high_priority_reserve_percent / 100.0,
-                        target)
+                        target, budgets.high_priority_burst_percent / 100.0)
         target = budgets.first_token_target_ms / 1000.0
         self.encoder = gate("encoder", Budget(budgets.encoder_items_in_flight, budgets.encoder_bytes_in_flight))
         self.generators = {"pd": gate("pd", Budget(budgets.generator_requests_in_flight), target),

@@ -51,7 +51,7 @@ REUSE_DEFAULTS = {**defaults(HeldSettings, "held_bytes", "session_seconds", "ses
 # the admission settings the orchestrators take as model parameters (RoutingSettings' fields of those names)
 ADMISSION_PARAMETERS = ("priority_levels", "encoder_items_in_flight", "encoder_bytes_in_flight",
                         "generator_requests_in_flight", "decode_requests_in_flight", "max_queue_ms",
-                        "high_priority_reserve_percent", "first_token_target_ms")
+                        "high_priority_reserve_percent", "high_priority_burst_percent", "first_token_target_ms")
 ADMISSION_DEFAULTS = {**defaults(RoutingSettings, *ADMISSION_PARAMETERS),
                       # the encoder's Triton queue: one per priority class (priority) or one (fifo: the orchestrators'
                       # gates still let encodes in by priority; render._encoder_batching says why it is a choice)

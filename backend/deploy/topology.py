@@ -178,6 +178,8 @@ def _admission(doc, where: str) -> dict[str, Any]:
             raise TopologyError(f"{where}.{key}: expected a number of ms >= 0 (0: fixed budgets), got {value!r}")
         if key == "high_priority_reserve_percent" and not (number and 0 <= value < 100):
             raise TopologyError(f"{where}.{key}: expected a percentage from 0 to below 100, got {value!r}")
+        if key == "high_priority_burst_percent" and not (number and 0 <= value <= 400):
+            raise TopologyError(f"{where}.{key}: expected a percentage from 0 to 400, got {value!r}")
         if key.endswith("_in_flight") and not (isinstance(value, int) and number and value >= 0):
             raise TopologyError(f"{where}.{key}: expected an integer >= 0 (0: no bound), got {value!r}")
         if key == "encoder_queue" and value not in ENCODER_QUEUES:

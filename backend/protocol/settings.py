@@ -155,6 +155,7 @@ class AdmissionBudgets:
     decode_requests_in_flight: int = 0
     max_queue_ms: float = 0
     high_priority_reserve_percent: float = 0  # of each budget, only for priority 0 (the others fill the rest)
+    high_priority_burst_percent: float = 0  # over each budget, only for priority 0 (a burst of them goes in at once)
     # the generator gates' limit of requests in flight follows their first tokens toward this (0: the budgets are fixed;
     # orchestrator.admission)
     first_token_target_ms: float = 0

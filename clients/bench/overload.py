@@ -132,6 +132,10 @@ def run(args) -> dict:
         topology = dataclasses.replace(topology, admission={**topology.admission,
                                                             "high_priority_reserve_percent": args.reserve_percent})
     args.reserve_percent = topology.admission.get("high_priority_reserve_percent", 0)
+    if args.burst_percent is not None:
+        topology = dataclasses.replace(topology, admission={**topology.admission,
+                                                            "high_priority_burst_percent": args.burst_percent})
+    args.burst_percent = topology.admission.get("high_priority_burst_percent", 0)
     args.engine_nice = topology.engine_nice  # recorded with the results
     args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
     out = Path(args.out)
@@ -184,7 +188,7 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
           f"(before -> after): {_moved(processes_start, processes_after)}", flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
             "encoder_queue": args.encoder_queue, "first_token_target_ms": args.first_token_target_ms,
-            "reserve_percent": args.reserve_percent, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+            "reserve_percent": args.reserve_percent, "burst_percent": args.burst_percent, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share,
             "repeats": args.repeats, "rss_start_mib": rss_start, "rss_after_load_mib": rss_after,
             "settle_seconds": args.settle_seconds, "rss_by_process_mib": {"start": processes_start,
@@ -244,6 +248,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reserve-percent", type=float,
                         help="the share of each of epd's budgets only the high class may use, over the topology's "
                              "admission.high_priority_reserve_percent")
+    parser.add_argument("--burst-percent", type=float,
+                        help="the share over each of epd's budgets the high class may use too, over the topology's "
+                             "admission.high_priority_burst_percent")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
                         help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; under overload it "

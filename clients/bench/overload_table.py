@@ -15,7 +15,8 @@ def tables(results: dict) -> str:
             f"{results['high_share']:.0%} high priority; epd's first-token target "
             f"{f'{target:g} ms' if target else 'off (fixed budgets)'}"
             + (f"; the high class's reserve {results['reserve_percent']:g}% of each budget"
-               if "reserve_percent" in results else "") + "\n\n")
+               if "reserve_percent" in results else "")
+            + (f", its burst {results['burst_percent']:g}% over it" if "burst_percent" in results else "") + "\n\n")
     rows = ["| deployment | load | class | sent | served | goodput /s | TTFT p50 ms | TTFT p99 ms | shed | shed answered "
             "p99 / max ms | expired | lost + hung | server RSS MiB (level's start -> end) | gate limits after the level |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -55,11 +56,13 @@ def _pooled_p99(runs: list[dict], cls: str) -> float:
 
 def checks(results: dict) -> str:
     """The issue's targets, each with the figure it rests on (``nan`` where the run has no such level). Repeats of a
-    level are pooled: goodput is their mean (the peak: the best level's mean of any deployment), the high class's p99
+    level are pooled: goodput is their mean (the peak: the best level's mean of any deployment, or the capacity the
+    loads are multiples of where that is higher), the high class's p99
     is over all their requests, and the ratio of each repeat is listed beside it."""
     lines = [f"Targets (epd, {results.get('split', 'E+PD')}; the same figures for epd_open beside them):"]
     levels = {(r["model"], r["load"]) for r in results["runs"]}
-    best = max((_mean([r["all"]["goodput"] for r in _runs(results, *level)]) for level in levels), default=0.0)
+    best = max([_mean([r["all"]["goodput"] for r in _runs(results, *level)]) for level in levels]
+               + [results.get("capacity_rps", 0.0)])  # a run of 0.5x and 2x alone has its 2x as its best level
     for name in ("epd", "epd_open"):
         twos, halves = _runs(results, name, 2.0), _runs(results, name, 0.5)
         runs = [r for r in results["runs"] if r["model"] == name]

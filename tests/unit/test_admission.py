@@ -275,6 +275,24 @@ def test_a_reserve_keeps_room_for_the_highest_priority():
     assert asyncio.run(main()) == (3, 1, 4)
 
 
+def test_a_burst_lets_high_priority_requests_in_over_a_full_budget_and_never_the_low_ones():
+    """The overload bench's slowest high-class requests waited at pd's gate for the low ones' slots (a burst of high
+    arrivals, docs/benchmarks.md): with ``burst`` 0.5, priority 0 may have 6 of a budget of 4 in flight."""
+    async def main():
+        gate, order = Gate("pd", Budget(units=4), burst=0.5), []
+        lows = [asyncio.create_task(hold(gate, 0.1, 1, order=order, name=f"low{i}")) for i in range(5)]
+        await asyncio.sleep(0.01)
+        assert gate.units == 4 and gate.waiting == 1  # the low ones fill the budget, not the burst
+        highs = [asyncio.create_task(hold(gate, 0.05, 0, order=order, name=f"high{i}")) for i in range(3)]
+        await asyncio.sleep(0.02)
+        assert gate.units == 6 and gate.waiting == 2, order  # two highs in at once, over the budget; one waits
+        await asyncio.gather(*highs, *lows)
+        return order, gate._limit(4, 0), gate._limit(4, 1), gate.units
+    order, high, low, left = asyncio.run(main())
+    assert (high, low, left) == (6, 4, 0)
+    assert order.index("high2") < order.index("low4")  # the waiting high one before the waiting low one
+
+
 def test_a_queue_whose_head_has_waited_longer_than_a_request_may_refuses_it_at_arrival():
     """The rate learnt from calls that left says ~0 s, but the oldest waiter has waited 0.2 s already: an arrival that
     may wait 0.1 s is refused at once, not after waiting."""

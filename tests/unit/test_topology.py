@@ -351,12 +351,13 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     doc = {**BASE, "serve": ["baseline", "E+PD", "E/P/D"],
            "stages": {"encoder": {}, "pd": {}, "prefill": {}, "decode": {}, "llm": {}, "epd": {}},
            "admission": {"priority_levels": 2, "encoder_items_in_flight": 4, "max_queue_ms": 500,
-                         "first_token_target_ms": 150}}
+                         "first_token_target_ms": 150, "high_priority_burst_percent": 100}}
     files = render_files(load(_write(tmp_path, doc), "cpu"), Path("/r"))
     for model in ("epd", "epd_disagg"):
         for line in ('key: "encoder_items_in_flight" value: { string_value: "4" }',
                      'key: "max_queue_ms" value: { string_value: "500" }',
                      'key: "first_token_target_ms" value: { string_value: "150" }',
+                     'key: "high_priority_burst_percent" value: { string_value: "100" }',
                      'key: "priority_levels" value: { string_value: "2" }'):
             assert line in files[f"{model}/config.pbtxt"], (model, line)
     for model in ("llm", "pd", "prefill", "decode"):
@@ -387,6 +388,7 @@ def test_the_admission_block_renders_budgets_into_the_orchestrators_and_priority
     ({"max_queue_ms": "1s"}, "admission.max_queue_ms: expected a number of ms >= 0"),
     ({"first_token_target_ms": -5}, "admission.first_token_target_ms: expected a number of ms >= 0"),
     ({"encoder_queue": "lifo"}, "admission.encoder_queue: expected one of priority, fifo"),
+    ({"high_priority_burst_percent": 500}, "admission.high_priority_burst_percent: expected a percentage from 0 to 400"),
     ([1], "admission: expected a mapping"),
 ])
 def test_a_bad_admission_block_is_refused_naming_the_key(tmp_path, admission, message):
