@@ -33,6 +33,9 @@ from backend.deploy.schema import ENCODER_QUEUES
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
 from clients.bench.report import parse_metrics, percentile
 
+# the bench's options laid over the topology's admission block (argument -> key)
+ADMISSION_OPTIONS = {"first_token_target_ms": "first_token_target_ms", "reserve_percent": "high_priority_reserve_percent",
+                     "burst_percent": "high_priority_burst_percent"}
 SPLITS = ("E+PD", "E/P/D")  # the deployment measured: served alone, its orchestrator model is ``epd``
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
 
@@ -124,18 +127,11 @@ def run(args) -> dict:
         topology = dataclasses.replace(topology, engine_nice=args.engine_nice)
     if args.encoder_queue is not None:
         topology = dataclasses.replace(topology, admission={**topology.admission, "encoder_queue": args.encoder_queue})
-    if args.first_token_target_ms is not None:
-        topology = dataclasses.replace(topology, admission={**topology.admission,
-                                                            "first_token_target_ms": args.first_token_target_ms})
-    args.first_token_target_ms = topology.admission.get("first_token_target_ms", 0)
-    if args.reserve_percent is not None:
-        topology = dataclasses.replace(topology, admission={**topology.admission,
-                                                            "high_priority_reserve_percent": args.reserve_percent})
-    args.reserve_percent = topology.admission.get("high_priority_reserve_percent", 0)
-    if args.burst_percent is not None:
-        topology = dataclasses.replace(topology, admission={**topology.admission,
-                                                            "high_priority_burst_percent": args.burst_percent})
-    args.burst_percent = topology.admission.get("high_priority_burst_percent", 0)
+    # the admission settings given on the command line, over the topology's; each recorded with the results
+    given = {key: getattr(args, arg) for arg, key in ADMISSION_OPTIONS.items() if getattr(args, arg) is not None}
+    topology = dataclasses.replace(topology, admission={**topology.admission, **given})
+    for arg, key in ADMISSION_OPTIONS.items():
+        setattr(args, arg, topology.admission.get(key, 0))
     args.engine_nice = topology.engine_nice  # recorded with the results
     args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
     out = Path(args.out)
@@ -187,8 +183,8 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
     print(f"server RSS {rss_start} MiB before the load, {rss_after} MiB {args.settle_seconds:g} s after it; by process "
           f"(before -> after): {_moved(processes_start, processes_after)}", flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
-            "encoder_queue": args.encoder_queue, "first_token_target_ms": args.first_token_target_ms,
-            "reserve_percent": args.reserve_percent, "burst_percent": args.burst_percent, "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
+            "encoder_queue": args.encoder_queue, **{arg: getattr(args, arg) for arg in ADMISSION_OPTIONS},
+            "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share,
             "repeats": args.repeats, "rss_start_mib": rss_start, "rss_after_load_mib": rss_after,
             "settle_seconds": args.settle_seconds, "rss_by_process_mib": {"start": processes_start,
