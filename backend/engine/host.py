@@ -409,7 +409,7 @@ class EngineHost:
         except BaseException:
             if beside is None:
                 loop.stop()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+            release_ipc_dir(ipc_dir)  # and the environment's base back: a process started later must not inherit it
             raise
         processes = [proc for proc in psutil.Process().children(recursive=True)
                      if proc.pid not in others and _engine_process(proc)]

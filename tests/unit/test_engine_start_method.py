@@ -49,6 +49,15 @@ def test_the_engine_start_reads_the_method_after_the_stub_s_defaults(monkeypatch
     def made(*args, **kwargs):
         raise _Made(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
     monkeypatch.setattr(async_llm.AsyncLLM, "from_vllm_config", made)
+    # a process that has not made an IPC directory yet, with no base configured (all given back after the test)
+    monkeypatch.setattr(host, "_IPC_BASE", None)
+    monkeypatch.setattr(host, "_IPC_ENV_BEFORE", None)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "")
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
     with pytest.raises(_Made) as told:
         host.EngineHost.start({"model": "unused"})
     assert told.value.args == ("fork",)
+    # the failed start gave its IPC directory back with the environment's base: before, VLLM_RPC_BASE_PATH kept naming
+    # the removed directory, and every tritonserver this pytest worker started afterwards failed its engines' start
+    # in mkdtemp (the fresh-clone CI of ed12bad: 60 errors)
+    assert "VLLM_RPC_BASE_PATH" not in os.environ
