@@ -217,7 +217,8 @@ def sdk(server):
 def test_a_conversation_over_openai_encodes_only_its_new_screenshot_and_says_so_in_usage(server, sdk, model, how):
     """``session_id`` (vLLM's extra field, or the ``X-Session-Id`` header) through the OpenAI endpoint: every turn's
     ``usage.epd_media`` counts its new screenshot encoded and the earlier ones reused, the encoder is asked for one
-    item per turn (its metrics), ``prompt_tokens_details.cached_tokens`` comes back, and the text is ``llm``'s."""
+    item per turn (its metrics), ``prompt_tokens_details.cached_tokens`` and ``usage.epd_timings`` come back, and the
+    text is ``llm``'s."""
     seeds = [500 + 10 * DEPLOYMENTS.index(model) + i for i in range(3)]
     session = {"extra_body": {"session_id": f"sdk-{model}"}} if how == "body" else {
         "extra_headers": {"X-Session-Id": f"sdk-{model}"}}
@@ -228,6 +229,8 @@ def test_a_conversation_over_openai_encodes_only_its_new_screenshot_and_says_so_
         assert encodes(server) - before == 1, f"turn {k}: not only its new screenshot was encoded"
         assert got.usage.model_extra["epd_media"] == {"items": k + 1, "reused": k, "encoded": 1}, got.usage
         assert got.usage.prompt_tokens_details.cached_tokens >= 0
+        stages = got.usage.model_extra["epd_timings"]  # the stage times (docs/openai.md); no admission here
+        assert 0 < stages["encode_ms"] <= stages["first_chunk_ms"] <= stages["total_ms"] and "queued_ms" not in stages
         want = sdk.chat.completions.create(model="llm", messages=messages, temperature=0.0, max_tokens=8)
         assert (got.choices[0].message.content, got.usage.prompt_tokens) == (
             want.choices[0].message.content, want.usage.prompt_tokens)
