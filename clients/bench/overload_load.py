@@ -157,7 +157,10 @@ def summary(fates: list[Fate], seconds: float, slo: float, cls: str | None = Non
             # the slowest served requests: when they arrived, their TTFT, how late the client sent them
             "slowest": [{"at_s": round(f.at, 2), "ttft_ms": _ms(f.ttft), "late_ms": _ms(f.late),
                          **{key: (f.stages or {}).get(key) for key in STAGE_TIMES}} for f in
-                        sorted((f for f in by["served"] if f.ttft is not None), key=lambda f: -f.ttft)[:5]]}
+                        sorted((f for f in by["served"] if f.ttft is not None), key=lambda f: -f.ttft)[:5]],
+            # the slowest refusals: when they arrived, how long their answer took, how late the client sent them
+            "slowest_shed": [{"at_s": round(f.at, 2), "answered_ms": _ms(f.answered), "late_ms": _ms(f.late)}
+                             for f in sorted(by["shed"], key=lambda f: -(f.answered or 0.0))[:5]]}
 
 
 # of a slow request, where its server time went (usage.epd_timings): waited at the gates, encoded (from the

@@ -89,6 +89,11 @@ def checks(results: dict) -> str:
                              for w in r["high"]["slowest"][:3]) for r in twos)
                          + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}"
                                                                            for r in twos) + " ms")
+        if twos and twos[0]["all"].get("slowest_shed") is not None:
+            lines.append(f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): "
+                         + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
+                             f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}" for w in r["all"]["slowest_shed"][:3])
+                             for r in twos if r["all"]["slowest_shed"]))
     if "rss_after_load_mib" in results:
         by = results.get("rss_by_process_mib", {})
         moved = {name: by["after_load"].get(name, 0) - by["start"].get(name, 0)

@@ -28,6 +28,9 @@ def test_the_summary_counts_goodput_within_the_slo_and_how_fast_sheds_were_answe
     assert summary(fates, 2.0, 0.5, "low")["slowest"] == [{"at_s": 1.5, "ttft_ms": 600.0, "late_ms": 30.0,
                                                            "queued_ms": 80.0, "encode_ms": 90.0, "first_chunk_ms": None}]
     assert summary(fates, 2.0, 0.5)["client_late_p99_ms"] == 29.1  # lateness 0, 0.03, 0, 0: rank 2.97
+    fates[3].at, fates[3].late = 1.9, 0.01
+    assert summary(fates, 2.0, 0.5)["slowest_shed"] == [{"at_s": 1.9, "answered_ms": 40.0, "late_ms": 10.0},
+                                                        {"at_s": 0.0, "answered_ms": 20.0, "late_ms": 0.0}]
 
 
 def _run(model, load, goodput, high_p99, shed_max=20.0):
@@ -61,7 +64,8 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
         row["high"] = {**row["high"], "ttfts_ms": high_ttfts, "ttft_p99_ms": percentile(high_ttfts, 99),
                        "slowest": [{"at_s": 1.5 + repeat, "ttft_ms": max(high_ttfts), "late_ms": 2.0,
                                     "queued_ms": 0.5, "encode_ms": 9.0, "first_chunk_ms": None}]}
-        row["all"] = {**row["all"], "client_late_p99_ms": 3.0 + repeat}
+        row["all"] = {**row["all"], "client_late_p99_ms": 3.0 + repeat,
+                      "slowest_shed": [{"at_s": 2.0, "answered_ms": 60.0 + repeat, "late_ms": 30.0}] if repeat else []}
         return {**row, "repeat": repeat, "rss_before_mib": rss[0], "rss_mib": rss[1]}
     light = [20.0] * 99
     results = {"slo_ms": 500, "light_ttft_p50_ms": 20.0, "capacity_rps": 10.0, "seconds": 10, "high_share": 0.2,
@@ -77,6 +81,7 @@ def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_aft
     assert ("slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms, the server's queued / "
             "encoded / first chunk ms): #1 1.5: 40, 2, 0.5 / 9 / -; #2 2.5: 50, 2, 0.5 / 9 / -; "
             "the client's lateness p99 at 2x 3, 4 ms") in text
+    assert "slowest refusals at 2x (arrival s: answered ms, client's lateness ms): #2 2: 61, 30\n" in text
     assert "2000 MiB before the load, 2010 MiB 20 s after it" in text
     results["rss_by_process_mib"] = {"start": {"tritonserver": 100, "stub epd": 90},
                                      "after_load": {"tritonserver": 101, "stub epd": 99, "EngineCore of pd": 5}}
