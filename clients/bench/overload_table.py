@@ -57,8 +57,9 @@ def _pooled_p99(runs: list[dict], cls: str) -> float:
 def checks(results: dict) -> str:
     """The issue's targets, each with the figure it rests on (``nan`` where the run has no such level). Repeats of a
     level are pooled: goodput is their mean (the peak: the best level's mean of any deployment, or the capacity the
-    loads are multiples of where that is higher), the high class's p99
-    is over all their requests, and the ratio of each repeat is listed beside it."""
+    loads are multiples of where that is higher), the high class's p99 is over all their requests, and the ratio of
+    each repeat is listed beside it. Then, per deployment, where the slowest requests and refusals at 2x spent their
+    time, and the server's memory before and after the load."""
     lines = [f"Targets (epd, {results.get('split', 'E+PD')}; the same figures for epd_open beside them):"]
     levels = {(r["model"], r["load"]) for r in results["runs"]}
     best = max([_mean([r["all"]["goodput"] for r in _runs(results, *level)]) for level in levels]
@@ -89,11 +90,11 @@ def checks(results: dict) -> str:
                              for w in r["high"]["slowest"][:3]) for r in twos)
                          + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}"
                                                                            for r in twos) + " ms")
-        if twos and twos[0]["all"].get("slowest_shed") is not None:
+        if refusals := [r for r in twos if r["all"].get("slowest_shed")]:
             lines.append(f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): "
                          + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
                              f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}" for w in r["all"]["slowest_shed"][:3])
-                             for r in twos if r["all"]["slowest_shed"]))
+                             for r in refusals))
     if "rss_after_load_mib" in results:
         by = results.get("rss_by_process_mib", {})
         moved = {name: by["after_load"].get(name, 0) - by["start"].get(name, 0)
