@@ -23,7 +23,7 @@ demo: setup
 # The suite on TEST_WORKERS xdist workers (2, CI's default; 0: one process), each taking the next test file as it
 # finishes one (run_order: a solo module first, unit files beside it, the slowest next); fault and overload modules
 # beside unit-test modules only, memory-heavy ones one at a time (tests/conftest.py).
-# Fresh-clone .ci/runs on 2 cores: 20.9 min on two workers (EngineCores forked, no auto-complete stubs), 31.2-33.5 with
+# Fresh-clone .ci/runs on 2 cores: 20.9-24.3 min on two workers (EngineCores forked, no auto-complete stubs), 31.2-33.5 with
 # EngineCores spawned, 38.9 in one process
 # (docs/results/ci-time.md).
 TEST_WORKERS ?= 2
