@@ -33,9 +33,13 @@ from backend.deploy.schema import ENCODER_QUEUES
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
 from clients.bench.report import parse_metrics, percentile
 
-# the bench's options laid over the topology's admission block (argument -> key)
-ADMISSION_OPTIONS = {"first_token_target_ms": "first_token_target_ms", "reserve_percent": "high_priority_reserve_percent",
-                     "burst_percent": "high_priority_burst_percent"}
+# the bench's options laid over the topology's admission block: argument -> (key, what it sets)
+ADMISSION_OPTIONS = {
+    "first_token_target_ms": ("first_token_target_ms", "epd's generator gates follow their first tokens toward this "
+                              "(0: fixed budgets; orchestrator.admission)"),
+    "reserve_percent": ("high_priority_reserve_percent", "the share of each of epd's budgets only the high class may use"),
+    "burst_percent": ("high_priority_burst_percent", "the share over each of epd's budgets the high class may use too"),
+}
 SPLITS = ("E+PD", "E/P/D")  # the deployment measured: served alone, its orchestrator model is ``epd``
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
 
@@ -128,9 +132,9 @@ def run(args) -> dict:
     if args.encoder_queue is not None:
         topology = dataclasses.replace(topology, admission={**topology.admission, "encoder_queue": args.encoder_queue})
     # the admission settings given on the command line, over the topology's; each recorded with the results
-    given = {key: getattr(args, arg) for arg, key in ADMISSION_OPTIONS.items() if getattr(args, arg) is not None}
+    given = {key: getattr(args, arg) for arg, (key, _) in ADMISSION_OPTIONS.items() if getattr(args, arg) is not None}
     topology = dataclasses.replace(topology, admission={**topology.admission, **given})
-    for arg, key in ADMISSION_OPTIONS.items():
+    for arg, (key, _) in ADMISSION_OPTIONS.items():
         setattr(args, arg, topology.admission.get(key, 0))
     args.engine_nice = topology.engine_nice  # recorded with the results
     args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
@@ -238,15 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--encoder-queue", choices=ENCODER_QUEUES,
                         help="the encoder's Triton queue, over the topology's admission.encoder_queue (docs/results/"
                              "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
-    parser.add_argument("--first-token-target-ms", type=float,
-                        help="epd's generator gates follow their first tokens toward this, over the topology's "
-                             "admission.first_token_target_ms (0: fixed budgets; orchestrator.admission)")
-    parser.add_argument("--reserve-percent", type=float,
-                        help="the share of each of epd's budgets only the high class may use, over the topology's "
-                             "admission.high_priority_reserve_percent")
-    parser.add_argument("--burst-percent", type=float,
-                        help="the share over each of epd's budgets the high class may use too, over the topology's "
-                             "admission.high_priority_burst_percent")
+    for arg, (key, what) in ADMISSION_OPTIONS.items():
+        parser.add_argument(f"--{arg.replace('_', '-')}", type=float, help=f"{what}, over the topology's admission.{key}")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
                         help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; under overload it "
