@@ -7,6 +7,9 @@ import os
 import time
 
 RAN: list[tuple[str, float, float]] = []  # (test, wall-clock start, end)
+# A file's mtime comes from the kernel's coarse clock, up to a tick (1-10 ms) behind time.time(): a file made
+# just after a test started can carry an mtime a few ms before the recorded start.
+MTIME_LAG_SECONDS = 0.02
 
 
 @contextlib.contextmanager
@@ -25,6 +28,7 @@ def made_during(path: str) -> str:
     except OSError:
         return f"{path} (gone)"
     when = time.strftime("%H:%M:%S", time.localtime(made))
-    test = next((name for name, start, end in RAN if start <= made <= end), "no test (between tests)")
+    test = next((name for name, start, end in RAN if start - MTIME_LAG_SECONDS <= made <= end),
+                "no test (between tests)")
     return f"{path} (made {when}, during {test})"
 

@@ -271,6 +271,9 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
         self.stragglers: list[int] = []
+        self.died = ""  # set by stop when the server had exited by itself: its exit status and its log's last lines
+        self._signalled = False  # stop has run (a second stop finds the server gone: not a death)
+        self._sigterm = None  # the SIGTERM handler __enter__ replaced, put back at __exit__
         self.stop_seconds: float | None = None  # SIGTERM to exit
         self.leftover_shm: list[str] = []  # stub regions the server left in /dev/shm (stop removed them)
         self.leftover_envs: list[str] = []  # the Python backend's /tmp/python_env_* it left (stop removed them)
@@ -425,6 +428,9 @@ class TritonServer:
         if self.proc is None:
             return
         regions = self.regions | stub_regions(self.proc.pid)
+        if self.proc.poll() is not None and not self._signalled:
+            self.died = f"tritonserver exited by itself with {self.proc.returncode}{log_tail(self.log_path, 80)}"
+        self._signalled = True
         if self.proc.poll() is None:
             started = time.monotonic()
             os.kill(self._server_pid(), signal.SIGTERM)  # a launcher (make serve) exits with its server
@@ -492,6 +498,8 @@ class TritonServer:
         finally:
             if self._sigterm is not None:
                 signal.signal(signal.SIGTERM, self._sigterm)
+        if self.died and exc[0] is None:  # the tests saw only refused connections: say why, with the log (CI keeps no /tmp)
+            raise RuntimeError(f"{self.died}\nprocesses that outlived it: {self.stragglers}")
 
 
 def _exit_on_sigterm():

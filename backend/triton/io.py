@@ -163,13 +163,13 @@ class TritonSink:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if self._completed:
             raise RuntimeError("response sent after the request was completed")
+        elapsed = time.monotonic() - self._started  # as it leaves: the client may read it before send() returns
         try:
             self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
         except Exception:
             self.close()
             raise
         if self._timer is not None:
-            elapsed = time.monotonic() - self._started
             if self._first and chunk.text_output:
                 self._first = False
                 self._timer.first_text(elapsed)

@@ -215,6 +215,7 @@ def check_clean_stop(srv: TritonServer, log: Path, members: list[int]) -> None:
     IPC directory of its stubs' engines is left (``backend.engine.host.private_ipc_dir``). Triton 2.51's gRPC frontend
     once leaked a stream cancelled around its final response, which kept a model from unloading: 30 s stops
     (docs/results/robustness.md, "Shutdown")."""
+    assert not srv.died, srv.died
     text = log.read_text(errors="replace")
     assert "Exit timeout expired" not in text, text[-3000:]
     assert srv.stop_seconds < STOP_SECONDS, f"stop took {srv.stop_seconds:.1f} s; log tail: {text[-3000:]}"

@@ -202,3 +202,29 @@ def test_tritonserver_is_started_without_auto_complete_unless_the_command_asks_f
     for asked in (["--strict-model-config=false"], ["--disable-auto-complete-config"]):
         argv = tritonserver_argv(["--model-repository=r", *asked])
         assert "--disable-auto-complete-config" not in argv[:-2] and argv[-1] == asked[0], argv
+
+
+def test_a_server_that_died_under_its_tests_is_reported_with_its_log_at_exit(tmp_path):
+    """A server that exits by itself while tests use it (they see refused connections only) makes ``with
+    TritonServer()`` raise at its end with the exit status and the log's last lines (a CI run keeps no /tmp); one
+    stopped by the harness, even twice, does not."""
+    import subprocess
+    import sys
+
+    from backend.deploy.local_server import Ports, TritonServer
+
+    def started(code: str) -> TritonServer:
+        server = TritonServer(ports=Ports(1, 2, 3), log_path=tmp_path / "log", argv=[sys.executable, "-c", code])
+        with open(tmp_path / "log", "w") as log:
+            server.proc = subprocess.Popen(server.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return server
+
+    server = started("import os, time; print('Signal (11) received.', flush=True); time.sleep(0.2); os._exit(139)")
+    server.proc.wait(timeout=10)
+    with pytest.raises(RuntimeError, match=r"exited by itself with 139(.|\n)*Signal \(11\) received"):
+        server.__exit__(None, None, None)
+    assert server.died
+    server = started("import time; time.sleep(60)")
+    server.stop(timeout=10)
+    server.__exit__(None, None, None)  # the second stop finds it gone: stopped, not dead
+    assert not server.died and server.proc.returncode is not None
