@@ -65,45 +65,65 @@ def checks(results: dict) -> str:
     best = max([_mean([r["all"]["goodput"] for r in _runs(results, *level)]) for level in levels]
                + [results.get("capacity_rps", 0.0)])  # a run of 0.5x and 2x alone has its 2x as its best level
     for name in ("epd", "epd_open"):
-        twos, halves = _runs(results, name, 2.0), _runs(results, name, 0.5)
-        runs = [r for r in results["runs"] if r["model"] == name]
-        ratio = _mean([r["all"]["goodput"] for r in twos]) / best if twos and best else math.nan
-        high = _pooled_p99(twos, "high") / _pooled_p99(halves, "high") if twos and halves else math.nan
-        each = [two["high"]["ttft_p99_ms"] / half["high"]["ttft_p99_ms"] for two, half in zip(twos, halves)]
-        shed = [r["all"]["shed_answer_max_ms"] for r in twos if r["all"]["shed"]]
-        missing = sum(r["all"]["shed_without_retry_after"] for r in runs)
-        lost = sum(r["all"]["lost"] + r["all"]["hung"] + r["all"]["broken"] for r in runs)
-        rss = [r["rss_mib"] for r in runs]
-        grew = [r["rss_mib"] - r["rss_before_mib"] for r in twos if "rss_before_mib" in r]
-        lines.append(f"- {name}: goodput at 2x / the peak = {ratio:.2f} (target >= 0.90); high class TTFT p99 at 2x / at "
-                     f"0.5x = {high:.2f} (target <= 1.5{'; each repeat: ' + ', '.join(f'{e:.2f}' for e in each) if len(each) > 1 else ''}); "
-                     f"slowest shed answer at 2x {max(shed, default=math.nan)} ms (target <= 50), "
-                     f"{missing} shed without Retry-After; lost or hung {lost} (target 0, every level); server RSS "
-                     f"{min(rss, default=0)}-{max(rss, default=0)} MiB at the levels' ends"
-                     + (f", {', '.join(f'{g:+d}' for g in grew)} MiB over each 2x level" if grew else ""))
-        if twos and "slowest" in twos[0]["high"]:
-            lines.append(f"  - {name}'s slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms, "
-                         "the server's queued / encoded / first chunk ms): "
-                         + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
-                             f"{w['at_s']:g}: {w['ttft_ms']:g}, {w['late_ms']:g}, " + " / ".join(
-                                 f"{w.get(k):g}" if w.get(k) is not None else "-" for k in STAGE_TIMES)
-                             for w in r["high"]["slowest"][:3]) for r in twos)
-                         + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}"
-                                                                           for r in twos) + " ms")
-        if refusals := [r for r in twos if r["all"].get("slowest_shed")]:
-            lines.append(f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): "
-                         + "; ".join(f"#{r.get('repeat', 0) + 1} " + ", ".join(
-                             f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}" for w in r["all"]["slowest_shed"][:3])
-                             for r in refusals))
-    if "rss_after_load_mib" in results:
-        by = results.get("rss_by_process_mib", {})
-        moved = {name: by["after_load"].get(name, 0) - by["start"].get(name, 0)
-                 for name in {*by.get("start", {}), *by.get("after_load", {})}}
-        lines.append(f"- the server's RSS: {results['rss_start_mib']} MiB before the load, {results['rss_after_load_mib']} "
-                     f"MiB {results['settle_seconds']:g} s after it"
-                     + (f" (by process: {', '.join(f'{n} {m:+d}' for n, m in sorted(moved.items(), key=lambda x: -x[1]))})"
-                        if moved else ""))
-    return "\n".join(lines) + "\n"
+        twos = _runs(results, name, 2.0)
+        lines.append(_targets(results, name, best))
+        lines += _slowest_requests(name, twos) + _slowest_refusals(name, twos)
+    return "\n".join(lines + _memory(results)) + "\n"
+
+
+def _targets(results: dict, name: str, best: float) -> str:
+    """One deployment's figures against the issue's targets."""
+    twos, halves = _runs(results, name, 2.0), _runs(results, name, 0.5)
+    runs = [r for r in results["runs"] if r["model"] == name]
+    ratio = _mean([r["all"]["goodput"] for r in twos]) / best if twos and best else math.nan
+    high = _pooled_p99(twos, "high") / _pooled_p99(halves, "high") if twos and halves else math.nan
+    each = [two["high"]["ttft_p99_ms"] / half["high"]["ttft_p99_ms"] for two, half in zip(twos, halves)]
+    shed = [r["all"]["shed_answer_max_ms"] for r in twos if r["all"]["shed"]]
+    missing = sum(r["all"]["shed_without_retry_after"] for r in runs)
+    lost = sum(r["all"]["lost"] + r["all"]["hung"] + r["all"]["broken"] for r in runs)
+    rss = [r["rss_mib"] for r in runs]
+    grew = [r["rss_mib"] - r["rss_before_mib"] for r in twos if "rss_before_mib" in r]
+    each_text = "; each repeat: " + ", ".join(f"{e:.2f}" for e in each) if len(each) > 1 else ""
+    return (f"- {name}: goodput at 2x / the peak = {ratio:.2f} (target >= 0.90); high class TTFT p99 at 2x / at "
+            f"0.5x = {high:.2f} (target <= 1.5{each_text}); "
+            f"slowest shed answer at 2x {max(shed, default=math.nan)} ms (target <= 50), "
+            f"{missing} shed without Retry-After; lost or hung {lost} (target 0, every level); server RSS "
+            f"{min(rss, default=0)}-{max(rss, default=0)} MiB at the levels' ends"
+            + (f", {', '.join(f'{g:+d}' for g in grew)} MiB over each 2x level" if grew else ""))
+
+
+def _slowest_requests(name: str, twos: list[dict]) -> list[str]:
+    """Where the slowest high-class requests at 2x spent their time, per repeat (none for a run without them)."""
+    if not twos or "slowest" not in twos[0]["high"]:
+        return []
+    times = lambda w: " / ".join(f"{w.get(k):g}" if w.get(k) is not None else "-" for k in STAGE_TIMES)
+    per_repeat = (f"#{r.get('repeat', 0) + 1} " + ", ".join(f"{w['at_s']:g}: {w['ttft_ms']:g}, {w['late_ms']:g}, {times(w)}"
+                                                           for w in r["high"]["slowest"][:3]) for r in twos)
+    return [f"  - {name}'s slowest high-class requests at 2x (arrival s: TTFT ms, client's lateness ms, "
+            "the server's queued / encoded / first chunk ms): " + "; ".join(per_repeat)
+            + "; the client's lateness p99 at 2x " + ", ".join(f"{r['all']['client_late_p99_ms']:g}" for r in twos) + " ms"]
+
+
+def _slowest_refusals(name: str, twos: list[dict]) -> list[str]:
+    """The slowest refusals at 2x and how late the client sent them, per repeat (none where nothing was refused)."""
+    refusals = [r for r in twos if r["all"].get("slowest_shed")]
+    if not refusals:
+        return []
+    per_repeat = (f"#{r.get('repeat', 0) + 1} " + ", ".join(f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}"
+                                                           for w in r["all"]["slowest_shed"][:3]) for r in refusals)
+    return [f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): " + "; ".join(per_repeat)]
+
+
+def _memory(results: dict) -> list[str]:
+    """The server's RSS before the load and after it settled, and which processes moved (a run with the figures)."""
+    if "rss_after_load_mib" not in results:
+        return []
+    by = results.get("rss_by_process_mib", {})
+    moved = {name: by["after_load"].get(name, 0) - by["start"].get(name, 0)
+             for name in {*by.get("start", {}), *by.get("after_load", {})}}
+    by_process = f" (by process: {', '.join(f'{n} {m:+d}' for n, m in sorted(moved.items(), key=lambda x: -x[1]))})"
+    return [f"- the server's RSS: {results['rss_start_mib']} MiB before the load, {results['rss_after_load_mib']} "
+            f"MiB {results['settle_seconds']:g} s after it" + (by_process if moved else "")]
 
 
 def plot(results: dict, path: Path) -> None:
