@@ -135,7 +135,8 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
     are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
     "series": its background, "merging": per load the long answers' responses per request, requests and background
-    (``clients.plan.measure.fit_intervals``), "phases": what each read}``."""
+    (``clients.plan.measure.fit_intervals``), "first_token": per load the short answers' TTFT p50, requests and
+    background (``clients.plan.phases.calibrate_engine``), "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
     for load in loads:
         count = max(32, 6 * load)
@@ -155,4 +156,8 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
     merging = {load: {"responses": by_tokens[long]["responses"], "count": len(by_tokens[long]["samples"]),
                       "series": by_tokens[long]["series"], "step_s": WINDOW} for load, by_tokens in phases.items()}
-    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"], "merging": merging}
+    first_token = {load: {"ttft_p50_ms": percentile([s.ttft * 1000 for s in by_tokens[SHORT]["samples"]], 50),
+                          "count": len(by_tokens[SHORT]["samples"]), "series": by_tokens[SHORT]["series"]}
+                   for load, by_tokens in phases.items()}
+    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"], "merging": merging,
+            "first_token": first_token}

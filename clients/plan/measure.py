@@ -18,7 +18,8 @@ by-load step (``with_by_load``, validate's too): every process's CPU per request
 (``clients.plan.loads``: closed loops of 1, 2, 8 and 24, short and long answers): the profile's ``by_load`` rows, the
 decode step by batch fitted through the engine's, the stub's send interval at each load; and the calibration on the
 load-1 phase's TTFT with the background measured during it: ``before_first_token`` and ``hop``, what light-load TTFT
-has beyond the CPU work (the gRPC hops' latency).
+has beyond the CPU work (the gRPC hops' latency); then, on the other loads' TTFT, the share of the engine's per-request
+CPU done before the first token (``engine_first_token_by_load``: at load 1 its by-load base is 0).
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from backend.deploy.schema import TopologyError
 from clients.bench.served import refuse_with_url, served_arguments
 from clients.plan import measure_gpu
 from clients.plan.deployments import Served, grpc_run, served_topology, single
-from clients.plan.phases import (LONG, SHORT, Session, calibrate, cpu_of, encoder_lines, images, shared_lines,
-                                 video_phase)
+from clients.plan.phases import (LONG, SHORT, Session, calibrate, calibrate_engine, cpu_of, encoder_lines, images,
+                                 shared_lines, video_phase)
 from clients.plan.profile import Line, Profile, fit, save
 
 SIZES = (64, 160, 256, 384)
@@ -106,7 +107,8 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
     """``doc`` with ``served``'s CPU by load measured now (``clients.plan.loads.by_load``, answers of ``loads.SHORT``
     and ``long`` tokens): its rows, the decode step fitted through the engine's, the send interval at each load; then
     calibrated on ``layout`` against the load-1 phase's TTFT with the background measured in that phase
-    (``light_background``). The by-load step of ``measure`` and of ``clients.plan.validate.measured_profile``."""
+    (``light_background``), and the engine's share before the first token against the other loads' TTFT
+    (``calibrate_engine``). The by-load step of ``measure`` and of ``clients.plan.validate.measured_profile``."""
     from clients.plan import loads
 
     got = loads.by_load(served, long=long)
@@ -115,8 +117,9 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
                decode=loads.decode_line(got["by_load"]["engine"]).as_dict(), by_load_measured=time.strftime("%F %T"))
     doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
     doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}
+    doc["first_token_by_load"] = got["first_token"]
     fitted = calibrate({**doc, "background": doc["light_background"]}, layout)
-    return {k: v for k, v in fitted.items() if k != "background"}
+    return calibrate_engine({k: v for k, v in fitted.items() if k != "background"}, layout, got["first_token"])
 
 
 def measure(session: Session, repeat: int, name: str) -> dict:

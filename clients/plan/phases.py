@@ -18,6 +18,7 @@ from clients.plan.deployments import Served
 from clients.plan.profile import Line, Profile, fit
 
 SHORT, LONG = 16, 80  # greedy tokens of the phases, and of the longer answers
+ENGINE_SHARE_SENSITIVITY = 0.05  # calibrate_engine: the least TTFT move, over the measured TTFT, a share must make
 
 
 class Session:
@@ -132,3 +133,36 @@ def calibrate(doc: dict, layout, sizes=((64, 64),)) -> dict:
     low, high, measured = ttft(0.0), ttft(1.0), doc["light_ttft_ms"]
     share = 1.0 if high <= low else min(1.0, max(0.0, (measured - low) / (high - low)))
     return {**doc, "before_first_token": round(share, 3), "hop": Line(max(0.0, measured - high), 0.0).as_dict()}
+
+
+def calibrate_engine(doc: dict, layout, first_token: dict, sizes=((64, 64),)) -> dict:
+    """``doc`` with ``engine_first_token_by_load``: at each measured load where the engine's ``by_load`` row has a
+    per-request base (at load 1 it is 0: ``calibrate``'s light load says nothing of it), the share of that base
+    done in the request's prefill step (the rest between steps after it ends) whose simulated TTFT p50 (that
+    phase's closed loop, on its background) is the measured one (``first_token``: ``clients.plan.loads.by_load``'s).
+    A load whose TTFT moves by less than ``ENGINE_SHARE_SENSITIVITY`` of the measured one between the two ends
+    (queueing hides the prefill) gives no row; none at all: ``doc`` unchanged."""
+    from clients.plan.simulate import simulate
+    from clients.plan.workload import closed
+
+    rows = []
+    for load, got in sorted(first_token.items(), key=lambda kv: float(kv[0])):
+        load = float(load)
+        if Profile(doc).cost("engine", load).base <= 0:
+            continue
+        workload = closed(int(load), got["count"], round(doc["text_tokens"]), SHORT, sizes)
+        background = {"step_s": doc.get("light_background", {}).get("step_s", 0.1), "cores": got["series"]}
+
+        def ttft(share: float) -> float:
+            trial = {**doc, "engine_first_token_by_load": [[load, share]], "background": background}
+            return simulate(layout, Profile(trial), workload)["ttft_p50_ms"]
+
+        low, high, measured = ttft(0.0), ttft(1.0), got["ttft_p50_ms"]
+        if high - low < ENGINE_SHARE_SENSITIVITY * measured:
+            continue
+        lo, hi = 0.0, 1.0  # TTFT grows with the share: bisect for the measured one
+        for _ in range(8):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ttft(mid) < measured else (lo, mid)
+        rows.append([load, round((lo + hi) / 2, 3)])
+    return {**doc, "engine_first_token_by_load": rows} if rows else doc

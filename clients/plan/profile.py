@@ -96,6 +96,15 @@ class Profile:
         rest after the last: final response, accounting); 1 where not fitted."""
         return float(self.doc.get("before_first_token", 1.0))
 
+    def engine_before_first(self, load: float) -> float:
+        """The share of the engine's per-request CPU (its ``by_load`` row's base) done in the request's prefill step,
+        with ``load`` requests in flight on the engine: ``engine_first_token_by_load`` (rows ``[load, share]``, fitted
+        where the base is not 0: ``clients.plan.phases.calibrate_engine``) where the profile has it, else
+        ``before_first_token``'s (the rest is done between steps after the request ends)."""
+        if rows := self.doc.get("engine_first_token_by_load"):
+            return between(rows, load)[0]
+        return self.before_first
+
     @property
     def encoder_device_share(self) -> float:
         """The share of an encoder batch's time its instances time-slice on their replica's one device

@@ -141,7 +141,7 @@ class Simulation:
         seq = Sequence(prefill, output, request.priority, self.env.event(), self.env.event(), media_ms, context=context)
         seq.stub, seq.engine = stub, engine
         if self.profile.by_load("engine") and stage != "decode":
-            seq.prefill_ms = share * self._request_ms("engine", engine.load())
+            seq.prefill_ms = self.profile.engine_before_first(engine.load()) * self._request_ms("engine", engine.load())
         engine.submit(seq)
         yield seq.done
         engine.outstanding -= 1
@@ -196,8 +196,9 @@ class Simulation:
             for process, key in self._front():
                 self.env.process(process.work(after * self._request_ms(key, self.inflight)))
             self.env.process(seq.stub.work(after * self._request_ms("stub", engine.load())))
-            if self.profile.by_load("engine"):
-                engine.chore(after * self._request_ms("engine", engine.load()))
+        if self.profile.by_load("engine"):  # what the prefill step did not do, on the engine that answered
+            load = engine.load()
+            engine.chore((1.0 - self.profile.engine_before_first(load)) * self._request_ms("engine", load))
         engine.chore(float(self.profile.doc.get("engine_after_ms", 0.0)))  # on the engine's thread, between steps
         self.inflight -= 1
 

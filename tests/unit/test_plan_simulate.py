@@ -263,3 +263,33 @@ def test_the_planners_encoder_demand_counts_the_instances_sharing_a_device():
     quarter = demands(Profile({**doc, "encoder_device_share": 0.25}), load, 32, encoder_instances=4)
     half = demands(Profile({**doc, "encoder_device_share": 0.5}), load, 32, encoder_instances=4)
     assert quarter["encoder"] == pytest.approx(0.010) and half["encoder"] == pytest.approx(0.020)
+
+
+def test_the_engines_share_before_the_first_token_is_its_own_and_read_by_load():
+    # the engine's 10 ms per request: the share in the prefill step (TTFT), the rest between steps after the end,
+    # done while the client's next 20 ms run (so no request waits for it): TTFT = 20 + 10 x share
+    for share in (0.4, 1.0):
+        p = Profile({**by_load(profile(), share=1.0, client=[[1, 20.0, 0.0]], engine=[[1, 10.0, 0.0]]).doc,
+                     "engine_first_token_by_load": [[1, share]]})
+        result = simulate(Layout(split="E+PD"), p, workload("closed", 20, output=1, concurrency=1))
+        assert result["ttft_p50_ms"] == pytest.approx(20.0 + 10.0 * share)
+    rows = Profile({**profile().doc, "engine_first_token_by_load": [[2, 0.2], [8, 0.8]]})
+    assert rows.engine_before_first(4) == pytest.approx(0.5) and rows.engine_before_first(1) == pytest.approx(0.2)
+    assert by_load(profile(), share=0.7).engine_before_first(4) == 0.7  # not fitted: the relays' share
+
+
+def test_the_engines_share_is_fitted_where_its_per_request_base_is_not_0():
+    from clients.plan.phases import calibrate_engine
+
+    p = by_load(profile(), client=[[1, 20.0, 0.0]], engine=[[1, 0.0, 1.0], [2, 10.0, 1.0]])
+    doc = {**p.doc, "text_tokens": 10}
+    layout = Layout(split="E+PD")
+    ttft = lambda share, load: simulate(layout, Profile({**doc, "engine_first_token_by_load": [[load, share]]}),
+                                        workload("closed", 24, images=1, output=16, concurrency=load))["ttft_p50_ms"]
+    # "measured": what the simulator says at share 0.7 (TTFT 32.5 ms at load 2, against 25 at 0 and 38 at 1)
+    measured = {str(load): {"ttft_p50_ms": ttft(0.7, load), "count": 24, "series": []} for load in (1, 2)}
+    fitted = calibrate_engine(doc, layout, measured, sizes=((100, 100),))
+    [(load, share)] = fitted["engine_first_token_by_load"]  # load 2 only: at 1 the base is 0
+    assert load == 2.0 and share == pytest.approx(0.7, abs=0.01)
+    assert ttft(share, 2) == pytest.approx(measured["2"]["ttft_p50_ms"], rel=0.02)
+    assert calibrate_engine(doc, layout, {"1": measured["1"]}) is doc  # base 0 everywhere measured: nothing fitted
