@@ -349,6 +349,7 @@ class TritonServer:
             else:  # a launcher command (make serve) starts its tier itself
                 env = self._with_tier(server_env(self.env))
             self.started_argv = list(argv)
+            self.died, self._signalled = "", False  # a start tried again (a port taken) begins anew
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if self.log_path:

@@ -103,14 +103,20 @@ async def _unavailable_if_unreachable(stream, model: str, url: str, lost: asynci
         except asyncio.CancelledError:
             if cancelled_here():
                 raise
-            raise Unreachable(f"stage {model} at {url}: the call was cancelled under the request (its channel "
-                              f"closed: the replica was lost)") from None
+            raise _channel_closed(model, url) from None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise
             raise Unreachable(f"stage {model} not reachable over gRPC at {url} (its endpoint in the topology): "
                               f"{exc.code().name} {exc.details()}") from None
         yield item
+
+
+def _channel_closed(model: str, url: str) -> Unreachable:
+    """A ``CancelledError`` from a call under the request, not the request's own cancel: grpc.aio raises it when
+    the replica's channel closes (``orchestrator.replicas`` closes a lost replica's)."""
+    return Unreachable(f"stage {model} at {url}: the call was cancelled under the request (its channel closed: the "
+                       "replica was lost)")
 
 
 def _is_final(result) -> bool:
@@ -252,28 +258,33 @@ class GrpcStageCalls:
                    "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs], "request_id": request_id,
                    "enable_empty_final_response": True}  # every response says whether it is the last (StreamPool)
         finished = False
-        async with self._pool(address).stream(request) as stream:  # a kept stream: no call set-up per request
-            try:
-                async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, address, lost)) as items:
-                    async for result, error in items:
-                        if error is not None:
-                            finished = True
-                            raise from_triton_error(error, model)
-                        chunk = _chunk(result)
-                        finished = chunk.finish_reason is not None or _is_final(result)
-                        # every response but a bare final flag (after an in-band cancel): a first token's response
-                        # may have no text yet and still carries its token's logprobs (Chunker sends it at once)
-                        if not finished or chunk.finish_reason is not None or chunk.text_output or chunk.logprobs:
-                            yield chunk
-                        if finished:
-                            return
-            except Unreachable:
-                finished = True
-                stream.cancel()
+        try:
+            async with self._pool(address).stream(request) as stream:  # a kept stream: no call set-up per request
+                try:
+                    async with contextlib.aclosing(_unavailable_if_unreachable(stream, model, address, lost)) as items:
+                        async for result, error in items:
+                            if error is not None:
+                                finished = True
+                                raise from_triton_error(error, model)
+                            chunk = _chunk(result)
+                            finished = chunk.finish_reason is not None or _is_final(result)
+                            # every response but a bare final flag (after an in-band cancel): a first token's response
+                            # may have no text yet and still carries its token's logprobs (Chunker sends it at once)
+                            if not finished or chunk.finish_reason is not None or chunk.text_output or chunk.logprobs:
+                                yield chunk
+                            if finished:
+                                return
+                except Unreachable:
+                    finished = True
+                    stream.cancel()
+                    raise
+                finally:
+                    if not finished:  # the block's exit then reads the stream to its end, which the stage closes
+                        await self._cancel(client, model, request_id)
+        except asyncio.CancelledError:  # from the stream's set-up, the in-band cancel or the stream's end (CI,
+            if cancelled_here():        # 2026-12-07: a partitioned replica's request ended naming no stage)
                 raise
-            finally:
-                if not finished:  # the block's exit then reads the stream to its end, which the stage closes
-                    await self._cancel(client, model, request_id)
+            raise _channel_closed(model, address) from None
 
     async def held_at(self, address: str, model: str, keys: list[str], session: str | None) -> dict[str, str]:
         """Which of ``keys`` the consumer at ``address`` holds (``HELD_PARAMETER``, on a stream of its own)."""

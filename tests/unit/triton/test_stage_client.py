@@ -140,3 +140,49 @@ def test_a_stream_call_cancelled_under_the_request_is_unreachable_and_a_cancel_o
 
     with pytest.raises(asyncio.CancelledError):  # not Unreachable: the request's own cancel
         asyncio.run(cancelled_reader())
+
+
+def test_a_generate_call_cancelled_under_the_request_outside_its_reads_is_unreachable_naming_the_stage(monkeypatch):
+    """The same ``CancelledError`` raised where the call sets up its kept stream (not while reading it) is the call's
+    failure too, naming the stage and the replica (CI, 2026-12-07: a partitioned pd host's request ended with "a
+    stage call was cancelled while generating", naming neither); the request's own cancel still cancels."""
+    import contextlib
+
+    from backend.protocol.stages import Stage
+    from backend.request.generate import RawGenerateInputs
+    from backend.triton.stage_client import GrpcStageCalls
+    from orchestrator.health import Unreachable
+
+    class ClosedChannelPool:
+        @contextlib.asynccontextmanager
+        async def stream(self, request):
+            await asyncio.sleep(0)
+            raise asyncio.CancelledError  # grpc.aio: the channel closed under the call
+            yield
+
+    calls = GrpcStageCalls()
+    monkeypatch.setattr(calls, "_client", lambda address: object())
+    monkeypatch.setattr(calls, "_pool", lambda address: ClosedChannelPool())
+
+    async def read():
+        return [c async for c in calls.generate_at("10.0.0.5:8001", "pd", Stage.PD, RawGenerateInputs(prompt="Hi"), None)]
+
+    with pytest.raises(Unreachable, match="stage pd at 10.0.0.5:8001: the call was cancelled"):
+        asyncio.run(read())
+
+    class SlowPool:
+        @contextlib.asynccontextmanager
+        async def stream(self, request):
+            await asyncio.sleep(10)
+            yield
+
+    monkeypatch.setattr(calls, "_pool", lambda address: SlowPool())
+
+    async def cancelled_reader():
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):  # not Unreachable: the request's own cancel
+        asyncio.run(cancelled_reader())
