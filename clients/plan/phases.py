@@ -145,16 +145,16 @@ def calibrate_engine(doc: dict, layout, first_token: dict, sizes=((64, 64),)) ->
     from clients.plan.simulate import simulate
     from clients.plan.workload import closed
 
-    rows = []
+    rows, replicas = [], next(iter(layout.engines().values()))  # the first token's engines (E/P/D: prefill's)
     for load, got in sorted(first_token.items(), key=lambda kv: float(kv[0])):
-        load = float(load)
-        if Profile(doc).cost("engine", load).base <= 0:
+        scope = float(load) / replicas  # the engine's rows are by the requests in flight on one replica
+        if Profile(doc).cost("engine", scope).base <= 0:
             continue
         workload = closed(int(load), got["count"], round(doc["text_tokens"]), SHORT, sizes)
         background = {"step_s": doc.get("light_background", {}).get("step_s", 0.1), "cores": got["series"]}
 
         def ttft(share: float) -> float:
-            trial = {**doc, "engine_first_token_by_load": [[load, share]], "background": background}
+            trial = {**doc, "engine_first_token_by_load": [[scope, share]], "background": background}
             return simulate(layout, Profile(trial), workload)["ttft_p50_ms"]
 
         low, high, measured = ttft(0.0), ttft(1.0), got["ttft_p50_ms"]
@@ -164,5 +164,5 @@ def calibrate_engine(doc: dict, layout, first_token: dict, sizes=((64, 64),)) ->
         for _ in range(8):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if ttft(mid) < measured else (lo, mid)
-        rows.append([load, round((lo + hi) / 2, 3)])
+        rows.append([round(scope, 3), round((lo + hi) / 2, 3)])
     return {**doc, "engine_first_token_by_load": rows} if rows else doc

@@ -293,3 +293,9 @@ def test_the_engines_share_is_fitted_where_its_per_request_base_is_not_0():
     assert load == 2.0 and share == pytest.approx(0.7, abs=0.01)
     assert ttft(share, 2) == pytest.approx(measured["2"]["ttft_p50_ms"], rel=0.02)
     assert calibrate_engine(doc, layout, {"1": measured["1"]}) is doc  # base 0 everywhere measured: nothing fitted
+    # two pd replicas (a quicker client, whose queue would hide the share): 2 in flight is 1 on each (base 0, no
+    # row); 4 in flight is 2 on each, its row at 2
+    quick = {**doc, "by_load": {**doc["by_load"], "client": [[1, 2.0, 0.0]]}}
+    on_two = {str(n): {"ttft_p50_ms": 15.0, "count": 24, "series": []} for n in (2, 4)}
+    two = calibrate_engine(quick, Layout(split="E+PD", pd=2), on_two, sizes=((100, 100),))
+    assert [row[0] for row in two["engine_first_token_by_load"]] == [2.0]
