@@ -133,7 +133,8 @@ def decode_line(engine_rows: list[list[float]]) -> Line:
 
 def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
-    are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short),
+    are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short), "light_tpot_ms":
+    its time per output token p50 (long),
     "series": its background, "merging": per load the long answers' responses per request, requests and background
     (``clients.plan.measure.fit_intervals``), "first_token": per load the short answers' TTFT p50, requests and
     background (``clients.plan.phases.calibrate_engine``), "phases": what each read}``."""
@@ -159,5 +160,14 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     first_token = {load: {"ttft_p50_ms": percentile([s.ttft * 1000 for s in by_tokens[SHORT]["samples"]], 50),
                           "count": len(by_tokens[SHORT]["samples"]), "series": by_tokens[SHORT]["series"]}
                    for load, by_tokens in phases.items()}
-    return {"by_load": table, "light_ttft_ms": light, "phases": summary, "series": first["series"], "merging": merging,
-            "first_token": first_token}
+    light_tpot = percentile([s.tpot * 1000 for s in phases[min(loads)][long]["samples"] if s.tpot], 50)
+    return {"by_load": table, "light_ttft_ms": light, "light_tpot_ms": light_tpot, "phases": summary,
+            "series": first["series"], "merging": merging, "first_token": first_token}
+
+
+def thread_share(engine_rows: list[list[float]], light_tpot_ms: float) -> float:
+    """The share of the engine's CPU on its step thread: the light load's time per output token (the step, wall)
+    over its CPU per token there (the lowest load's row: every thread's), at most 1. vLLM's EngineCore spends CPU
+    on other threads too (its input and output sockets' threads), beside the step."""
+    per_token = sorted(engine_rows)[0][2]
+    return round(min(1.0, light_tpot_ms / per_token), 3) if per_token > 0 and light_tpot_ms > 0 else 1.0

@@ -19,7 +19,8 @@ by-load step (``with_by_load``, validate's too): every process's CPU per request
 decode step by batch fitted through the engine's, the stub's send interval at each load; and the calibration on the
 load-1 phase's TTFT with the background measured during it: ``before_first_token`` and ``hop``, what light-load TTFT
 has beyond the CPU work (the gRPC hops' latency); then, on the other loads' TTFT, the share of the engine's per-request
-CPU done before the first token (``engine_first_token_by_load``: at load 1 its by-load base is 0).
+CPU done before the first token (``engine_first_token_by_load``: at load 1 its by-load base is 0), and the share of
+the engine's CPU on its step thread (``engine_thread_share``: the light load's time per token over its CPU per token).
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
     and ``long`` tokens): its rows, the decode step fitted through the engine's, the send interval at each load; then
     calibrated on ``layout`` against the load-1 phase's TTFT with the background measured in that phase
     (``light_background``), and the engine's share before the first token against the other loads' TTFT
-    (``calibrate_engine``). The by-load step of ``measure`` and of ``clients.plan.validate.measured_profile``."""
+    (``calibrate_engine``); the share of the engine's CPU on its step thread from the light load's time per token
+    (``loads.thread_share``). The by-load step of ``measure`` and of ``clients.plan.validate.measured_profile``."""
     from clients.plan import loads
 
     got = loads.by_load(served, long=long)
@@ -118,6 +120,7 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
     doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
     doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}
     doc["first_token_by_load"] = got["first_token"]
+    doc["engine_thread_share"] = loads.thread_share(got["by_load"]["engine"], got["light_tpot_ms"])
     fitted = calibrate({**doc, "background": doc["light_background"]}, layout)
     return calibrate_engine({k: v for k, v in fitted.items() if k != "background"}, layout, got["first_token"])
 

@@ -96,6 +96,14 @@ class Profile:
         rest after the last: final response, accounting); 1 where not fitted."""
         return float(self.doc.get("before_first_token", 1.0))
 
+    @property
+    def engine_thread_share(self) -> float:
+        """The share of the engine's CPU done on its step thread (the rest on its other threads, in parallel):
+        ``engine_thread_share``, measured as the light load's time per output token over the engine's CPU per token
+        at load 1 (``clients.plan.measure.with_by_load``); 1 where not measured (a GPU profile's engine lines are
+        wall times)."""
+        return float(self.doc.get("engine_thread_share", 1.0))
+
     def engine_before_first(self, load: float) -> float:
         """The share of the engine's per-request CPU (its ``by_load`` row's base) done in the request's prefill step,
         with ``load`` requests in flight on the engine: ``engine_first_token_by_load`` (rows ``[load, share]``, fitted

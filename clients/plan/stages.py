@@ -181,9 +181,17 @@ class Engine(Busy):
                 yield self.wake
             if self.chores:
                 ms, self.chores = sum(self.chores), []
-                yield from self._work(ms)
+                yield from self._threads(ms)
             if self.waiting or self.running:
                 yield from self._step()
+
+    def _threads(self, ms: float):
+        """``ms`` of the engine's CPU: the profile's ``engine_thread_share`` of it on the step's thread (what the next
+        step waits for), the rest on the engine's other threads, beside it on the cores."""
+        share = self.profile.engine_thread_share
+        if share < 1.0:
+            self.env.process(self.cores.work((1.0 - share) * ms / 1000.0))
+        yield from self._work(share * ms)
 
     def _step_ms(self, new: list[Sequence]) -> float:
         media = sum(s.media_ms for s in new) + sum(s.prefill_ms for s in new)
@@ -195,7 +203,7 @@ class Engine(Busy):
 
     def _step(self):
         new = self._admit()
-        yield from self._work(self._step_ms(new))
+        yield from self._threads(self._step_ms(new))
         self.steps += 1
         for seq in new:
             seq.context += seq.prefill

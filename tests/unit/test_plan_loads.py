@@ -46,3 +46,12 @@ def test_a_phase_reads_cpu_per_request_of_a_fraction_of_a_tick():
     # 3 ms and what else this process spends meanwhile: a 10 ms tick would read 0 or 10
     assert 2.9 <= got["cpu"]["load generator"] <= 4.5
     assert got["background"] >= 0.0
+
+
+def test_the_engines_step_thread_share_is_the_light_time_per_token_over_its_cpu_per_token():
+    from clients.plan.loads import thread_share
+
+    rows = [[2, 10.0, 2.0], [1, 0.0, 3.5]]  # at load 1: 3.5 ms of CPU per token, on every thread of the engine
+    assert thread_share(rows, 2.8) == 0.8  # a token every 2.8 ms: 0.8 of it on the step's thread
+    assert thread_share(rows, 4.0) == 1.0  # slower than its CPU (waits for the cores): all on the step's thread
+    assert thread_share([[1, 0.0, 0.0]], 2.8) == 1.0 and thread_share(rows, 0.0) == 1.0  # nothing to read: 1

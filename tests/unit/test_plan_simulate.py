@@ -299,3 +299,15 @@ def test_the_engines_share_is_fitted_where_its_per_request_base_is_not_0():
     on_two = {str(n): {"ttft_p50_ms": 15.0, "count": 24, "series": []} for n in (2, 4)}
     two = calibrate_engine(quick, Layout(split="E+PD", pd=2), on_two, sizes=((100, 100),))
     assert [row[0] for row in two["engine_first_token_by_load"]] == [2.0]
+
+
+def test_the_engines_cpu_off_its_step_thread_runs_beside_the_step_on_the_cores():
+    # 10 ms of engine CPU per token, 0.6 of it on the step's thread: one sequence's 5 tokens take 5 x 6 ms (the
+    # steps), and the cores count all 50 ms; on one core the other threads' 4 ms share it with the step (2 x 4 ms at
+    # half speed: each step 8 + 2 = 10 ms, every thread's CPU serial again)
+    p = Profile({**by_load(profile(), engine=[[1, 0.0, 10.0]]).doc, "engine_thread_share": 0.6})
+    result = simulate(Layout(split="E+PD"), p, workload("closed", 1, output=5, concurrency=1))
+    assert result["e2e_p50_ms"] == pytest.approx(30.0)
+    one_core = simulate(Layout(split="E+PD"), Profile({**p.doc, "cores": 1}), workload("closed", 1, output=5, concurrency=1))
+    assert one_core["e2e_p50_ms"] == pytest.approx(50.0)
+    assert by_load(profile()).engine_thread_share == 1.0  # not measured: all on the step's thread
