@@ -9,7 +9,9 @@ ones, which is checked), and prints per row the medians over the repetitions, me
 orchestrator's encoder call (``encode_ms``), its first chunk (measured: from its start; predicted: the engine's first
 token, from the client's send) and the client's TTFT; then the validation's own table with these predictions
 (``--out FILE``: also written there), which differs from the run's where the model changed since (the drift line
-says by how much; exit status 1).
+says by how much; exit status 1). ``--set KEY=JSON`` (repeatable; ``null`` removes the key) predicts with the
+profiles changed: what a fitted figure is worth on the run's own files, e.g.
+``--set engine_first_token_by_load=null`` (then the drift is the change's effect).
 """
 from __future__ import annotations
 
@@ -60,6 +62,24 @@ def replay_row(row: dict, profile, args) -> dict:
             "ttft": (row["ttft_p50_ms"]["measured"], _median([p["ttft_p50_ms"] for p in predicted]))}
 
 
+def _change(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: not JSON: {value!r} ({exc.msg})") from None
+
+
+def _changed(profile, changes: dict):
+    """``profile`` with its top-level keys set (a None value: removed)."""
+    if not changes:
+        return profile
+    doc = {k: v for k, v in profile.doc.items() if changes.get(k, 0) is not None}
+    return type(profile)({**doc, **{k: v for k, v in changes.items() if v is not None}})
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| topology | c | encoder call ms measured / predicted | first chunk (engine's first token) ms | "
              "TTFT p50 ms |", "|---|---|---|---|---|"]
@@ -73,11 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
     parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
     parser.add_argument("--out", type=Path, help="write the validation's table with these predictions here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="what if: the profiles' KEY set to JSON (null: removed), e.g. engine_thread_share=1")
     given = parser.parse_args(argv)
     run = given.run
     doc = json.loads((run / "validation.json").read_text())
     args = run_arguments(doc["command"])
-    rows = [replay_row(row, profiles.load(run / f"profile-{row['topology']}.json"), args) for row in doc["rows"]]
+    try:
+        changes = dict(_change(text) for text in given.set)
+    except ValueError as exc:
+        parser.exit(2, f"error: --set: {exc}\n")
+    rows = [replay_row(row, _changed(profiles.load(run / f"profile-{row['topology']}.json"), changes), args)
+            for row in doc["rows"]]
     print(table(rows))
     again = validate.table([r["row"] for r in rows])
     print(again)

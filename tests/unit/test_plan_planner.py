@@ -219,3 +219,19 @@ def test_a_client_of_two_threads_sends_two_requests_at_once():
     one = simulate(Layout(split="E+PD"), costs, closed_workload("closed", 2, concurrency=2))
     two = simulate(Layout(split="E+PD", clients=2), costs, closed_workload("closed", 2, concurrency=2))
     assert one["ttft_p90_ms"] > two["ttft_p90_ms"] == pytest.approx(10.0 * costs.before_first)
+
+
+def test_a_replay_with_a_profile_key_set_predicts_what_if(tmp_path, capsys):
+    """``--set KEY=JSON`` predicts a run again with its profiles changed: run 7 (docs/planning.md) without its fitted
+    engine share gives the committed what-if table; unchanged, it reproduces its own; a malformed change exits 2."""
+    from clients.plan.replay import main
+
+    run = Path(__file__).resolve().parents[2] / "docs" / "results" / "data" / "plan-2026-12-07-cpu" / "run3"
+    assert main([str(run)]) == 0
+    assert main([str(run), "--set", "engine_first_token_by_load=null", "--out", str(tmp_path / "what-if.md")]) == 1
+    assert (tmp_path / "what-if.md").read_text() == (run / "validation-without-engine-share.md").read_text()
+    for bad in ("engine_thread_share", "engine_thread_share=one"):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(run), "--set", bad])
+        assert exit_.value.code == 2
+    assert "--set: " in capsys.readouterr().err
