@@ -31,6 +31,19 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+LAG_INTERVAL_SECONDS = 0.05
+
+
+async def watch_lag(observe, interval: float = LAG_INTERVAL_SECONDS) -> None:
+    """Until cancelled: sleep ``interval`` on the running loop and ``observe`` how late it woke (seconds, >= 0): the
+    time its other callbacks held it, which every request on the loop waits too (a refusal's answer among them)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(interval)
+        observe(max(0.0, loop.time() - asked - interval))
+
+
 class LoopThread:
     def __init__(self, name: str = "model-loop"):
         self.loop = new_event_loop()

@@ -63,7 +63,9 @@ class RequestMetrics:
     ``epd_request_ttft_seconds`` (to its first text) and ``epd_request_duration_seconds`` (to its final response);
     from the final response's timings: ``epd_encode_duration_seconds`` (the encode phase of a request with media,
     at an orchestrator) and ``epd_transfer_duration_seconds`` (pulling its embeddings, where that was done or
-    relayed).
+    relayed). ``epd_loop_lag_seconds`` (orchestrators): every 50 ms, how late the model's event loop woke from its
+    sleep (``backend.engine.loop.watch_lag``): the time its other work held the loop, which a request arriving then
+    (a refusal's answer too) waited.
     """
 
     _HISTOGRAMS = {
@@ -71,6 +73,8 @@ class RequestMetrics:
         "duration": ("epd_request_duration_seconds", "Seconds from a request's arrival at the model to its final response"),
         "encode": ("epd_encode_duration_seconds", "Seconds a request's media took to encode (orchestrators)"),
         "transfer": ("epd_transfer_duration_seconds", "Seconds a request's embeddings took to pull"),
+        "loop_lag": ("epd_loop_lag_seconds", "Orchestrators: seconds the model's event loop woke late from a 50 ms "
+                     "sleep (what its requests waited for the loop then)"),
     }
     ADMISSION_OUTCOMES = ("admitted", "shed_budget", "shed_queue", "shed_deadline")
 
@@ -188,6 +192,11 @@ class RequestMetrics:
     @_unless_closed
     def request_finished(self, outcome: Outcome, num_output_tokens: int) -> None:
         self._batch.add_many(((self._tokens, num_output_tokens), (self._requests[outcome], 1)))  # count last
+
+    @_unless_closed
+    def loop_lag(self, seconds: float) -> None:
+        """How late the model's event loop woke (``backend.engine.loop.watch_lag``)."""
+        self._batch.observe(self._histograms["loop_lag"], seconds)
 
     @_unless_closed
     def first_text(self, seconds: float) -> None:

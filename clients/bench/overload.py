@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -108,6 +109,28 @@ def admission_limits(metrics_url: str, model: str) -> dict[str, float]:
     return limits_of(text, model)
 
 
+def loop_lag_buckets(metrics_url: str, model: str) -> dict[float, float]:
+    """``model``'s ``epd_loop_lag_seconds`` buckets now: {upper bound in seconds: wake-ups at most that late}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {float(le): count for (_, le), count in
+            parse_metrics(text, "epd_loop_lag_seconds_bucket{", by="le", where={"model": model}).items()}
+
+
+def loop_lag(before: dict[float, float], after: dict[float, float], over: float = 0.05) -> dict:
+    """A level's wake-ups of the orchestrator's loop (``backend.engine.loop.watch_lag``, every 50 ms) from two
+    ``loop_lag_buckets``: how many, how many later than ``over`` seconds, and the bucket bound the latest is within
+    (ms; ``inf``: beyond the last bound)."""
+    moved = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    if not moved:
+        return {}
+    total = moved.get(math.inf, max(moved.values()))
+    within = [le for le, count in sorted(moved.items()) if count >= total]
+    return {"wakeups": round(total), "late": round(total - max((c for le, c in moved.items() if le <= over), default=0)),
+            "late_over_ms": round(over * 1000), "worst_within_ms": within[0] * 1000 if within else math.inf}
+
+
 def limits_of(text: str, model: str) -> dict[str, float]:
     return {stage: value for (_, stage), value in
             parse_metrics(text, "epd_admission_limit{", by="stage", where={"model": model}).items()}
@@ -173,12 +196,14 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
         for load in args.loads:
             for model, on in DEPLOYMENTS.items():
                 started, rss_before = time.perf_counter(), _rss_mib(server)
+                lag_before = loop_lag_buckets(server.metrics_url, model)
                 fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share,
                                         args.max_tokens, args.image_size, seed=int(load * 1000) + 7919 * repeat,
                                         priorities=on)
                 row = {"model": model, "load": load, "repeat": repeat, "rate": round(load * capacity, 2),
                        "wall_s": round(time.perf_counter() - started, 1), "rss_before_mib": rss_before,
                        "rss_mib": _rss_mib(server), "limits": admission_limits(server.metrics_url, model),
+                       "loop_lag": loop_lag(lag_before, loop_lag_buckets(server.metrics_url, model)),
                        "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
                 runs.append(row)
                 print(_line(row), flush=True)
@@ -210,7 +235,9 @@ def _line(row: dict) -> str:
             f"(high {h['goodput']:.2f}, low {lo['goodput']:.2f}) TTFT p99 high {h['ttft_p99_ms']} ms low "
             f"{lo['ttft_p99_ms']} ms shed {a['shed_rate']:.0%} (answered max {a['shed_answer_max_ms']} ms) "
             f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB"
-            + "".join(f" {stage} limit {value:g}" for stage, value in row.get("limits", {}).items()))
+            + "".join(f" {stage} limit {value:g}" for stage, value in row.get("limits", {}).items())
+            + (f" loop late >{lag['late_over_ms']} ms {lag['late']} of {lag['wakeups']} (worst <= {lag['worst_within_ms']:g} ms)"
+               if (lag := row.get("loop_lag")) else ""))
 
 
 def main(argv=None) -> int:

@@ -67,7 +67,7 @@ def checks(results: dict) -> str:
     for name in ("epd", "epd_open"):
         twos = _runs(results, name, 2.0)
         lines.append(_targets(results, name, best))
-        lines += _slowest_requests(name, twos) + _slowest_refusals(name, twos)
+        lines += _slowest_requests(name, twos) + _slowest_refusals(name, twos) + _loop_lag(name, twos)
     return "\n".join(lines + _memory(results)) + "\n"
 
 
@@ -112,6 +112,17 @@ def _slowest_refusals(name: str, twos: list[dict]) -> list[str]:
     per_repeat = (f"#{r.get('repeat', 0) + 1} " + ", ".join(f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}"
                                                            for w in r["all"]["slowest_shed"][:3]) for r in refusals)
     return [f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): " + "; ".join(per_repeat)]
+
+
+def _loop_lag(name: str, twos: list[dict]) -> list[str]:
+    """How often the orchestrator's event loop woke late at 2x, per repeat (a refusal arriving then waited as long;
+    none for a run without the figure)."""
+    lags = [r["loop_lag"] for r in twos if r.get("loop_lag")]
+    if not lags:
+        return []
+    return [f"  - {name}'s event loop at 2x, woke more than {lags[0]['late_over_ms']} ms late (of its wake-ups every "
+            "50 ms): " + ", ".join(f"{lag['late']} of {lag['wakeups']} (the latest within {lag['worst_within_ms']:g} ms)"
+                                   for lag in lags)]
 
 
 def _memory(results: dict) -> list[str]:

@@ -129,3 +129,18 @@ def test_the_gates_limits_are_read_from_the_metrics_by_model_and_stage():
 def test_a_stub_is_named_by_its_model():
     assert _model_of(["/x/triton_python_backend_stub", "/tmp/overload-1/epd_open/1/model.py", "shm"]) == "epd_open"
     assert _model_of(["python"]) == "?"
+
+
+def test_a_level_s_loop_lag_is_read_from_the_histogram_s_buckets_before_and_after():
+    import math
+
+    from clients.bench.overload import loop_lag
+
+    before = {0.025: 100.0, 0.05: 110.0, 0.1: 112.0, 0.25: 112.0, math.inf: 112.0}
+    after = {0.025: 600.0, 0.05: 630.0, 0.1: 640.0, 0.25: 643.0, math.inf: 643.0}  # 531 wake-ups, 3 at 100-250 ms
+    assert loop_lag(before, after) == {"wakeups": 531, "late": 11, "late_over_ms": 50, "worst_within_ms": 250.0}
+    assert loop_lag({}, {}) == {}
+    results = {"slo_ms": 500, "light_ttft_p50_ms": 20.0, "capacity_rps": 10.0, "seconds": 10, "high_share": 0.2,
+               "runs": [_run("epd", 0.5, 5.0, 100.0), {**_run("epd", 2.0, 9.5, 140.0), "loop_lag": loop_lag(before, after)}]}
+    assert ("epd's event loop at 2x, woke more than 50 ms late (of its wake-ups every 50 ms): 11 of 531 (the latest "
+            "within 250 ms)") in checks(results)

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.encode.checkpoint import model_identity, processing_options
 from backend.engine.host import bound_the_exit, prepare_process
-from backend.engine.loop import LoopThread
+from backend.engine.loop import LoopThread, watch_lag
 from backend.protocol.modality import modalities
 from backend.request.media import MediaLimits, media_limits
 from backend.request.generate import RequestLimits
@@ -58,6 +58,7 @@ class TritonPythonModel:
                                          admission=Admission(settings, self.metrics))
         self.loop = LoopThread("epd-loop")
         self.watch = self.loop.submit(self.stages.watch())  # logs whether the stages answer at their addresses
+        self.lag = self.loop.submit(watch_lag(self.metrics.loop_lag))  # epd_loop_lag_seconds
         self.cancels = CancelBoard.for_model(args["model_name"])
         self.openai = None
         if settings.openai_port:  # the OpenAI endpoint in this process (frontend.openai.in_process)
@@ -74,6 +75,7 @@ class TritonPythonModel:
         if self.openai is not None:
             self.openai.close()
         self.watch.cancel()
+        self.lag.cancel()
         try:
             self.loop.submit(self.stages.aclose()).result(timeout=5)
         except Exception as exc:  # noqa: BLE001 - unloading anyway
