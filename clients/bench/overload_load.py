@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from backend.engine.loop import LAG_INTERVAL_SECONDS, watch_lag
 from clients.bench.report import percentile
 from clients.bench.side_client import Request, chat_body, first_token_event, parse_sse_line, request_set
 
@@ -33,6 +34,8 @@ class Fate:
     at: float = 0.0  # its arrival, seconds into the level (open loop)
     late: float = 0.0  # seconds the client's loop sent it after its arrival (the load generator's own delay)
     stages: dict | None = None  # the server's stage times (``usage.epd_timings``: queued_ms, encode_ms, first_chunk_ms)
+    sent_at: float = 0.0  # time.perf_counter() at its send
+    client_lag: float = 0.0  # the client's own event loop: its latest wake-up while the request was out (open_loop)
 
     @property
     def outcome(self) -> str:
@@ -50,7 +53,7 @@ class Fate:
 async def _one(session, url: str, body: dict, fate: Fate, timeout: float) -> None:
     import aiohttp
 
-    started = time.perf_counter()
+    started = fate.sent_at = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
             async with session.post(url, json=body) as resp:
@@ -97,10 +100,11 @@ async def open_loop(base_url: str, model: str, rate: float, seconds: float, high
         arrivals.append((t, "high" if rng.random() < high_share else "low"))
         t += rng.expovariate(rate)
     requests: list[Request] = request_set(seed * 100_000, len(arrivals), image_size)
-    url, fates, tasks = f"{base_url}/v1/chat/completions", [], []
+    url, fates, tasks, lags = f"{base_url}/v1/chat/completions", [], [], []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         loop = asyncio.get_running_loop()
+        watcher = asyncio.create_task(watch_lag(lambda lag: lags.append((time.perf_counter(), lag))))
         start = loop.time()
         for (at, cls), request in zip(arrivals, requests):
             await asyncio.sleep(max(0.0, start + at - loop.time()))
@@ -112,7 +116,21 @@ async def open_loop(base_url: str, model: str, rate: float, seconds: float, high
             fates.append(Fate(cls, at=at))
             tasks.append(asyncio.create_task(_sent(session, url, body, fates[-1], timeout, start + at)))
         await asyncio.gather(*tasks)
+        watcher.cancel()
+    client_lags(fates, lags)
     return fates
+
+
+def client_lags(fates: list[Fate], lags: list[tuple[float, float]]) -> None:
+    """Each fate's ``client_lag``: the latest of the client loop's wake-ups (``(time.perf_counter(), seconds
+    late)``) that ended while it was out (a wake-up ends after its lateness: one ending within ``LAG_INTERVAL``
+    of the answer overlapped it). A refusal that took long while the client's loop lagged as long was slow here,
+    not at the server."""
+    for fate in fates:
+        if fate.answered is None:
+            continue
+        end = fate.sent_at + fate.answered + LAG_INTERVAL_SECONDS
+        fate.client_lag = max((lag for at, lag in lags if fate.sent_at <= at <= end), default=0.0)
 
 
 async def closed_loop_rate(base_url: str, model: str, concurrency: int, count: int, max_tokens: int,
@@ -159,7 +177,8 @@ def summary(fates: list[Fate], seconds: float, slo: float, cls: str | None = Non
                          **{key: (f.stages or {}).get(key) for key in STAGE_TIMES}} for f in
                         sorted((f for f in by["served"] if f.ttft is not None), key=lambda f: -f.ttft)[:5]],
             # the slowest refusals: when they arrived, how long their answer took, how late the client sent them
-            "slowest_shed": [{"at_s": round(f.at, 2), "answered_ms": _ms(f.answered), "late_ms": _ms(f.late)}
+            "slowest_shed": [{"at_s": round(f.at, 2), "answered_ms": _ms(f.answered), "late_ms": _ms(f.late),
+                              "client_loop_ms": _ms(f.client_lag)}
                              for f in sorted(by["shed"], key=lambda f: -(f.answered or 0.0))[:5]]}
 
 

@@ -109,9 +109,11 @@ def _slowest_refusals(name: str, twos: list[dict]) -> list[str]:
     refusals = [r for r in twos if r["all"].get("slowest_shed")]
     if not refusals:
         return []
-    per_repeat = (f"#{r.get('repeat', 0) + 1} " + ", ".join(f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}"
-                                                           for w in r["all"]["slowest_shed"][:3]) for r in refusals)
-    return [f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms): " + "; ".join(per_repeat)]
+    lagged = "client_loop_ms" in refusals[0]["all"]["slowest_shed"][0]
+    cell = lambda w: f"{w['at_s']:g}: {w['answered_ms']:g}, {w['late_ms']:g}" + (f", {w['client_loop_ms']:g}" if lagged else "")
+    per_repeat = (f"#{r.get('repeat', 0) + 1} " + ", ".join(cell(w) for w in r["all"]["slowest_shed"][:3]) for r in refusals)
+    return [f"  - {name}'s slowest refusals at 2x (arrival s: answered ms, client's lateness ms"
+            + (", the client's loop's latest wake-up while it was out ms" if lagged else "") + "): " + "; ".join(per_repeat)]
 
 
 def _loop_lag(name: str, twos: list[dict]) -> list[str]:

@@ -29,8 +29,10 @@ def test_the_summary_counts_goodput_within_the_slo_and_how_fast_sheds_were_answe
                                                            "queued_ms": 80.0, "encode_ms": 90.0, "first_chunk_ms": None}]
     assert summary(fates, 2.0, 0.5)["client_late_p99_ms"] == 29.1  # lateness 0, 0.03, 0, 0: rank 2.97
     fates[3].at, fates[3].late = 1.9, 0.01
-    assert summary(fates, 2.0, 0.5)["slowest_shed"] == [{"at_s": 1.9, "answered_ms": 40.0, "late_ms": 10.0},
-                                                        {"at_s": 0.0, "answered_ms": 20.0, "late_ms": 0.0}]
+    fates[3].client_lag = 0.03
+    assert summary(fates, 2.0, 0.5)["slowest_shed"] == [
+        {"at_s": 1.9, "answered_ms": 40.0, "late_ms": 10.0, "client_loop_ms": 30.0},
+        {"at_s": 0.0, "answered_ms": 20.0, "late_ms": 0.0, "client_loop_ms": 0.0}]
 
 
 def _run(model, load, goodput, high_p99, shed_max=20.0):
@@ -144,3 +146,18 @@ def test_a_level_s_loop_lag_is_read_from_the_histogram_s_buckets_before_and_afte
                "runs": [_run("epd", 0.5, 5.0, 100.0), {**_run("epd", 2.0, 9.5, 140.0), "loop_lag": loop_lag(before, after)}]}
     assert ("epd's event loop at 2x, woke more than 50 ms late (of its wake-ups every 50 ms): 11 of 531 (the latest "
             "within 250 ms)") in checks(results)
+
+
+def test_a_refusal_is_told_the_client_loop_s_latest_wake_up_while_it_was_out():
+    from clients.bench.overload_load import client_lags
+
+    slow, quick, hung = Fate("low", 429, answered=0.2), Fate("low", 429, answered=0.01), Fate("low", None)
+    slow.sent_at, quick.sent_at = 10.0, 11.0
+    lags = [(9.9, 0.5), (10.05, 0.01), (10.19, 0.15), (10.3, 0.02), (11.2, 0.3)]  # (perf time woke, seconds late)
+    client_lags([slow, quick, hung], lags)
+    assert (slow.client_lag, quick.client_lag, hung.client_lag) == (0.15, 0.0, 0.0)  # 10.3 still overlapped it: 0.02
+    results = {"slo_ms": 500, "light_ttft_p50_ms": 20.0, "capacity_rps": 10.0, "seconds": 10, "high_share": 0.2,
+               "runs": [_run("epd", 0.5, 5.0, 100.0), _run("epd", 2.0, 9.5, 140.0, 30.0)]}
+    results["runs"][1]["all"] = {**results["runs"][1]["all"], "slowest_shed": [
+        {"at_s": 3.2, "answered_ms": 200.0, "late_ms": 0.5, "client_loop_ms": 150.0}]}
+    assert "the client's loop's latest wake-up while it was out ms): #1 3.2: 200, 0.5, 150" in checks(results)
