@@ -86,7 +86,9 @@ class PackedTower(torch.nn.Module):
         self._block_fn = None
 
     # -- per-batch metadata ----------------------------------------------------------------------
-    def _plan(self, grid: list[tuple[int, int, int]], device: torch.device):
+    def host_plan(self, grid: list[tuple[int, int, int]]) -> dict:
+        """A batch's metadata on the host: positions [n, 2], the full attention's sequence lengths (one per image or
+        frame) and, for a windowed tower, the merge units' window order and the windows' lengths."""
         positions, unit_order, lengths, units = [], [], [], 0
         for t, h, w in grid:
             pos, order, lens = _grid_plan(t, h, w, self.merge, self.window)
@@ -94,17 +96,14 @@ class PackedTower(torch.nn.Module):
             unit_order.append(order + units)
             lengths.extend(lens)
             units += t * (h // self.merge) * (w // self.merge)
-        image_lengths = [h * w for t, h, w in grid for _ in range(t)]
-        plan = {
-            "positions": torch.cat(positions).to(device, non_blocking=True),
-            "full": _cu(image_lengths, device),
-        }
+        plan = {"positions": torch.cat(positions), "full": [h * w for t, h, w in grid for _ in range(t)]}
         if self.windowed:
-            order = torch.cat(unit_order)
-            plan["unit_order"] = order.to(device, non_blocking=True)
-            plan["unit_restore"] = torch.argsort(order).to(device, non_blocking=True)
-            plan["window"] = _cu(lengths, device)
+            plan["unit_order"] = torch.cat(unit_order)
+            plan["window"] = lengths
         return plan
+
+    def _plan(self, grid: list[tuple[int, int, int]], device: torch.device) -> dict:
+        return device_plan(self.host_plan(grid), device)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq                       # [n, 2, head_dim / 4]
@@ -116,11 +115,16 @@ class PackedTower(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor | list) -> torch.Tensor:
         grid = [tuple(int(v) for v in row) for row in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+        return self.run(pixels, self._plan(grid, self.tower.patch_embed.proj.weight.device))
+
+    @torch.inference_mode()
+    def run(self, pixels: torch.Tensor, plan: dict, compiled: bool | None = None) -> torch.Tensor:
+        """The forward on a batch's plan (``_plan``): device work only, no host-to-device copy or host sync, so a
+        CUDA graph can capture it (``backend.encode.tower_graphs``). ``compiled``: the compiled block whatever the
+        batch's size (None: from ``COMPILE_MIN_TOKENS`` patches on)."""
         tower = self.tower
         weight = tower.patch_embed.proj.weight
-        device, dtype = weight.device, weight.dtype
-        plan = self._plan(grid, device)
-        x = F.linear(pixels.to(device=device, dtype=dtype), weight.reshape(self.embed_dim, -1))
+        x = F.linear(pixels.to(device=weight.device, dtype=weight.dtype), weight.reshape(self.embed_dim, -1))
         cos, sin = self._rotary(plan["positions"])
         n, unit = x.shape[0], self.merge * self.merge
         if self.windowed:
@@ -128,10 +132,12 @@ class PackedTower(torch.nn.Module):
             x = x.view(-1, unit, self.embed_dim)[order].view(n, self.embed_dim)
             cos = cos.view(-1, unit, *cos.shape[1:])[order].view(cos.shape)
             sin = sin.view(-1, unit, *sin.shape[1:])[order].view(sin.shape)
-        block_fn = self._block() if n >= COMPILE_MIN_TOKENS else _block_eager
+        if compiled is None:
+            compiled = n >= COMPILE_MIN_TOKENS
+        block_fn = self._block() if compiled else _block_eager
         for index, blk in enumerate(tower.blocks):
-            cu, lengths = plan["window"] if self.windowed and index not in self.full_blocks else plan["full"]
-            x = block_fn(x, cos, sin, cu, max(lengths), lengths, *_block_weights(blk))
+            cu, lengths, longest = plan["window"] if self.windowed and index not in self.full_blocks else plan["full"]
+            x = block_fn(x, cos, sin, cu, longest, lengths, *_block_weights(blk))
         out = tower.merger(x)
         if self.windowed:
             out = out[plan["unit_restore"]]
@@ -161,10 +167,26 @@ class PackedTower(torch.nn.Module):
         return self._block_fn
 
 
-def _cu(lengths: list[int], device) -> tuple[torch.Tensor, tuple[int, ...]]:
+def device_plan(host: dict, device) -> dict:
+    """``PackedTower.run``'s plan from ``host_plan``'s (or one padded from it)."""
+    plan = {"positions": host["positions"].to(device, non_blocking=True), "full": _cu(host["full"], device)}
+    if "unit_order" in host:
+        order = host["unit_order"]
+        plan["unit_order"] = order.to(device, non_blocking=True)
+        plan["unit_restore"] = torch.argsort(order).to(device, non_blocking=True)
+        plan["window"] = _cu(host["window"], device)
+    return plan
+
+
+def _cu(lengths: list[int], device) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """(cu_seqlens on ``device``, the lengths, the longest): one attention kind's entry of a plan."""
+    return cu_seqlens(lengths).to(device, non_blocking=True), tuple(lengths), max(lengths)
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return cu.to(device, non_blocking=True), tuple(lengths)
+    return cu
 
 
 def _block_weights(blk) -> tuple:
