@@ -35,6 +35,7 @@ from backend.encode.audio import AudioEncoder
 from backend.encode.checkpoint import LoadReport, embedding_widths, model_identity, read_tensors
 from backend.encode.families import Family, family_for
 from backend.encode.packed_tower import PackedTower
+from backend.encode.tower_graphs import TowerGraphs
 from backend.encode.towers import TowersEncoder
 from backend.protocol.generate import part_range
 from backend.protocol.layout import MODALITY_LAYOUTS, ModalityLayout
@@ -77,10 +78,12 @@ class VisionEncoder:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-             impl: str = "packed", compile: bool = False) -> "VisionEncoder":
+             impl: str = "packed", compile: bool = False, cuda_graphs: bool = False) -> "VisionEncoder":
         """``impl``: ``packed`` (``backend.encode.packed_tower``: one varlen-attention pass over the batch) or
         ``transformers`` (the checkpoint's own module, the reference; what a family the packed tower does not
-        implement runs, ``VisionTower.packed``); ``compile``: torch.compile the packed blocks (CUDA only)."""
+        implement runs, ``VisionTower.packed``); ``compile``: torch.compile the packed blocks (CUDA only);
+        ``cuda_graphs``: replay the packed forward as CUDA graphs per bucket of batch shapes
+        (``backend.encode.tower_graphs``; CUDA only, with ``compile``)."""
         from transformers import AutoConfig, AutoImageProcessor
 
         model_dir = Path(model_dir)
@@ -108,6 +111,8 @@ class VisionEncoder:
         forward = None
         if impl == "packed" and family.vision.packed:
             forward = PackedTower(tower, config.vision_config, compile=compile).to(device)
+            if cuda_graphs and compile and torch.device(device).type == "cuda":
+                forward = TowerGraphs(forward)
         encoder = cls(tower, processor, config.vision_config.spatial_merge_size, model_identity(model_dir), report,
                       torch.device(device), dtype, forward, video_processor, family)
         encoder.check_width(embedding_widths(model_dir)[IMAGE.name])
@@ -252,7 +257,7 @@ class VisionEncoder:
 
 
 def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, impl: str = "packed",
-                 compile: bool = False):
+                 compile: bool = False, cuda_graphs: bool = False):
     """The checkpoint's encoder: its audio tower's (``backend.encode.audio.AudioEncoder``) for a family with an
     audio tower and no vision tower (Qwen2-Audio), its vision tower's (``VisionEncoder.load``) for one without an
     audio tower, both behind a ``backend.encode.towers.TowersEncoder`` for a family with both (Qwen2.5-Omni); the
@@ -262,7 +267,8 @@ def load_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype 
     family = family_for(AutoConfig.from_pretrained(model_dir).model_type)
     if family.vision is None and family.audio is not None:
         return AudioEncoder.load(model_dir, device=device, dtype=dtype)
-    vision = VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile)
+    vision = VisionEncoder.load(model_dir, device=device, dtype=dtype, impl=impl, compile=compile,
+                                cuda_graphs=cuda_graphs)
     if family.audio is None:
         return vision
     return TowersEncoder([vision, AudioEncoder.load(model_dir, device=device, dtype=dtype)])

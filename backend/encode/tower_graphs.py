@@ -21,6 +21,7 @@ checked against the unpadded forward on any machine; the capture itself only on 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 
 import torch
@@ -121,7 +122,11 @@ class TowerGraphs:
         return self
 
     def warm_up(self) -> None:
+        """The tower's own warm-up (its compile), then the smallest bucket's capture (one 448 px image's)."""
         self.tower.warm_up()
+        side = math.isqrt(self.min_tokens) // self.tower.merge * self.tower.merge
+        weight = self.tower.tower.patch_embed.proj.weight
+        self(torch.zeros(side * side, weight[0].numel(), device=weight.device, dtype=weight.dtype), [(1, side, side)])
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:

@@ -126,6 +126,7 @@ class EncoderSettings(MediaSettings):
     encoder_impl: str = "packed"  # or "transformers"
     encoder_dtype: str = ""  # "": the checkpoint's
     encoder_compile: bool = False  # torch.compile the packed blocks (CUDA only)
+    encoder_cuda_graphs: bool = False  # with encoder_compile: the packed forward as CUDA graphs (backend.encode.tower_graphs)
     video_decoder: VideoDecoder = VideoDecoder.CPU  # nvdec: frames equal the CPU's bit for bit (backend.request.nvdec)
     image_preprocess: ImagePreprocess = ImagePreprocess.CPU  # gpu / nvjpeg: backend.encode.gpu_image
     # a KIND_GPU instance's waits for its GPU sleep instead of spin (backend.encode.cuda_wait; measured on the H200

@@ -3,7 +3,7 @@
 Adapter only: ``backend.encode.service.EncoderService`` does the work for all items Triton batched together.
 On ``KIND_GPU`` the tower runs on the instance's GPU. A request whose ``epd_part`` parameter is ``"i/n"``
 (``backend.protocol.generate.PART_PARAMETER``) asks for part i of n of its video. Model parameters: ``backend.protocol.settings.EncoderSettings``
-(``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``cache_bytes``, the pool's size and lease times, ...).
+(``encoder_impl``, ``encoder_dtype``, ``encoder_compile``, ``encoder_cuda_graphs``, ``cache_bytes``, the pool's size and lease times, ...).
 With ``tier_bytes`` (or ``tier_master``) set, every instance connects at load to the shared embedding tier the launcher
 started (``backend.deploy.tier_service.launch_for``; its addresses in ``EPD_TIER_MASTER`` / ``EPD_TIER_METADATA``) and
 the service reads it on a cache miss and writes it after an encode (docs/tier.md); a tier that cannot be reached is
@@ -103,7 +103,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"encoder: waits for the GPU {'sleep' if sleeping else 'spin (not changed)'}")
         # the checkpoint's vision tower, or an audio-only checkpoint's audio tower (backend.encode.audio)
         self.encoder = load_encoder(model_dir.resolve(), device=device, dtype=getattr(torch, dtype) if dtype else None,
-                                    impl=settings.encoder_impl, compile=settings.encoder_compile)
+                                    impl=settings.encoder_impl, compile=settings.encoder_compile,
+                                    cuda_graphs=settings.encoder_cuda_graphs)
         self.processing = processing_options(model_dir)
         if settings.image_preprocess == ImagePreprocess.NVJPEG:  # its JPEGs' embeddings are not the CPU path's
             self.processing += "+nvjpeg"
