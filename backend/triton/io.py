@@ -163,7 +163,8 @@ class TritonSink:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if self._completed:
             raise RuntimeError("response sent after the request was completed")
-        elapsed = time.monotonic() - self._started  # as it leaves: the client may read it before send() returns
+        # as it leaves: the client may read it before send() returns
+        elapsed = time.monotonic() - self._started if self._timer is not None else 0.0
         try:
             self._sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
         except Exception:

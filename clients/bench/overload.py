@@ -100,20 +100,15 @@ def _model_of(cmdline: list[str]) -> str:
     return Path(script).parent.parent.name or "?"
 
 
-def admission_limits(metrics_url: str, model: str) -> dict[str, float]:
-    """``model``'s generator gates' limits now (``epd_admission_limit`` by stage; none where no limit moved yet:
-    fixed budgets, or no admission)."""
+def scrape(metrics_url: str) -> str:
     import urllib.request
 
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return limits_of(text, model)
+    return urllib.request.urlopen(metrics_url, timeout=10).read().decode()
 
 
-def loop_lag_buckets(metrics_url: str, model: str) -> dict[float, float]:
-    """``model``'s ``epd_loop_lag_seconds`` buckets now: {upper bound in seconds: wake-ups at most that late}."""
-    import urllib.request
-
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+def loop_lag_buckets(text: str, model: str) -> dict[float, float]:
+    """``model``'s ``epd_loop_lag_seconds`` buckets in a scrape: {upper bound in seconds: wake-ups at most that
+    late}."""
     return {float(le): count for (_, le), count in
             parse_metrics(text, "epd_loop_lag_seconds_bucket{", by="le", where={"model": model}).items()}
 
@@ -132,6 +127,8 @@ def loop_lag(before: dict[float, float], after: dict[float, float], over: float 
 
 
 def limits_of(text: str, model: str) -> dict[str, float]:
+    """``model``'s generator gates' limits in a scrape (``epd_admission_limit`` by stage; none where no limit moved
+    yet: fixed budgets, or no admission)."""
     return {stage: value for (_, stage), value in
             parse_metrics(text, "epd_admission_limit{", by="stage", where={"model": model}).items()}
 
@@ -196,14 +193,15 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
         for load in args.loads:
             for model, on in DEPLOYMENTS.items():
                 started, rss_before = time.perf_counter(), _rss_mib(server)
-                lag_before = loop_lag_buckets(server.metrics_url, model)
+                lag_before = loop_lag_buckets(scrape(server.metrics_url), model)
                 fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share,
                                         args.max_tokens, args.image_size, seed=int(load * 1000) + 7919 * repeat,
                                         priorities=on)
+                after = scrape(server.metrics_url)
                 row = {"model": model, "load": load, "repeat": repeat, "rate": round(load * capacity, 2),
                        "wall_s": round(time.perf_counter() - started, 1), "rss_before_mib": rss_before,
-                       "rss_mib": _rss_mib(server), "limits": admission_limits(server.metrics_url, model),
-                       "loop_lag": loop_lag(lag_before, loop_lag_buckets(server.metrics_url, model)),
+                       "rss_mib": _rss_mib(server), "limits": limits_of(after, model),
+                       "loop_lag": loop_lag(lag_before, loop_lag_buckets(after, model)),
                        "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
                 runs.append(row)
                 print(_line(row), flush=True)

@@ -128,6 +128,16 @@ def test_the_gates_limits_are_read_from_the_metrics_by_model_and_stage():
     assert limits_of(text, "epd_disagg") == {}
 
 
+def test_the_loop_lag_buckets_are_read_from_the_same_scrape_by_model():
+    from clients.bench.overload import loop_lag_buckets
+    text = ('epd_loop_lag_seconds_bucket{model="epd",le="0.05"} 520\n'
+            'epd_loop_lag_seconds_bucket{model="epd",le="+Inf"} 531\n'
+            'epd_loop_lag_seconds_bucket{model="epd_open",le="0.05"} 9\n'
+            'epd_admission_limit{instance="epd_0",model="epd",stage="pd"} 7\n')
+    assert loop_lag_buckets(text, "epd") == {0.05: 520.0, float("inf"): 531.0}
+    assert loop_lag_buckets(text, "epd_disagg") == {}
+
+
 def test_a_stub_is_named_by_its_model():
     assert _model_of(["/x/triton_python_backend_stub", "/tmp/overload-1/epd_open/1/model.py", "shm"]) == "epd_open"
     assert _model_of(["python"]) == "?"
