@@ -13,7 +13,8 @@ graph replayed; the output's real rows are copied out (the next replay overwrite
 - each attention's longest sequence (the kernel's ``max_seqlen``, which sizes its grid): to the next power of two.
 A bucket's graph is captured on its first batch, after one forward outside the capture (so the compiled block has
 compiled for it); up to ``max_graphs`` are kept (the least recently used dropped), all in one memory pool. Batches over
-``max_tokens`` run without a graph (their kernels outlast their launches anyway).
+``max_tokens`` run without a graph (their kernels outlast their launches anyway), and so does a float32 tower on CUDA
+(its attention groups sequences by length on the host; the graphs need flash attention's varlen kernel, bf16/fp16).
 
 Off CUDA (the unit tests) the padded batch runs through ``PackedTower.run`` directly: the padding's arithmetic is
 checked against the unpadded forward on any machine; the capture itself only on a GPU.
@@ -132,12 +133,12 @@ class TowerGraphs:
     def __call__(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         grid = [tuple(int(v) for v in row) for row in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
         n = pixels.shape[0]
-        if n > self.max_tokens:
-            return self.tower(pixels, grid)
+        weight = self.tower.tower.patch_embed.proj.weight
+        if n > self.max_tokens or (weight.is_cuda and weight.dtype not in (torch.bfloat16, torch.float16)):
+            return self.tower(pixels, grid)   # fp32 on CUDA: attention by length groups, which reads them on the host
         tokens = bucket_tokens(n, self.min_tokens)
         plan, key = padded_plan(self.tower, grid, tokens)
         units = n // (self.tower.merge * self.tower.merge)
-        weight = self.tower.tower.patch_embed.proj.weight
         if not weight.is_cuda:
             padded = torch.cat([pixels.to(weight.dtype), pixels.new_zeros(tokens - n, pixels.shape[1], dtype=weight.dtype)])
             return self.tower.run(padded, bucket_plan(plan, key, weight.device))[:units]

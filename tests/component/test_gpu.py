@@ -114,6 +114,29 @@ def test_packed_encoder_on_gpu_matches_transformers():
         assert (b.embeddings.float().cpu() - ref.embeddings).abs().max() <= 0.02 * scale  # bf16 rounding
 
 
+def test_encoder_cuda_graphs_give_the_compiled_forward_s_embeddings():
+    """``encoder_cuda_graphs``: each batch padded to a bucket and replayed from its captured graph gives the compiled
+    forward's embeddings (bf16: the padding only adds sequences of their own, but other matmul shapes may round
+    otherwise); one capture per bucket."""
+    from backend.encode.encoder import VisionEncoder
+    from backend.encode.tower_graphs import TowerGraphs
+    from tests.images import make_image
+
+    model = ROOT / "models" / "tiny-qwen2-vl"
+    plain = VisionEncoder.load(model, device="cuda", dtype=torch.bfloat16, compile=True)
+    graphs = VisionEncoder.load(model, device="cuda", dtype=torch.bfloat16, compile=True, cuda_graphs=True)
+    assert isinstance(graphs.forward, TowerGraphs)
+    graphs.warm_up()
+    batches = [[make_image(64, 48, 1)], [make_image(112, 112, 2), make_image(300, 200, 3)],
+               [make_image(64, 48, 4), make_image(112, 112, 5), make_image(300, 200, 6)], [make_image(64, 48, 7)]]
+    for batch in batches:
+        for a, b in zip(plain.encode(batch), graphs.encode(batch)):
+            assert b.embeddings.is_cuda and a.image_grid_thw == b.image_grid_thw
+            scale = a.embeddings.float().abs().max()
+            assert (b.embeddings.float() - a.embeddings.float()).abs().max() <= 0.02 * scale
+    assert 1 <= graphs.forward.captures <= len(batches)   # the last batch's bucket was captured before
+
+
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():
     from backend.protocol.errors import Unavailable
     from backend.transfer.consumer import EmbeddingConsumer
