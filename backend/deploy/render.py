@@ -120,6 +120,8 @@ def render_config(topology: Topology, name: str, kind: ModelKind, model_dir: Pat
         # engines compiled (CUDA graphs, torch.compile): a GPU encoder compiles its packed blocks too
         if topology.engine_args.get("enforce_eager") is False and spec.device == "gpu":
             engine_dtype["encoder_compile"] = "true"
+        if spec.cuda_graphs:  # compiled and replayed as CUDA graphs, whatever the engines do
+            engine_dtype.update(encoder_compile="true", encoder_cuda_graphs="true")
         # the shared embedding tier: only where the topology has one (the launcher starts it: tier_service.launch_for)
         tier = {f"tier_{k}": _fmt(v) for k, v in topology.tier.items()}
         decoder = {"video_decoder": spec.video_decoder} if spec.video_decoder != "cpu" else {}

@@ -21,7 +21,8 @@ GPU_STAGES = (Stage.ENCODER.value, *ENGINE_STAGES)
 MAX_INSTANCES = 16
 TOP_KEYS = {"name", "checkpoint", "serve", "stages", "engine_args", "transfer", "limits", "stream_interval_ms", "openai_port",
             "engine_nice", "video_split", "tier", "reuse", "hosts", "admission"}
-STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess"}
+STAGE_KEYS = {"instances", "device", "gpus", "orchestrator", "endpoint", "video_decoder", "image_preprocess",
+              "cuda_graphs"}
 # reached by an orchestrator over gRPC: they take an endpoint
 REMOTE_STAGES = tuple(stage.value for d in Disaggregation for stage in d.generators)
 ENDPOINT_STAGES = (Stage.ENCODER.value, *REMOTE_STAGES)  # stages.<stage>.endpoint: where the orchestrators reach them
@@ -124,6 +125,7 @@ class StageSpec:
     endpoint: str = "local"  # ENDPOINT_STAGES: where the orchestrators reach it (backend.deploy.server_address)
     video_decoder: str = "cpu"  # encoder: where its videos are decoded (EncoderSettings.video_decoder; nvdec: gpu only)
     image_preprocess: str = "cpu"  # encoder: where its images are preprocessed (EncoderSettings.image_preprocess)
+    cuda_graphs: bool = False  # encoder: its tower compiled and replayed as CUDA graphs (EncoderSettings.encoder_cuda_graphs)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ encoder decodes videos with NVDEC, frames equal to the CPU's bit for bit: ``back
 ``stages.encoder.image_preprocess``: ``cpu`` (the default: the image processor on the host), ``gpu`` (a GPU encoder
 resizes, normalises and patchifies images on its GPU, the host's pixels bit for bit: ``backend.encode.gpu_image``) or
 ``nvjpeg`` (``gpu``, and JPEGs decoded by nvJPEG: within a measured bound of the host's pixels).
+``stages.encoder.cuda_graphs``: ``true`` compiles a GPU encoder's tower and replays it as CUDA graphs, one per bucket of
+batch shapes (``backend.encode.tower_graphs``); ``false``, the default: compiled where the engines are, no graphs.
 
 Validation is loud: unknown keys, impossible counts, a stage the deployments do not use, a GPU asked
 for on a CPU machine, each named. The committed ``model_repository/`` is the rendering of
@@ -285,7 +287,19 @@ def _stage(doc: dict, where: str, stage: str, machine: str) -> StageSpec:
     except EndpointError as exc:
         raise TopologyError(f"{where.rsplit(': ', 1)[0]}: {exc}") from None
     return StageSpec(instances, device, tuple(gpus), orchestrator, endpoint, _video_decoder(doc, where, stage, device),
-                     image_preprocess(doc, where, stage, device))
+                     image_preprocess(doc, where, stage, device), _cuda_graphs(doc, where, stage, device))
+
+
+def _cuda_graphs(doc: dict, where: str, stage: str, device: str) -> bool:
+    value = doc.get("cuda_graphs", False)
+    if "cuda_graphs" in doc and stage != Stage.ENCODER.value:
+        raise TopologyError(f"{where}.cuda_graphs: only the encoder's tower is replayed as CUDA graphs here (the "
+                            f"engines' are vLLM's: enforce_eager)")
+    if not isinstance(value, bool):
+        raise TopologyError(f"{where}.cuda_graphs: expected true or false, got {value!r}")
+    if value and device != "gpu":
+        raise TopologyError(f"{where}.cuda_graphs: CUDA graphs need device: gpu")
+    return value
 
 
 def _video_decoder(doc: dict, where: str, stage: str, device: str) -> str:

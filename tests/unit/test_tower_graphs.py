@@ -67,3 +67,36 @@ def test_padding_stays_in_sequences_of_its_own():
     assert len(plan["window"]) == next_pow2(len(real["window"]) + 144 // 16)
     assert sorted(plan["unit_order"].tolist()) == list(range(128))
     assert key == (512, 4, 512, len(plan["window"]), 16)
+
+
+def test_topology_takes_cuda_graphs_on_a_gpu_encoder_only(tmp_path):
+    from dataclasses import replace
+    from pathlib import Path
+
+    from backend.deploy.render import render
+    from backend.deploy.schema import TopologyError
+    from backend.deploy.topology import load
+    from backend.protocol.settings import EncoderSettings, parse_settings
+
+    root = Path(__file__).resolve().parents[2]
+    checkpoint = root / "models" / "tiny-qwen2-vl"
+    topology = load(root / "topologies" / "checkpoint-gpu.yaml", machine="gpu", checkpoint=checkpoint)
+    assert topology.stages["encoder"].cuda_graphs is False
+    render(topology, tmp_path / "off")
+    assert "encoder_cuda_graphs" not in (tmp_path / "off" / "encoder" / "config.pbtxt").read_text()
+    on = replace(topology, stages={**topology.stages, "encoder": replace(topology.stages["encoder"], cuda_graphs=True)})
+    render(on, tmp_path / "on")
+    config = (tmp_path / "on" / "encoder" / "config.pbtxt").read_text()
+    for key in ("encoder_compile", "encoder_cuda_graphs"):   # graphs of the compiled tower, even with eager engines
+        assert f'key: "{key}" value: {{ string_value: "true" }}' in config
+    parameters = {"parameters": {"encoder_cuda_graphs": {"string_value": "true"}}}
+    assert parse_settings(EncoderSettings, "encoder", parameters).encoder_cuda_graphs is True
+    text = (root / "topologies" / "checkpoint-gpu.yaml").read_text()
+    for bad, message in ((text.replace("encoder: {", "encoder: {cuda_graphs: yes please, ", 1), "expected true or false"),
+                         (text.replace("pd: {", "pd: {cuda_graphs: true, ", 1), "only the encoder"),
+                         (text.replace("encoder: {", "encoder: {cuda_graphs: true, ", 1)
+                          .replace("device: gpu, gpus: [0]}   #", "device: cpu}   #", 1), "need device: gpu")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(bad)
+        with pytest.raises(TopologyError, match=message):
+            load(path, machine="gpu", checkpoint=checkpoint)
