@@ -12,7 +12,9 @@ graph replayed; the output's real rows are copied out (the next replay overwrite
 - sequences (cu_seqlens' length): to the next power of two, with empty sequences at the end;
 - each attention's longest sequence (the kernel's ``max_seqlen``, which sizes its grid): to the next power of two.
 A bucket's graph is captured on its first batch, after one forward outside the capture (so the compiled block has
-compiled for it); up to ``max_graphs`` are kept (the least recently used dropped), all in one memory pool. Batches over
+compiled for it); up to ``max_graphs`` are kept (the least recently used dropped), all in one memory pool: safe in any replay order
+here, since what one capture may reuse of another's is memory freed inside that capture (its temporaries, or a
+graph's output, which a later replay may overwrite: each output is copied out under the lock right after its replay). Batches over
 ``max_tokens`` run without a graph (their kernels outlast their launches anyway), and so does a float32 tower on CUDA
 (its attention groups sequences by length on the host; the graphs need flash attention's varlen kernel, bf16/fp16).
 
