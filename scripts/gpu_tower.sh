@@ -4,9 +4,10 @@
 #   scripts/gpu_tower.sh kernels      where the tower's GPU time goes, eager / compiled / compiled as CUDA graphs, for
 #                                     Qwen2.5-VL-7B's and Qwen2-VL-2B's tower shapes (clients.tools.tower_kernels;
 #                                     needs only the machine's torch and transformers) -> $OUT/kernels-*.json
-#   scripts/gpu_tower.sh bench CKPT   E+PD served with the encoders' tower compiled (epd) and compiled as CUDA graphs
-#                                     (epd_graphs), a server each, 4 PNGs of 448-896 px a request (after the set-up of
-#                                     docs/gpu.md) -> $OUT/bench-graphs
+#   scripts/gpu_tower.sh bench CKPT   E+PD served with the encoders' images preprocessed on the GPU and their tower
+#                                     compiled (epd_gpu_image) or compiled as CUDA graphs (epd_gpu_image_graphs), a
+#                                     server each, 4 PNGs of 448-896 px a request (after the set-up of docs/gpu.md)
+#                                     -> $OUT/bench-graphs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
@@ -21,7 +22,7 @@ kernels)
 bench)
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
     timeout 560 .venv/bin/python -m clients.bench.e2e --topology topologies/checkpoint-gpu.yaml --checkpoint "$2" \
-        --compile --models epd,epd_graphs --images 4 --image-sizes 448x448,672x672,896x896 \
+        --compile --models epd_gpu_image,epd_gpu_image_graphs --images 4 --image-sizes 448x448,672x672,896x896 \
         --max-tokens 128 --concurrency 8,32 --requests 64 --warmup 6 --no-progress --out "$OUT/bench-graphs" 2>&1 \
         | tee "$OUT/bench-graphs.log" | tail -60
     ;;

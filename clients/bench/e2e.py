@@ -8,8 +8,8 @@ colocated``; its server is rendered so, whatever ``--topology`` says), ``epd_dis
 ``stages.prefill.orchestrator: colocated``, rendered so likewise), ``epd_nvdec`` (E+PD whose encoder decodes videos
 on its GPU: ``stages.encoder.video_decoder: nvdec``; a GPU topology), ``epd_gpu_image`` / ``epd_nvjpeg`` (E+PD whose
 encoder preprocesses images on its GPU, JPEGs decoded by nvJPEG with the second: ``stages.encoder.image_preprocess``;
-``--image-format JPEG`` sends JPEGs), ``epd_graphs`` (E+PD whose GPU encoders replay their tower as CUDA graphs:
-``stages.encoder.cuda_graphs``), ``p_d`` (P/D: E/P/D's prefill and decode without
+``--image-format JPEG`` sends JPEGs), ``epd_gpu_image_graphs`` (``epd_gpu_image`` whose encoders replay their tower as CUDA
+graphs: ``stages.encoder.cuda_graphs``), ``p_d`` (P/D: E/P/D's prefill and decode without
 the encoders, request parameter ``epd_encode=false``; each engine processes the media, as vLLM's own P/D). Load (``clients.bench.load``): a concurrency sweep (closed loop,
 ``--concurrency``) or Poisson arrivals at given request rates (open loop, ``--rate``); or, with
 ``--load-generator perf_analyzer``, the concurrency sweep sent by Triton's C++ perf_analyzer, TTFT and
@@ -68,13 +68,13 @@ DEPLOYMENTS = {
     "epd_nvdec": ("E+PD, videos decoded by NVDEC", "E+PD", "epd", None),
     "epd_gpu_image": ("E+PD, images preprocessed on the GPU", "E+PD", "epd", None),
     "epd_nvjpeg": ("E+PD, images preprocessed on the GPU, JPEGs by nvJPEG", "E+PD", "epd", None),
-    "epd_graphs": ("E+PD, the encoder's tower as CUDA graphs", "E+PD", "epd", None),
+    "epd_gpu_image_graphs": ("E+PD, images preprocessed on the GPU, the tower as CUDA graphs", "E+PD", "epd", None),
 }
 # served by a rendering whose orchestrator runs in the model of the engine given the embeddings (pd / prefill)
 COLOCATED = {"epd_colocated", "epd_disagg_colocated"}
 # served by a rendering whose encoder works on its GPU: the encoder stage's keys that say so
 ENCODER_VARIANTS = {"epd_nvdec": {"video_decoder": "nvdec"}, "epd_gpu_image": {"image_preprocess": "gpu"},
-                    "epd_nvjpeg": {"image_preprocess": "nvjpeg"}, "epd_graphs": {"cuda_graphs": True}}
+                    "epd_nvjpeg": {"image_preprocess": "nvjpeg"}, "epd_gpu_image_graphs": {"image_preprocess": "gpu", "cuda_graphs": True}}
 
 
 def server_group(key: str) -> tuple[str, str, str]:
