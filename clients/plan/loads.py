@@ -16,6 +16,7 @@ replicas). The decode step by batch is the engine's row: ``U`` per token at each
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from clients.bench.load import synthetic_requests
 from clients.bench.proc_cpu import per_request, snapshot_of
 from clients.bench.report import percentile
+from clients.plan import speed
 from clients.plan.profile import Line, fit
 
 LOADS = (1, 2, 8, 24)
@@ -32,6 +34,7 @@ LABELS = {"load generator": "client", "stub epd": "orchestrator", "tritonserver"
 REPLICA = ("stub", "engine")  # by a replica's share of the load
 _TICK = os.sysconf("SC_CLK_TCK")
 WINDOW = 0.1  # seconds of a background sample
+PROBE_EVERY = 5  # windows between two speed probes (~2-3 ms of this process's CPU each)
 CORES = os.cpu_count() or 1
 
 
@@ -54,18 +57,24 @@ def _ticks(pids: list[int]) -> float:
 
 
 class Background(threading.Thread):
-    """Samples, every ``WINDOW`` seconds, the cores the machine was busy with beyond ``pids`` (and this process)."""
+    """Samples, every ``WINDOW`` seconds, the cores the machine was busy with beyond ``pids`` (and this process), and
+    every ``PROBE_EVERY`` windows (and at its start) the cores' speed (``clients.plan.speed``: one pass of its fixed
+    work, CPU ms)."""
 
     def __init__(self, pids: list[int]):
         super().__init__(daemon=True)
         self.pids, self.series, self.halt = [*pids, os.getpid()], [], threading.Event()
+        self.probes: list[float] = []
 
     def run(self) -> None:
+        self.probes.append(speed.probe(1))
         last = (time.perf_counter(), machine_busy(), _ticks(self.pids))
         while not self.halt.wait(WINDOW):
             now = (time.perf_counter(), machine_busy(), _ticks(self.pids))
             elapsed = now[0] - last[0]
             self.series.append(min(CORES, max(0.0, (now[1] - last[1] - now[2] + last[2]) / elapsed)))
+            if len(self.series) % PROBE_EVERY == 0:
+                self.probes.append(speed.probe(1))   # this process's CPU: not counted as the background
             last = now
 
     def stop(self) -> list[float]:
@@ -73,11 +82,15 @@ class Background(threading.Thread):
         self.join()
         return [round(v, 3) for v in self.series]
 
+    def speed_ms(self) -> float:
+        """The median of the speed probes taken (CPU ms of ``speed``'s work: more is slower)."""
+        return round(statistics.median(self.probes), 3) if self.probes else 0.0
+
 
 def phase(served, requests: list, concurrency: int) -> dict:
     """``requests`` in a closed loop of ``concurrency``: the samples, errors, wall seconds, CPU ms per request per
     label, the background cores (the machine's busy time not the deployment's, over the wall time) and their series
-    by ``WINDOW`` (``Background``)."""
+    by ``WINDOW`` (``Background``), and the cores' speed probe's median (``speed_ms``)."""
     pids = served.pids()
     sampler = Background(pids)
     cpu0, busy0 = snapshot_of(pids), machine_busy()
@@ -88,7 +101,7 @@ def phase(served, requests: list, concurrency: int) -> dict:
     own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
     return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
             "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series,
-            "responses": responses(samples, requests)}
+            "responses": responses(samples, requests), "speed_ms": sampler.speed_ms()}
 
 
 def responses(samples: list, requests: list) -> float:
@@ -135,7 +148,7 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     """Phases at every load and both lengths (``SHORT`` and ``long``; a workload's own answers: the lengths it has
     are read, not extrapolated): ``{"by_load": rows, "light_ttft_ms": TTFT p50 at load 1 (short), "light_tpot_ms":
     its time per output token p50 (long),
-    "series": its background, "merging": per load the long answers' responses per request, requests and background
+    "series": its background, "speed_ms": the cores' speed probe's median over the phases, "merging": per load the long answers' responses per request, requests and background
     (``clients.plan.measure.fit_intervals``), "first_token": per load the short answers' TTFT p50, requests and
     background (``clients.plan.phases.calibrate_engine``), "phases": what each read}``."""
     phases: dict[int, dict[int, dict]] = {}
@@ -153,7 +166,7 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
     first = phases[min(loads)][SHORT]
     light = percentile([s.ttft * 1000 for s in first["samples"]], 50)
     summary = {f"{load}/{tokens}": {"cpu": p["cpu"], "background": round(p["background"], 3), "wall": round(p["wall"], 3),
-                                    "responses": round(p["responses"], 2)}
+                                    "responses": round(p["responses"], 2), "speed_ms": p["speed_ms"]}
                for load, by_tokens in phases.items() for tokens, p in by_tokens.items()}
     merging = {load: {"responses": by_tokens[long]["responses"], "count": len(by_tokens[long]["samples"]),
                       "series": by_tokens[long]["series"], "step_s": WINDOW} for load, by_tokens in phases.items()}
@@ -161,8 +174,10 @@ def by_load(served, loads=LOADS, long: int = LONG, seed: int = 500_000) -> dict:
                           "count": len(by_tokens[SHORT]["samples"]), "series": by_tokens[SHORT]["series"]}
                    for load, by_tokens in phases.items()}
     light_tpot = percentile([s.tpot * 1000 for s in phases[min(loads)][long]["samples"] if s.tpot], 50)
+    probes = [p["speed_ms"] for by_tokens in phases.values() for p in by_tokens.values() if p["speed_ms"]]
     return {"by_load": table, "light_ttft_ms": light, "light_tpot_ms": light_tpot, "phases": summary,
-            "series": first["series"], "merging": merging, "first_token": first_token}
+            "series": first["series"], "merging": merging, "first_token": first_token,
+            "speed_ms": round(statistics.median(probes), 3) if probes else 0.0}
 
 
 def thread_share(engine_rows: list[list[float]], light_tpot_ms: float) -> float:

@@ -49,6 +49,17 @@ from clients.plan.workload import Item
 LINES = ("encoder.batch", "prefill", "decode", "decode_context", "kv_transfer", "orchestrator", "stub", "client")
 
 
+# the CPU cost lines (ms) a slower or faster machine scales (``Profile.at_speed``): nested where they are groups
+SCALED_LINES = ("encoder", "prefill", "decode", "decode_context", "transfer", "kv_transfer", "orchestrator", "stub",
+                "client")
+
+
+def _scaled_lines(node: dict, factor: float) -> dict:
+    if "base" in node or "slope" in node:
+        return {**node, "base": float(node.get("base", 0.0)) * factor, "slope": float(node.get("slope", 0.0)) * factor}
+    return {k: _scaled_lines(v, factor) if isinstance(v, dict) else v for k, v in node.items()}
+
+
 class ProfileError(ValueError):
     """A profile that cannot be used; the message names the field."""
 
@@ -181,6 +192,27 @@ class Profile:
     def with_background(self, step_s: float, cores: list[float]) -> "Profile":
         """The same profile on a machine whose other processes keep ``cores[i]`` cores busy in window ``i``."""
         return Profile({**self.doc, "background": {"step_s": step_s, "cores": [round(c, 3) for c in cores]}})
+
+    def at_speed(self, factor: float) -> "Profile":
+        """The same profile on cores ``factor`` times slower (``clients.plan.speed``: the machine's speed probe now over
+        the profile's): every CPU cost line, ``by_load`` row and send interval scaled; token counts and the ``hop``
+        (latency beyond any CPU work) kept. A profile with no ``cores`` (a GPU one: its lines are device time) is
+        returned unchanged."""
+        if not self.cores or factor == 1.0:
+            return self
+        doc = dict(self.doc)
+        for name in SCALED_LINES:
+            node = doc.get(name)
+            if isinstance(node, dict):
+                doc[name] = _scaled_lines(node, factor)
+        doc["by_load"] = {process: [[row[0], *(v * factor for v in row[1:])] for row in rows]
+                          for process, rows in doc.get("by_load", {}).items()}
+        if "send_interval_by_load" in doc:
+            doc["send_interval_by_load"] = [[load, ms * factor] for load, ms in doc["send_interval_by_load"]]
+        if "send_interval_ms" in doc:
+            doc["send_interval_ms"] = float(doc["send_interval_ms"]) * factor
+        doc["speed_factor"] = factor
+        return Profile(doc)
 
     def hop_ms(self) -> float:
         """Latency a request has beyond the CPU work (the gRPC hops), not on the cores; 0 where not fitted."""

@@ -11,7 +11,8 @@ token, from the client's send) and the client's TTFT; then the validation's own 
 (``--out FILE``: also written there), which differs from the run's where the model changed since (the drift line
 says by how much; exit status 1). ``--set KEY=JSON`` (repeatable; ``null`` removes the key) predicts with the
 profiles changed: what a fitted figure is worth on the run's own files, e.g.
-``--set engine_first_token_by_load=null`` (then the drift is the change's effect).
+``--set engine_first_token_by_load=null`` (then the drift is the change's effect); ``--at-profile-speed`` predicts
+without the speed probes' scaling (``clients.plan.speed``).
 """
 from __future__ import annotations
 
@@ -47,12 +48,13 @@ def replay_row(row: dict, profile, args) -> dict:
     """The row's repetitions predicted again: stage medians measured and predicted, and the largest difference from
     the recorded predictions (0 where the run's files reproduce it)."""
     layout = Layout(**row["layout"]) if "layout" in row else layouts(args)[row["topology"]]
-    predicted = [predict(profile.with_background(WINDOW, rep["series"]), layout, row["concurrency"], args)
-                 for rep in row["repeats"]]
+    predicted = [predict(profile.at_speed(_factor(rep, args)).with_background(WINDOW, rep["series"]), layout,
+                         row["concurrency"], args) for rep in row["repeats"]]
     drift = max(abs(p[key] - rep["predicted"][key]) / max(abs(rep["predicted"][key]), 1e-9)
                 for p, rep in zip(predicted, row["repeats"]) for key in FIGURES)
     measured = [rep.get("stages_p50_ms", {}) for rep in row["repeats"]]
-    again = [{**rep, "predicted": {k: p[k] for k in FIGURES}, "utilisation": p["utilisation"]}
+    again = [{**{k: v for k, v in rep.items() if k != "speed" or getattr(args, "speed_probe", True)},
+              "predicted": {k: p[k] for k in FIGURES}, "utilisation": p["utilisation"]}
              for p, rep in zip(predicted, row["repeats"])]
     return {"topology": row["topology"], "c": row["concurrency"], "drift": drift,
             "row": validate.compare(row["topology"], row["concurrency"], again, layout),
@@ -60,6 +62,11 @@ def replay_row(row: dict, profile, args) -> dict:
             "first": (_median([m.get("first_chunk_ms") for m in measured]),
                       _median([p["emitted_p50_ms"] for p in predicted])),
             "ttft": (row["ttft_p50_ms"]["measured"], _median([p["ttft_p50_ms"] for p in predicted]))}
+
+
+def _factor(rep: dict, args) -> float:
+    """The speed factor the repetition was predicted with (runs before the probe: 1); 1 with ``--at-profile-speed``."""
+    return rep.get("speed", {}).get("factor", 1.0) if getattr(args, "speed_probe", True) else 1.0
 
 
 def _change(text: str) -> tuple[str, object]:
@@ -93,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
     parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
     parser.add_argument("--out", type=Path, help="write the validation's table with these predictions here")
+    parser.add_argument("--at-profile-speed", action="store_true",
+                        help="predict on the profiles as measured, not scaled by each repetition's speed probe")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="what if: the profiles' KEY set to JSON (null: removed), e.g. engine_thread_share=1")
     given = parser.parse_args(argv)
     run = given.run
     doc = json.loads((run / "validation.json").read_text())
     args = run_arguments(doc["command"])
+    if given.at_profile_speed:
+        args.speed_probe = False
     try:
         changes = dict(_change(text) for text in given.set)
     except ValueError as exc:

@@ -12,8 +12,11 @@ prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: 
 each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in turn, ``--max-tokens``
 greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
 machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
-the cores it left (``Profile.with_cores``). Printed: one table, the medians over the repetitions of measured and
-predicted req/s, TTFT p50 and p90, the error of each (predicted / measured - 1) and the background.
+the cores it left (``Profile.with_cores``), with the profile's CPU costs scaled by the cores' speed probed during the
+repetition over their speed while the profile's by-load rows were measured (``clients.plan.speed``; the 2-core
+machines switch between two speeds ~1.65x apart every few seconds; ``--no-speed-probe``: unscaled). Printed: one
+table, the medians over the repetitions of measured and predicted req/s, TTFT p50 and p90, the error of each
+(predicted / measured - 1), the background and the speed factor.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from clients.bench.served import served_arguments
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan import measure_gpu
+from clients.plan import speed
 from clients.plan.deployments import DEPLOYMENTS, served_topology
 from clients.plan.measure import lines, run_phases, with_by_load
 from clients.plan.phases import Session
@@ -79,15 +83,18 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
         made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed + rep * args.requests)
         got = loads.phase(served, made, level)
         measured = summarise(served.name, "concurrency", level, got["samples"], len(got["errors"]), got["wall"])
-        predicted = predict(profile.with_background(loads.WINDOW, got["series"]), layout, level, args)
+        slower = speed.factor(got["speed_ms"], profile.doc.get("speed_probe_ms")) if args.speed_probe else 1.0
+        predicted = predict(profile.at_speed(slower).with_background(loads.WINDOW, got["series"]), layout, level, args)
         out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
                     "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
                     "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"],
+                    "speed": {"probe_ms": got["speed_ms"], "factor": round(slower, 4)},
                     "responses_per_request": {"measured": round(got["responses"], 2),
                                               "predicted": round(predicted["responses_per_request"], 2)},
                     "stages_p50_ms": stages(got["samples"])})
         print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
-              f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores", flush=True)
+              f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores, "
+              f"cores {slower:.2f}x the profile's time", flush=True)
     return out
 
 
@@ -117,6 +124,8 @@ def compare(name: str, level: int, reps: list[dict], layout: Layout) -> dict:
            "errors": sum(r["errors"] for r in reps),
            "background": statistics.median(r["background"] for r in reps),
            "utilisation": reps[len(reps) // 2]["utilisation"], "repeats": reps}
+    if all("speed" in r for r in reps):  # probed (runs from 2026-12-07 22:00 on)
+        row["speed"] = statistics.median(r["speed"]["factor"] for r in reps)
     for key in FIGURES:
         m = statistics.median(r["measured"][key] for r in reps)
         p = statistics.median(r["predicted"][key] for r in reps)
@@ -125,9 +134,12 @@ def compare(name: str, level: int, reps: list[dict], layout: Layout) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    """The validation's table; a run whose repetitions were probed (``speed``) has the cores' time column too."""
+    probed = any("speed" in r for r in rows)
     lines = ["| topology | c | req/s measured / predicted (err) | TTFT p50 ms measured / predicted (err) | "
-             "TTFT p90 ms measured / predicted (err) | within 15% | background cores | predicted utilisation |",
-             "|---|---|---|---|---|---|---|---|"]
+             "TTFT p90 ms measured / predicted (err) | within 15% | background cores | "
+             + ("cores' time (x profile's) | " if probed else "") + "predicted utilisation |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
     for r in rows:
         cells = []
         for name in FIGURES:
@@ -136,8 +148,9 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{f['measured']:.{digits}f} / {f['predicted']:.{digits}f} ({f['error']:+.0%})")
         within = all(r[n]["error"] is not None and abs(r[n]["error"]) <= TOLERANCE for n in FIGURES)
         busy = ", ".join(f"{k} {v:.0%}" for k, v in r["utilisation"].items())
+        speed_cell = f" {r.get('speed', 1.0):.2f} |" if probed else ""
         lines.append(f"| {r['topology']} | {r['concurrency']} | " + " | ".join(cells) +
-                     f" | {'yes' if within else 'no'} | {r['background']:.2f} | {busy} |")
+                     f" | {'yes' if within else 'no'} | {r['background']:.2f} |{speed_cell} {busy} |")
     return "\n".join(lines)
 
 
@@ -173,6 +186,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="the single server's")
     served_arguments(parser)
     parser.add_argument("--pd-replicas", type=int, default=2, help="the hosts deployment's pd hosts")
+    parser.add_argument("--no-speed-probe", dest="speed_probe", action="store_false",
+                        help="predict on the profile as measured, not scaled to the cores' speed probed during each "
+                             "repetition (clients.plan.speed)")
     parser.add_argument("--out", type=Path)
     return parser
 

@@ -55,3 +55,36 @@ def test_the_engines_step_thread_share_is_the_light_time_per_token_over_its_cpu_
     assert thread_share(rows, 2.8) == 0.8  # a token every 2.8 ms: 0.8 of it on the step's thread
     assert thread_share(rows, 4.0) == 1.0  # slower than its CPU (waits for the cores): all on the step's thread
     assert thread_share([[1, 0.0, 0.0]], 2.8) == 1.0 and thread_share(rows, 0.0) == 1.0  # nothing to read: 1
+
+
+def test_a_profile_at_a_slower_speed_scales_its_cpu_costs_and_keeps_counts_and_the_hop():
+    from clients.plan.profile import Profile
+
+    doc = {"name": "p", "cores": 2, "encoder": {"batch": {"base": 2.0}, "image": {"base": 1.0, "slope": 0.5}},
+           "tokens": {"image": {"base": 4.0, "slope": 0.25}}, "prefill": {"base": 10.0}, "decode": {"base": 2.0, "slope": 0.2},
+           "transfer": {"shared_memory": {"base": 0.5, "slope": 8.0}}, "hop": {"base": 3.0},
+           "by_load": {"engine": [[1, 5.0, 2.0], [8, 4.0, 0.5]]}, "send_interval_by_load": [[1, 2.0], [8, 4.0]]}
+    slow = Profile(doc).at_speed(1.5)
+    assert slow.line("encoder.image").as_dict() == {"base": 1.5, "slope": 0.75}
+    assert slow.line("encoder.batch").base == 3.0 and slow.line("prefill").base == 15.0
+    assert slow.line("decode").slope == pytest.approx(0.3) and slow.line("transfer.shared_memory").slope == 12.0
+    assert slow.doc["by_load"]["engine"] == [[1, 7.5, 3.0], [8, 6.0, 0.75]]
+    assert slow.send_interval(8) == 6.0 and slow.doc["speed_factor"] == 1.5
+    assert slow.line("tokens.image").as_dict() == {"base": 4.0, "slope": 0.25} and slow.hop_ms() == 3.0
+    assert Profile(doc).doc["by_load"]["engine"][0] == [1, 5.0, 2.0]          # the original untouched
+    gpu = Profile({**doc, "cores": 0})
+    assert gpu.at_speed(1.5) is gpu                                          # device times: not the host's speed
+
+
+def test_the_speed_probe_times_its_work_and_the_background_sampler_probes_while_it_runs():
+    import time
+
+    from clients.plan import speed
+    from clients.plan.loads import PROBE_EVERY, WINDOW, Background
+
+    assert speed.probe(3) > 0 and speed.factor(3.0, 2.0) == 1.5 and speed.factor(3.0, None) == 1.0
+    sampler = Background([])
+    sampler.start()
+    time.sleep(WINDOW * PROBE_EVERY * 2 + 0.25)
+    sampler.stop()
+    assert len(sampler.probes) >= 2 and sampler.speed_ms() > 0

@@ -1,0 +1,41 @@
+"""How fast this machine's cores are now: a fixed piece of interpreter and NumPy work, timed in CPU time.
+
+The lent 2-core machines change speed by a third from one minute to the next with nothing else running (steal time
+under 1%: docs/planning.md, "Runs 7 and 8"), so a profile measured a minute before a level can be a third off before
+the model is. ``probe()`` times the same work (dict and list updates as the stubs' Python does, small NumPy
+element-wise passes as a CPU engine's) a few times on this thread, in CPU time (a core shared with the deployment's
+own processes does not count, the machine's slower cores do) and gives the median ms; ``clients.plan.validate``
+probes when it measures a profile and before each repetition, and predicts that repetition on the profile scaled by
+the ratio (``Profile.at_speed``).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def _work() -> float:
+    table: dict[int, int] = {}
+    for i in range(20_000):
+        table[i & 511] = table.get(i & 511, 0) + i
+    values = np.arange(4096, dtype=np.float32)
+    for _ in range(40):
+        values = values * 1.0001 + 1.0
+    return float(values[0]) + len(table)
+
+
+def probe(runs: int = 9) -> float:
+    """The median CPU ms of ``runs`` passes of the fixed work (~3-5 ms each here)."""
+    times = []
+    for _ in range(runs):
+        started = time.thread_time()
+        _work()
+        times.append((time.thread_time() - started) * 1000)
+    return statistics.median(times)
+
+
+def factor(now_ms: float, profile_ms: float | None) -> float:
+    """How many times slower the cores are now than when the profile was measured (1 where it has no probe)."""
+    return now_ms / profile_ms if profile_ms and now_ms > 0 else 1.0
