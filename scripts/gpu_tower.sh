@@ -14,10 +14,10 @@ export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 case "${1:-}" in
 kernels)
-    python3 -m clients.tools.tower_kernels --tower qwen25-7b --cases 448x1,448x4,448x8,896x1,896x4 \
-        --json "$OUT/kernels-qwen25-7b.json" 2>&1 | grep -v -i warn
-    python3 -m clients.tools.tower_kernels --tower qwen2-2b --cases 448x1,448x8,896x4 \
-        --json "$OUT/kernels-qwen2-2b.json" 2>&1 | grep -v -i warn
+    python3 -m clients.tools.tower_kernels --tower qwen25-7b --cases 448x1,448x4,448x8,896x4 \
+        --json "$OUT/kernels-qwen25-7b.json" 2>&1 | grep -v -i warn | cut -c1-400
+    python3 -m clients.tools.tower_kernels --tower qwen2-2b --cases 448x1,448x8,896x4 --ways eager,compile,compile+graph \
+        --json "$OUT/kernels-qwen2-2b.json" 2>&1 | grep -v -i warn | cut -c1-400
     ;;
 bench)
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1

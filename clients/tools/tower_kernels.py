@@ -6,10 +6,11 @@ by kind (matmul, attention, Triton-fused element-wise, other) and the GPU's busy
 1.0, the host's launches leave the GPU idle). Ways:
 - ``eager``: ``PackedTower`` without compile;
 - ``compile``: torch.compile over the block (what the encoders serve with);
+- ``eager-unaligned``, ``compile-unaligned``: the same without ``align_mlp`` (Qwen2.5-VL's 3,420-wide MLP as it is);
 - ``compile+graph``: the same forward captured once as a CUDA graph for this exact batch and replayed
   (``backend.encode.packed_tower.TowerGraphs``, which pads a batch to a bucket; here the batch is one bucket).
 
-Each row also gives the way's largest difference to ``eager`` (relative to eager's largest value; bf16).
+Each row also gives the way's largest difference to the case's first way (relative to its largest value; bf16).
 
     python -m clients.tools.tower_kernels [--tower qwen25-7b|qwen2-2b] [--cases 448x1,448x8] [--json out.json]
 """
@@ -98,15 +99,22 @@ def wall_ms(fn, iters: int) -> float:
     return (time.perf_counter() - started) / iters * 1000
 
 
-def ways(tower, cfg, pixels, grid):
-    from backend.encode.packed_tower import PackedTower, TowerGraphs
+def ways(tower, cfg, pixels, grid) -> dict:
+    """name -> a factory of the forward to time (made in turn: an aligned ``PackedTower`` pads the tower's MLP in
+    place, so the unaligned way comes first, on a tower of its own per case)."""
+    from backend.encode.packed_tower import PackedTower
+    from backend.encode.tower_graphs import TowerGraphs
 
-    eager = PackedTower(tower, cfg)
-    compiled = PackedTower(tower, cfg, compile=True)
-    graphs = TowerGraphs(PackedTower(tower, cfg, compile=True))
-    return {"eager": lambda: eager(pixels, grid),
-            "compile": lambda: compiled(pixels, grid),
-            "compile+graph": lambda: graphs(pixels, grid)}
+    def make(**kwargs):
+        packed = PackedTower(tower, cfg, **kwargs)
+        return lambda: packed(pixels, grid)
+
+    def graphs():
+        captured = TowerGraphs(PackedTower(tower, cfg, compile=True))
+        return lambda: captured(pixels, grid)
+
+    return {"eager-unaligned": lambda: make(align=False), "compile-unaligned": lambda: make(compile=True, align=False),
+            "eager": lambda: make(), "compile": lambda: make(compile=True), "compile+graph": graphs}
 
 
 def main() -> None:
@@ -114,12 +122,12 @@ def main() -> None:
     parser.add_argument("--tower", choices=["qwen25-7b", "qwen2-2b"], default="qwen25-7b")
     parser.add_argument("--cases", default="448x1,448x8", help="SIZExBATCH,...")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--ways", default="eager,compile,compile+graph")
+    parser.add_argument("--ways", default="compile-unaligned,eager,compile,compile+graph")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    tower, cfg = qwen25_7b_tower() if args.tower == "qwen25-7b" else qwen2_2b_tower()
     rows = []
     for case in args.cases.split(","):
+        tower, cfg = qwen25_7b_tower() if args.tower == "qwen25-7b" else qwen2_2b_tower()  # unaligned again
         size, batch = (int(v) for v in case.split("x"))
         side = size // 14
         grid = [(1, side, side)] * batch
@@ -127,9 +135,9 @@ def main() -> None:
         flops = tower_flops(flops_config(cfg), grid)
         reference = None
         with torch.inference_mode():
-            for name, fn in ways(tower, cfg, pixels, grid).items():
-                if name not in args.ways.split(","):
-                    continue
+            made = ways(tower, cfg, pixels, grid)
+            for name in [n for n in made if n in args.ways.split(",")]:
+                fn = made[name]()
                 out = fn().float()
                 fn()  # compile and capture outside the timing
                 if reference is None:

@@ -79,3 +79,35 @@ def test_unknown_encoder_impl_is_refused():
     from backend.encode.encoder import VisionEncoder
     with pytest.raises(ValueError, match="encoder impl must be 'packed' or 'transformers'"):
         VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl", impl="flash")
+
+
+def test_a_gated_mlp_padded_to_aligned_rows_gives_the_same_embeddings():
+    """``align_mlp`` (applied on CUDA): Qwen2.5-VL's 3,420-wide MLP padded with zeros gives the same output, and the
+    module's own forward (its parameters now views of the padded tensors) too."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from backend.encode.packed_tower import align_mlp
+
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLVisionConfig(depth=2, hidden_size=64, intermediate_size=90, num_heads=4, out_hidden_size=48,
+                                 window_size=56, fullatt_block_indexes=[1], patch_size=14)
+    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg).eval()
+    for p in tower.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    grid = GRIDS[:3]
+    pixels = _pixels(grid, 3 * 2 * 14 * 14)
+    with torch.inference_mode():
+        before = PackedTower(tower, cfg)(pixels, grid)
+        module_before = tower(pixels, grid_thw=torch.tensor(grid)).pooler_output
+    packed = PackedTower(tower, cfg)
+    packed._padded = align_mlp(tower, multiple=64)
+    assert sorted(packed._padded) == [0, 1] and packed._padded[0][0].shape == (128, 64)
+    assert tower.blocks[0].mlp.down_proj.weight.shape == (64, 90)
+    with torch.inference_mode():
+        after = packed(pixels, grid)
+        module_after = tower(pixels, grid_thw=torch.tensor(grid)).pooler_output
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module_after, module_before, rtol=1e-5, atol=1e-5)
+    again = align_mlp(tower, multiple=64)        # another PackedTower over it: the same tensors, nothing copied
+    assert sorted(again) == [0, 1] and all(a is b for a, b in zip(again[0], packed._padded[0]))
