@@ -11,8 +11,9 @@ token, from the client's send) and the client's TTFT; then the validation's own 
 (``--out FILE``: also written there), which differs from the run's where the model changed since (the drift line
 says by how much; exit status 1). ``--set KEY=JSON`` (repeatable; ``null`` removes the key) predicts with the
 profiles changed: what a fitted figure is worth on the run's own files, e.g.
-``--set engine_first_token_by_load=null`` (then the drift is the change's effect); ``--at-profile-speed`` predicts
-without the speed probes' scaling (``clients.plan.speed``).
+``--set engine_first_token_by_load=null`` (then the drift is the change's effect); ``--at-profile-speed`` and
+``--at-probed-speed`` predict without and with the speed probes' scaling (``clients.plan.speed``; else as the run
+did).
 """
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ def replay_row(row: dict, profile, args) -> dict:
     drift = max(abs(p[key] - rep["predicted"][key]) / max(abs(rep["predicted"][key]), 1e-9)
                 for p, rep in zip(predicted, row["repeats"]) for key in FIGURES)
     measured = [rep.get("stages_p50_ms", {}) for rep in row["repeats"]]
-    again = [{**{k: v for k, v in rep.items() if k != "speed" or getattr(args, "speed_probe", True)},
-              "predicted": {k: p[k] for k in FIGURES}, "utilisation": p["utilisation"]}
+    again = [{**rep, "predicted": {k: p[k] for k in FIGURES}, "utilisation": p["utilisation"]}
              for p, rep in zip(predicted, row["repeats"])]
     return {"topology": row["topology"], "c": row["concurrency"], "drift": drift,
             "row": validate.compare(row["topology"], row["concurrency"], again, layout),
@@ -65,8 +65,13 @@ def replay_row(row: dict, profile, args) -> dict:
 
 
 def _factor(rep: dict, args) -> float:
-    """The speed factor the repetition was predicted with (runs before the probe: 1); 1 with ``--at-profile-speed``."""
-    return rep.get("speed", {}).get("factor", 1.0) if getattr(args, "speed_probe", True) else 1.0
+    """The speed factor to predict the repetition with: the one it was predicted with (``speed.applied``; runs before
+    the probe: 1), or ``--at-profile-speed``'s 1, or ``--at-probed-speed``'s probed factor."""
+    probed = rep.get("speed", {})
+    choice = getattr(args, "speed_choice", "recorded")
+    if choice == "profile" or not probed:
+        return 1.0
+    return probed["factor"] if choice == "probed" or probed.get("applied", True) else 1.0
 
 
 def _change(text: str) -> tuple[str, object]:
@@ -100,16 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A validation run's predictions again, stage by stage.")
     parser.add_argument("run", type=Path, help="the --out folder of clients.plan.validate --measure-profile")
     parser.add_argument("--out", type=Path, help="write the validation's table with these predictions here")
-    parser.add_argument("--at-profile-speed", action="store_true",
-                        help="predict on the profiles as measured, not scaled by each repetition's speed probe")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--at-profile-speed", dest="speed_choice", action="store_const", const="profile",
+                       default="recorded", help="predict on the profiles as measured (no speed probe's scaling)")
+    speed.add_argument("--at-probed-speed", dest="speed_choice", action="store_const", const="probed",
+                       help="predict on the profiles scaled by each repetition's probed speed (clients.plan.speed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="what if: the profiles' KEY set to JSON (null: removed), e.g. engine_thread_share=1")
     given = parser.parse_args(argv)
     run = given.run
     doc = json.loads((run / "validation.json").read_text())
     args = run_arguments(doc["command"])
-    if given.at_profile_speed:
-        args.speed_probe = False
+    args.speed_choice = given.speed_choice
     try:
         changes = dict(_change(text) for text in given.set)
     except ValueError as exc:

@@ -12,11 +12,12 @@ prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: 
 each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in turn, ``--max-tokens``
 greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
 machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
-the cores it left (``Profile.with_cores``), with the profile's CPU costs scaled by the cores' speed probed during the
-repetition over their speed while the profile's by-load rows were measured (``clients.plan.speed``; the 2-core
-machines switch between two speeds ~1.65x apart every few seconds; ``--no-speed-probe``: unscaled). Printed: one
-table, the medians over the repetitions of measured and predicted req/s, TTFT p50 and p90, the error of each
-(predicted / measured - 1), the background and the speed factor.
+the cores it left (``Profile.with_cores``). The cores' speed is probed during every phase (``clients.plan.speed``; the
+2-core machines switch between two speeds ~1.65x apart every few seconds) and recorded beside each repetition as a
+factor over the speed during the profile's by-load rows; ``--speed-probe`` scales the profile's CPU costs by it
+(``Profile.at_speed``; measured 2026-12-07: better for one deployment, worse for the other, so not the default).
+Printed: one table, the medians over the repetitions of measured and predicted req/s, TTFT p50 and p90, the error of
+each (predicted / measured - 1), the background and the speed factor.
 """
 from __future__ import annotations
 
@@ -83,18 +84,19 @@ def measure_level(served, profile: Profile, layout: Layout, level: int, args, se
         made = synthetic_requests(args.requests, 1, args.image_sizes, args.max_tokens, first=seed + rep * args.requests)
         got = loads.phase(served, made, level)
         measured = summarise(served.name, "concurrency", level, got["samples"], len(got["errors"]), got["wall"])
-        slower = speed.factor(got["speed_ms"], profile.doc.get("speed_probe_ms")) if args.speed_probe else 1.0
-        predicted = predict(profile.at_speed(slower).with_background(loads.WINDOW, got["series"]), layout, level, args)
+        slower = speed.factor(got["speed_ms"], profile.doc.get("speed_probe_ms"))
+        at = profile.at_speed(slower) if args.speed_probe else profile
+        predicted = predict(at.with_background(loads.WINDOW, got["series"]), layout, level, args)
         out.append({"measured": {k: measured[k] for k in FIGURES}, "predicted": {k: predicted[k] for k in FIGURES},
                     "errors": len(got["errors"]), "background": round(got["background"], 3), "series": got["series"],
                     "utilisation": predicted["utilisation"], "at": time.strftime("%T"), "cpu_ms_per_request": got["cpu"],
-                    "speed": {"probe_ms": got["speed_ms"], "factor": round(slower, 4)},
+                    "speed": {"probe_ms": got["speed_ms"], "factor": round(slower, 4), "applied": args.speed_probe},
                     "responses_per_request": {"measured": round(got["responses"], 2),
                                               "predicted": round(predicted["responses_per_request"], 2)},
                     "stages_p50_ms": stages(got["samples"])})
         print(f"{served.name} c={level} rep {rep}: {measured['req_per_s']:.2f} req/s measured, "
               f"{predicted['req_per_s']:.2f} predicted, background {got['background']:.2f} cores, "
-              f"cores {slower:.2f}x the profile's time", flush=True)
+              f"cores probed at {slower:.2f}x the profile's time", flush=True)
     return out
 
 
@@ -186,9 +188,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--topology", default="topologies/cpu-e-pd.yaml", help="the single server's")
     served_arguments(parser)
     parser.add_argument("--pd-replicas", type=int, default=2, help="the hosts deployment's pd hosts")
-    parser.add_argument("--no-speed-probe", dest="speed_probe", action="store_false",
-                        help="predict on the profile as measured, not scaled to the cores' speed probed during each "
-                             "repetition (clients.plan.speed)")
+    parser.add_argument("--speed-probe", action="store_true",
+                        help="predict each repetition on the profile scaled by the cores' speed probed during it over "
+                             "their speed during the profile's by-load rows (clients.plan.speed; probed and recorded "
+                             "either way)")
     parser.add_argument("--out", type=Path)
     return parser
 
