@@ -46,10 +46,12 @@ def qwen25_7b_tower(dtype=torch.bfloat16, depth: int = 32):
 
 
 def tower_flops(cfg, grid) -> float:
-    """Matmul FLOPs of one forward (linear layers + attention scores and values)."""
+    """Matmul FLOPs of one forward (linear layers + attention scores and values); ``cfg`` in Qwen2.5-VL's terms
+    (``gated_mlp: False``: an MLP of two matmuls, as Qwen2-VL's)."""
     e, i, out, m2 = cfg.hidden_size, cfg.intermediate_size, cfg.out_hidden_size, cfg.spatial_merge_size ** 2
     tokens = sum(t * h * w for t, h, w in grid)
-    per_block = 2 * tokens * (e * 3 * e + e * e + 3 * e * i)
+    mlp = 3 if getattr(cfg, "gated_mlp", True) else 2  # gate, up and down (Qwen2.5-VL); fc1 and fc2 (Qwen2-VL)
+    per_block = 2 * tokens * (e * 3 * e + e * e + mlp * e * i)
     window = (cfg.window_size // 14) ** 2
     attn = 0
     for index in range(cfg.depth):

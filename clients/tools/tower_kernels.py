@@ -43,11 +43,12 @@ def qwen2_2b_tower(dtype=torch.bfloat16):
 
 
 def flops_config(cfg):
-    """``tower_flops`` takes Qwen2.5-VL's field names; Qwen2-VL's tower is the same with full attention everywhere."""
+    """``tower_flops`` takes Qwen2.5-VL's field names; Qwen2-VL's tower is the same with full attention everywhere
+    and an MLP of two matmuls (fc1, fc2)."""
     if hasattr(cfg, "fullatt_block_indexes"):
         return cfg
     from types import SimpleNamespace
-    return SimpleNamespace(hidden_size=cfg.embed_dim, intermediate_size=cfg.embed_dim * cfg.mlp_ratio,
+    return SimpleNamespace(hidden_size=cfg.embed_dim, intermediate_size=cfg.embed_dim * cfg.mlp_ratio, gated_mlp=False,
                            out_hidden_size=cfg.hidden_size, spatial_merge_size=cfg.spatial_merge_size,
                            window_size=1 << 20, depth=cfg.depth, fullatt_block_indexes=list(range(cfg.depth)))
 
