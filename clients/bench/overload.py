@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from backend.deploy.schema import ENCODER_QUEUES
+from clients.bench import speed
 from clients.bench.overload_load import CLASSES, closed_loop_rate, open_loop, summary
 from clients.bench.report import parse_metrics, percentile
 
@@ -194,14 +195,16 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
             for model, on in DEPLOYMENTS.items():
                 started, rss_before = time.perf_counter(), _rss_mib(server)
                 lag_before = loop_lag_buckets(scrape(server.metrics_url), model)
-                fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share,
-                                        args.max_tokens, args.image_size, seed=int(load * 1000) + 7919 * repeat,
-                                        priorities=on)
+                with speed.Sampler() as cores:
+                    fates = await open_loop(bases[model], model, load * capacity, args.seconds, args.high_share,
+                                            args.max_tokens, args.image_size, seed=int(load * 1000) + 7919 * repeat,
+                                            priorities=on)
                 after = scrape(server.metrics_url)
                 row = {"model": model, "load": load, "repeat": repeat, "rate": round(load * capacity, 2),
                        "wall_s": round(time.perf_counter() - started, 1), "rss_before_mib": rss_before,
                        "rss_mib": _rss_mib(server), "limits": limits_of(after, model),
                        "loop_lag": loop_lag(lag_before, loop_lag_buckets(after, model)),
+                       "cores_probe_ms": cores.median_ms(),
                        "all": summary(fates, args.seconds, slo), **{c: summary(fates, args.seconds, slo, c) for c in CLASSES}}
                 runs.append(row)
                 print(_line(row), flush=True)
@@ -233,6 +236,7 @@ def _line(row: dict) -> str:
             f"(high {h['goodput']:.2f}, low {lo['goodput']:.2f}) TTFT p99 high {h['ttft_p99_ms']} ms low "
             f"{lo['ttft_p99_ms']} ms shed {a['shed_rate']:.0%} (answered max {a['shed_answer_max_ms']} ms) "
             f"lost+hung {a['lost'] + a['hung']} rss {row['rss_mib']} MiB"
+            + (f" cores probe {row['cores_probe_ms']:.2f} ms" if row.get("cores_probe_ms") else "")
             + "".join(f" {stage} limit {value:g}" for stage, value in row.get("limits", {}).items())
             + (f" loop late >{lag['late_over_ms']} ms {lag['late']} of {lag['wakeups']} (worst <= {lag['worst_within_ms']:g} ms)"
                if (lag := row.get("loop_lag")) else ""))

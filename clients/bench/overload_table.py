@@ -23,6 +23,8 @@ def tables(results: dict) -> str:
     repeats = results.get("repeats", 1)
     for run in results["runs"]:
         level = f"{run['load']:g}x ({run['rate']:g}/s)" + (f" #{run['repeat'] + 1}" if repeats > 1 else "")
+        if run.get("cores_probe_ms"):  # the cores' speed during the level (clients.bench.speed: more ms is slower)
+            level += f", cores probe {run['cores_probe_ms']:.2f} ms"
         rss = f"{run['rss_before_mib']} -> {run['rss_mib']}" if "rss_before_mib" in run else run["rss_mib"]
         for cls in ("high", "low", "all"):
             s = run[cls]

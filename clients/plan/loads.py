@@ -24,7 +24,7 @@ from pathlib import Path
 from clients.bench.load import synthetic_requests
 from clients.bench.proc_cpu import per_request, snapshot_of
 from clients.bench.report import percentile
-from clients.plan import speed
+from clients.bench import speed
 from clients.plan.profile import Line, fit
 
 LOADS = (1, 2, 8, 24)
@@ -58,7 +58,7 @@ def _ticks(pids: list[int]) -> float:
 
 class Background(threading.Thread):
     """Samples, every ``WINDOW`` seconds, the cores the machine was busy with beyond ``pids`` (and this process), and
-    every ``PROBE_EVERY`` windows (and at its start) the cores' speed (``clients.plan.speed``: one pass of its fixed
+    every ``PROBE_EVERY`` windows (and at its start) the cores' speed (``clients.bench.speed``: one pass of its fixed
     work, CPU ms)."""
 
     def __init__(self, pids: list[int]):

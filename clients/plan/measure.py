@@ -120,7 +120,7 @@ def with_by_load(doc: dict, served: Served, layout, long: int) -> dict:
     doc["send_interval_by_load"] = fit_intervals(doc, layout, got["merging"], long, served.replicas)
     doc["light_background"] = {"step_s": loads.WINDOW, "cores": got["series"]}
     doc["first_token_by_load"] = got["first_token"]
-    doc["speed_probe_ms"] = got["speed_ms"]  # the cores' speed while the rows were measured (clients.plan.speed)
+    doc["speed_probe_ms"] = got["speed_ms"]  # the cores' speed while the rows were measured (clients.bench.speed)
     doc["engine_thread_share"] = loads.thread_share(got["by_load"]["engine"], got["light_tpot_ms"])
     fitted = calibrate({**doc, "background": doc["light_background"]}, layout)
     return calibrate_engine({k: v for k, v in fitted.items() if k != "background"}, layout, got["first_token"])

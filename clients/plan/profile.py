@@ -194,7 +194,7 @@ class Profile:
         return Profile({**self.doc, "background": {"step_s": step_s, "cores": [round(c, 3) for c in cores]}})
 
     def at_speed(self, factor: float) -> "Profile":
-        """The same profile on cores ``factor`` times slower (``clients.plan.speed``: the machine's speed probe now over
+        """The same profile on cores ``factor`` times slower (``clients.bench.speed``: the machine's speed probe now over
         the profile's): every CPU cost line, ``by_load`` row and send interval scaled; token counts and the ``hop``
         (latency beyond any CPU work) kept. A profile with no ``cores`` (a GPU one: its lines are device time) is
         returned unchanged."""

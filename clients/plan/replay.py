@@ -12,7 +12,7 @@ token, from the client's send) and the client's TTFT; then the validation's own 
 says by how much; exit status 1). ``--set KEY=JSON`` (repeatable; ``null`` removes the key) predicts with the
 profiles changed: what a fitted figure is worth on the run's own files, e.g.
 ``--set engine_first_token_by_load=null`` (then the drift is the change's effect); ``--at-profile-speed`` and
-``--at-probed-speed`` predict without and with the speed probes' scaling (``clients.plan.speed``; else as the run
+``--at-probed-speed`` predict without and with the speed probes' scaling (``clients.bench.speed``; else as the run
 did).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     speed.add_argument("--at-profile-speed", dest="speed_choice", action="store_const", const="profile",
                        default="recorded", help="predict on the profiles as measured (no speed probe's scaling)")
     speed.add_argument("--at-probed-speed", dest="speed_choice", action="store_const", const="probed",
-                       help="predict on the profiles scaled by each repetition's probed speed (clients.plan.speed)")
+                       help="predict on the profiles scaled by each repetition's probed speed (clients.bench.speed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="what if: the profiles' KEY set to JSON (null: removed), e.g. engine_thread_share=1")
     given = parser.parse_args(argv)

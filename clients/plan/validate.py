@@ -12,7 +12,7 @@ prefill, the relays; ``--phase-requests`` a phase), which ``hosts`` then takes: 
 each closed-loop concurrency of ``--levels`` the same one-image requests (``--image-sizes`` in turn, ``--max-tokens``
 greedy tokens, ignore_eos) are measured ``--repeats`` times; around each repetition the
 machine's background load (busy cores not this deployment's) is read and the simulator predicts that repetition on
-the cores it left (``Profile.with_cores``). The cores' speed is probed during every phase (``clients.plan.speed``; the
+the cores it left (``Profile.with_cores``). The cores' speed is probed during every phase (``clients.bench.speed``; the
 2-core machines switch between two speeds ~1.65x apart every few seconds) and recorded beside each repetition as a
 factor over the speed during the profile's by-load rows; ``--speed-probe`` scales the profile's CPU costs by it
 (``Profile.at_speed``; measured 2026-12-07: better for one deployment, worse for the other, so not the default).
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from backend.deploy.schema import TopologyError
+from clients.bench import speed
 from clients.bench.load import synthetic_requests
 from clients.bench.replicas import WORKERS, _sizes
 from clients.bench.report import percentile, summarise
@@ -39,7 +40,6 @@ from clients.bench.served import served_arguments
 from clients.plan import loads
 from clients.plan import profile as profiles
 from clients.plan import measure_gpu
-from clients.plan import speed
 from clients.plan.deployments import DEPLOYMENTS, served_topology
 from clients.plan.measure import lines, run_phases, with_by_load
 from clients.plan.phases import Session
@@ -190,7 +190,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--pd-replicas", type=int, default=2, help="the hosts deployment's pd hosts")
     parser.add_argument("--speed-probe", action="store_true",
                         help="predict each repetition on the profile scaled by the cores' speed probed during it over "
-                             "their speed during the profile's by-load rows (clients.plan.speed; probed and recorded "
+                             "their speed during the profile's by-load rows (clients.bench.speed; probed and recorded "
                              "either way)")
     parser.add_argument("--out", type=Path)
     return parser

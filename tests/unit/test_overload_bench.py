@@ -54,6 +54,8 @@ def test_the_checks_read_the_targets_from_the_runs(tmp_path):
     results["first_token_target_ms"] = 150
     results["runs"][1]["limits"] = {"pd": 7.0}
     assert "first-token target 150 ms" in tables(results) and "| 100 | pd 7 |" in tables(results)
+    results["runs"][1]["cores_probe_ms"] = 3.104                      # the level's cores speed probe
+    assert "x (" in tables(results) and ", cores probe 3.10 ms |" in tables(results)
     plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
 

@@ -79,7 +79,7 @@ def test_a_profile_at_a_slower_speed_scales_its_cpu_costs_and_keeps_counts_and_t
 def test_the_speed_probe_times_its_work_and_the_background_sampler_probes_while_it_runs():
     import time
 
-    from clients.plan import speed
+    from clients.bench import speed
     from clients.plan.loads import PROBE_EVERY, WINDOW, Background
 
     assert speed.probe(3) > 0 and speed.factor(3.0, 2.0) == 1.5 and speed.factor(3.0, None) == 1.0
@@ -88,3 +88,6 @@ def test_the_speed_probe_times_its_work_and_the_background_sampler_probes_while_
     time.sleep(WINDOW * PROBE_EVERY * 2 + 0.25)
     sampler.stop()
     assert len(sampler.probes) >= 2 and sampler.speed_ms() > 0
+    with speed.Sampler(every=0.1) as cores:     # a benchmark's level (the overload bench's cores_probe_ms)
+        time.sleep(0.35)
+    assert len(cores.probes) >= 3 and cores.median_ms() > 0 and not cores.is_alive()

@@ -6,11 +6,13 @@ the model is. ``probe()`` times the same work (dict and list updates as the stub
 element-wise passes as a CPU engine's) a few times on this thread, in CPU time (a core shared with the deployment's
 own processes does not count, the machine's slower cores do) and gives the median ms; ``clients.plan.validate``
 probes when it measures a profile and before each repetition, and predicts that repetition on the profile scaled by
-the ratio (``Profile.at_speed``).
+the ratio (``Profile.at_speed``). ``Sampler`` probes on a thread while a benchmark's level runs (the overload bench
+records each level's median, so a reader can tell a fast window from a slow one).
 """
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -39,3 +41,28 @@ def probe(runs: int = 9) -> float:
 def factor(now_ms: float, profile_ms: float | None) -> float:
     """How many times slower the cores are now than when the profile was measured (1 where it has no probe)."""
     return now_ms / profile_ms if profile_ms and now_ms > 0 else 1.0
+
+
+class Sampler(threading.Thread):
+    """Probes the cores' speed (one pass of the fixed work) every ``every`` seconds while it runs, on its own thread
+    (each pass holds this process's GIL for ~2-3 ms): ``with Sampler() as s: ...`` then ``s.median_ms()``."""
+
+    def __init__(self, every: float = 1.0):
+        super().__init__(daemon=True)
+        self.every, self.probes, self.halt = every, [], threading.Event()
+
+    def run(self) -> None:
+        self.probes.append(probe(1))
+        while not self.halt.wait(self.every):
+            self.probes.append(probe(1))
+
+    def __enter__(self) -> "Sampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.halt.set()
+        self.join()
+
+    def median_ms(self) -> float:
+        return round(statistics.median(self.probes), 3) if self.probes else 0.0
