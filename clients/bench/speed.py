@@ -1,13 +1,15 @@
 """How fast this machine's cores are now: a fixed piece of interpreter and NumPy work, timed in CPU time.
 
-The lent 2-core machines change speed by a third from one minute to the next with nothing else running (steal time
-under 1%: docs/planning.md, "Runs 7 and 8"), so a profile measured a minute before a level can be a third off before
-the model is. ``probe()`` times the same work (dict and list updates as the stubs' Python does, small NumPy
-element-wise passes as a CPU engine's) a few times on this thread, in CPU time (a core shared with the deployment's
-own processes does not count, the machine's slower cores do) and gives the median ms; ``clients.plan.validate``
-probes when it measures a profile and before each repetition, and predicts that repetition on the profile scaled by
-the ratio (``Profile.at_speed``). ``Sampler`` probes on a thread while a benchmark's level runs (the overload bench
-records each level's median, so a reader can tell a fast window from a slow one).
+The lent 2-core machines run at one of two speeds ~1.65x apart, switching within seconds with nothing else running
+(the probe on the idle machine: 1.84-2.25 or 2.84-3.46 ms, on either core; docs/planning.md, "Run 9"), so a profile
+or a baseline measured a minute before can be a third off before anything else is. ``probe()`` times the same work
+(dict updates as the stubs' Python does, small NumPy element-wise passes as a CPU engine's) on this thread in CPU time
+and gives the median ms (more is slower). While the deployment keeps the cores busy the probe's time counts that
+contention too (the hosts rows of run 9), so read it as a window's label rather than a correction.
+Users: ``clients.plan.loads.Background`` probes during every planner phase (``clients.plan.validate`` records each
+repetition's factor over the profile's and, with ``--speed-probe``, predicts on the profile scaled by it:
+``Profile.at_speed``); ``Sampler`` probes on a thread while a benchmark's level runs (the overload bench's
+``cores_probe_ms``).
 """
 from __future__ import annotations
 
