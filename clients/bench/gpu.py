@@ -35,14 +35,20 @@ def qwen25_7b_tower(dtype=torch.bfloat16, depth: int = 32):
     cfg = Qwen2_5_VLVisionConfig(depth=depth, hidden_size=1280, intermediate_size=3420, num_heads=16,
                                  out_hidden_size=3584, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
                                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return random_tower(Qwen2_5_VisionTransformerPretrainedModel, cfg, dtype), cfg
+
+
+def random_tower(model_class, cfg, dtype=torch.bfloat16):
+    """``model_class`` built from ``cfg`` with sdpa attention and seeded random weights (matrices scaled by their
+    fan-in), on CUDA in ``dtype``, for eval."""
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg)
+    tower = model_class._from_config(cfg)
     with torch.no_grad():
         for p in tower.parameters():
             if p.dim() > 1:
                 p.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.02)
-    return tower.to("cuda", dtype).eval(), cfg
+    return tower.to("cuda", dtype).eval()
 
 
 def tower_flops(cfg, grid) -> float:

@@ -99,7 +99,10 @@ def phase(served, requests: list, concurrency: int) -> dict:
     series = sampler.stop()
     cpu1, busy1 = snapshot_of(pids), machine_busy()
     own = sum(seconds - cpu0[pid][1] for pid, (_, seconds) in cpu1.items() if pid in cpu0)
-    return {"samples": samples, "errors": errors, "wall": wall, "cpu": per_request(cpu0, cpu1, len(requests)),
+    cpu = per_request(cpu0, cpu1, len(requests))
+    if "load generator" in cpu:  # this process: less the speed probes' own CPU, which no request costs
+        cpu["load generator"] = round(max(0.0, cpu["load generator"] - sum(sampler.probes) / max(len(requests), 1)), 2)
+    return {"samples": samples, "errors": errors, "wall": wall, "cpu": cpu,
             "background": max(0.0, (busy1 - busy0 - own) / wall) if wall > 0 else 0.0, "series": series,
             "responses": responses(samples, requests), "speed_ms": sampler.speed_ms()}
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from clients.bench.gpu import PATCH_DIM, PEAK_TFLOPS, qwen25_7b_tower, tower_flops
+from clients.bench.gpu import PATCH_DIM, PEAK_TFLOPS, qwen25_7b_tower, random_tower, tower_flops
 
 
 def qwen2_2b_tower(dtype=torch.bfloat16):
@@ -32,14 +32,7 @@ def qwen2_2b_tower(dtype=torch.bfloat16):
 
     cfg = Qwen2VLVisionConfig(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=4, num_heads=16,
                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    tower = Qwen2VisionTransformerPretrainedModel._from_config(cfg)
-    with torch.no_grad():
-        for p in tower.parameters():
-            if p.dim() > 1:
-                p.normal_(0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.02)
-    return tower.to("cuda", dtype).eval(), cfg
+    return random_tower(Qwen2VisionTransformerPretrainedModel, cfg, dtype), cfg
 
 
 def flops_config(cfg):

@@ -119,22 +119,32 @@ def test_encoder_cuda_graphs_give_the_compiled_forward_s_embeddings():
     forward's embeddings (bf16: the padding only adds sequences of their own, but other matmul shapes may round
     otherwise); one capture per bucket."""
     from backend.encode.encoder import VisionEncoder
-    from backend.encode.tower_graphs import TowerGraphs
+    from backend.encode.tower_graphs import TowerGraphs, bucket_tokens, padded_plan
     from tests.images import make_image
 
     model = ROOT / "models" / "tiny-qwen2-vl"
     plain = VisionEncoder.load(model, device="cuda", dtype=torch.bfloat16, compile=True)
     graphs = VisionEncoder.load(model, device="cuda", dtype=torch.bfloat16, compile=True, cuda_graphs=True)
-    assert isinstance(graphs.forward, TowerGraphs)
+    towers = graphs.forward
+    assert isinstance(towers, TowerGraphs)
     graphs.warm_up()
+    assert towers.captures == 1                                    # the smallest bucket, at warm-up
     batches = [[make_image(64, 48, 1)], [make_image(112, 112, 2), make_image(300, 200, 3)],
                [make_image(64, 48, 4), make_image(112, 112, 5), make_image(300, 200, 6)], [make_image(64, 48, 7)]]
+    side = 32                                                       # warm-up's grid: one 448 px image's 1,024 patches
+    keys, counts = {padded_plan(towers.tower, [(1, side, side)], towers.min_tokens)[1]}, []
     for batch in batches:
-        for a, b in zip(plain.encode(batch), graphs.encode(batch)):
+        got = graphs.encode(batch)
+        for a, b in zip(plain.encode(batch), got):
             assert b.embeddings.is_cuda and a.image_grid_thw == b.image_grid_thw
             scale = a.embeddings.float().abs().max()
             assert (b.embeddings.float() - a.embeddings.float()).abs().max() <= 0.02 * scale
-    assert 1 <= graphs.forward.captures <= len(batches)   # the last batch's bucket was captured before
+        grid = [item.image_grid_thw for item in got]
+        tokens = sum(t * h * w for t, h, w in grid)
+        keys.add(padded_plan(towers.tower, grid, bucket_tokens(tokens, towers.min_tokens))[1])
+        counts.append(towers.captures)
+    assert counts[-1] == len(keys)                                 # one capture per distinct bucket
+    assert counts[-1] == counts[-2]                                # the last batch's bucket (the first's) replayed
 
 
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():

@@ -146,8 +146,8 @@ def test_encoder_gives_tensor_images_the_embeddings_of_pil_images():
 
 def test_topology_takes_image_preprocess_on_a_gpu_encoder_only(tmp_path):
     from backend.deploy.render import render
-    from backend.deploy.schema import TopologyError
     from backend.deploy.topology import load
+    from tests.topology_errors import assert_refused
 
     topology = load(ROOT / "topologies" / "checkpoint-gpu.yaml", machine="gpu",
                     checkpoint=ROOT / "models" / "tiny-qwen2-vl")
@@ -156,16 +156,13 @@ def test_topology_takes_image_preprocess_on_a_gpu_encoder_only(tmp_path):
         spec = replace(topology.stages["encoder"], image_preprocess=value)
         render(replace(topology, stages={**topology.stages, "encoder": spec}), tmp_path / value)
         config = (tmp_path / value / "encoder" / "config.pbtxt").read_text()
-        assert f'key: "image_preprocess"' in config and f'string_value: "{value}"' in config
+        assert 'key: "image_preprocess"' in config and f'string_value: "{value}"' in config
     text = (ROOT / "topologies" / "checkpoint-gpu.yaml").read_text()
-    for bad, message in ((text.replace("encoder: {", "encoder: {image_preprocess: tpu, ", 1), "expected one of"),
-                         (text.replace("pd: {", "pd: {image_preprocess: gpu, ", 1), "only the encoder"),
-                         (text.replace("encoder: {", "encoder: {image_preprocess: gpu, ", 1)
-                          .replace("device: gpu, gpus: [0]}   #", "device: cpu}   #", 1), "needs device: gpu")):
-        path = tmp_path / "bad.yaml"
-        path.write_text(bad)
-        with pytest.raises(TopologyError, match=message):
-            load(path, machine="gpu", checkpoint=ROOT / "models" / "tiny-qwen2-vl")
+    assert_refused(tmp_path, ((text.replace("encoder: {", "encoder: {image_preprocess: tpu, ", 1), "expected one of"),
+                              (text.replace("pd: {", "pd: {image_preprocess: gpu, ", 1), "only the encoder"),
+                              (text.replace("encoder: {", "encoder: {image_preprocess: gpu, ", 1)
+                               .replace("device: gpu, gpus: [0]}   #", "device: cpu}   #", 1), "needs device: gpu")),
+                   machine="gpu", checkpoint=ROOT / "models" / "tiny-qwen2-vl")
 
 
 def test_blocking_waits_are_refused_quietly_without_a_driver(monkeypatch):

@@ -48,6 +48,25 @@ def test_a_phase_reads_cpu_per_request_of_a_fraction_of_a_tick():
     assert got["background"] >= 0.0
 
 
+def test_a_phase_s_speed_probes_are_not_charged_to_the_requests(monkeypatch):
+    def burn(runs=1):  # a probe of 20 ms of CPU (the real one: ~3 ms), every 0.5 s of the phase
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return 20.0
+
+    def run(requests, concurrency):  # the requests themselves cost this process nothing
+        started = time.perf_counter()
+        time.sleep(0.12 * len(requests))
+        return [], [], time.perf_counter() - started
+
+    monkeypatch.setattr(loads.speed, "probe", burn)
+    got = loads.phase(Served("fake", run, lambda: []), list(range(10)), 1)
+    assert got["speed_ms"] == 20.0
+    # ~3 probes of 20 ms over 10 requests would read ~6 ms a request; the sampler's own /proc reads stay
+    assert got["cpu"].get("load generator", 0.0) < 2.5
+
+
 def test_the_engines_step_thread_share_is_the_light_time_per_token_over_its_cpu_per_token():
     from clients.plan.loads import thread_share
 

@@ -74,9 +74,9 @@ def test_topology_takes_cuda_graphs_on_a_gpu_encoder_only(tmp_path):
     from pathlib import Path
 
     from backend.deploy.render import render
-    from backend.deploy.schema import TopologyError
     from backend.deploy.topology import load
     from backend.protocol.settings import EncoderSettings, parse_settings
+    from tests.topology_errors import assert_refused
 
     root = Path(__file__).resolve().parents[2]
     checkpoint = root / "models" / "tiny-qwen2-vl"
@@ -92,11 +92,8 @@ def test_topology_takes_cuda_graphs_on_a_gpu_encoder_only(tmp_path):
     parameters = {"parameters": {"encoder_cuda_graphs": {"string_value": "true"}}}
     assert parse_settings(EncoderSettings, "encoder", parameters).encoder_cuda_graphs is True
     text = (root / "topologies" / "checkpoint-gpu.yaml").read_text()
-    for bad, message in ((text.replace("encoder: {", "encoder: {cuda_graphs: yes please, ", 1), "expected true or false"),
-                         (text.replace("pd: {", "pd: {cuda_graphs: true, ", 1), "only the encoder"),
-                         (text.replace("encoder: {", "encoder: {cuda_graphs: true, ", 1)
-                          .replace("device: gpu, gpus: [0]}   #", "device: cpu}   #", 1), "need device: gpu")):
-        path = tmp_path / "bad.yaml"
-        path.write_text(bad)
-        with pytest.raises(TopologyError, match=message):
-            load(path, machine="gpu", checkpoint=checkpoint)
+    graphs_on = text.replace("encoder: {", "encoder: {cuda_graphs: true, ", 1)
+    assert_refused(tmp_path, ((text.replace("encoder: {", "encoder: {cuda_graphs: yes please, ", 1), "expected true or false"),
+                              (text.replace("pd: {", "pd: {cuda_graphs: true, ", 1), "only the encoder"),
+                              (graphs_on.replace("device: gpu, gpus: [0]}   #", "device: cpu}   #", 1), "need device: gpu")),
+                   machine="gpu", checkpoint=checkpoint)
