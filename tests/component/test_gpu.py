@@ -114,6 +114,32 @@ def test_packed_encoder_on_gpu_matches_transformers():
         assert (b.embeddings.float().cpu() - ref.embeddings).abs().max() <= 0.02 * scale  # bf16 rounding
 
 
+def test_the_compiled_tower_once_warmed_up_takes_any_batch_without_compiling_again():
+    """The compiled block's graph is dynamic in the token and sequence counts and the longest sequence only (the
+    widths stay constants: ``packed_tower._token_dynamic``); after ``warm_up`` no batch may compile again (seconds
+    of a request's time in the encoder)."""
+    from torch._dynamo.utils import counters
+
+    from backend.encode.encoder import VisionEncoder
+    from backend.encode.packed_tower import PackedTower
+
+    encoder = VisionEncoder.load(ROOT / "models" / "tiny-qwen2-vl", device="cuda", dtype=torch.bfloat16, compile=True)
+    tower = encoder.forward
+    assert isinstance(tower, PackedTower)
+    before = counters["stats"]["unique_graphs"]
+    tower.warm_up()
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > before                                          # the counter sees compiles
+    weight = tower.tower.patch_embed.proj.weight
+    for grid in ([(1, 64, 64)], [(1, 32, 48), (1, 40, 40), (1, 8, 8)], [(3, 36, 36)], [(1, 70, 62)]):
+        tokens = sum(t * h * w for t, h, w in grid)
+        pixels = torch.randn(tokens, weight[0].numel(), device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():  # as the encoder's forward (a plan made outside it has other dispatch keys)
+            out = tower.run(pixels, tower._plan(grid, pixels.device), compiled=True)
+        assert out.shape[0] == tokens // 4 and torch.isfinite(out).all()
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
 def test_encoder_cuda_graphs_give_the_compiled_forward_s_embeddings():
     """``encoder_cuda_graphs``: each batch padded to a bucket and replayed from its captured graph gives the compiled
     forward's embeddings (bf16: the padding only adds sequences of their own, but other matmul shapes may round
@@ -128,12 +154,15 @@ def test_encoder_cuda_graphs_give_the_compiled_forward_s_embeddings():
     towers = graphs.forward
     assert isinstance(towers, TowerGraphs)
     graphs.warm_up()
-    assert towers.captures == 1                                    # the smallest bucket, at warm-up
+    side = 32                                                       # warm-up's grid: one 448 px image's 1,024 patches
+    known = set(towers._graphs)                                     # load's width check and warm-up's captures
+    assert padded_plan(towers.tower, [(1, side, side)], towers.min_tokens)[1] in known
+    assert towers.captures == len(known)
     batches = [[make_image(64, 48, 1)], [make_image(112, 112, 2), make_image(300, 200, 3)],
                [make_image(64, 48, 4), make_image(112, 112, 5), make_image(300, 200, 6)], [make_image(64, 48, 7)]]
-    side = 32                                                       # warm-up's grid: one 448 px image's 1,024 patches
-    keys, counts = {padded_plan(towers.tower, [(1, side, side)], towers.min_tokens)[1]}, []
+    keys = []
     for batch in batches:
+        before = towers.captures
         got = graphs.encode(batch)
         for a, b in zip(plain.encode(batch), got):
             assert b.embeddings.is_cuda and a.image_grid_thw == b.image_grid_thw
@@ -141,10 +170,10 @@ def test_encoder_cuda_graphs_give_the_compiled_forward_s_embeddings():
             assert (b.embeddings.float() - a.embeddings.float()).abs().max() <= 0.02 * scale
         grid = [item.image_grid_thw for item in got]
         tokens = sum(t * h * w for t, h, w in grid)
-        keys.add(padded_plan(towers.tower, grid, bucket_tokens(tokens, towers.min_tokens))[1])
-        counts.append(towers.captures)
-    assert counts[-1] == len(keys)                                 # one capture per distinct bucket
-    assert counts[-1] == counts[-2]                                # the last batch's bucket (the first's) replayed
+        keys.append(padded_plan(towers.tower, grid, bucket_tokens(tokens, towers.min_tokens))[1])
+        assert towers.captures == before + (keys[-1] not in known)  # one capture per bucket not seen before
+        known.add(keys[-1])
+    assert keys[-1] == keys[0] and towers.captures == len(known)    # the last batch's bucket (the first's) replayed
 
 
 def test_cuda_ipc_pull_many_shares_one_wait_and_names_a_released_item():

@@ -123,7 +123,8 @@ def test_a_key_computed_by_the_model_is_not_computed_again(encoder, monkeypatch)
 
 def test_warm_up_reaches_the_compiled_tower_whatever_the_processor_caps(encoder, monkeypatch):
     """With a compiled tower on CUDA, ``warm_up`` feeds the tower at least ``COMPILE_MIN_TOKENS`` patches, once as
-    one attention sequence (an image) and once as two (a video's frames), so its blocks compile at load (else each
+    one attention sequence (an image) and once as two longer ones (a video's frames: the graph's second compile makes
+    the longest sequence an input, ``packed_tower._token_dynamic``), so its blocks compile at load (else each
     instance compiles in its first large batch: 6-7 s TTFT outliers on the H200). The tiny checkpoint's processor
     caps an image at 12,544 pixels (64 patches): a warm-up through the processor never got there, and the first
     batch of 8 videos compiled at 5-9 s on the H200."""
@@ -133,7 +134,7 @@ def test_warm_up_reaches_the_compiled_tower_whatever_the_processor_caps(encoder,
     calls = []
 
     def recording(x, cos, sin, cu, max_len, lengths, *rest):
-        calls.append((x.shape[0], cu.numel() - 1))
+        calls.append((x.shape[0], cu.numel() - 1, max_len))
         return packed._block_eager(x, cos, sin, cu, max_len, lengths, *rest)
 
     monkeypatch.setattr(encoder, "device", torch.device("cuda"))
@@ -142,9 +143,9 @@ def test_warm_up_reaches_the_compiled_tower_whatever_the_processor_caps(encoder,
     encoder.warm_up()
     blocks = len(encoder.forward.tower.blocks)
     assert len(calls) == 2 * blocks
-    (tokens, sequences), (tokens2, sequences2) = calls[0], calls[blocks]
-    assert tokens >= COMPILE_MIN_TOKENS and sequences == 1
-    assert tokens2 == 2 * tokens and sequences2 == 2
+    (tokens, sequences, longest), (tokens2, sequences2, longest2) = calls[0], calls[blocks]
+    assert tokens >= COMPILE_MIN_TOKENS and sequences == 1 and longest == tokens
+    assert sequences2 == 2 and longest2 > longest and tokens2 == 2 * longest2
     monkeypatch.setattr(encoder.forward, "compile", False, raising=False)
     calls.clear()
     encoder.warm_up()
