@@ -137,7 +137,7 @@ def load(path: Path, machine: str | None = None, checkpoint: Path | None = None)
                         transfer=sections["transfer"], limits=sections["limits"], stream_interval_ms=float(interval),
                         openai_port=openai_port, engine_nice=nice, video_split=split, tier=_tier(doc.get("tier"), f"{path}: tier", "encoder" in stages),
                         reuse=_reuse(doc.get("reuse"), f"{path}: reuse", stages, serve),
-                        admission=_admission(doc.get("admission"), f"{path}: admission"), source=_source(path))
+                        admission=check_admission(doc.get("admission"), f"{path}: admission"), source=_source(path))
     topology = _decode_in_process(topology, doc, f"{path}: stages.{IN_PROCESS_DECODE}")
     return replace(topology, hosts=parse_hosts(doc.get("hosts"), f"{path}: hosts", topology))
 
@@ -162,7 +162,7 @@ def _decode_in_process(topology: Topology, doc: dict, where: str) -> Topology:
     return topology.with_decode_in_process()
 
 
-def _admission(doc, where: str) -> dict[str, Any]:
+def check_admission(doc, where: str) -> dict[str, Any]:
     """The ``admission`` block's keys as given (integers >= 0; ``priority_levels`` from 1 to 64; ``max_queue_ms`` a
     number >= 0): rendered into the orchestrators (budgets) and every generate model (``priority_levels``)."""
     if doc is None:

@@ -16,7 +16,11 @@ requests) is measured; the capacity is what ``--capacity-concurrency`` closed-lo
 served within the SLO, per second), TTFT p50/p99, shed rate, how fast a shed request was answered and whether it had
 ``Retry-After``; per run: requests lost or hung, the server's memory (RSS of its process tree) before the load, at
 each level's start and end, and ``--settle-seconds`` after the load. ``--repeats``: the levels run that many times in
-turn; the checks pool each level's repeats (overload_table).
+turn; the checks pool each level's repeats (overload_table). ``--variant KEY=VALUE,...``: a third deployment,
+``epd_b``, the same as ``epd`` with those admission settings over its own (e.g. ``high_priority_burst_percent=100``),
+served beside it and run at each level right after or before it (the order alternates by repeat): two settings
+compared in the same minutes, where two runs one after the other meet this machine's cores at different speeds
+(docs/planning.md, "Run 9").
 """
 from __future__ import annotations
 
@@ -44,22 +48,51 @@ ADMISSION_OPTIONS = {
 }
 SPLITS = ("E+PD", "E/P/D")  # the deployment measured: served alone, its orchestrator model is ``epd``
 DEPLOYMENTS = {"epd_open": False, "epd": True}  # model -> admission and priorities on
+VARIANT = "epd_b"  # ``--variant``: epd with other admission settings
+
+
+def deployments(variant: dict | None) -> dict[str, bool]:
+    """The models a run measures: model -> admission and priorities on."""
+    return {**DEPLOYMENTS, **({VARIANT: True} if variant else {})}
 
 
 def render_both(topology, repo: Path, max_queue_ms: float = 0, openai_ports: dict[str, int] | None = None,
-                split: str = "E+PD") -> None:
+                split: str = "E+PD", variant: dict | None = None) -> None:
     """``split`` with admission as ``epd`` (``max_queue_ms``: over the topology's; 0: its own) and, beside it,
-    ``epd_open``: the same orchestrator without budgets over the same stages. ``openai_ports``: model -> the port of
-    the OpenAI endpoint in that orchestrator's process (none: none there)."""
+    ``epd_open``: the same orchestrator without budgets over the same stages, and with ``variant`` (admission
+    settings over epd's), ``epd_b``. ``openai_ports``: model -> the port of the OpenAI endpoint in that orchestrator's
+    process (none: none there)."""
     from backend.deploy.render import copy_model, render
 
     ports, model = openai_ports or {}, "epd"
     admission = {**topology.admission, **({"max_queue_ms": max_queue_ms} if max_queue_ms else {})}
     render(topology.only(split, admission=admission, openai_port=ports.get(model, 0)), repo)
-    with tempfile.TemporaryDirectory() as other:
-        render(topology.only(split, admission={"priority_levels": admission.get("priority_levels", 4)},
-                             openai_port=ports.get(f"{model}_open", 0)), Path(other))
-        copy_model(Path(other), model, repo, f"{model}_open")
+    others = {f"{model}_open": {"priority_levels": admission.get("priority_levels", 4)},
+              **({VARIANT: {**admission, **variant}} if variant else {})}
+    for name, settings in others.items():
+        with tempfile.TemporaryDirectory() as other:
+            render(topology.only(split, admission=settings, openai_port=ports.get(name, 0)), Path(other))
+            copy_model(Path(other), model, repo, name)
+
+
+def parse_variant(text: str) -> dict:
+    """``--variant``'s ``KEY=VALUE,...``: admission keys with the values the topology's ``admission`` block takes
+    (numbers read as such); ValueError (the topology's TopologyError) naming what is wrong."""
+    from backend.deploy.topology import check_admission
+
+    variant = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = (piece.strip() for piece in part.partition("="))
+        if not sep:
+            raise ValueError(f"{part!r}: expected KEY=VALUE")
+        try:
+            number = float(value)
+            variant[key] = int(number) if number.is_integer() else number
+        except ValueError:
+            variant[key] = value
+    if not variant:
+        raise ValueError("no KEY=VALUE given")
+    return check_admission(variant, "admission")
 
 
 def server_rss(pid: int) -> int:
@@ -161,16 +194,19 @@ def run(args) -> dict:
     args.encoder_queue = topology.admission.get("encoder_queue", ADMISSION_DEFAULTS["encoder_queue"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    *server_ports, port, port_open = free_ports(5)
+    args.deployments = deployments(args.variant)
+    taken = free_ports(4 + len(args.deployments))
+    server_ports, port, own = taken[:3], taken[3], taken[4:]
     in_process = args.endpoint == "in-process"
-    ports = {"epd": port, "epd_open": port_open} if in_process else {m: port for m in DEPLOYMENTS}
+    ports = dict(zip(args.deployments, own)) if in_process else {m: port for m in args.deployments}
     bases = {model: f"http://127.0.0.1:{p}" for model, p in ports.items()}
     with tempfile.TemporaryDirectory(prefix="overload-") as repo, tempfile.TemporaryDirectory(prefix="overload-tmp-") as tmp:
         slo = args.slo_ms / 1000
-        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2, ports if in_process else None, args.split)
+        render_both(topology, Path(repo), args.max_queue_ms or args.slo_ms / 2, ports if in_process else None, args.split,
+                    args.variant)
         with TritonServer(Path(repo), ports=Ports(*server_ports), log_path=out / "tritonserver.log",
                           env={**os.environ, "TMPDIR": tmp}) as server:
-            endpoint = None if in_process else start_openai_process(port, server.grpc_url, "--models", ",".join(DEPLOYMENTS))
+            endpoint = None if in_process else start_openai_process(port, server.grpc_url, "--models", ",".join(args.deployments))
             try:
                 for base in set(bases.values()):
                     wait_healthy(f"{base}/health", 120, endpoint or server.proc)
@@ -182,7 +218,7 @@ def run(args) -> dict:
 
 
 async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
-    for model in DEPLOYMENTS:  # warm-up
+    for model in args.deployments:  # warm-up
         await light_ttft(bases[model], model, 2, args)
     light = await light_ttft(bases["epd_open"], "epd_open", 8, args)
     capacity = args.capacity or (await closed_loop_rate(bases["epd_open"], "epd_open", args.capacity_concurrency,
@@ -192,7 +228,8 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
     runs, rss_start, processes_start = [], _rss_mib(server), rss_by_process(server.proc.pid)
     for repeat in range(args.repeats):
         for load in args.loads:
-            for model, on in DEPLOYMENTS.items():
+            for model in _order(args.deployments, repeat):
+                on = args.deployments[model]
                 started, rss_before = time.perf_counter(), _rss_mib(server)
                 lag_before = loop_lag_buckets(scrape(server.metrics_url), model)
                 with speed.Sampler() as cores:
@@ -214,12 +251,20 @@ async def _measure(bases: dict[str, str], server, slo: float, args) -> dict:
           f"(before -> after): {_moved(processes_start, processes_after)}", flush=True)
     return {"split": args.split, "endpoint": args.endpoint, "engine_nice": args.engine_nice,
             "encoder_queue": args.encoder_queue, **{arg: getattr(args, arg) for arg in ADMISSION_OPTIONS},
+            **({"variant": args.variant} if args.variant else {}),
             "slo_ms": round(slo * 1000), "light_ttft_p50_ms": round(percentile(light, 50) * 1000, 1),
             "capacity_rps": round(capacity, 2), "seconds": args.seconds, "high_share": args.high_share,
             "repeats": args.repeats, "rss_start_mib": rss_start, "rss_after_load_mib": rss_after,
             "settle_seconds": args.settle_seconds, "rss_by_process_mib": {"start": processes_start,
                                                                           "after_load": processes_after},
             "runs": runs}
+
+
+def _order(models: dict[str, bool], repeat: int) -> list[str]:
+    """A level's deployments in the order they run: the one without admission first, then the others, reversed on
+    odd repeats (``epd`` and ``epd_b`` take turns at running first)."""
+    on = [model for model, admission in models.items() if admission]
+    return [m for m, admission in models.items() if not admission] + (on[::-1] if repeat % 2 else on)
 
 
 def _moved(before: dict[str, int], after: dict[str, int]) -> str:
@@ -273,6 +318,9 @@ def main(argv=None) -> int:
                              "epd.md, \"The encoder's queue\": Triton 2.51's priority queue can wait 500 ms)")
     for arg, (key, what) in ADMISSION_OPTIONS.items():
         parser.add_argument(f"--{arg.replace('_', '-')}", type=float, help=f"{what}, over the topology's admission.{key}")
+    parser.add_argument("--variant", default="",
+                        help="KEY=VALUE,...: admission settings for a third deployment, epd_b, over epd's (e.g. "
+                             "high_priority_burst_percent=100): compared with epd in the same run")
     parser.add_argument("--split", choices=SPLITS, default="E+PD", help="the deployment measured")
     parser.add_argument("--endpoint", choices=["in-process", "process"], default="in-process",
                         help="the OpenAI endpoint in each orchestrator's process (docs/openai.md; under overload it "
@@ -280,6 +328,10 @@ def main(argv=None) -> int:
                              "frontend.openai as its own process serving both")
     parser.add_argument("--out", default="/tmp/overload")
     args = parser.parse_args(argv)
+    try:
+        args.variant = parse_variant(args.variant) if args.variant else None
+    except ValueError as exc:
+        parser.error(f"--variant: {exc}")
     results = run(args)
     out = Path(args.out)
     (out / "results.json").write_text(json.dumps(results))  # one line: every served request's TTFT is in it

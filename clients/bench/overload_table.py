@@ -16,7 +16,8 @@ def tables(results: dict) -> str:
             f"{f'{target:g} ms' if target else 'off (fixed budgets)'}"
             + (f"; the high class's reserve {results['reserve_percent']:g}% of each budget"
                if "reserve_percent" in results else "")
-            + (f", its burst {results['burst_percent']:g}% over it" if "burst_percent" in results else "") + "\n\n")
+            + (f", its burst {results['burst_percent']:g}% over it" if "burst_percent" in results else "")
+            + (f"; epd_b: epd with {_settings(results['variant'])}" if results.get("variant") else "") + "\n\n")
     rows = ["| deployment | load | class | sent | served | goodput /s | TTFT p50 ms | TTFT p99 ms | shed | shed answered "
             "p99 / max ms | expired | lost + hung | server RSS MiB (level's start -> end) | gate limits after the level |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -34,6 +35,16 @@ def tables(results: dict) -> str:
                         f"{s['lost'] + s['hung']} | {rss if cls == 'all' else ''} | "
                         f"{_limits(run) if cls == 'all' else ''} |")
     return head + "\n".join(rows) + "\n"
+
+
+def _settings(variant: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in variant.items())
+
+
+def _models(results: dict) -> list[str]:
+    """The run's deployments: ``epd``, ``epd_b`` where the run had a variant, ``epd_open``."""
+    present = {r["model"] for r in results["runs"]}
+    return [model for model in ("epd", "epd_b", "epd_open") if model in present]
 
 
 def _limits(run: dict) -> str:
@@ -62,11 +73,13 @@ def checks(results: dict) -> str:
     loads are multiples of where that is higher), the high class's p99 is over all their requests, and the ratio of
     each repeat is listed beside it. Then, per deployment, where the slowest requests and refusals at 2x spent their
     time, and the server's memory before and after the load."""
-    lines = [f"Targets (epd, {results.get('split', 'E+PD')}; the same figures for epd_open beside them):"]
+    lines = [f"Targets (epd, {results.get('split', 'E+PD')}; the same figures for "
+             + (f"epd_b ({_settings(results['variant'])}) and " if results.get("variant") else "")
+             + "epd_open beside them):"]
     levels = {(r["model"], r["load"]) for r in results["runs"]}
     best = max([_mean([r["all"]["goodput"] for r in _runs(results, *level)]) for level in levels]
                + [results.get("capacity_rps", 0.0)])  # a run of 0.5x and 2x alone has its 2x as its best level
-    for name in ("epd", "epd_open"):
+    for name in _models(results):
         twos = _runs(results, name, 2.0)
         lines.append(_targets(results, name, best))
         lines += _slowest_requests(name, twos) + _slowest_refusals(name, twos) + _loop_lag(name, twos)
@@ -142,14 +155,16 @@ def _memory(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Goodput and the high class's TTFT p99 against the load, both deployments."""
+    """Goodput and the high class's TTFT p99 against the load, each deployment."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for model, style in (("epd", "o-"), ("epd_open", "s--")):
+    styles = {"epd": "o-", "epd_b": "^-.", "epd_open": "s--"}
+    for model in _models(results):
+        style = styles[model]
         loads = sorted({r["load"] for r in results["runs"] if r["model"] == model})
         levels = [_runs(results, model, load) for load in loads]  # a level's repeats: goodput's mean, pooled p99
         left.plot(loads, [_mean([r["all"]["goodput"] for r in runs]) for runs in levels], style, label=f"{model} all")

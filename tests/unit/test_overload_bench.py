@@ -3,7 +3,9 @@ per class, the checks against the issue's targets, and the rendering of the topo
 from pathlib import Path
 
 from backend.deploy.topology import load
-from clients.bench.overload import _model_of, limits_of, render_both
+import pytest
+
+from clients.bench.overload import _model_of, _order, deployments, limits_of, parse_variant, render_both
 from clients.bench.overload_load import Fate, summary
 from clients.bench.overload_table import checks, plot, tables
 from clients.bench.report import percentile
@@ -58,6 +60,13 @@ def test_the_checks_read_the_targets_from_the_runs(tmp_path):
     assert "x (" in tables(results) and ", cores probe 3.10 ms |" in tables(results)
     plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
+    results["variant"] = {"high_priority_burst_percent": 100}             # a third deployment, epd_b
+    results["runs"] += [_run("epd_b", 0.5, 5.0, 100.0), _run("epd_b", 2.0, 8.0, 120.0, 25.0)]
+    text = checks(results)
+    assert "epd_b (high_priority_burst_percent 100) and epd_open beside them" in text
+    assert "- epd_b: goodput at 2x / the peak = 0.80" in text and text.index("- epd:") < text.index("- epd_b:")
+    assert "; epd_b: epd with high_priority_burst_percent 100" in tables(results)
+    plot(results, tmp_path / "plot.png")
 
 
 def test_repeats_of_a_level_are_pooled_and_the_memory_read_before_during_and_after_the_load(tmp_path):
@@ -118,6 +127,33 @@ def test_with_the_endpoint_in_process_each_orchestrator_serves_openai_on_a_port_
     for model, port in (("epd", 7001), ("epd_open", 7002)):
         assert f'key: "openai_port" value: {{ string_value: "{port}" }}' in (tmp_path / model / "config.pbtxt").read_text()
     assert "openai_port" not in (tmp_path / "pd" / "config.pbtxt").read_text()
+
+
+def test_a_variant_is_epd_with_other_admission_settings_beside_it_on_a_port_of_its_own(tmp_path):
+    variant = parse_variant("high_priority_burst_percent=100, max_queue_ms=120")
+    assert variant == {"high_priority_burst_percent": 100, "max_queue_ms": 120}
+    render_both(load(ROOT / "topologies" / "cpu-overload.yaml", "cpu"), tmp_path, max_queue_ms=300,
+                openai_ports={"epd": 7001, "epd_open": 7002, "epd_b": 7003}, variant=variant)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder", "epd", "epd_b", "epd_open", "pd"]
+    epd, other = ((tmp_path / m / "config.pbtxt").read_text() for m in ("epd", "epd_b"))
+    assert 'name: "epd_b"' in other and 'key: "openai_port" value: { string_value: "7003" }' in other
+    for text, burst, queue in ((epd, None, "300"), (other, "100", "120")):
+        assert 'key: "generator_requests_in_flight" value: { string_value: "16" }' in text
+        assert f'key: "max_queue_ms" value: {{ string_value: "{queue}" }}' in text
+        assert ('key: "high_priority_burst_percent"' in text) == (burst is not None)
+    # each level runs the open deployment first, then epd and epd_b, the two taking turns at going first
+    models = deployments(variant)
+    assert (_order(models, 0), _order(models, 1)) == (["epd_open", "epd", "epd_b"], ["epd_open", "epd_b", "epd"])
+    assert deployments(None) == {"epd_open": False, "epd": True}
+
+
+@pytest.mark.parametrize("text, named", [("burst", "expected KEY=VALUE"), ("", "no KEY=VALUE"),
+                                         ("high_priority_burst_percent=500", "high_priority_burst_percent"),
+                                         ("reserve=25", "unknown key(s) reserve"),
+                                         ("priority_levels=2.5", "priority_levels")])
+def test_a_bad_variant_is_refused_naming_what_is_wrong(text, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        parse_variant(text)
 
 
 def test_the_gates_limits_are_read_from_the_metrics_by_model_and_stage():
