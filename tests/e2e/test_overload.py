@@ -34,7 +34,8 @@ SHORT = {"temperature": 0.0, "max_tokens": 4}
 def server(tmp_path_factory):
     topology = load(ROOT / "topologies" / "cpu-overload.yaml", "cpu")
     topology = topology.only("E+PD", engine_args={"max_num_seqs": 1}, engine_nice=1,
-                             admission={**topology.admission, "generator_requests_in_flight": 1, "max_queue_ms": 20000})
+                             admission={**topology.admission, "generator_requests_in_flight": 1, "max_queue_ms": 20000,
+                                        "high_priority_burst_percent": 0})  # the high class queues at the gate too
     repo = tmp_path_factory.mktemp("overload") / "repo"
     render(topology, repo)
     with TritonServer(repo, log_path=repo.parent / "server.log") as srv:

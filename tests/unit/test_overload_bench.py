@@ -130,17 +130,17 @@ def test_with_the_endpoint_in_process_each_orchestrator_serves_openai_on_a_port_
 
 
 def test_a_variant_is_epd_with_other_admission_settings_beside_it_on_a_port_of_its_own(tmp_path):
-    variant = parse_variant("high_priority_burst_percent=100, max_queue_ms=120")
-    assert variant == {"high_priority_burst_percent": 100, "max_queue_ms": 120}
+    variant = parse_variant("high_priority_reserve_percent=50, max_queue_ms=120")
+    assert variant == {"high_priority_reserve_percent": 50, "max_queue_ms": 120}
     render_both(load(ROOT / "topologies" / "cpu-overload.yaml", "cpu"), tmp_path, max_queue_ms=300,
                 openai_ports={"epd": 7001, "epd_open": 7002, "epd_b": 7003}, variant=variant)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder", "epd", "epd_b", "epd_open", "pd"]
     epd, other = ((tmp_path / m / "config.pbtxt").read_text() for m in ("epd", "epd_b"))
     assert 'name: "epd_b"' in other and 'key: "openai_port" value: { string_value: "7003" }' in other
-    for text, burst, queue in ((epd, None, "300"), (other, "100", "120")):
+    for text, reserve, queue in ((epd, "25", "300"), (other, "50", "120")):
         assert 'key: "generator_requests_in_flight" value: { string_value: "16" }' in text
         assert f'key: "max_queue_ms" value: {{ string_value: "{queue}" }}' in text
-        assert ('key: "high_priority_burst_percent"' in text) == (burst is not None)
+        assert f'key: "high_priority_reserve_percent" value: {{ string_value: "{reserve}" }}' in text
     # each level runs the open deployment first, then epd and epd_b, the two taking turns at going first
     models = deployments(variant)
     assert (_order(models, 0), _order(models, 1)) == (["epd_open", "epd", "epd_b"], ["epd_open", "epd_b", "epd"])
